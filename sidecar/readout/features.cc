@@ -1,0 +1,78 @@
+#include "sidecar/readout/features.h"
+
+#include <cmath>
+#include <cstring>
+#include <string>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "common/half.h"
+
+namespace leap::readout {
+
+absl::string_view DTypeName(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return "float32";
+    case DType::kBFloat16:
+      return "bfloat16";
+    case DType::kFloat16:
+      return "float16";
+  }
+  return "unknown";
+}
+
+size_t DTypeSize(DType dtype) { return dtype == DType::kFloat32 ? 4 : 2; }
+
+absl::StatusOr<DType> ParseDType(absl::string_view name) {
+  const std::string n = absl::AsciiStrToLower(name);
+  if (n == "float32" || n == "fp32" || n == "f32") return DType::kFloat32;
+  if (n == "bfloat16" || n == "bf16") return DType::kBFloat16;
+  if (n == "float16" || n == "fp16" || n == "f16" || n == "half") {
+    return DType::kFloat16;
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      "unknown feature dtype '", name, "': expected float32, bfloat16 or float16"));
+}
+
+float FeatureView::At(int64_t i) const {
+  const int64_t off = i * stride;
+  switch (dtype) {
+    case DType::kFloat32:
+      return static_cast<const float*>(data)[off];
+    case DType::kBFloat16:
+      return Bf16ToFloat(static_cast<const uint16_t*>(data)[off]);
+    case DType::kFloat16:
+      return Fp16ToFloat(static_cast<const uint16_t*>(data)[off]);
+  }
+  return NAN;
+}
+
+absl::Status ValidateFeatures(const FeatureView& x, int64_t expected_dim) {
+  if (x.dim != expected_dim) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("feature dimension mismatch: expected ", expected_dim,
+                     ", got ", x.dim));
+  }
+  if (x.data == nullptr && x.dim > 0) {
+    return absl::InvalidArgumentError("feature data is null");
+  }
+  for (int64_t i = 0; i < x.dim; ++i) {
+    const float v = x.At(i);
+    if (!std::isfinite(v)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "feature element ", i, " is not finite (", v, ")"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+void ToFloat(const FeatureView& x, float* out) {
+  if (x.dtype == DType::kFloat32 && x.stride == 1) {
+    std::memcpy(out, x.data, static_cast<size_t>(x.dim) * sizeof(float));
+    return;
+  }
+  for (int64_t i = 0; i < x.dim; ++i) out[i] = x.At(i);
+}
+
+}  // namespace leap::readout

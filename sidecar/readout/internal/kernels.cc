@@ -1,0 +1,221 @@
+#include "sidecar/readout/internal/kernels.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "common/half.h"
+
+#if defined(__x86_64__)
+#include <cpuid.h>
+#include <immintrin.h>
+#endif
+
+namespace leap::readout::internal {
+namespace {
+
+// Columns of P processed per pass, so that the k vectors' slices
+// (k * kJBlock floats, 16 KiB at k = 8) stay in L1 while rows stream by.
+constexpr int64_t kJBlock = 512;
+
+// ---------------------------------------------------------------- portable
+template <typename Load>
+float DotPortable(const float* w, int64_t n, Load load) {
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    for (int l = 0; l < 8; ++l) acc[l] += w[i + l] * load(i + l);
+  }
+  for (; i < n; ++i) acc[0] += w[i] * load(i);
+  return ((acc[0] + acc[1]) + (acc[2] + acc[3])) +
+         ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+}
+
+float DotF32Portable(const float* w, const float* x, int64_t n) {
+  return DotPortable(w, n, [x](int64_t i) { return x[i]; });
+}
+float DotBf16Portable(const float* w, const uint16_t* x, int64_t n) {
+  return DotPortable(w, n, [x](int64_t i) { return Bf16ToFloat(x[i]); });
+}
+float DotF16Portable(const float* w, const uint16_t* x, int64_t n) {
+  return DotPortable(w, n, [x](int64_t i) { return Fp16ToFloat(x[i]); });
+}
+
+void PanelPortable(const float* P, int64_t ldp, int64_t n, const float* U,
+                   int64_t ldu, int k, float* V) {
+  std::fill(V, V + n * k, 0.0f);
+  for (int64_t j0 = 0; j0 < n; j0 += kJBlock) {
+    const int64_t jn = std::min(kJBlock, n - j0);
+    for (int64_t i = 0; i < n; ++i) {
+      const float* p = P + i * ldp + j0;
+      for (int c = 0; c < k; ++c) {
+        const float* u = U + c * ldu + j0;
+        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        int64_t j = 0;
+        for (; j + 8 <= jn; j += 8) {
+          for (int l = 0; l < 8; ++l) acc[l] += p[j + l] * u[j + l];
+        }
+        for (; j < jn; ++j) acc[0] += p[j] * u[j];
+        V[i * k + c] += ((acc[0] + acc[1]) + (acc[2] + acc[3])) +
+                        ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+      }
+    }
+  }
+}
+
+constexpr Kernels kPortable = {"portable", DotF32Portable, DotBf16Portable,
+                               DotF16Portable, PanelPortable};
+
+#if defined(__x86_64__)
+// ---------------------------------------------------------------- AVX2+FMA
+#define LEAP_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+LEAP_AVX2 inline float HSum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// Eight accumulators (64 floats per iteration) hide the FMA latency.
+template <typename Load8, typename Load1>
+LEAP_AVX2 inline float DotAvx2(const float* w, int64_t n, Load8 load8,
+                               Load1 load1) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0,
+         a5 = a0, a6 = a0, a7 = a0;
+  int64_t i = 0;
+  for (; i + 64 <= n; i += 64) {
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i), load8(i), a0);
+    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i + 8), load8(i + 8), a1);
+    a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i + 16), load8(i + 16), a2);
+    a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i + 24), load8(i + 24), a3);
+    a4 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i + 32), load8(i + 32), a4);
+    a5 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i + 40), load8(i + 40), a5);
+    a6 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i + 48), load8(i + 48), a6);
+    a7 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i + 56), load8(i + 56), a7);
+  }
+  for (; i + 8 <= n; i += 8) {
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i), load8(i), a0);
+  }
+  a0 = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
+  a4 = _mm256_add_ps(_mm256_add_ps(a4, a5), _mm256_add_ps(a6, a7));
+  float s = HSum(_mm256_add_ps(a0, a4));
+  for (; i < n; ++i) s += w[i] * load1(i);
+  return s;
+}
+
+LEAP_AVX2 float DotF32Avx2(const float* w, const float* x, int64_t n) {
+  return DotAvx2(
+      w, n, [x](int64_t i) LEAP_AVX2 { return _mm256_loadu_ps(x + i); },
+      [x](int64_t i) { return x[i]; });
+}
+
+LEAP_AVX2 float DotBf16Avx2(const float* w, const uint16_t* x, int64_t n) {
+  return DotAvx2(
+      w, n,
+      [x](int64_t i) LEAP_AVX2 {
+        const __m128i h =
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i));
+        return _mm256_castsi256_ps(
+            _mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+      },
+      [x](int64_t i) { return Bf16ToFloat(x[i]); });
+}
+
+LEAP_AVX2 float DotF16Avx2(const float* w, const uint16_t* x, int64_t n) {
+  return DotAvx2(
+      w, n,
+      [x](int64_t i) LEAP_AVX2 {
+        return _mm256_cvtph_ps(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i)));
+      },
+      [x](int64_t i) { return Fp16ToFloat(x[i]); });
+}
+
+// Sums each of a[0..7] horizontally into lane c of the result.
+LEAP_AVX2 inline __m256 ReduceEight(const __m256* a) {
+  const __m256 t0 = _mm256_hadd_ps(a[0], a[1]);
+  const __m256 t1 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 t2 = _mm256_hadd_ps(a[4], a[5]);
+  const __m256 t3 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1);
+  const __m256 u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                       _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+template <int K>
+LEAP_AVX2 void PanelAvx2K(const float* P, int64_t ldp, int64_t n,
+                          const float* U, int64_t ldu, float* V) {
+  std::fill(V, V + n * K, 0.0f);
+  for (int64_t j0 = 0; j0 < n; j0 += kJBlock) {
+    const int64_t jn = std::min(kJBlock, n - j0);
+    const int64_t jv = jn & ~int64_t{7};
+    const float* u0 = U + j0;
+    for (int64_t i = 0; i < n; ++i) {
+      const float* p = P + i * ldp + j0;
+      __m256 acc[8];
+      for (int c = 0; c < 8; ++c) acc[c] = _mm256_setzero_ps();
+      for (int64_t j = 0; j < jv; j += 8) {
+        const __m256 pv = _mm256_loadu_ps(p + j);
+        for (int c = 0; c < K; ++c) {
+          acc[c] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(u0 + c * ldu + j),
+                                   acc[c]);
+        }
+      }
+      alignas(32) float s[8];
+      _mm256_store_ps(s, ReduceEight(acc));
+      for (int64_t j = jv; j < jn; ++j) {
+        for (int c = 0; c < K; ++c) s[c] += p[j] * u0[c * ldu + j];
+      }
+      float* v = V + i * K;
+      for (int c = 0; c < K; ++c) v[c] += s[c];
+    }
+  }
+}
+
+LEAP_AVX2 void PanelAvx2(const float* P, int64_t ldp, int64_t n,
+                         const float* U, int64_t ldu, int k, float* V) {
+  switch (k) {
+    case 1: return PanelAvx2K<1>(P, ldp, n, U, ldu, V);
+    case 2: return PanelAvx2K<2>(P, ldp, n, U, ldu, V);
+    case 3: return PanelAvx2K<3>(P, ldp, n, U, ldu, V);
+    case 4: return PanelAvx2K<4>(P, ldp, n, U, ldu, V);
+    case 5: return PanelAvx2K<5>(P, ldp, n, U, ldu, V);
+    case 6: return PanelAvx2K<6>(P, ldp, n, U, ldu, V);
+    case 7: return PanelAvx2K<7>(P, ldp, n, U, ldu, V);
+    default: return PanelAvx2K<8>(P, ldp, n, U, ldu, V);
+  }
+}
+
+constexpr Kernels kAvx2 = {"avx2", DotF32Avx2, DotBf16Avx2, DotF16Avx2,
+                           PanelAvx2};
+
+bool CpuHasAvx2Fma() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+         __builtin_cpu_supports("f16c");
+}
+#endif
+
+}  // namespace
+
+const Kernels& PortableKernels() { return kPortable; }
+
+const Kernels& BestKernels() {
+#if defined(__x86_64__)
+  static const Kernels& best = CpuHasAvx2Fma() ? kAvx2 : kPortable;
+  return best;
+#else
+  return kPortable;
+#endif
+}
+
+std::vector<const Kernels*> SupportedKernels() {
+  std::vector<const Kernels*> out = {&kPortable};
+#if defined(__x86_64__)
+  if (CpuHasAvx2Fma()) out.push_back(&kAvx2);
+#endif
+  return out;
+}
+
+}  // namespace leap::readout::internal

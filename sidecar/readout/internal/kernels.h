@@ -1,0 +1,37 @@
+// Hot loops of the readout: the prediction dot product and the RLS panel
+// product. Each has a portable version and an AVX2+FMA+F16C version; Best()
+// picks one from CPUID once. Internal to leap::readout.
+#ifndef LEAP_SIDECAR_READOUT_INTERNAL_KERNELS_H_
+#define LEAP_SIDECAR_READOUT_INTERNAL_KERNELS_H_
+
+#include <cstdint>
+#include <vector>
+
+namespace leap::readout::internal {
+
+// The widest batch the panel kernel handles in one pass over P.
+inline constexpr int kPanelMaxVectors = 8;
+
+struct Kernels {
+  const char* name;
+  // sum_i w[i] * x[i], fp32 accumulation over many lanes; x contiguous.
+  // A NaN or Inf anywhere in x makes the result non-finite.
+  float (*dot_f32)(const float* w, const float* x, int64_t n);
+  float (*dot_bf16)(const float* w, const uint16_t* x, int64_t n);
+  float (*dot_f16)(const float* w, const uint16_t* x, int64_t n);
+  // V[i * k + c] = sum_{j<n} P[i * ldp + j] * U[c * ldu + j] for i < n,
+  // c < k, 1 <= k <= kPanelMaxVectors. P is read once. V is overwritten.
+  void (*panel)(const float* P, int64_t ldp, int64_t n, const float* U,
+                int64_t ldu, int k, float* V);
+};
+
+// The portable kernels (any x86-64 or other CPU).
+const Kernels& PortableKernels();
+// The fastest kernels this CPU supports. Thread-safe.
+const Kernels& BestKernels();
+// Every kernel set this CPU can run (for tests that compare them).
+std::vector<const Kernels*> SupportedKernels();
+
+}  // namespace leap::readout::internal
+
+#endif  // LEAP_SIDECAR_READOUT_INTERNAL_KERNELS_H_

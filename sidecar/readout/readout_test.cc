@@ -1,0 +1,200 @@
+#include "sidecar/readout/readout.h"
+
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "common/half.h"
+#include "gtest/gtest.h"
+#include "sidecar/readout/internal/kernels.h"
+
+namespace leap::readout {
+namespace {
+
+struct Fixture {
+  Standardizer st;
+  Eigen::VectorXd theta;
+};
+
+Fixture Make(int64_t d, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<double> n01;
+  Fixture f{Standardizer::Identity(d), Eigen::VectorXd(d + 1)};
+  for (int64_t i = 0; i < d; ++i) {
+    // Some "massive activation" features with large means.
+    f.st.mean[i] = (i % 97 == 0) ? 80.0 : 0.3 * n01(rng);
+    f.st.scale[i] = std::exp(0.5 * n01(rng));
+    f.theta[i] = 0.05 * n01(rng);
+  }
+  f.theta[d] = 20.0;
+  return f;
+}
+
+TEST(FoldedReadout, OneDotProductEqualsStandardizedFp64Score) {
+  for (int64_t d : {1, 16, 63, 4096}) {
+    Fixture f = Make(d, d);
+    const FoldedReadout r = FoldedReadout::Fold(f.st, f.theta, 2048);
+    std::mt19937_64 rng(1);
+    std::normal_distribution<double> n01;
+    for (int t = 0; t < 20; ++t) {
+      std::vector<float> x(d);
+      for (int64_t i = 0; i < d; ++i) {
+        x[i] = static_cast<float>(f.st.mean[i] + f.st.scale[i] * n01(rng));
+      }
+      // Reference: u = [(x - mu) / sigma; 1], score = u . theta, in FP64.
+      double ref = f.theta[d], mag = std::abs(f.theta[d]);
+      for (int64_t i = 0; i < d; ++i) {
+        const double term = (x[i] - f.st.mean[i]) / f.st.scale[i] * f.theta[i];
+        ref += term;
+        mag += std::abs(f.theta[i] / f.st.scale[i] * x[i]);
+      }
+      auto got = r.Score(FeatureView::F32(x.data(), d));
+      ASSERT_TRUE(got.ok()) << got.status();
+      EXPECT_NEAR(*got, ref, 2e-6 * mag + 1e-9) << "d=" << d;
+    }
+  }
+}
+
+TEST(FoldedReadout, Bf16AndFp16ReadInPlaceMatchFloat32BitForBit) {
+  const int64_t d = 4096 + 13;
+  Fixture f = Make(d, 3);
+  const FoldedReadout r = FoldedReadout::Fold(f.st, f.theta, 2048);
+  std::mt19937_64 rng(2);
+  std::normal_distribution<float> n01;
+  std::vector<uint16_t> bf(d), hf(d);
+  std::vector<float> xb(d), xh(d);
+  for (int64_t i = 0; i < d; ++i) {
+    const float v = static_cast<float>(f.st.mean[i]) + n01(rng);
+    bf[i] = FloatToBf16(v);
+    hf[i] = FloatToFp16(v);
+    xb[i] = Bf16ToFloat(bf[i]);
+    xh[i] = Fp16ToFloat(hf[i]);
+  }
+  // Every kernel this CPU runs agrees with its own float32 path exactly and
+  // with the portable kernels to rounding.
+  for (const internal::Kernels* k : internal::SupportedKernels()) {
+    EXPECT_EQ(k->dot_bf16(r.w().data(), bf.data(), d),
+              k->dot_f32(r.w().data(), xb.data(), d)) << k->name;
+    EXPECT_EQ(k->dot_f16(r.w().data(), hf.data(), d),
+              k->dot_f32(r.w().data(), xh.data(), d)) << k->name;
+  }
+  auto sb = r.Score({bf.data(), DType::kBFloat16, d, 1});
+  auto sf = r.Score(FeatureView::F32(xb.data(), d));
+  ASSERT_TRUE(sb.ok() && sf.ok());
+  EXPECT_EQ(*sb, *sf);
+  auto sh = r.Score({hf.data(), DType::kFloat16, d, 1});
+  ASSERT_TRUE(sh.ok());
+}
+
+TEST(FoldedReadout, StridedViewIsReadInPlace) {
+  const int64_t d = 100;
+  Fixture f = Make(d, 4);
+  const FoldedReadout r = FoldedReadout::Fold(f.st, f.theta, 2048);
+  std::vector<float> wide(3 * d), x(d);
+  for (int64_t i = 0; i < d; ++i) x[i] = wide[3 * i] = 0.01f * i;
+  auto a = r.Score({wide.data(), DType::kFloat32, d, 3});
+  auto b = r.Score(FeatureView::F32(x.data(), d));
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_NEAR(*a, *b, 1e-5);
+}
+
+TEST(FoldedReadout, BadFeaturesArePreciseErrors) {
+  const int64_t d = 64;
+  Fixture f = Make(d, 5);
+  const FoldedReadout r = FoldedReadout::Fold(f.st, f.theta, 2048);
+  std::vector<float> x(d, 0.5f);
+  auto s = r.Score(FeatureView::F32(x.data(), d - 1));
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.status().message().find("expected 64, got 63"), absl::string_view::npos);
+  for (float bad : {NAN, INFINITY, -INFINITY}) {
+    x[17] = bad;
+    s = r.Score(FeatureView::F32(x.data(), d));
+    EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(s.status().message().find("element 17"), absl::string_view::npos)
+        << s.status();
+  }
+  std::vector<uint16_t> h(d, FloatToBf16(1.0f));
+  h[60] = 0x7FC0;  // bf16 NaN
+  s = r.Score({h.data(), DType::kBFloat16, d, 1});
+  EXPECT_NE(s.status().message().find("element 60"), absl::string_view::npos);
+}
+
+TEST(Clipping, PredictionsClipToOneAndBudgetBeforeSquaring) {
+  EXPECT_DOUBLE_EQ(TokensFromScore(-30.0, 2048), 1.0);
+  EXPECT_DOUBLE_EQ(TokensFromScore(0.5, 2048), 1.0);
+  EXPECT_DOUBLE_EQ(TokensFromScore(1.0, 2048), 1.0);
+  EXPECT_DOUBLE_EQ(TokensFromScore(10.0, 2048), 100.0);
+  EXPECT_NEAR(TokensFromScore(std::sqrt(2048.0), 2048), 2048.0, 1e-9);
+  EXPECT_NEAR(TokensFromScore(1e9, 2048), 2048.0, 1e-9);
+  EXPECT_NEAR(TokensFromScore(INFINITY, 2048), 2048.0, 1e-9);
+  EXPECT_DOUBLE_EQ(TokensFromScore(NAN, 2048), 1.0);
+  EXPECT_NEAR(TokensFromScore(100.0, 4096), 4096.0, 1e-9);
+  // Through a readout: bias alone decides.
+  const int64_t d = 4;
+  Eigen::VectorXd theta = Eigen::VectorXd::Zero(d + 1);
+  std::vector<float> x(d, 1.0f);
+  for (double bias : {-7.0, 0.2, 30.0, 45.0, 46.0, 1000.0}) {
+    theta[d] = bias;
+    auto r = FoldedReadout::Fold(Standardizer::Identity(d), theta, 2048);
+    auto t = r.PredictTokens(FeatureView::F32(x.data(), d));
+    ASSERT_TRUE(t.ok());
+    const double want = std::pow(std::clamp(bias, 1.0, std::sqrt(2048.0)), 2);
+    EXPECT_NEAR(*t, want, 1e-9 * want) << bias;
+  }
+}
+
+TEST(Targets, SqrtOfLengthClippedAtBudget) {
+  EXPECT_DOUBLE_EQ(TargetFromTokens(0, 2048), 0.0);
+  EXPECT_DOUBLE_EQ(TargetFromTokens(400, 2048), 20.0);
+  EXPECT_DOUBLE_EQ(TargetFromTokens(5000, 2048), std::sqrt(2048.0));
+}
+
+TEST(Feedback, CancelledAndCensoredAreNotLearned) {
+  const int64_t m = 2048;
+  auto a = ClassifyFeedback(100, FinishReason::kStop, 0, m);
+  EXPECT_EQ(*a, FeedbackAction::kLearn);
+  EXPECT_EQ(*ClassifyFeedback(5000, FinishReason::kStop, 0, m), FeedbackAction::kLearn);
+  EXPECT_EQ(*ClassifyFeedback(30, FinishReason::kCancelled, 0, m),
+            FeedbackAction::kSkipCancelled);
+  EXPECT_EQ(*ClassifyFeedback(30, FinishReason::kAborted, 0, m),
+            FeedbackAction::kSkipCancelled);
+  // Stopped by its own cap below M: length >= 256 is all we know.
+  EXPECT_EQ(*ClassifyFeedback(256, FinishReason::kLength, 256, m),
+            FeedbackAction::kSkipCensored);
+  // Cap >= M and reached: the clipped target sqrt(M) is exact.
+  EXPECT_EQ(*ClassifyFeedback(2048, FinishReason::kLength, 2048, m),
+            FeedbackAction::kLearn);
+  EXPECT_EQ(*ClassifyFeedback(4096, FinishReason::kLength, 4096, m),
+            FeedbackAction::kLearn);
+  // An engine-side cap below M that we were not told about.
+  EXPECT_EQ(*ClassifyFeedback(1000, FinishReason::kLength, 0, m),
+            FeedbackAction::kSkipCensored);
+  EXPECT_EQ(ClassifyFeedback(-1, FinishReason::kStop, 0, m).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ClassifyFeedback(int64_t{1} << 40, FinishReason::kStop, 0, m)
+                .status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ClassifyFeedback(300, FinishReason::kLength, 256, m).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ClassifyFeedback(3, static_cast<FinishReason>(9), 0, m).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST(DTypes, NamesParseAndHalfConversionsRoundTrip) {
+  EXPECT_EQ(*ParseDType("bf16"), DType::kBFloat16);
+  EXPECT_EQ(*ParseDType("float16"), DType::kFloat16);
+  EXPECT_EQ(*ParseDType("FP32"), DType::kFloat32);
+  EXPECT_FALSE(ParseDType("int8").ok());
+  // Every fp16 bit pattern (but NaNs) survives float and back.
+  for (uint32_t h = 0; h < 65536; ++h) {
+    const float f = Fp16ToFloat(static_cast<uint16_t>(h));
+    if (std::isnan(f)) continue;
+    ASSERT_EQ(FloatToFp16(f), h) << h;
+  }
+  EXPECT_EQ(FloatToFp16(65520.0f), 0x7C00);  // rounds to inf
+  EXPECT_EQ(Fp16ToFloat(FloatToFp16(1.0f / 3)), 0.333251953125f);
+  EXPECT_EQ(Bf16ToFloat(FloatToBf16(1.0f + 1.0f / 256)), 1.0f);  // ties to even
+}
+
+}  // namespace
+}  // namespace leap::readout
