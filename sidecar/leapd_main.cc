@@ -1,0 +1,252 @@
+// leapd: the LEAP sidecar daemon. Serves predictions, learns from
+// completions with RLS, pushes new readout versions to engines.
+// See `leapd --help` and the README.
+#include <signal.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/time.h"
+#include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "grpcpp/grpcpp.h"
+#include "grpcpp/health_check_service_interface.h"
+#include "prometheus/exposer.h"
+#include "sidecar/readout/artifact.h"
+#include "sidecar/service/core.h"
+#include "sidecar/service/grpc_service.h"
+
+ABSL_FLAG(std::vector<std::string>, listen, {"127.0.0.1:7070"},
+          "Address to serve gRPC on: host:port (port 0 picks a free port) or "
+          "unix:///path. Repeatable (or comma-separated). Each bound address "
+          "is printed on stdout as 'listening on ADDR'.");
+ABSL_FLAG(std::string, data_dir, "",
+          "Directory for durable state. Not used yet: state lives in memory "
+          "until the storage milestone (use --import to load readouts).");
+ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:9464",
+          "host:port for Prometheus /metrics (port 0 picks one; empty "
+          "disables). Printed as 'metrics on http://ADDR/metrics'.");
+ABSL_FLAG(std::vector<std::string>, import, {},
+          "Readout artifact (.leapr) to load at start, as FILE or NAME=FILE "
+          "(NAME defaults to the file name without extension). Repeatable.");
+ABSL_FLAG(std::string, default_readout, "",
+          "Readout serving the default route (product line \"\"). Default: "
+          "the first --import.");
+ABSL_FLAG(int32_t, rls_batch, 8, "Completions per RLS update.");
+ABSL_FLAG(absl::Duration, rls_flush, absl::Milliseconds(200),
+          "A partial RLS batch is applied once its oldest completion waited "
+          "this long.");
+ABSL_FLAG(int64_t, feature_cache_bytes, int64_t{1} << 30,
+          "Bytes of live-request features kept for learning and rescoring; "
+          "the oldest requests are evicted beyond it.");
+ABSL_FLAG(absl::Duration, feature_cache_ttl, absl::Minutes(30),
+          "Live requests older than this are evicted.");
+ABSL_FLAG(int64_t, quality_window, 1000,
+          "Completions in each rolling Spearman window.");
+ABSL_FLAG(int64_t, max_batch_bytes, int64_t{64} << 20,
+          "Largest feature payload of one message; larger ones get "
+          "RESOURCE_EXHAUSTED without ending the stream.");
+ABSL_FLAG(int64_t, max_message_bytes, int64_t{512} << 20,
+          "gRPC transport limit on one message (admin artifacts included).");
+ABSL_FLAG(absl::Duration, drain_timeout, absl::Seconds(5),
+          "On SIGTERM/SIGINT: time given to open streams to finish.");
+
+namespace {
+
+using leap::sidecar::Core;
+
+// absl vector flags take one comma-separated value; also accept repeats by
+// joining every occurrence of --name before parsing.
+std::vector<char*> JoinRepeated(int argc, char** argv,
+                                const std::vector<std::string>& names,
+                                std::vector<std::string>& storage) {
+  std::vector<char*> out = {argv[0]};
+  std::vector<std::vector<std::string>> values(names.size());
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    bool taken = false;
+    for (size_t n = 0; n < names.size(); ++n) {
+      const std::string eq = "--" + names[n] + "=";
+      if (a.rfind(eq, 0) == 0) {
+        values[n].push_back(a.substr(eq.size()));
+        taken = true;
+      } else if (a == "--" + names[n] && i + 1 < argc) {
+        values[n].push_back(argv[++i]);
+        taken = true;
+      }
+    }
+    if (!taken) {
+      storage.push_back(a);
+    }
+  }
+  for (size_t n = 0; n < names.size(); ++n) {
+    if (!values[n].empty()) {
+      storage.push_back("--" + names[n] + "=" + absl::StrJoin(values[n], ","));
+    }
+  }
+  for (auto& s : storage) out.push_back(s.data());
+  return out;
+}
+
+std::string RandomId() {
+  std::random_device rd;
+  return absl::StrCat(absl::Hex(rd(), absl::kZeroPad8),
+                      absl::Hex(rd(), absl::kZeroPad8));
+}
+
+int Fail(const std::string& msg) {
+  std::fprintf(stderr, "leapd: error: %s\n", msg.c_str());
+  return 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "the LEAP sidecar: length predictions from the serving model's hidden "
+      "states, corrected online by RLS.\n"
+      "  leapd --listen=127.0.0.1:0 --import=chat=chat.leapr\n"
+      "Serves leap.v1.Predictor and leap.v1.Admin (proto/leap/v1), the gRPC "
+      "health service and reflection; Prometheus metrics on --metrics_listen. "
+      "SIGTERM/SIGINT drain streams, apply queued completions and exit 0.");
+  std::vector<std::string> storage;
+  std::vector<char*> args =
+      JoinRepeated(argc, argv, {"listen", "import"}, storage);
+  int nargs = static_cast<int>(args.size());
+  absl::ParseCommandLine(nargs, args.data());
+
+  // Block the shutdown signals in every thread; main waits for them.
+  sigset_t sigs;
+  sigemptyset(&sigs);
+  sigaddset(&sigs, SIGTERM);
+  sigaddset(&sigs, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
+
+  leap::sidecar::CoreOptions options;
+  options.readout.rls_batch = absl::GetFlag(FLAGS_rls_batch);
+  options.readout.flush_after_ns =
+      absl::ToInt64Nanoseconds(absl::GetFlag(FLAGS_rls_flush));
+  options.readout.quality_window = absl::GetFlag(FLAGS_quality_window);
+  options.cache.max_bytes = absl::GetFlag(FLAGS_feature_cache_bytes);
+  options.cache.ttl_ns =
+      absl::ToInt64Nanoseconds(absl::GetFlag(FLAGS_feature_cache_ttl));
+  options.max_batch_bytes = absl::GetFlag(FLAGS_max_batch_bytes);
+  if (absl::Status s = options.Validate(); !s.ok()) {
+    return Fail(std::string(s.message()));
+  }
+  if (!absl::GetFlag(FLAGS_data_dir).empty()) {
+    std::fprintf(stderr,
+                 "leapd: note: --data_dir is not used yet; state is in memory\n");
+  }
+
+  leap::sidecar::Metrics metrics;
+  std::unique_ptr<prometheus::Exposer> exposer;
+  if (!absl::GetFlag(FLAGS_metrics_listen).empty()) {
+    try {
+      exposer = std::make_unique<prometheus::Exposer>(
+          absl::GetFlag(FLAGS_metrics_listen));
+    } catch (const std::exception& e) {
+      return Fail(absl::StrCat("cannot serve metrics on ",
+                               absl::GetFlag(FLAGS_metrics_listen), ": ",
+                               e.what()));
+    }
+    exposer->RegisterCollectable(metrics.registry());
+  }
+  Core core(options, &metrics);
+
+  // Readouts to load.
+  std::string first;
+  for (const std::string& spec : absl::GetFlag(FLAGS_import)) {
+    std::string name, path = spec;
+    if (auto eq = spec.find('='); eq != std::string::npos) {
+      name = spec.substr(0, eq);
+      path = spec.substr(eq + 1);
+    } else {
+      name = std::filesystem::path(path).stem().string();
+    }
+    auto state = leap::readout::ReadArtifact(path);
+    if (!state.ok()) return Fail(std::string(state.status().message()));
+    const int64_t dim = state->spec.dim;
+    if (absl::Status s = core.CreateReadout(name, std::move(*state)); !s.ok()) {
+      return Fail(absl::StrCat("--import ", spec, ": ", s.message()));
+    }
+    std::printf("imported readout %s (d=%lld) from %s\n", name.c_str(),
+                static_cast<long long>(dim), path.c_str());
+    if (first.empty()) first = name;
+  }
+  const std::string def = absl::GetFlag(FLAGS_default_readout).empty()
+                              ? first
+                              : absl::GetFlag(FLAGS_default_readout);
+  if (!def.empty()) {
+    leap::sidecar::Route r;
+    r.arms.push_back({def, def, 100.0, false});
+    if (absl::Status s = core.SetRoute(r); !s.ok()) {
+      return Fail(absl::StrCat("default route: ", s.message()));
+    }
+  }
+
+  const std::string sidecar_id = RandomId();
+  leap::sidecar::PredictorService predictor(&core, sidecar_id);
+  leap::sidecar::AdminService admin(&core);
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  builder.SetMaxReceiveMessageSize(
+      static_cast<int>(absl::GetFlag(FLAGS_max_message_bytes)));
+  builder.SetMaxSendMessageSize(
+      static_cast<int>(absl::GetFlag(FLAGS_max_message_bytes)));
+  const std::vector<std::string> listens = absl::GetFlag(FLAGS_listen);
+  std::vector<int> ports(listens.size(), 0);
+  for (size_t i = 0; i < listens.size(); ++i) {
+    builder.AddListeningPort(listens[i], grpc::InsecureServerCredentials(),
+                             &ports[i]);
+  }
+  builder.RegisterService(&predictor);
+  builder.RegisterService(&admin);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr) {
+    return Fail(absl::StrCat("cannot listen on ", absl::StrJoin(listens, ", ")));
+  }
+  for (size_t i = 0; i < listens.size(); ++i) {
+    if (ports[i] == 0) {
+      return Fail(absl::StrCat("cannot listen on ", listens[i]));
+    }
+    std::string addr = listens[i];
+    if (addr.rfind("unix:", 0) != 0) {
+      addr = absl::StrCat(addr.substr(0, addr.rfind(':')), ":", ports[i]);
+    }
+    std::printf("listening on %s\n", addr.c_str());
+  }
+  if (exposer != nullptr) {
+    std::string host = absl::GetFlag(FLAGS_metrics_listen);
+    host = host.substr(0, host.rfind(':'));
+    std::printf("metrics on http://%s:%d/metrics\n", host.c_str(),
+                exposer->GetListeningPorts().at(0));
+  }
+  std::printf("leapd %s ready\n", sidecar_id.c_str());
+  std::fflush(stdout);
+  server->GetHealthCheckService()->SetServingStatus(true);
+
+  int sig = 0;
+  sigwait(&sigs, &sig);
+  std::fprintf(stderr, "leapd: %s: draining\n",
+               sig == SIGTERM ? "SIGTERM" : "SIGINT");
+  server->GetHealthCheckService()->SetServingStatus(false);
+  predictor.BeginShutdown();
+  server->Shutdown(std::chrono::system_clock::now() +
+                   absl::ToChronoSeconds(absl::GetFlag(FLAGS_drain_timeout)));
+  core.Shutdown(/*drain=*/true);
+  std::fprintf(stderr, "leapd: stopped\n");
+  return 0;
+}

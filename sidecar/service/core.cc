@@ -1,0 +1,383 @@
+#include "sidecar/service/core.h"
+
+#include <chrono>
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+
+namespace leap::sidecar {
+namespace {
+
+int64_t NowNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+}  // namespace
+
+absl::Status ValidateReadoutName(absl::string_view name) {
+  if (name.empty() || name.size() > 64) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "readout name must be 1-64 characters, got ", name.size()));
+  }
+  for (char c : name) {
+    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') ||
+                    (c >= '0' && c <= '9') || c == '.' || c == '_' || c == '-';
+    if (!ok) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "readout name '", name, "' may only use [A-Za-z0-9._-]"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CoreOptions::Validate() const {
+  RETURN_IF_ERROR(readout.Validate());
+  RETURN_IF_ERROR(cache.Validate());
+  if (max_batch_bytes < 1024) {
+    return absl::InvalidArgumentError("max_batch_bytes must be >= 1024");
+  }
+  return absl::OkStatus();
+}
+
+Core::Core(CoreOptions options, Metrics* metrics)
+    : options_(options),
+      metrics_(metrics),
+      cache_(options.cache, [metrics](bool ttl) {
+        (ttl ? metrics->evicted_ttl() : metrics->evicted_capacity())
+            .Increment();
+      }) {
+  readouts_.store(std::make_shared<const ReadoutMap>());
+  routes_.store(std::make_shared<const RoutingTable>());
+}
+
+Core::~Core() { Shutdown(/*drain=*/false); }
+
+absl::Status Core::CreateReadout(const std::string& name,
+                                 readout::ReadoutState state) {
+  RETURN_IF_ERROR(ValidateReadoutName(name));
+  RETURN_IF_ERROR(state.Validate());
+  absl::MutexLock lock(&admin_mu_);
+  auto current = readouts_.load();
+  if (current->count(name) != 0) {
+    return absl::AlreadyExistsError(
+        absl::StrCat("readout '", name, "' already exists"));
+  }
+  auto next = std::make_shared<ReadoutMap>(*current);
+  (*next)[name] = std::make_shared<LiveReadout>(name, std::move(state),
+                                                options_.readout, metrics_,
+                                                &hub_);
+  auto v = (*next)[name]->current();
+  readouts_.store(std::move(next));
+  hub_.Notify(name, v);
+  return absl::OkStatus();
+}
+
+absl::Status Core::DeleteReadout(const std::string& name) {
+  std::shared_ptr<LiveReadout> victim;
+  {
+    absl::MutexLock lock(&admin_mu_);
+    auto current = readouts_.load();
+    auto it = current->find(name);
+    if (it == current->end()) {
+      return absl::NotFoundError(absl::StrCat("unknown readout '", name, "'"));
+    }
+    for (const auto& [pl, route] : routes_.load()->routes()) {
+      for (const auto& arm : route.arms) {
+        if (arm.readout == name) {
+          return absl::FailedPreconditionError(absl::StrCat(
+              "readout '", name, "' is used by the route of product line '",
+              pl, "' (arm '", arm.name, "'); change the route first"));
+        }
+      }
+    }
+    victim = it->second;
+    auto next = std::make_shared<ReadoutMap>(*current);
+    next->erase(name);
+    readouts_.store(std::move(next));
+  }
+  victim->Stop(/*drain=*/false);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_ptr<LiveReadout>> Core::GetReadout(
+    absl::string_view name) const {
+  auto map = readouts_.load();
+  auto it = map->find(name);
+  if (it == map->end()) {
+    return absl::NotFoundError(absl::StrCat("unknown readout '", name, "'"));
+  }
+  return it->second;
+}
+
+std::vector<std::shared_ptr<LiveReadout>> Core::ListReadouts() const {
+  std::vector<std::shared_ptr<LiveReadout>> out;
+  for (const auto& [name, r] : *readouts_.load()) out.push_back(r);
+  return out;
+}
+
+absl::Status Core::SetRoute(Route route) {
+  if (static_cast<int64_t>(route.product_line.size()) > options_.max_id_bytes) {
+    return absl::InvalidArgumentError("product line name too long");
+  }
+  if (route.arms.size() == 1 && route.arms[0].name.empty()) {
+    route.arms[0].name = route.arms[0].readout;
+  }
+  RETURN_IF_ERROR(route.Validate());
+  absl::MutexLock lock(&admin_mu_);
+  auto map = readouts_.load();
+  for (const auto& arm : route.arms) {
+    if (map->count(arm.readout) == 0) {
+      return absl::NotFoundError(absl::StrCat(
+          "arm '", arm.name, "' names unknown readout '", arm.readout, "'"));
+    }
+  }
+  routes_.store(routes_.load()->With(std::move(route)));
+  return absl::OkStatus();
+}
+
+absl::Status Core::DeleteRoute(const std::string& product_line) {
+  absl::MutexLock lock(&admin_mu_);
+  auto table = routes_.load();
+  if (table->routes().count(product_line) == 0) {
+    return absl::NotFoundError(
+        absl::StrCat("no route for product line '", product_line, "'"));
+  }
+  routes_.store(table->Without(product_line));
+  return absl::OkStatus();
+}
+
+std::vector<Route> Core::ListRoutes() const {
+  std::vector<Route> out;
+  for (const auto& [pl, r] : routes_.load()->routes()) out.push_back(r);
+  return out;
+}
+
+Core::ArmState* Core::Arm(const std::string& product_line,
+                          const sidecar::Arm& arm) {
+  const auto key = std::make_pair(product_line, arm.name);
+  {
+    absl::ReaderMutexLock lock(&arms_mu_);
+    auto it = arms_.find(key);
+    if (it != arms_.end() && it->second->readout == arm.readout) {
+      return it->second.get();
+    }
+  }
+  absl::MutexLock lock(&arms_mu_);
+  auto& slot = arms_[key];
+  if (slot == nullptr || slot->readout != arm.readout) {
+    // New arm, or the arm now points at another readout: fresh window.
+    slot = std::make_unique<ArmState>(options_.readout.quality_window);
+    slot->readout = arm.readout;
+    slot->shadow = arm.shadow;
+    slot->gauge = &metrics_->ArmSpearman(product_line, arm.name);
+  }
+  return slot.get();
+}
+
+absl::Status Core::CheckRequest(const ScoreRequest& r) const {
+  if (r.request_id.empty()) {
+    return absl::InvalidArgumentError("request_id is empty");
+  }
+  if (static_cast<int64_t>(r.request_id.size()) > options_.max_id_bytes ||
+      static_cast<int64_t>(r.product_line.size()) > options_.max_id_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "request_id and product_line are limited to ", options_.max_id_bytes,
+        " bytes"));
+  }
+  if (r.request_max_tokens < 0 ||
+      r.request_max_tokens > readout::kMaxReportedTokens) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "decoding max_tokens must be in [0, ", readout::kMaxReportedTokens,
+        "], got ", r.request_max_tokens));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<ScoreResult> Core::Predict(const ScoreRequest& req,
+                                          uint64_t session,
+                                          std::shared_ptr<LiveRequest>* live) {
+  const int64_t t0 = NowNs();
+  RETURN_IF_ERROR(CheckRequest(req));
+  auto table = routes_.load();
+  ASSIGN_OR_RETURN(const Route* route, table->Find(req.product_line));
+  const ArmChoice choice = RoutingTable::Choose(*route, req.request_id);
+  auto map = readouts_.load();
+  auto it = map->find(choice.serving->readout);
+  if (it == map->end()) {
+    return absl::NotFoundError(absl::StrCat(
+        "route of '", route->product_line, "' names unknown readout '",
+        choice.serving->readout, "'"));
+  }
+  LiveReadout& serving = *it->second;
+  const int64_t dim = serving.spec().dim;
+  const size_t want = static_cast<size_t>(dim) * readout::DTypeSize(req.dtype);
+  if (req.features.size() != want) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "feature size mismatch for readout '", serving.name(), "': expected ",
+        dim, " ", readout::DTypeName(req.dtype), " values (", want,
+        " bytes), got ", req.features.size(), " bytes"));
+  }
+  auto r = std::make_shared<LiveRequest>();
+  r->request_id = std::string(req.request_id);
+  r->product_line = std::string(req.product_line);
+  r->dtype = req.dtype;
+  r->dim = dim;
+  r->features = std::string(req.features);
+  r->request_max_tokens = req.request_max_tokens;
+  r->session = session;
+
+  auto version = serving.current();
+  ASSIGN_OR_RETURN(const double score, version->folded.Score(r->view()));
+  ScoreResult result{choice.serving->name, serving.name(), version->version,
+                     readout::TokensFromScore(score, serving.spec().max_tokens),
+                     score};
+  r->scores.push_back({result.arm, result.readout, result.version,
+                       result.predicted_tokens, false});
+  std::vector<const sidecar::Arm*> scored_shadows;
+  for (const sidecar::Arm* shadow : choice.shadows) {
+    auto sit = map->find(shadow->readout);
+    if (sit == map->end() || sit->second->spec().dim != dim) continue;
+    auto sv = sit->second->current();
+    auto s = sv->folded.PredictTokens(r->view());
+    if (!s.ok()) continue;
+    r->scores.push_back({shadow->name, shadow->readout, sv->version, *s, true});
+    scored_shadows.push_back(shadow);
+  }
+  RETURN_IF_ERROR(cache_.Insert(r, t0));
+  // Counted only once the request is live (duplicates are errors).
+  serving.metrics().predictions_serving->Increment();
+  Arm(route->product_line, *choice.serving)->predictions.fetch_add(1);
+  for (const sidecar::Arm* shadow : scored_shadows) {
+    map->find(shadow->readout)->second->metrics().predictions_shadow->Increment();
+    Arm(route->product_line, *shadow)->predictions.fetch_add(1);
+  }
+  metrics_->cache_bytes().Set(static_cast<double>(cache_.bytes()));
+  metrics_->cache_entries().Set(static_cast<double>(cache_.size()));
+  metrics_->prediction_latency().Observe((NowNs() - t0) * 1e-9);
+  if (live != nullptr) *live = std::move(r);
+  return result;
+}
+
+absl::StatusOr<CompletionOutcome> Core::Complete(absl::string_view request_id,
+                                                 int64_t output_tokens,
+                                                 readout::FinishReason reason) {
+  // Validate the counts before touching the live entry: a bad completion
+  // must not lose the request.
+  RETURN_IF_ERROR(
+      readout::ClassifyFeedback(output_tokens, reason, 0,
+                                readout::kDefaultMaxTokens)
+          .status());
+  std::shared_ptr<LiveRequest> peek = cache_.Find(request_id);
+  if (peek == nullptr) {
+    unknown_.fetch_add(1);
+    metrics_->unknown_completions().Increment();
+    return absl::NotFoundError(absl::StrCat(
+        "completion for unknown request id '", request_id,
+        "' (never predicted, already ended, or evicted)"));
+  }
+  RETURN_IF_ERROR(readout::ClassifyFeedback(output_tokens, reason,
+                                            peek->request_max_tokens,
+                                            readout::kDefaultMaxTokens)
+                      .status());
+  absl::StatusOr<std::shared_ptr<LiveRequest>> taken = cache_.Take(request_id);
+  if (!taken.ok()) {  // completed concurrently
+    unknown_.fetch_add(1);
+    metrics_->unknown_completions().Increment();
+    return taken.status();
+  }
+  const LiveRequest& r = **taken;
+  metrics_->cache_bytes().Set(static_cast<double>(cache_.bytes()));
+  metrics_->cache_entries().Set(static_cast<double>(cache_.size()));
+
+  CompletionOutcome outcome;
+  auto map = readouts_.load();
+  for (size_t i = 0; i < r.scores.size(); ++i) {
+    const ArmScore& s = r.scores[i];
+    auto it = map->find(s.readout);
+    if (it == map->end()) {
+      if (i == 0) outcome.skip_reason = "readout_deleted";
+      continue;
+    }
+    LiveReadout& ro = *it->second;
+    // Never fails: counts were validated above.
+    const readout::FeedbackAction action =
+        *readout::ClassifyFeedback(output_tokens, reason, r.request_max_tokens,
+                                   ro.spec().max_tokens);
+    std::string skip;
+    if (action == readout::FeedbackAction::kSkipCancelled) {
+      skip = "cancelled";
+      ro.metrics().skipped_cancelled->Increment();
+    } else if (action == readout::FeedbackAction::kSkipCensored) {
+      skip = "censored";
+      ro.metrics().skipped_censored->Increment();
+    } else {
+      const double truth = static_cast<double>(
+          std::min(output_tokens, ro.spec().max_tokens));
+      ro.RecordQuality(s.version, s.predicted_tokens, truth);
+      {
+        absl::MutexLock lock(&arms_mu_);
+        auto ait = arms_.find({r.product_line, s.arm});
+        if (ait != arms_.end() && ait->second->readout == s.readout) {
+          ait->second->completions++;
+          ait->second->window.Add(s.predicted_tokens, truth);
+          ait->second->gauge->Set(ait->second->window.Value());
+        }
+      }
+      if (ro.frozen()) {
+        skip = "frozen";
+        ro.metrics().skipped_frozen->Increment();
+      } else {
+        ro.Learn(r.view(),
+                 readout::TargetFromTokens(output_tokens, ro.spec().max_tokens));
+      }
+    }
+    if (i == 0) {
+      outcome.learned = skip.empty();
+      outcome.skip_reason = skip;
+    }
+  }
+  return outcome;
+}
+
+absl::Status Core::Cancel(absl::string_view request_id) {
+  absl::StatusOr<std::shared_ptr<LiveRequest>> taken = cache_.Take(request_id);
+  if (!taken.ok()) {
+    unknown_.fetch_add(1);
+    metrics_->unknown_completions().Increment();
+    return taken.status();
+  }
+  metrics_->cache_bytes().Set(static_cast<double>(cache_.bytes()));
+  metrics_->cache_entries().Set(static_cast<double>(cache_.size()));
+  return absl::OkStatus();
+}
+
+std::vector<ArmStat> Core::ArmStats() const {
+  std::vector<ArmStat> out;
+  absl::MutexLock lock(&arms_mu_);
+  for (const auto& [key, a] : arms_) {
+    ArmStat s;
+    s.product_line = key.first;
+    s.arm = key.second;
+    s.readout = a->readout;
+    s.shadow = a->shadow;
+    s.predictions = a->predictions.load();
+    s.completions = a->completions;
+    s.spearman = a->window.Value();
+    s.spearman_n = a->window.size();
+    out.push_back(std::move(s));
+  }
+  return out;
+}
+
+void Core::WaitIdle() {
+  for (auto& r : ListReadouts()) r->WaitIdle();
+}
+
+void Core::Shutdown(bool drain) {
+  for (auto& r : ListReadouts()) r->Stop(drain);
+}
+
+}  // namespace leap::sidecar

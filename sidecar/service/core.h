@@ -1,0 +1,162 @@
+// The sidecar's state and logic, independent of the transport: readouts,
+// routing, the live-request cache, learning and online quality. The gRPC
+// services (and later the shared-memory server) are thin layers over it.
+#ifndef LEAP_SIDECAR_SERVICE_CORE_H_
+#define LEAP_SIDECAR_SERVICE_CORE_H_
+
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "sidecar/readout/artifact.h"
+#include "sidecar/readout/target.h"
+#include "sidecar/service/feature_cache.h"
+#include "sidecar/service/live_readout.h"
+#include "sidecar/service/metrics.h"
+#include "sidecar/service/quality.h"
+#include "sidecar/service/routing.h"
+
+namespace leap::sidecar {
+
+struct CoreOptions {
+  LiveReadoutOptions readout;
+  FeatureCacheOptions cache;
+  // Largest feature payload of one batch message. Default: 64 MiB
+  int64_t max_batch_bytes = int64_t{64} << 20;
+  // Longest request id / product line. Default: 256
+  int64_t max_id_bytes = 256;
+
+  absl::Status Validate() const;
+};
+
+// One request to score.
+struct ScoreRequest {
+  absl::string_view request_id;
+  absl::string_view product_line;
+  absl::string_view features;  // little-endian values of dtype
+  readout::DType dtype = readout::DType::kFloat32;
+  int64_t request_max_tokens = 0;
+};
+
+// The serving arm's prediction.
+struct ScoreResult {
+  std::string arm;
+  std::string readout;
+  int64_t version = 0;
+  double predicted_tokens = 0;
+  double score = 0;
+};
+
+// What happened to a completion.
+struct CompletionOutcome {
+  // The serving readout learns it (queued for RLS).
+  bool learned = false;
+  // "", "cancelled", "censored", "frozen" or "readout_deleted".
+  std::string skip_reason;
+};
+
+// Online quality of one (product line, arm).
+struct ArmStat {
+  std::string product_line, arm, readout;
+  bool shadow = false;
+  int64_t predictions = 0;
+  int64_t completions = 0;
+  double spearman = 0;
+  int64_t spearman_n = 0;
+};
+
+// Thread-safe.
+class Core {
+ public:
+  Core(CoreOptions options, Metrics* metrics);
+  ~Core();
+
+  PublishHub& hub() { return hub_; }
+  const CoreOptions& options() const { return options_; }
+  Metrics& metrics() { return *metrics_; }
+
+  // --- readouts
+  // ALREADY_EXISTS for a taken name; INVALID_ARGUMENT for a bad name/state.
+  absl::Status CreateReadout(const std::string& name,
+                             readout::ReadoutState state);
+  absl::Status DeleteReadout(const std::string& name);
+  absl::StatusOr<std::shared_ptr<LiveReadout>> GetReadout(
+      absl::string_view name) const;
+  std::vector<std::shared_ptr<LiveReadout>> ListReadouts() const;
+
+  // --- routing
+  // INVALID_ARGUMENT for a bad route, NOT_FOUND when an arm names an
+  // unknown readout.
+  absl::Status SetRoute(Route route);
+  absl::Status DeleteRoute(const std::string& product_line);
+  std::vector<Route> ListRoutes() const;
+
+  // --- data plane
+  // Scores one request with its serving arm (and shadows) and makes it live.
+  // `session` owns it (0 = none); the live entry is returned in `live`.
+  absl::StatusOr<ScoreResult> Predict(const ScoreRequest& request,
+                                      uint64_t session,
+                                      std::shared_ptr<LiveRequest>* live);
+  // How a live request ended: learned or skipped by rule. NOT_FOUND
+  // (counted) for an unknown id; INVALID_ARGUMENT for bad counts, with the
+  // request left live.
+  absl::StatusOr<CompletionOutcome> Complete(absl::string_view request_id,
+                                             int64_t output_tokens,
+                                             readout::FinishReason reason);
+  // Drops a live request without learning. NOT_FOUND (counted) if unknown.
+  absl::Status Cancel(absl::string_view request_id);
+
+  // --- stats
+  std::vector<ArmStat> ArmStats() const;
+  int64_t unknown_completions() const { return unknown_.load(); }
+  const FeatureCache& cache() const { return cache_; }
+
+  // Blocks until every readout applied its queued completions.
+  void WaitIdle();
+  // Stops every RLS thread (applying queued completions when `drain`).
+  void Shutdown(bool drain);
+
+ private:
+  using ReadoutMap = std::map<std::string, std::shared_ptr<LiveReadout>,
+                              std::less<>>;
+  struct ArmState {
+    std::string readout;
+    bool shadow = false;
+    std::atomic<int64_t> predictions{0};
+    int64_t completions = 0;  // guarded by arms_mu_
+    RollingSpearman window;   // guarded by arms_mu_
+    prometheus::Gauge* gauge = nullptr;
+    explicit ArmState(int64_t n) : window(n) {}
+  };
+  ArmState* Arm(const std::string& product_line, const sidecar::Arm& arm);
+  absl::Status CheckRequest(const ScoreRequest& r) const;
+
+  const CoreOptions options_;
+  Metrics* const metrics_;
+  PublishHub hub_;
+  FeatureCache cache_;
+
+  absl::Mutex admin_mu_;  // serializes writers of readouts_ and routes_
+  std::atomic<std::shared_ptr<const ReadoutMap>> readouts_;
+  std::atomic<std::shared_ptr<const RoutingTable>> routes_;
+
+  mutable absl::Mutex arms_mu_;
+  std::map<std::pair<std::string, std::string>, std::unique_ptr<ArmState>>
+      arms_ ABSL_GUARDED_BY(arms_mu_);
+
+  std::atomic<int64_t> unknown_{0};
+};
+
+// Readout names: [A-Za-z0-9._-]{1,64}.
+absl::Status ValidateReadoutName(absl::string_view name);
+
+}  // namespace leap::sidecar
+
+#endif  // LEAP_SIDECAR_SERVICE_CORE_H_

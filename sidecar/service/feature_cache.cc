@@ -1,0 +1,93 @@
+#include "sidecar/service/feature_cache.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace leap::sidecar {
+
+absl::Status FeatureCacheOptions::Validate() const {
+  if (max_bytes < (int64_t{1} << 20)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "feature cache must hold at least 1 MiB, got ", max_bytes));
+  }
+  if (ttl_ns <= 0) return absl::InvalidArgumentError("cache TTL must be > 0");
+  return absl::OkStatus();
+}
+
+void FeatureCache::EraseLocked(List::iterator it) {
+  (*it)->gone.store(true);
+  bytes_ -= (*it)->bytes();
+  index_.erase((*it)->request_id);
+  order_.erase(it);
+}
+
+void FeatureCache::ExpireLocked(int64_t now_ns) {
+  while (!order_.empty() &&
+         order_.front()->inserted_ns < now_ns - options_.ttl_ns) {
+    EraseLocked(order_.begin());
+    evicted_ttl_.fetch_add(1);
+    if (on_evict_) on_evict_(true);
+  }
+}
+
+absl::Status FeatureCache::Insert(std::shared_ptr<LiveRequest> r,
+                                  int64_t now_ns) {
+  const int64_t need = r->bytes();
+  if (need > options_.max_bytes) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("request needs ", need, " bytes of feature cache, "
+                     "capacity is ", options_.max_bytes));
+  }
+  absl::MutexLock lock(&mu_);
+  if (index_.count(r->request_id) != 0) {
+    return absl::AlreadyExistsError(
+        absl::StrCat("request id '", r->request_id, "' is already live"));
+  }
+  ExpireLocked(now_ns);
+  while (bytes_ + need > options_.max_bytes && !order_.empty()) {
+    EraseLocked(order_.begin());
+    evicted_capacity_.fetch_add(1);
+    if (on_evict_) on_evict_(false);
+  }
+  r->inserted_ns = now_ns;
+  order_.push_back(std::move(r));
+  index_[order_.back()->request_id] = std::prev(order_.end());
+  bytes_ += need;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_ptr<LiveRequest>> FeatureCache::Take(
+    absl::string_view id) {
+  absl::MutexLock lock(&mu_);
+  auto it = index_.find(std::string(id));
+  if (it == index_.end()) {
+    return absl::NotFoundError(
+        absl::StrCat("unknown request id '", id,
+                     "' (never predicted, already ended, or evicted)"));
+  }
+  std::shared_ptr<LiveRequest> r = *it->second;
+  EraseLocked(it->second);
+  return r;
+}
+
+std::shared_ptr<LiveRequest> FeatureCache::Find(absl::string_view id) const {
+  absl::MutexLock lock(&mu_);
+  auto it = index_.find(std::string(id));
+  return it == index_.end() ? nullptr : *it->second;
+}
+
+void FeatureCache::Expire(int64_t now_ns) {
+  absl::MutexLock lock(&mu_);
+  ExpireLocked(now_ns);
+}
+
+int64_t FeatureCache::bytes() const {
+  absl::MutexLock lock(&mu_);
+  return bytes_;
+}
+
+int64_t FeatureCache::size() const {
+  absl::MutexLock lock(&mu_);
+  return static_cast<int64_t>(index_.size());
+}
+
+}  // namespace leap::sidecar

@@ -1,0 +1,111 @@
+// The live-request feature cache: the features of every request between its
+// prediction and its completion, so a completion can be learned and a
+// publish can rescore live requests. Bounded by bytes; the oldest request is
+// evicted first (a request that has waited longest is the likeliest to have
+// been dropped without a cancel), and entries older than a TTL expire.
+#ifndef LEAP_SIDECAR_SERVICE_FEATURE_CACHE_H_
+#define LEAP_SIDECAR_SERVICE_FEATURE_CACHE_H_
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <list>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "sidecar/readout/features.h"
+
+namespace leap::sidecar {
+
+// One arm's prediction for a live request.
+struct ArmScore {
+  std::string arm;
+  std::string readout;
+  int64_t version = 0;
+  double predicted_tokens = 0;
+  bool shadow = false;
+};
+
+// A live request. Immutable after insertion except `gone`.
+struct LiveRequest {
+  std::string request_id;
+  std::string product_line;
+  readout::DType dtype = readout::DType::kFloat32;
+  int64_t dim = 0;
+  std::string features;  // dim values of dtype, little-endian
+  int64_t request_max_tokens = 0;
+  // Serving arm first, then shadows.
+  std::vector<ArmScore> scores;
+  // Connect session that owns it (0 = unary Predict).
+  uint64_t session = 0;
+  int64_t inserted_ns = 0;
+  // Set once the request leaves the cache (completed, cancelled, evicted).
+  std::atomic<bool> gone{false};
+
+  readout::FeatureView view() const {
+    return {features.data(), dtype, dim, 1};
+  }
+  int64_t bytes() const {
+    return static_cast<int64_t>(features.size() + request_id.size() +
+                                product_line.size()) +
+           256;
+  }
+};
+
+struct FeatureCacheOptions {
+  // Bytes of cached requests (features + bookkeeping) before eviction.
+  // Default: 1 GiB (65,536 requests at d = 4096 fp32).
+  int64_t max_bytes = int64_t{1} << 30;
+  // Requests older than this expire. Default: 30 minutes.
+  int64_t ttl_ns = int64_t{30} * 60 * 1'000'000'000;
+
+  absl::Status Validate() const;
+};
+
+// Thread-safe.
+class FeatureCache {
+ public:
+  // `on_evict(ttl)` runs (under the cache lock; keep it trivial) for every
+  // eviction: ttl = true for expiry, false for capacity.
+  explicit FeatureCache(FeatureCacheOptions options,
+                        std::function<void(bool)> on_evict = nullptr)
+      : options_(options), on_evict_(std::move(on_evict)) {}
+
+  // Adds `r` (ALREADY_EXISTS when its id is live; RESOURCE_EXHAUSTED when it
+  // alone exceeds the capacity). Expires and evicts to make room.
+  absl::Status Insert(std::shared_ptr<LiveRequest> r, int64_t now_ns);
+  // Removes and returns the request; NOT_FOUND when unknown.
+  absl::StatusOr<std::shared_ptr<LiveRequest>> Take(absl::string_view id);
+  // The request without removing it; null when unknown.
+  std::shared_ptr<LiveRequest> Find(absl::string_view id) const;
+  // Drops entries older than the TTL.
+  void Expire(int64_t now_ns);
+
+  int64_t bytes() const;
+  int64_t size() const;
+  int64_t evicted_capacity() const { return evicted_capacity_.load(); }
+  int64_t evicted_ttl() const { return evicted_ttl_.load(); }
+
+ private:
+  using List = std::list<std::shared_ptr<LiveRequest>>;
+  void EraseLocked(List::iterator it) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ExpireLocked(int64_t now_ns) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const FeatureCacheOptions options_;
+  const std::function<void(bool)> on_evict_;
+  mutable absl::Mutex mu_;
+  List order_ ABSL_GUARDED_BY(mu_);  // oldest first
+  std::unordered_map<std::string, List::iterator> index_ ABSL_GUARDED_BY(mu_);
+  int64_t bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  std::atomic<int64_t> evicted_capacity_{0}, evicted_ttl_{0};
+};
+
+}  // namespace leap::sidecar
+
+#endif  // LEAP_SIDECAR_SERVICE_FEATURE_CACHE_H_

@@ -1,0 +1,81 @@
+// Prometheus metrics of leapd (DESIGN §9). One Metrics object per process;
+// families are created once, per-label series are resolved once by their
+// owners (Family::Add locks and hashes) and then updated lock-free.
+#ifndef LEAP_SIDECAR_SERVICE_METRICS_H_
+#define LEAP_SIDECAR_SERVICE_METRICS_H_
+
+#include <memory>
+#include <string>
+
+#include "prometheus/counter.h"
+#include "prometheus/family.h"
+#include "prometheus/gauge.h"
+#include "prometheus/histogram.h"
+#include "prometheus/registry.h"
+
+namespace leap::sidecar {
+
+// The series of one readout.
+struct ReadoutMetrics {
+  prometheus::Counter* predictions_serving;
+  prometheus::Counter* predictions_shadow;
+  prometheus::Counter* learned;
+  prometheus::Counter* skipped_cancelled;
+  prometheus::Counter* skipped_censored;
+  prometheus::Counter* skipped_frozen;
+  prometheus::Counter* rls_errors;
+  prometheus::Counter* publishes;
+  prometheus::Histogram* rls_batch_seconds;
+  prometheus::Gauge* rls_backlog;
+  prometheus::Gauge* version;
+  prometheus::Gauge* spearman;
+  prometheus::Gauge* frozen;
+};
+
+class Metrics {
+ public:
+  Metrics();
+  const std::shared_ptr<prometheus::Registry>& registry() const {
+    return registry_;
+  }
+  // Resolves (creating on first use) the series of readout `name`.
+  ReadoutMetrics ForReadout(const std::string& name);
+  // Removes them (readout deleted).
+  void RemoveReadout(const ReadoutMetrics& m);
+  prometheus::Gauge& ArmSpearman(const std::string& product_line,
+                                 const std::string& arm);
+  prometheus::Counter& RequestErrors(const std::string& code);
+
+  prometheus::Histogram& prediction_latency() { return *prediction_latency_; }
+  prometheus::Gauge& cache_bytes() { return *cache_bytes_; }
+  prometheus::Gauge& cache_entries() { return *cache_entries_; }
+  prometheus::Counter& evicted_capacity() { return *evicted_capacity_; }
+  prometheus::Counter& evicted_ttl() { return *evicted_ttl_; }
+  prometheus::Counter& unknown_completions() { return *unknown_completions_; }
+  prometheus::Gauge& connected_engines() { return *connected_engines_; }
+
+ private:
+  std::shared_ptr<prometheus::Registry> registry_;
+  prometheus::Family<prometheus::Counter>* predictions_;
+  prometheus::Family<prometheus::Counter>* completions_;
+  prometheus::Family<prometheus::Counter>* rls_errors_;
+  prometheus::Family<prometheus::Counter>* publishes_;
+  prometheus::Family<prometheus::Counter>* request_errors_;
+  prometheus::Family<prometheus::Histogram>* rls_batch_;
+  prometheus::Family<prometheus::Gauge>* rls_backlog_;
+  prometheus::Family<prometheus::Gauge>* version_;
+  prometheus::Family<prometheus::Gauge>* spearman_;
+  prometheus::Family<prometheus::Gauge>* frozen_;
+  prometheus::Family<prometheus::Gauge>* arm_spearman_;
+  prometheus::Histogram* prediction_latency_;
+  prometheus::Gauge* cache_bytes_;
+  prometheus::Gauge* cache_entries_;
+  prometheus::Counter* evicted_capacity_;
+  prometheus::Counter* evicted_ttl_;
+  prometheus::Counter* unknown_completions_;
+  prometheus::Gauge* connected_engines_;
+};
+
+}  // namespace leap::sidecar
+
+#endif  // LEAP_SIDECAR_SERVICE_METRICS_H_

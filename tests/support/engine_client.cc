@@ -1,0 +1,108 @@
+#include "tests/support/engine_client.h"
+
+namespace leap::testing {
+
+namespace pb = ::leap::v1;
+
+std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address) {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(512 << 20);
+  args.SetMaxSendMessageSize(512 << 20);
+  return grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(),
+                                   args);
+}
+
+EngineStream::EngineStream(std::shared_ptr<grpc::Channel> channel, int64_t dim,
+                           pb::FeatureDType dtype) {
+  auto stub = pb::Predictor::NewStub(channel);
+  stream_ = stub->Connect(&ctx_);
+  pb::EngineMessage hello;
+  hello.set_seq(0);
+  hello.mutable_hello()->set_engine_id("test-engine");
+  hello.mutable_hello()->set_dim(dim);
+  hello.mutable_hello()->set_dtype(dtype);
+  stream_->Write(hello);
+  reader_ = std::thread([this] { ReadLoop(); });
+}
+
+EngineStream::~EngineStream() {
+  ctx_.TryCancel();
+  if (reader_.joinable()) reader_.join();
+}
+
+void EngineStream::ReadLoop() {
+  pb::SidecarMessage m;
+  while (stream_->Read(&m)) {
+    absl::MutexLock lock(&mu_);
+    if (m.has_published()) {
+      published_[m.published().readout()].push_back(m.published().version());
+    } else if (m.has_rescore()) {
+      auto& by_version =
+          rescores_[m.rescore().readout()][m.rescore().version()];
+      for (const auto& p : m.rescore().predictions()) {
+        by_version[p.request_id()] = p;
+      }
+    } else {
+      answers_[m.seq()] = m;
+    }
+  }
+  absl::MutexLock lock(&mu_);
+  closed_ = true;
+}
+
+uint64_t EngineStream::Send(pb::EngineMessage m) {
+  absl::MutexLock lock(&write_mu_);
+  const uint64_t seq = next_seq_++;
+  m.set_seq(seq);
+  if (!stream_->Write(m)) alive_ = false;
+  return seq;
+}
+
+bool EngineStream::Await(uint64_t seq, pb::SidecarMessage* out,
+                         absl::Duration timeout) {
+  absl::MutexLock lock(&mu_);
+  auto ready = [this, seq]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return closed_ || answers_.count(seq) != 0;
+  };
+  if (!mu_.AwaitWithTimeout(absl::Condition(&ready), timeout)) return false;
+  auto it = answers_.find(seq);
+  if (it == answers_.end()) return false;
+  *out = std::move(it->second);
+  answers_.erase(it);
+  return true;
+}
+
+pb::SidecarMessage EngineStream::Call(pb::EngineMessage m) {
+  pb::SidecarMessage out;
+  const uint64_t seq = Send(std::move(m));
+  if (!Await(seq, &out)) out.mutable_error()->set_message("no answer");
+  return out;
+}
+
+bool EngineStream::WaitUntil(const std::function<bool()>& pred,
+                             absl::Duration timeout) {
+  absl::MutexLock lock(&mu_);
+  auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return pred(); };
+  return mu_.AwaitWithTimeout(absl::Condition(&ready), timeout);
+}
+
+grpc::Status EngineStream::Finish() {
+  {
+    absl::MutexLock lock(&write_mu_);
+    stream_->WritesDone();
+  }
+  if (reader_.joinable()) reader_.join();
+  return stream_->Finish();
+}
+
+std::vector<int64_t> EngineStream::published(const std::string& readout) {
+  // Callers may hold mu_ through WaitUntil's predicate: no lock taken there.
+  return published_[readout];
+}
+
+std::map<int64_t, std::map<std::string, pb::Prediction>>
+EngineStream::rescores(const std::string& readout) {
+  return rescores_[readout];
+}
+
+}  // namespace leap::testing

@@ -1,0 +1,74 @@
+// A test engine: one Connect stream with a reader thread that records every
+// message, so tests can wait on events (an answer, a publish, a rescore)
+// instead of sleeping. Test-only.
+#ifndef LEAP_TESTS_SUPPORT_ENGINE_CLIENT_H_
+#define LEAP_TESTS_SUPPORT_ENGINE_CLIENT_H_
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "grpcpp/grpcpp.h"
+#include "leap/v1/admin.grpc.pb.h"
+#include "leap/v1/predictor.grpc.pb.h"
+
+namespace leap::testing {
+
+std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address);
+
+class EngineStream {
+ public:
+  EngineStream(std::shared_ptr<grpc::Channel> channel, int64_t dim,
+               leap::v1::FeatureDType dtype = leap::v1::FEATURE_DTYPE_FLOAT32);
+  ~EngineStream();
+
+  // Sends `m` with a fresh seq; returns the seq.
+  uint64_t Send(leap::v1::EngineMessage m);
+  // Waits for the answer to `seq`; false on timeout.
+  bool Await(uint64_t seq, leap::v1::SidecarMessage* out,
+             absl::Duration timeout = absl::Seconds(30));
+  // Sends and waits for the answer.
+  leap::v1::SidecarMessage Call(leap::v1::EngineMessage m);
+  // Waits until `pred` (evaluated under the lock) holds.
+  bool WaitUntil(const std::function<bool()>& pred,
+                 absl::Duration timeout = absl::Seconds(60));
+  // Closes the writing side and waits for the stream's status.
+  grpc::Status Finish();
+
+  // Recorded pushes; read under WaitUntil or after Finish.
+  std::vector<int64_t> published(const std::string& readout);
+  // request id -> latest rescored prediction, per readout version.
+  std::map<int64_t, std::map<std::string, leap::v1::Prediction>> rescores(
+      const std::string& readout);
+  bool alive() const { return alive_; }
+
+ private:
+  void ReadLoop();
+
+  grpc::ClientContext ctx_;
+  std::unique_ptr<grpc::ClientReaderWriter<leap::v1::EngineMessage,
+                                           leap::v1::SidecarMessage>>
+      stream_;
+  absl::Mutex write_mu_;
+  uint64_t next_seq_ = 1;
+  absl::Mutex mu_;
+  std::map<uint64_t, leap::v1::SidecarMessage> answers_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::vector<int64_t>> published_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string,
+           std::map<int64_t, std::map<std::string, leap::v1::Prediction>>>
+      rescores_ ABSL_GUARDED_BY(mu_);
+  bool closed_ ABSL_GUARDED_BY(mu_) = false;
+  bool alive_ = true;
+  std::thread reader_;
+};
+
+}  // namespace leap::testing
+
+#endif  // LEAP_TESTS_SUPPORT_ENGINE_CLIENT_H_
