@@ -49,7 +49,7 @@ void AccumulateGram(const FeatureMatrix& x, const Standardizer& st,
     if (static_cast<int64_t>(r0 + br) >= next_report) {
       Progress(o, absl::StrFormat("%s: %d/%d rows", what, r0 + br,
                                   rows.size()));
-      next_report += std::max<int64_t>(kBlockRows, rows.size() / 10);
+      next_report += std::max<int64_t>(16 * kBlockRows, rows.size() / 10);
     }
   }
 }

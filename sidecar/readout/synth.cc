@@ -42,7 +42,7 @@ void OrthonormalizeAgainst(std::vector<float>& v, const std::vector<float>& u) {
 
 absl::StatusOr<SynthDomain> BuiltinDomain(const std::string& name) {
   if (name == "chat") return SynthDomain{"chat", 300, 0.9, 0, 0};
-  if (name == "translation") return SynthDomain{"translation", 1200, 0.6, 62, 0.5};
+  if (name == "translation") return SynthDomain{"translation", 900, 0.8, 64, 0.5};
   if (name == "summarization") {
     return SynthDomain{"summarization", 170, 0.7, 45, 0.3};
   }

@@ -1,0 +1,133 @@
+// Helpers for the tests that drive the real `leapctl` binary as a
+// subprocess: a scratch directory and a runner capturing exit code, stdout
+// and stderr. The binary's path comes from the LEAPCTL_PATH compile
+// definition.
+#ifndef LEAP_TESTS_LEAPCTL_TEST_UTIL_H_
+#define LEAP_TESTS_LEAPCTL_TEST_UTIL_H_
+
+#include <fcntl.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+
+#ifndef LEAPCTL_PATH
+#error "LEAPCTL_PATH must name the leapctl binary"
+#endif
+
+extern char** environ;
+
+namespace leap::leapctl_test {
+
+struct RunResult {
+  int exit_code = -1;  // -1: did not exit normally (signal)
+  std::string out;
+  std::string err;
+};
+
+inline std::string ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+inline void WriteFile(const std::string& path, const std::string& bytes) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out << bytes;
+}
+
+// A fresh directory under $TMPDIR (or /tmp), removed on destruction.
+class ScratchDir {
+ public:
+  ScratchDir() {
+    const char* base = std::getenv("TMPDIR");
+    std::string tmpl =
+        std::string(base && *base ? base : "/tmp") + "/leapctl_test.XXXXXX";
+    std::vector<char> buf(tmpl.begin(), tmpl.end());
+    buf.push_back('\0');
+    const char* made = ::mkdtemp(buf.data());
+    if (made == nullptr) {
+      ADD_FAILURE() << "mkdtemp failed for " << tmpl;
+    } else {
+      path_ = made;
+    }
+  }
+  ~ScratchDir() {
+    std::error_code ec;
+    if (!path_.empty()) std::filesystem::remove_all(path_, ec);
+  }
+  ScratchDir(const ScratchDir&) = delete;
+  ScratchDir& operator=(const ScratchDir&) = delete;
+
+  // Path of `name` inside the directory.
+  std::string File(const std::string& name) const { return path_ + "/" + name; }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+// Runs `leapctl args...` with stdout and stderr captured through files in
+// `scratch` and waits for it.
+inline RunResult RunLeapctl(const ScratchDir& scratch,
+                            const std::vector<std::string>& args) {
+  static int counter = 0;
+  const int id = counter++;
+  const std::string out_path = scratch.File(".out" + std::to_string(id));
+  const std::string err_path = scratch.File(".err" + std::to_string(id));
+  std::vector<std::string> argv_s;
+  argv_s.push_back(LEAPCTL_PATH);
+  argv_s.insert(argv_s.end(), args.begin(), args.end());
+  std::vector<char*> argv;
+  for (std::string& a : argv_s) argv.push_back(a.data());
+  argv.push_back(nullptr);
+
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_addopen(&actions, 1, out_path.c_str(),
+                                   O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  posix_spawn_file_actions_addopen(&actions, 2, err_path.c_str(),
+                                   O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  pid_t pid = 0;
+  RunResult r;
+  const int rc =
+      posix_spawn(&pid, argv[0], &actions, nullptr, argv.data(), environ);
+  posix_spawn_file_actions_destroy(&actions);
+  if (rc != 0) {
+    ADD_FAILURE() << "posix_spawn(" << argv[0] << ") failed: " << rc;
+    return r;
+  }
+  int status = 0;
+  pid_t waited = -1;
+  do {
+    waited = ::waitpid(pid, &status, 0);
+  } while (waited < 0 && errno == EINTR);
+  if (waited < 0) {
+    ADD_FAILURE() << "waitpid failed: " << errno;
+    return r;
+  }
+  if (WIFEXITED(status)) r.exit_code = WEXITSTATUS(status);
+  r.out = ReadFile(out_path);
+  r.err = ReadFile(err_path);
+  return r;
+}
+
+// For failure messages.
+inline std::string Describe(const RunResult& r) {
+  return "exit " + std::to_string(r.exit_code) + "\n--- stdout:\n" + r.out +
+         "--- stderr:\n" + r.err;
+}
+
+}  // namespace leap::leapctl_test
+
+#endif  // LEAP_TESTS_LEAPCTL_TEST_UTIL_H_
