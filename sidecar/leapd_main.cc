@@ -1,6 +1,7 @@
 // leapd: the LEAP sidecar daemon. Serves predictions, learns from
 // completions with RLS, pushes new readout versions to engines.
 // See `leapd --help` and the README.
+#include <malloc.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -18,6 +19,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
@@ -125,6 +127,14 @@ int main(int argc, char** argv) {
       JoinRepeated(argc, argv, {"listen", "import"}, storage);
   int nargs = static_cast<int>(args.size());
   absl::ParseCommandLine(nargs, args.data());
+
+  // Feature batches are ~1 MiB messages: keep glibc from mmap/munmap-ing (and
+  // page-faulting) a fresh buffer for every one of them.
+  mallopt(M_MMAP_THRESHOLD, 64 << 20);
+  mallopt(M_TRIM_THRESHOLD, 256 << 20);
+  // Debian builds Abseil with mutex deadlock detection on, which walks a
+  // lock graph on every acquisition of the hot-path mutexes.
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
 
   // Block the shutdown signals in every thread; main waits for them.
   sigset_t sigs;

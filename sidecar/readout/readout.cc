@@ -69,6 +69,13 @@ absl::Status Standardizer::Validate() const {
   return absl::OkStatus();
 }
 
+FoldedReadout::FoldedReadout(std::vector<float> w, double b,
+                             int64_t max_tokens)
+    : w_(std::move(w)), w_bf16_(w_.size()), b_(b), max_tokens_(max_tokens) {
+  internal::PermuteForBf16(w_.data(), static_cast<int64_t>(w_.size()),
+                           w_bf16_.data());
+}
+
 FoldedReadout FoldedReadout::Fold(const Standardizer& standardizer,
                                   const Eigen::VectorXd& theta,
                                   int64_t max_tokens) {
@@ -125,7 +132,8 @@ absl::StatusOr<double> FoldedReadout::Score(const FeatureView& x) const {
   } else if (x.dtype == DType::kFloat32) {
     dot = k.dot_f32(w_.data(), static_cast<const float*>(x.data), x.dim);
   } else if (x.dtype == DType::kBFloat16) {
-    dot = k.dot_bf16(w_.data(), static_cast<const uint16_t*>(x.data), x.dim);
+    dot = k.dot_bf16(w_bf16_.data(), static_cast<const uint16_t*>(x.data),
+                     x.dim);
   } else {
     dot = k.dot_f16(w_.data(), static_cast<const uint16_t*>(x.data), x.dim);
   }

@@ -79,9 +79,9 @@ class FoldedReadout {
   int64_t max_tokens() const { return max_tokens_; }
 
  private:
-  FoldedReadout(std::vector<float> w, double b, int64_t max_tokens)
-      : w_(std::move(w)), b_(b), max_tokens_(max_tokens) {}
+  FoldedReadout(std::vector<float> w, double b, int64_t max_tokens);
   std::vector<float> w_;
+  std::vector<float> w_bf16_;  // w in the bf16 kernel's order
   double b_ = 0.0;
   int64_t max_tokens_ = kDefaultMaxTokens;
 };

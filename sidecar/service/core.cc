@@ -225,7 +225,11 @@ absl::StatusOr<ScoreResult> Core::Predict(const ScoreRequest& req,
   r->product_line = std::string(req.product_line);
   r->dtype = req.dtype;
   r->dim = dim;
-  r->features = std::string(req.features);
+  if (req.owned_features != nullptr) {
+    r->features.swap(*req.owned_features);
+  } else {
+    r->features = std::string(req.features);
+  }
   r->request_max_tokens = req.request_max_tokens;
   r->session = session;
 

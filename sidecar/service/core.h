@@ -41,6 +41,9 @@ struct ScoreRequest {
   absl::string_view request_id;
   absl::string_view product_line;
   absl::string_view features;  // little-endian values of dtype
+  // When set, holds the same bytes as `features` and Predict takes them by
+  // swap instead of copying (the gRPC handler owns its parsed message).
+  std::string* owned_features = nullptr;
   readout::DType dtype = readout::DType::kFloat32;
   int64_t request_max_tokens = 0;
 };

@@ -58,7 +58,7 @@ absl::Status FeatureCache::Insert(std::shared_ptr<LiveRequest> r,
 absl::StatusOr<std::shared_ptr<LiveRequest>> FeatureCache::Take(
     absl::string_view id) {
   absl::MutexLock lock(&mu_);
-  auto it = index_.find(std::string(id));
+  auto it = index_.find(id);
   if (it == index_.end()) {
     return absl::NotFoundError(
         absl::StrCat("unknown request id '", id,
@@ -71,7 +71,7 @@ absl::StatusOr<std::shared_ptr<LiveRequest>> FeatureCache::Take(
 
 std::shared_ptr<LiveRequest> FeatureCache::Find(absl::string_view id) const {
   absl::MutexLock lock(&mu_);
-  auto it = index_.find(std::string(id));
+  auto it = index_.find(id);
   return it == index_.end() ? nullptr : *it->second;
 }
 

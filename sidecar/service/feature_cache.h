@@ -12,9 +12,9 @@
 #include <list>
 #include <memory>
 #include <string>
-#include <unordered_map>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -101,7 +101,7 @@ class FeatureCache {
   const std::function<void(bool)> on_evict_;
   mutable absl::Mutex mu_;
   List order_ ABSL_GUARDED_BY(mu_);  // oldest first
-  std::unordered_map<std::string, List::iterator> index_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, List::iterator> index_ ABSL_GUARDED_BY(mu_);
   int64_t bytes_ ABSL_GUARDED_BY(mu_) = 0;
   std::atomic<int64_t> evicted_capacity_{0}, evicted_ttl_{0};
 };

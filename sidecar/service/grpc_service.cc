@@ -5,6 +5,8 @@
 #include <thread>
 #include <unordered_map>
 
+#include "absl/container/flat_hash_map.h"
+
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
@@ -166,7 +168,7 @@ class ConnectSession final : public PublishListener {
       absl::MutexLock lock(&live_mu_);
       for (auto it = live_.begin(); it != live_.end();) {
         if (it->second->gone.load()) {
-          it = live_.erase(it);
+          live_.erase(it++);
           continue;
         }
         if (it->second->scores[0].readout == name) mine.push_back(it->second);
@@ -209,7 +211,7 @@ class ConnectSession final : public PublishListener {
   bool closed_ ABSL_GUARDED_BY(mu_) = false;
   bool broken_ = false;  // writer thread only
   absl::Mutex live_mu_;
-  std::unordered_map<std::string, std::shared_ptr<LiveRequest>> live_
+  absl::flat_hash_map<std::string, std::shared_ptr<LiveRequest>> live_
       ABSL_GUARDED_BY(live_mu_);
 };
 
@@ -315,11 +317,12 @@ grpc::Status PredictorService::Connect(
           break;
         }
         pb::PredictionBatch* batch = out.mutable_predictions();
-        for (const auto& r : records) {
+        for (auto& r : *in.mutable_features()->mutable_records()) {
           ScoreRequest req;
           req.request_id = r.request_id();
           req.product_line = r.product_line();
           req.features = r.features();
+          req.owned_features = r.mutable_features();
           req.dtype = *dtype;
           req.request_max_tokens = r.decoding().max_tokens();
           if (static_cast<int64_t>(r.features().size()) !=

@@ -136,6 +136,10 @@ int main(int argc, char** argv) {
   const pb::FeatureDType dtype =
       bf16 ? pb::FEATURE_DTYPE_BFLOAT16 : pb::FEATURE_DTYPE_FLOAT32;
 
+  // Request ids unique to this run (the server may still hold live ids of an
+  // earlier run).
+  const std::string run = absl::StrCat(std::random_device{}() % 1000000, "-");
+
   // ---- throughput: S streams, each keeping 2 batches in flight.
   const int streams = absl::GetFlag(FLAGS_streams);
   const double seconds = absl::GetFlag(FLAGS_seconds);
@@ -165,7 +169,7 @@ int main(int argc, char** argv) {
       auto fill = [&] {
         for (int i = 0; i < batch; ++i) {
           msg.mutable_features()->mutable_records(i)->set_request_id(
-              absl::StrCat("s", si, "-", next_id++));
+              absl::StrCat(run, si, "-", next_id++));
         }
       };
       std::atomic<bool> done{false};
@@ -190,7 +194,7 @@ int main(int argc, char** argv) {
         if (next_id - ids_live_from >= 8192) {  // keep the live set bounded
           cancel.Clear();
           for (int64_t id = ids_live_from; id < next_id - 4 * batch; ++id) {
-            cancel.mutable_cancels()->add_request_ids(absl::StrCat("s", si, "-", id));
+            cancel.mutable_cancels()->add_request_ids(absl::StrCat(run, si, "-", id));
           }
           ids_live_from = next_id - 4 * batch;
           stream->Write(cancel);
@@ -224,7 +228,7 @@ int main(int argc, char** argv) {
     r->set_features(payload);
     const int n = absl::GetFlag(FLAGS_latency_requests);
     for (int i = 0; i < n; ++i) {
-      r->set_request_id(absl::StrCat("lat-", i));
+      r->set_request_id(absl::StrCat(run, "lat-", i));
       const auto a = Clock::now();
       stream->Write(msg);
       do {

@@ -38,7 +38,18 @@ float DotF32Portable(const float* w, const float* x, int64_t n) {
   return DotPortable(w, n, [x](int64_t i) { return x[i]; });
 }
 float DotBf16Portable(const float* w, const uint16_t* x, int64_t n) {
-  return DotPortable(w, n, [x](int64_t i) { return Bf16ToFloat(x[i]); });
+  // w is in PermuteForBf16 order.
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    for (int l = 0; l < 8; ++l) {
+      acc[l] += w[i + l] * Bf16ToFloat(x[i + 2 * l]) +
+                w[i + 8 + l] * Bf16ToFloat(x[i + 2 * l + 1]);
+    }
+  }
+  for (; i < n; ++i) acc[0] += w[i] * Bf16ToFloat(x[i]);
+  return ((acc[0] + acc[1]) + (acc[2] + acc[3])) +
+         ((acc[4] + acc[5]) + (acc[6] + acc[7]));
 }
 float DotF16Portable(const float* w, const uint16_t* x, int64_t n) {
   return DotPortable(w, n, [x](int64_t i) { return Fp16ToFloat(x[i]); });
@@ -114,15 +125,35 @@ LEAP_AVX2 float DotF32Avx2(const float* w, const float* x, int64_t n) {
 }
 
 LEAP_AVX2 float DotBf16Avx2(const float* w, const uint16_t* x, int64_t n) {
-  return DotAvx2(
-      w, n,
-      [x](int64_t i) LEAP_AVX2 {
-        const __m128i h =
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i));
-        return _mm256_castsi256_ps(
-            _mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-      },
-      [x](int64_t i) { return Bf16ToFloat(x[i]); });
+  // 16 bf16 per 32-byte load: the even elements are the low halves of the
+  // 32-bit lanes (shift left 16 makes them floats), the odd ones the high
+  // halves (mask the low half off). w is in PermuteForBf16 order.
+  const __m256i hi_mask = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i));
+    const __m256i v1 =
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i + 16));
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i),
+                         _mm256_castsi256_ps(_mm256_slli_epi32(v0, 16)), a0);
+    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i + 8),
+                         _mm256_castsi256_ps(_mm256_and_si256(v0, hi_mask)), a1);
+    a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i + 16),
+                         _mm256_castsi256_ps(_mm256_slli_epi32(v1, 16)), a2);
+    a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i + 24),
+                         _mm256_castsi256_ps(_mm256_and_si256(v1, hi_mask)), a3);
+  }
+  for (; i + 16 <= n; i += 16) {
+    const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i));
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i),
+                         _mm256_castsi256_ps(_mm256_slli_epi32(v0, 16)), a0);
+    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i + 8),
+                         _mm256_castsi256_ps(_mm256_and_si256(v0, hi_mask)), a1);
+  }
+  float s = HSum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+  for (; i < n; ++i) s += w[i] * Bf16ToFloat(x[i]);
+  return s;
 }
 
 LEAP_AVX2 float DotF16Avx2(const float* w, const uint16_t* x, int64_t n) {
@@ -259,6 +290,17 @@ bool CpuHasAvx2Fma() {
 #endif
 
 }  // namespace
+
+void PermuteForBf16(const float* w, int64_t n, float* out) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    for (int l = 0; l < 8; ++l) {
+      out[i + l] = w[i + 2 * l];
+      out[i + 8 + l] = w[i + 2 * l + 1];
+    }
+  }
+  for (; i < n; ++i) out[i] = w[i];
+}
 
 const Kernels& PortableKernels() { return kPortable; }
 

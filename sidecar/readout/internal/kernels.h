@@ -17,13 +17,20 @@ struct Kernels {
   // sum_i w[i] * x[i], fp32 accumulation over many lanes; x contiguous.
   // A NaN or Inf anywhere in x makes the result non-finite.
   float (*dot_f32)(const float* w, const float* x, int64_t n);
-  float (*dot_bf16)(const float* w, const uint16_t* x, int64_t n);
+  // bf16 takes its weights in the layout of PermuteForBf16 (so each 32-byte
+  // load of 16 bf16 values splits into even and odd lanes with one shift and
+  // one mask, no widening).
+  float (*dot_bf16)(const float* w_bf16, const uint16_t* x, int64_t n);
   float (*dot_f16)(const float* w, const uint16_t* x, int64_t n);
   // V[i * k + c] = sum_{j<n} P[i * ldp + j] * U[c * ldu + j] for i < n,
   // c < k, 1 <= k <= kPanelMaxVectors. P is read once. V is overwritten.
   void (*panel)(const float* P, int64_t ldp, int64_t n, const float* U,
                 int64_t ldu, int k, float* V);
 };
+
+// Reorders w for dot_bf16: every full block of 16 becomes its 8 even-index
+// entries then its 8 odd-index entries; the tail (n % 16) keeps its order.
+void PermuteForBf16(const float* w, int64_t n, float* out);
 
 // The portable kernels (any x86-64 or other CPU).
 const Kernels& PortableKernels();
