@@ -347,6 +347,27 @@ TEST(LeapdEndToEnd, TenThousandRequestsMatchAnchoredClosedForm) {
   EXPECT_TRUE(a.Finish().ok());
   EXPECT_TRUE(b.Finish().ok());
 
+  // Prometheus /metrics carries the DESIGN §9 series with these figures.
+  std::string metrics_addr;
+  for (const std::string& line : s.proc->lines()) {
+    if (line.rfind("metrics on http://", 0) == 0) {
+      metrics_addr = line.substr(18, line.find("/metrics") - 18);
+    }
+  }
+  ASSERT_FALSE(metrics_addr.empty());
+  auto body = testing::HttpGet(metrics_addr, "/metrics");
+  ASSERT_TRUE(body.ok()) << body.status();
+  for (const std::string& want :
+       {std::string("leap_predictions_total{arm_kind=\"serving\",readout=\"r\"} 10000"),
+        std::string("leap_completions_total{outcome=\"learned\",readout=\"r\"} 8910"),
+        std::string("leap_completions_total{outcome=\"skipped_cancelled\",readout=\"r\"} 495"),
+        std::string("leap_readout_version{readout=\"r\"} ") + std::to_string(final_version),
+        std::string("leap_feature_cache{unit=\"entries\"} 100"),
+        std::string("leap_rls_batch_seconds_count"), std::string("leap_readout_spearman{readout=\"r\"}"),
+        std::string("leap_prediction_latency_seconds_bucket"), std::string("leap_connected_engines")}) {
+    EXPECT_NE(body->find(want), std::string::npos) << "missing: " << want;
+  }
+
   // SIGTERM: clean exit.
   s.proc->Signal(SIGTERM);
   const int status = s.proc->Wait();

@@ -1,6 +1,9 @@
 #include "tests/support/process.h"
 
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -96,6 +99,42 @@ int Process::Wait() {
   return status;
 }
 
+absl::StatusOr<std::string> HttpGet(const std::string& host_port,
+                                    const std::string& path) {
+  const size_t colon = host_port.rfind(':');
+  if (colon == std::string::npos) {
+    return absl::InvalidArgumentError("expected host:port");
+  }
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(std::stoi(host_port.substr(colon + 1))));
+  if (inet_pton(AF_INET, host_port.substr(0, colon).c_str(), &addr.sin_addr) != 1) {
+    return absl::InvalidArgumentError("expected an IPv4 host");
+  }
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0 || connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    if (fd >= 0) close(fd);
+    return absl::UnavailableError(absl::StrCat("connect ", host_port, ": ",
+                                               std::strerror(errno)));
+  }
+  const std::string req = absl::StrCat("GET ", path, " HTTP/1.0\r\nHost: ",
+                                       host_port, "\r\n\r\n");
+  if (write(fd, req.data(), req.size()) != static_cast<ssize_t>(req.size())) {
+    close(fd);
+    return absl::InternalError("short write");
+  }
+  std::string resp;
+  char buf[8192];
+  ssize_t n;
+  while ((n = read(fd, buf, sizeof(buf))) > 0) resp.append(buf, n);
+  close(fd);
+  const size_t body = resp.find("\r\n\r\n");
+  if (resp.rfind("HTTP/1.", 0) != 0 || body == std::string::npos) {
+    return absl::InternalError(absl::StrCat("bad HTTP response: ", resp.substr(0, 80)));
+  }
+  return resp.substr(body + 4);
+}
+
 absl::StatusOr<std::unique_ptr<Process>> StartLeapd(
     const std::string& leapd_path, std::vector<std::string> args,
     std::string* address, absl::Duration timeout) {
@@ -113,7 +152,7 @@ absl::StatusOr<std::unique_ptr<Process>> StartLeapd(
   auto addr = (*p)->WaitForLine("listening on ", timeout);
   if (!addr.ok()) return addr.status();
   if (address != nullptr) *address = *addr;
-  auto ready = (*p)->WaitForLine("leapd ", timeout);
+  auto ready = (*p)->WaitForLine("leapd ", timeout);  // after 'metrics on'
   if (!ready.ok()) return ready.status();
   return p;
 }

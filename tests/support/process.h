@@ -45,6 +45,11 @@ class Process {
 // Starts leapd (path from the LEAPD_PATH compile definition or argument)
 // with `args` plus --listen=127.0.0.1:0 --metrics_listen=127.0.0.1:0 unless
 // given, and waits for it to be ready. `address` receives host:port.
+// GET http://host:port/path over a plain socket (loopback test servers);
+// returns the body.
+absl::StatusOr<std::string> HttpGet(const std::string& host_port,
+                                    const std::string& path);
+
 absl::StatusOr<std::unique_ptr<Process>> StartLeapd(
     const std::string& leapd_path, std::vector<std::string> args,
     std::string* address, absl::Duration timeout = absl::Seconds(30));
