@@ -128,11 +128,20 @@ absl::Status Core::SetRoute(Route route) {
   RETURN_IF_ERROR(route.Validate());
   absl::MutexLock lock(&admin_mu_);
   auto map = readouts_.load();
+  int64_t dim = -1;
   for (const auto& arm : route.arms) {
-    if (map->count(arm.readout) == 0) {
+    auto it = map->find(arm.readout);
+    if (it == map->end()) {
       return absl::NotFoundError(absl::StrCat(
           "arm '", arm.name, "' names unknown readout '", arm.readout, "'"));
     }
+    if (dim >= 0 && it->second->spec().dim != dim) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "arms of one route must read the same feature width: arm '",
+          arm.name, "' (readout '", arm.readout, "') has dim ",
+          it->second->spec().dim, ", an earlier arm has ", dim));
+    }
+    dim = it->second->spec().dim;
   }
   routes_.store(routes_.load()->With(std::move(route)));
   return absl::OkStatus();
@@ -167,7 +176,11 @@ Core::ArmState* Core::Arm(const std::string& product_line,
   }
   absl::MutexLock lock(&arms_mu_);
   auto& slot = arms_[key];
-  if (slot == nullptr || slot->readout != arm.readout) {
+  if (slot != nullptr && slot->readout == arm.readout) {
+    slot->shadow = arm.shadow;  // switched between serving and shadow
+    return slot.get();
+  }
+  {
     // New arm, or the arm now points at another readout: fresh window.
     slot = std::make_unique<ArmState>(options_.readout.quality_window);
     slot->readout = arm.readout;
@@ -223,6 +236,7 @@ absl::StatusOr<ScoreResult> Core::Predict(const ScoreRequest& req,
   auto r = std::make_shared<LiveRequest>();
   r->request_id = std::string(req.request_id);
   r->product_line = std::string(req.product_line);
+  r->route_key = route->product_line;
   r->dtype = req.dtype;
   r->dim = dim;
   if (req.owned_features != nullptr) {
@@ -323,7 +337,7 @@ absl::StatusOr<CompletionOutcome> Core::Complete(absl::string_view request_id,
       ro.RecordQuality(s.version, s.predicted_tokens, truth);
       {
         absl::MutexLock lock(&arms_mu_);
-        auto ait = arms_.find({r.product_line, s.arm});
+        auto ait = arms_.find({r.route_key, s.arm});
         if (ait != arms_.end() && ait->second->readout == s.readout) {
           ait->second->completions++;
           ait->second->window.Add(s.predicted_tokens, truth);

@@ -36,6 +36,8 @@ struct ArmScore {
 struct LiveRequest {
   std::string request_id;
   std::string product_line;
+  // Product line of the route that served it ("" for the default route).
+  std::string route_key;
   readout::DType dtype = readout::DType::kFloat32;
   int64_t dim = 0;
   std::string features;  // dim values of dtype, little-endian

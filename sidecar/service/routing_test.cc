@@ -25,13 +25,14 @@ void ExpectInvalid(const absl::Status& s, const std::string& needle) {
 
 TEST(RouteValidate, AcceptsWellFormedRoutes) {
   EXPECT_TRUE((Route{"", {Serving("a", 100)}}).Validate().ok());
-  EXPECT_TRUE((Route{"search", {Serving("a", 30), Serving("b", 70),
-                                Shadow("s")}})
-                  .Validate()
-                  .ok());
+  EXPECT_TRUE(
+      (Route{"search", {Serving("a", 30), Serving("b", 70), Shadow("s")}})
+          .Validate()
+          .ok());
   // Thirds: the sum is 100 within rounding.
-  EXPECT_TRUE((Route{"x", {Serving("a", 100.0 / 3), Serving("b", 100.0 / 3),
-                           Serving("c", 100.0 / 3)}})
+  EXPECT_TRUE((Route{"x",
+                     {Serving("a", 100.0 / 3), Serving("b", 100.0 / 3),
+                      Serving("c", 100.0 / 3)}})
                   .Validate()
                   .ok());
   // A single unnamed arm is allowed (leapd names it after its readout).
@@ -64,9 +65,9 @@ TEST(RouteValidate, ArmNamesAreUniqueAndSet) {
   ExpectInvalid((Route{"p", {Serving("a", 50), Serving("a", 50)}}).Validate(),
                 "duplicate arm name 'a'");
   // A shadow may not reuse a serving arm's name either.
-  ExpectInvalid((Route{"p", {Serving("a", 100), Arm{"a", "r-s", 0, true}}})
-                    .Validate(),
-                "duplicate arm name 'a'");
+  ExpectInvalid(
+      (Route{"p", {Serving("a", 100), Arm{"a", "r-s", 0, true}}}).Validate(),
+      "duplicate arm name 'a'");
   ExpectInvalid(
       (Route{"p", {Serving("a", 50), Arm{"", "r-b", 50, false}}}).Validate(),
       "needs a name");
@@ -76,9 +77,9 @@ TEST(RouteValidate, EveryArmNamesAReadout) {
   ExpectInvalid(
       (Route{"p", {Serving("a", 50), Arm{"b", "", 50, false}}}).Validate(),
       "arm 'b' names no readout");
-  ExpectInvalid((Route{"p", {Serving("a", 100), Arm{"s", "", 0, true}}})
-                    .Validate(),
-                "arm 's' names no readout");
+  ExpectInvalid(
+      (Route{"p", {Serving("a", 100), Arm{"s", "", 0, true}}}).Validate(),
+      "arm 's' names no readout");
 }
 
 // Values from an independent implementation (Python: FNV-1a 64 over the
@@ -97,8 +98,9 @@ TEST(StableRequestHash, FixedValues) {
 TEST(RoutingTableChoose, ArmFollowsTheHashPosition) {
   // Position = hash % 10^6 / 10^4: q-0 is at 55.2432, q-1 at 70.6291,
   // "" at 2.6203, "a" at 98.3736 (see FixedValues).
-  const Route r{"p", {Serving("a", 55.2432), Serving("b", 15.3858),
-                      Serving("c", 29.371)}};
+  const Route r{
+      "p",
+      {Serving("a", 55.2432), Serving("b", 15.3858), Serving("c", 29.371)}};
   ASSERT_TRUE(r.Validate().ok());
   // At a's upper edge (exclusive): b.
   EXPECT_EQ(RoutingTable::Choose(r, "q-0").serving->name, "b");
@@ -109,8 +111,9 @@ TEST(RoutingTableChoose, ArmFollowsTheHashPosition) {
 }
 
 TEST(RoutingTableChoose, SplitMatchesPercentsAndShadowsScoreEverything) {
-  const Route r{"p", {Serving("a", 30), Shadow("s1"), Serving("b", 50),
-                      Serving("c", 20), Shadow("s2")}};
+  const Route r{"p",
+                {Serving("a", 30), Shadow("s1"), Serving("b", 50),
+                 Serving("c", 20), Shadow("s2")}};
   ASSERT_TRUE(r.Validate().ok());
   constexpr int kIds = 200000;
   std::map<std::string, int> counts;
