@@ -28,14 +28,29 @@
 #include "sidecar/readout/artifact.h"
 #include "sidecar/service/core.h"
 #include "sidecar/service/grpc_service.h"
+#include "storage/rocksdb_store.h"
 
 ABSL_FLAG(std::vector<std::string>, listen, {"127.0.0.1:7070"},
           "Address to serve gRPC on: host:port (port 0 picks a free port) or "
           "unix:///path. Repeatable (or comma-separated). Each bound address "
           "is printed on stdout as 'listening on ADDR'.");
 ABSL_FLAG(std::string, data_dir, "",
-          "Directory for durable state. Not used yet: state lives in memory "
-          "until the storage milestone (use --import to load readouts).");
+          "Directory of the embedded RocksDB with readouts, checkpoints, the "
+          "feedback log, versions, snapshots and routes. On start the newest "
+          "valid checkpoint of every readout is loaded and the log after it "
+          "replayed. Empty: state lives in memory only.");
+ABSL_FLAG(bool, sync_log, false,
+          "fsync every feedback append (survives power loss; without it an "
+          "acknowledged completion survives kill -9 of leapd).");
+ABSL_FLAG(int64_t, checkpoint_every_batches, 256,
+          "Checkpoint theta and P after this many RLS batches...");
+ABSL_FLAG(absl::Duration, checkpoint_every, absl::Seconds(60),
+          "...or this long after the last checkpoint, whichever comes first.");
+ABSL_FLAG(int32_t, checkpoints_kept, 2,
+          "Valid checkpoints kept per readout (the log is kept from the "
+          "oldest, so a corrupt newest one falls back without loss).");
+ABSL_FLAG(int64_t, versions_kept, 10000,
+          "Published versions kept per readout on disk and in memory.");
 ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:9464",
           "host:port for Prometheus /metrics (port 0 picks one; empty "
           "disables). Printed as 'metrics on http://ADDR/metrics'.");
@@ -152,12 +167,32 @@ int main(int argc, char** argv) {
   options.cache.ttl_ns =
       absl::ToInt64Nanoseconds(absl::GetFlag(FLAGS_feature_cache_ttl));
   options.max_batch_bytes = absl::GetFlag(FLAGS_max_batch_bytes);
+  options.readout.checkpoint_every_batches =
+      absl::GetFlag(FLAGS_checkpoint_every_batches);
+  options.readout.checkpoint_every_ns =
+      absl::ToInt64Nanoseconds(absl::GetFlag(FLAGS_checkpoint_every));
+  options.readout.versions_kept = absl::GetFlag(FLAGS_versions_kept);
   if (absl::Status s = options.Validate(); !s.ok()) {
     return Fail(std::string(s.message()));
   }
+  std::unique_ptr<leap::storage::StateStore> store;
+  leap::storage::RecoveredState recovered;
   if (!absl::GetFlag(FLAGS_data_dir).empty()) {
-    std::fprintf(stderr,
-                 "leapd: note: --data_dir is not used yet; state is in memory\n");
+    leap::storage::RocksStoreOptions so;
+    so.sync_log = absl::GetFlag(FLAGS_sync_log);
+    so.checkpoints_kept = absl::GetFlag(FLAGS_checkpoints_kept);
+    so.versions_kept = absl::GetFlag(FLAGS_versions_kept);
+    std::error_code ec;
+    std::filesystem::create_directories(absl::GetFlag(FLAGS_data_dir), ec);
+    auto opened = leap::storage::OpenRocksStore(absl::GetFlag(FLAGS_data_dir), so);
+    if (!opened.ok()) return Fail(std::string(opened.status().message()));
+    store = std::move(*opened);
+    auto loaded = store->Load();
+    if (!loaded.ok()) return Fail(std::string(loaded.status().message()));
+    recovered = std::move(*loaded);
+    for (const std::string& p : recovered.problems) {
+      std::printf("recovery: %s\n", p.c_str());
+    }
   }
 
   leap::sidecar::Metrics metrics;
@@ -173,7 +208,26 @@ int main(int argc, char** argv) {
     }
     exposer->RegisterCollectable(metrics.registry());
   }
-  Core core(options, &metrics);
+  Core core(options, &metrics, store.get());
+  if (store != nullptr) {
+    size_t replayed = 0;
+    std::vector<std::string> names;
+    for (const auto& r : recovered.readouts) {
+      replayed += r.log.size();
+      names.push_back(absl::StrCat(r.meta.name, " (checkpoint v",
+                                   r.checkpoint.version, ", ", r.log.size(),
+                                   " log records)"));
+    }
+    const size_t routes = recovered.routes.size();
+    if (absl::Status s = core.Recover(std::move(recovered)); !s.ok()) {
+      return Fail(std::string(s.message()));
+    }
+    std::printf("recovered %zu readouts, %zu routes from %s%s%s; replaying %zu "
+                "completions\n",
+                names.size(), routes, absl::GetFlag(FLAGS_data_dir).c_str(),
+                names.empty() ? "" : ": ", absl::StrJoin(names, ", ").c_str(),
+                replayed);
+  }
 
   // Readouts to load.
   std::string first;
@@ -184,6 +238,11 @@ int main(int argc, char** argv) {
       path = spec.substr(eq + 1);
     } else {
       name = std::filesystem::path(path).stem().string();
+    }
+    if (core.GetReadout(name).ok()) {
+      std::printf("readout %s already in %s; --import %s skipped\n", name.c_str(),
+                  absl::GetFlag(FLAGS_data_dir).c_str(), path.c_str());
+      continue;
     }
     auto state = leap::readout::ReadArtifact(path);
     if (!state.ok()) return Fail(std::string(state.status().message()));
@@ -198,7 +257,7 @@ int main(int argc, char** argv) {
   const std::string def = absl::GetFlag(FLAGS_default_readout).empty()
                               ? first
                               : absl::GetFlag(FLAGS_default_readout);
-  if (!def.empty()) {
+  if (!def.empty() && core.ListRoutes().empty()) {
     leap::sidecar::Route r;
     r.arms.push_back({def, def, 100.0, false});
     if (absl::Status s = core.SetRoute(r); !s.ok()) {
@@ -248,15 +307,25 @@ int main(int argc, char** argv) {
   std::fflush(stdout);
   server->GetHealthCheckService()->SetServingStatus(true);
 
+  // Wait for SIGTERM/SIGINT; refresh the storage gauges meanwhile.
   int sig = 0;
-  sigwait(&sigs, &sig);
+  for (;;) {
+    if (store != nullptr) {
+      for (const auto& [family, bytes] : store->BytesPerFamily()) {
+        metrics.StorageBytes(family).Set(static_cast<double>(bytes));
+      }
+    }
+    timespec ts{10, 0};
+    sig = sigtimedwait(&sigs, nullptr, &ts);
+    if (sig == SIGTERM || sig == SIGINT) break;
+  }
   std::fprintf(stderr, "leapd: %s: draining\n",
                sig == SIGTERM ? "SIGTERM" : "SIGINT");
   server->GetHealthCheckService()->SetServingStatus(false);
   predictor.BeginShutdown();
   server->Shutdown(std::chrono::system_clock::now() +
                    absl::ToChronoSeconds(absl::GetFlag(FLAGS_drain_timeout)));
-  core.Shutdown(/*drain=*/true);
+  core.Shutdown(/*drain=*/true);  // applies the backlog, final checkpoints
   std::fprintf(stderr, "leapd: stopped\n");
   return 0;
 }

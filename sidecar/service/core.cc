@@ -2,9 +2,11 @@
 
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "nlohmann/json.hpp"
 
 namespace leap::sidecar {
 namespace {
@@ -42,9 +44,10 @@ absl::Status CoreOptions::Validate() const {
   return absl::OkStatus();
 }
 
-Core::Core(CoreOptions options, Metrics* metrics)
+Core::Core(CoreOptions options, Metrics* metrics, storage::StateStore* store)
     : options_(options),
       metrics_(metrics),
+      store_(store),
       cache_(options.cache, [metrics](bool ttl) {
         (ttl ? metrics->evicted_ttl() : metrics->evicted_capacity())
             .Increment();
@@ -65,14 +68,116 @@ absl::Status Core::CreateReadout(const std::string& name,
     return absl::AlreadyExistsError(
         absl::StrCat("readout '", name, "' already exists"));
   }
+  LiveReadoutInit init;
+  init.name = name;
+  init.store = store_;
+  init.meta.name = name;
+  init.meta.spec = state.spec;
+  init.meta.standardizer = state.standardizer;
+  init.meta.has_p = state.p.has_value();
+  init.meta.frozen = !state.p.has_value();
+  init.meta.created_unix_ms = std::chrono::duration_cast<std::chrono::milliseconds>(
+      std::chrono::system_clock::now().time_since_epoch()).count();
+  if (state.version < 1) state.version = 1;
+  if (store_ != nullptr) {
+    storage::ReadoutCheckpoint initial;
+    initial.version = state.version;
+    initial.completions_learned = state.completions_learned;
+    initial.last_seq = 0;
+    initial.unix_ms = init.meta.created_unix_ms;
+    initial.theta = state.theta;
+    initial.p = state.p;
+    RETURN_IF_ERROR(store_->CreateReadout(&init.meta, initial));
+  }
+  init.frozen = init.meta.frozen;
+  init.state = std::move(state);
   auto next = std::make_shared<ReadoutMap>(*current);
-  (*next)[name] = std::make_shared<LiveReadout>(name, std::move(state),
-                                                options_.readout, metrics_,
-                                                &hub_);
+  (*next)[name] = std::make_shared<LiveReadout>(std::move(init), options_.readout,
+                                                metrics_, &hub_);
   auto v = (*next)[name]->current();
   readouts_.store(std::move(next));
   hub_.Notify(name, v);
   return absl::OkStatus();
+}
+
+absl::Status Core::Recover(storage::RecoveredState state) {
+  absl::MutexLock lock(&admin_mu_);
+  auto next = std::make_shared<ReadoutMap>(*readouts_.load());
+  for (storage::RecoveredReadout& r : state.readouts) {
+    LiveReadoutInit init;
+    init.name = r.meta.name;
+    init.store = store_;
+    init.meta = r.meta;
+    init.frozen = r.meta.frozen;
+    init.cause = "recovered";
+    init.last_seq = r.checkpoint.last_seq;
+    init.state.spec = r.meta.spec;
+    init.state.standardizer = r.meta.standardizer;
+    init.state.theta = std::move(r.checkpoint.theta);
+    init.state.p = std::move(r.checkpoint.p);
+    init.state.completions_learned = r.checkpoint.completions_learned;
+    // A version number never seen before: history stays append-only.
+    init.state.version = std::max(r.max_version, r.checkpoint.version) + 1;
+    auto live = std::make_shared<LiveReadout>(std::move(init), options_.readout,
+                                              metrics_, &hub_);
+    for (const storage::LogRecord& rec : r.log) live->Replay(rec);
+    (*next)[r.meta.name] = std::move(live);
+  }
+  readouts_.store(std::move(next));
+  for (const auto& [pl, text] : state.routes) {
+    absl::StatusOr<Route> route = RouteFromJson(text);
+    if (!route.ok()) {
+      std::fprintf(stderr, "leapd: route '%s' not restored: %s\n", pl.c_str(),
+                   std::string(route.status().message()).c_str());
+      continue;
+    }
+    absl::Status s = InstallRouteLocked(std::move(*route), /*persist=*/false);
+    if (!s.ok()) {
+      std::fprintf(stderr, "leapd: route '%s' not restored: %s\n", pl.c_str(),
+                   std::string(s.message()).c_str());
+    }
+  }
+  return absl::OkStatus();
+}
+
+std::string RouteToJson(const Route& r) {
+  nlohmann::json arms = nlohmann::json::array();
+  for (const Arm& a : r.arms) {
+    arms.push_back({{"name", a.name},
+                    {"readout", a.readout},
+                    {"percent", a.percent},
+                    {"shadow", a.shadow}});
+  }
+  return nlohmann::json{{"product_line", r.product_line}, {"arms", arms}}.dump();
+}
+
+absl::StatusOr<Route> RouteFromJson(absl::string_view text) {
+  nlohmann::json j = nlohmann::json::parse(std::string(text), nullptr, false);
+  if (j.is_discarded()) return absl::InvalidArgumentError("route is not JSON");
+  Route r;
+  try {
+    r.product_line = j.at("product_line").get<std::string>();
+    for (const auto& a : j.at("arms")) {
+      r.arms.push_back({a.at("name").get<std::string>(),
+                        a.at("readout").get<std::string>(),
+                        a.at("percent").get<double>(), a.at("shadow").get<bool>()});
+    }
+  } catch (const nlohmann::json::exception& e) {
+    return absl::InvalidArgumentError(absl::StrCat("route JSON: ", e.what()));
+  }
+  return r;
+}
+
+absl::StatusOr<storage::SnapshotInfo> Core::Snapshot(const std::string& readout,
+                                                     const std::string& label) {
+  ASSIGN_OR_RETURN(auto r, GetReadout(readout));
+  return r->Snapshot(label);
+}
+
+absl::StatusOr<int64_t> Core::Rollback(const std::string& readout,
+                                       const std::string& label) {
+  ASSIGN_OR_RETURN(auto r, GetReadout(readout));
+  return r->Rollback(label);
 }
 
 absl::Status Core::DeleteReadout(const std::string& name) {
@@ -94,6 +199,7 @@ absl::Status Core::DeleteReadout(const std::string& name) {
       }
     }
     victim = it->second;
+    if (store_ != nullptr) RETURN_IF_ERROR(store_->DeleteReadout(victim->meta()));
     auto next = std::make_shared<ReadoutMap>(*current);
     next->erase(name);
     readouts_.store(std::move(next));
@@ -127,6 +233,11 @@ absl::Status Core::SetRoute(Route route) {
   }
   RETURN_IF_ERROR(route.Validate());
   absl::MutexLock lock(&admin_mu_);
+  return InstallRouteLocked(std::move(route), /*persist=*/true);
+}
+
+absl::Status Core::InstallRouteLocked(Route route, bool persist) {
+  RETURN_IF_ERROR(route.Validate());
   auto map = readouts_.load();
   int64_t dim = -1;
   for (const auto& arm : route.arms) {
@@ -143,6 +254,9 @@ absl::Status Core::SetRoute(Route route) {
     }
     dim = it->second->spec().dim;
   }
+  if (persist && store_ != nullptr) {
+    RETURN_IF_ERROR(store_->PutRoute(route.product_line, RouteToJson(route)));
+  }
   routes_.store(routes_.load()->With(std::move(route)));
   return absl::OkStatus();
 }
@@ -154,6 +268,7 @@ absl::Status Core::DeleteRoute(const std::string& product_line) {
     return absl::NotFoundError(
         absl::StrCat("no route for product line '", product_line, "'"));
   }
+  if (store_ != nullptr) RETURN_IF_ERROR(store_->DeleteRoute(product_line));
   routes_.store(table->Without(product_line));
   return absl::OkStatus();
 }
@@ -289,6 +404,17 @@ absl::StatusOr<CompletionOutcome> Core::Complete(absl::string_view request_id,
                                 readout::kDefaultMaxTokens)
           .status());
   std::shared_ptr<LiveRequest> peek = cache_.Find(request_id);
+  if (peek == nullptr && store_ != nullptr) {
+    // A completion resent after a reconnect: recorded before, so it is
+    // acknowledged again and not learned twice.
+    absl::StatusOr<bool> seen = store_->WasRecorded(std::string(request_id));
+    if (seen.ok() && *seen) {
+      CompletionOutcome dup;
+      dup.learned = true;
+      dup.duplicate = true;
+      return dup;
+    }
+  }
   if (peek == nullptr) {
     unknown_.fetch_add(1);
     metrics_->unknown_completions().Increment();
@@ -348,8 +474,14 @@ absl::StatusOr<CompletionOutcome> Core::Complete(absl::string_view request_id,
         skip = "frozen";
         ro.metrics().skipped_frozen->Increment();
       } else {
-        ro.Learn(r.view(),
-                 readout::TargetFromTokens(output_tokens, ro.spec().max_tokens));
+        absl::Status learned = ro.Learn(
+            {r.request_id, r.view(),
+             readout::TargetFromTokens(output_tokens, ro.spec().max_tokens)});
+        if (!learned.ok()) {
+          if (i == 0) return learned;  // not acknowledged
+          std::fprintf(stderr, "leapd: shadow readout '%s': %s\n",
+                       ro.name().c_str(), std::string(learned.message()).c_str());
+        }
       }
     }
     if (i == 0) {

@@ -22,6 +22,7 @@
 #include "sidecar/service/metrics.h"
 #include "sidecar/service/quality.h"
 #include "sidecar/service/routing.h"
+#include "storage/state_store.h"
 
 namespace leap::sidecar {
 
@@ -63,6 +64,9 @@ struct CompletionOutcome {
   bool learned = false;
   // "", "cancelled", "censored", "frozen" or "readout_deleted".
   std::string skip_reason;
+  // The request was already recorded (a completion resent after a
+  // reconnect): acknowledged again, not learned twice.
+  bool duplicate = false;
 };
 
 // Online quality of one (product line, arm).
@@ -78,7 +82,14 @@ struct ArmStat {
 // Thread-safe.
 class Core {
  public:
-  Core(CoreOptions options, Metrics* metrics);
+  // `store` (may be null: state in memory only) must outlive the Core.
+  Core(CoreOptions options, Metrics* metrics,
+       storage::StateStore* store = nullptr);
+
+  // Resumes from durable state: readouts from their newest valid
+  // checkpoint, with the feedback log after it queued for the RLS threads
+  // (predictions are served from the checkpoint meanwhile), and routes.
+  absl::Status Recover(storage::RecoveredState state);
   ~Core();
 
   PublishHub& hub() { return hub_; }
@@ -121,6 +132,13 @@ class Core {
   int64_t unknown_completions() const { return unknown_.load(); }
   const FeatureCache& cache() const { return cache_; }
 
+  // --- snapshots
+  absl::StatusOr<storage::SnapshotInfo> Snapshot(const std::string& readout,
+                                                 const std::string& label);
+  absl::StatusOr<int64_t> Rollback(const std::string& readout,
+                                   const std::string& label);
+  storage::StateStore* store() const { return store_; }
+
   // Blocks until every readout applied its queued completions.
   void WaitIdle();
   // Stops every RLS thread (applying queued completions when `drain`).
@@ -140,13 +158,17 @@ class Core {
   };
   ArmState* Arm(const std::string& product_line, const sidecar::Arm& arm);
   absl::Status CheckRequest(const ScoreRequest& r) const;
+  absl::Status InstallRouteLocked(Route route, bool persist)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(admin_mu_);
 
   const CoreOptions options_;
   Metrics* const metrics_;
+  storage::StateStore* const store_;
   PublishHub hub_;
   FeatureCache cache_;
 
   absl::Mutex admin_mu_;  // serializes writers of readouts_ and routes_
+
   std::atomic<std::shared_ptr<const ReadoutMap>> readouts_;
   std::atomic<std::shared_ptr<const RoutingTable>> routes_;
 
@@ -156,6 +178,10 @@ class Core {
 
   std::atomic<int64_t> unknown_{0};
 };
+
+// A route as JSON (how the store keeps it) and back.
+std::string RouteToJson(const Route& r);
+absl::StatusOr<Route> RouteFromJson(absl::string_view json);
 
 // Readout names: [A-Za-z0-9._-]{1,64}.
 absl::Status ValidateReadoutName(absl::string_view name);

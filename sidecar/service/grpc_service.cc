@@ -360,6 +360,7 @@ grpc::Status PredictorService::Connect(
             continue;
           }
           session->Untrack(c.request_id());
+          if (o->duplicate) ack->set_duplicates(ack->duplicates() + 1);
           if (o->learned) {
             ack->set_accepted(ack->accepted() + 1);
           } else {
@@ -438,6 +439,7 @@ grpc::Status PredictorService::Complete(grpc::ServerContext*,
   if (!o.ok()) return ToGrpc(o.status());
   resp->set_learned(o->learned);
   resp->set_skip_reason(o->skip_reason);
+  resp->set_duplicate(o->duplicate);
   return grpc::Status::OK;
 }
 
@@ -651,6 +653,50 @@ grpc::Status AdminService::GetStats(grpc::ServerContext*,
   resp->set_unknown_completions(core_->unknown_completions());
   resp->set_evicted_capacity(core_->cache().evicted_capacity());
   resp->set_evicted_ttl(core_->cache().evicted_ttl());
+  if (core_->store() != nullptr) {
+    for (const auto& [family, bytes] : core_->store()->BytesPerFamily()) {
+      (*resp->mutable_storage_bytes())[family] = bytes;
+    }
+  }
+  return grpc::Status::OK;
+}
+
+namespace {
+void FillSnapshot(const storage::SnapshotInfo& i, pb::SnapshotInfo* out) {
+  out->set_label(i.label);
+  out->set_version(i.version);
+  out->set_completions_learned(i.completions_learned);
+  out->set_spearman(i.spearman);
+  out->set_unix_ms(i.unix_ms);
+}
+}  // namespace
+
+grpc::Status AdminService::CreateSnapshot(grpc::ServerContext*,
+                                          const pb::CreateSnapshotRequest* req,
+                                          pb::SnapshotInfo* resp) {
+  auto info = core_->Snapshot(req->readout(), req->label());
+  if (!info.ok()) return ToGrpc(info.status());
+  FillSnapshot(*info, resp);
+  return grpc::Status::OK;
+}
+
+grpc::Status AdminService::ListSnapshots(grpc::ServerContext*,
+                                         const pb::ListSnapshotsRequest* req,
+                                         pb::ListSnapshotsResponse* resp) {
+  auto r = core_->GetReadout(req->readout());
+  if (!r.ok()) return ToGrpc(r.status());
+  auto list = (*r)->ListSnapshots();
+  if (!list.ok()) return ToGrpc(list.status());
+  for (const auto& i : *list) FillSnapshot(i, resp->add_snapshots());
+  return grpc::Status::OK;
+}
+
+grpc::Status AdminService::Rollback(grpc::ServerContext*,
+                                    const pb::RollbackRequest* req,
+                                    pb::RollbackResponse* resp) {
+  auto v = core_->Rollback(req->readout(), req->label());
+  if (!v.ok()) return ToGrpc(v.status());
+  resp->set_version(*v);
   return grpc::Status::OK;
 }
 

@@ -80,6 +80,14 @@ class AdminService final : public leap::v1::Admin::Service {
                            leap::v1::DeleteRouteResponse*) override;
   grpc::Status GetStats(grpc::ServerContext*, const leap::v1::GetStatsRequest*,
                         leap::v1::StatsResponse*) override;
+  grpc::Status CreateSnapshot(grpc::ServerContext*,
+                              const leap::v1::CreateSnapshotRequest*,
+                              leap::v1::SnapshotInfo*) override;
+  grpc::Status ListSnapshots(grpc::ServerContext*,
+                             const leap::v1::ListSnapshotsRequest*,
+                             leap::v1::ListSnapshotsResponse*) override;
+  grpc::Status Rollback(grpc::ServerContext*, const leap::v1::RollbackRequest*,
+                        leap::v1::RollbackResponse*) override;
 
  private:
   Core* const core_;

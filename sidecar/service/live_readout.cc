@@ -63,38 +63,49 @@ absl::Status LiveReadoutOptions::Validate() const {
   return absl::OkStatus();
 }
 
-LiveReadout::LiveReadout(std::string name, readout::ReadoutState state,
-                         LiveReadoutOptions options, Metrics* metrics,
-                         PublishHub* hub)
-    : name_(std::move(name)),
-      spec_(state.spec),
-      standardizer_(state.standardizer),
+LiveReadout::LiveReadout(LiveReadoutInit init, LiveReadoutOptions options,
+                         Metrics* metrics, PublishHub* hub)
+    : name_(std::move(init.name)),
+      spec_(init.state.spec),
+      standardizer_(init.state.standardizer),
       options_(options),
-      adaptive_(state.p.has_value()),
-      created_unix_ms_(UnixMs()),
+      adaptive_(init.state.p.has_value()),
+      created_unix_ms_(init.meta.created_unix_ms > 0 ? init.meta.created_unix_ms
+                                                     : UnixMs()),
       metrics_owner_(metrics),
       metrics_(metrics->ForReadout(name_)),
       hub_(hub),
-      frozen_(!state.p.has_value()),
-      learned_(state.completions_learned),
-      version_(std::max<int64_t>(state.version, 1)),
+      frozen_(init.frozen || !init.state.p.has_value()),
+      learned_(init.state.completions_learned),
+      version_(std::max<int64_t>(init.state.version, 1)),
+      store_(init.store),
+      meta_(init.meta),
+      next_seq_(init.last_seq + 1),
       overall_(options.quality_window) {
-  theta_ = state.theta;
-  if (state.p.has_value()) {
-    rls_.emplace(state.theta, std::move(*state.p));
-  }
-  auto v = std::make_shared<PublishedVersion>(PublishedVersion{
-      version_.load(), state.Fold(), learned_.load(), UnixMs(), "create"});
-  current_.store(v);
   {
-    absl::MutexLock lock(&quality_mu_);
+    absl::MutexLock lock(&state_mu_);
+    theta_ = init.state.theta;
+    applied_seq_ = init.last_seq;
+    last_ckpt_ns_ = NowNs();
+    if (init.state.p.has_value()) {
+      rls_.emplace(init.state.theta, std::move(*init.state.p));
+    }
+    auto v = std::make_shared<PublishedVersion>(PublishedVersion{
+        version_.load(),
+        readout::FoldedReadout::Fold(standardizer_, theta_, spec_.max_tokens),
+        learned_.load(), UnixMs(), init.cause});
+    current_.store(v);
+    absl::MutexLock qlock(&quality_mu_);
     versions_.push_back({v->version, v->completions_learned,
                          v->published_unix_ms, v->cause, NAN, 0});
   }
-  metrics_.version->Set(static_cast<double>(v->version));
+  metrics_.version->Set(static_cast<double>(version_.load()));
   metrics_.frozen->Set(frozen_.load() ? 1 : 0);
   metrics_.spearman->Set(NAN);
   if (adaptive_) worker_ = std::thread([this] { WorkerLoop(); });
+  if (store_ != nullptr && adaptive_) {
+    checkpointer_ = std::thread([this] { CheckpointLoop(); });
+  }
 }
 
 LiveReadout::~LiveReadout() {
@@ -113,23 +124,61 @@ absl::Status LiveReadout::SetFrozen(bool frozen) {
     if (broken_) {
       return absl::FailedPreconditionError(absl::StrCat(
           "readout '", name_,
-          "' stopped adapting after an RLS failure; restore it first"));
+          "' stopped adapting after an RLS failure; roll back to a snapshot "
+          "first"));
     }
+  }
+  if (store_ != nullptr) {
+    absl::Status s = store_->SetFrozen(meta_, frozen);
+    if (!s.ok()) return s;
   }
   frozen_.store(frozen);
   metrics_.frozen->Set(frozen ? 1 : 0);
   return absl::OkStatus();
 }
 
-void LiveReadout::Learn(const readout::FeatureView& x, double target) {
+void LiveReadout::Enqueue(const readout::FeatureView& x, double target,
+                          uint64_t seq) {
   Pending p;
   p.u.resize(spec_.dim + 1);
   standardizer_.Augment(x, p.u.data());
   p.y = target;
   p.enqueued_ns = NowNs();
+  p.seq = seq;
   absl::MutexLock lock(&mu_);
   queue_.push_back(std::move(p));
   metrics_.rls_backlog->Set(static_cast<double>(queue_.size()));
+}
+
+absl::Status LiveReadout::Learn(const Learnable& item) {
+  absl::MutexLock lock(&log_mu_);
+  const uint64_t seq = next_seq_;
+  if (store_ != nullptr) {
+    storage::LogRecord rec;
+    rec.seq = seq;
+    rec.request_id = std::string(item.request_id);
+    rec.dtype = item.x.dtype;
+    rec.features.assign(static_cast<const char*>(item.x.data),
+                        item.x.dim * readout::DTypeSize(item.x.dtype));
+    rec.target = item.target;
+    absl::Status s = store_->AppendLog(meta_, {&rec, 1});
+    if (!s.ok()) {
+      return absl::UnavailableError(absl::StrCat(
+          "feedback not recorded (not acknowledged): ", s.message()));
+    }
+  }
+  ++next_seq_;
+  Enqueue(item.x, item.target, seq);
+  return absl::OkStatus();
+}
+
+void LiveReadout::Replay(const storage::LogRecord& rec) {
+  const int64_t dim =
+      static_cast<int64_t>(rec.features.size() / readout::DTypeSize(rec.dtype));
+  if (dim != spec_.dim) return;  // checked by the caller; never learned
+  absl::MutexLock lock(&log_mu_);
+  next_seq_ = std::max(next_seq_, rec.seq + 1);
+  Enqueue({rec.features.data(), rec.dtype, dim, 1}, rec.target, rec.seq);
 }
 
 void LiveReadout::RecordQuality(int64_t version, double predicted_tokens,
@@ -184,10 +233,149 @@ readout::ReadoutState LiveReadout::Export() {
   absl::MutexLock lock(&state_mu_);
   s.theta = theta_;
   if (rls_.has_value()) s.p = rls_->P();
-  s.version = version_.load();
+  s.version = current()->version;
   s.completions_learned = learned_.load();
   s.created_unix_ms = UnixMs();
   return s;
+}
+
+storage::ReadoutCheckpoint LiveReadout::CaptureLocked() {
+  storage::ReadoutCheckpoint c;
+  c.version = current()->version;
+  c.completions_learned = learned_.load();
+  c.last_seq = applied_seq_;
+  c.unix_ms = UnixMs();
+  c.theta = theta_;
+  if (rls_.has_value()) c.p = rls_->P();
+  batches_since_ckpt_ = 0;
+  last_ckpt_ns_ = NowNs();
+  return c;
+}
+
+void LiveReadout::WriteCheckpoint(const storage::ReadoutCheckpoint& c) {
+  const auto t0 = std::chrono::steady_clock::now();
+  absl::Status s = store_->WriteCheckpoint(meta_, c);
+  const double secs =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (!s.ok()) {
+    std::fprintf(stderr, "leapd: readout '%s': checkpoint failed: %s\n",
+                 name_.c_str(), std::string(s.message()).c_str());
+    metrics_.checkpoint_errors->Increment();
+    return;
+  }
+  metrics_.checkpoint_seconds->Observe(secs);
+  metrics_.checkpoint_bytes->Set(
+      static_cast<double>(c.theta.size() * 8 + (c.p ? c.p->payload_bytes() : 0)));
+}
+
+void LiveReadout::CheckpointLoop() {
+  for (;;) {
+    storage::ReadoutCheckpoint c;
+    {
+      absl::MutexLock lock(&ckpt_mu_);
+      auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(ckpt_mu_) {
+        return ckpt_stop_ || ckpt_pending_.has_value();
+      };
+      ckpt_mu_.Await(absl::Condition(&ready));
+      if (!ckpt_pending_.has_value()) return;  // stop, nothing pending
+      c = std::move(*ckpt_pending_);
+      ckpt_pending_.reset();
+      ckpt_busy_ = true;
+    }
+    WriteCheckpoint(c);
+    absl::MutexLock lock(&ckpt_mu_);
+    ckpt_busy_ = false;
+  }
+}
+
+absl::StatusOr<storage::SnapshotInfo> LiveReadout::Snapshot(
+    const std::string& label) {
+  if (label.empty() || label.size() > 128 ||
+      label.find('\0') != std::string::npos) {
+    return absl::InvalidArgumentError("snapshot label must be 1-128 bytes, no NUL");
+  }
+  storage::SnapshotInfo info;
+  info.label = label;
+  int64_t n = 0;
+  info.spearman = spearman(&n);
+  info.unix_ms = UnixMs();
+  absl::MutexLock lock(&state_mu_);
+  storage::ReadoutCheckpoint c;
+  c.version = current()->version;
+  c.completions_learned = learned_.load();
+  c.last_seq = applied_seq_;
+  c.unix_ms = info.unix_ms;
+  c.theta = theta_;
+  if (rls_.has_value()) c.p = rls_->P();
+  info.version = c.version;
+  info.completions_learned = c.completions_learned;
+  if (store_ != nullptr) {
+    absl::Status s = store_->PutSnapshot(meta_, info, c);
+    if (!s.ok()) return s;
+  } else {
+    memory_snapshots_[label] = std::move(c);
+    memory_snapshot_info_[label] = info;
+  }
+  return info;
+}
+
+absl::StatusOr<std::vector<storage::SnapshotInfo>> LiveReadout::ListSnapshots() {
+  if (store_ != nullptr) return store_->ListSnapshots(meta_);
+  absl::MutexLock lock(&state_mu_);
+  std::vector<storage::SnapshotInfo> out;
+  for (const auto& [label, info] : memory_snapshot_info_) out.push_back(info);
+  return out;
+}
+
+absl::StatusOr<int64_t> LiveReadout::Rollback(const std::string& label) {
+  storage::ReadoutCheckpoint snap;
+  if (store_ != nullptr) {
+    absl::StatusOr<storage::ReadoutCheckpoint> s = store_->GetSnapshot(meta_, label);
+    if (!s.ok()) return s.status();
+    snap = std::move(*s);
+  } else {
+    absl::MutexLock lock(&state_mu_);
+    auto it = memory_snapshots_.find(label);
+    if (it == memory_snapshots_.end()) {
+      return absl::NotFoundError(absl::StrCat("readout '", name_,
+                                              "' has no snapshot '", label, "'"));
+    }
+    snap = it->second;
+  }
+  if (snap.theta.size() != spec_.dim + 1 ||
+      snap.p.has_value() != adaptive_) {
+    return absl::FailedPreconditionError("snapshot does not match the readout");
+  }
+  // No new completion may be logged while the state is swapped.
+  absl::MutexLock log_lock(&log_mu_);
+  int64_t dropped = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    dropped = static_cast<int64_t>(queue_.size());
+    queue_.clear();
+    broken_ = false;
+    metrics_.rls_backlog->Set(0);
+  }
+  absl::MutexLock lock(&state_mu_);  // waits for a batch in flight
+  theta_ = snap.theta;
+  if (snap.p.has_value()) {
+    rls_.emplace(snap.theta, std::move(*snap.p));
+  }
+  learned_.store(snap.completions_learned);
+  applied_seq_ = next_seq_ - 1;  // the dropped records are not in it
+  PublishLocked(theta_, snap.completions_learned, "rollback:" + label);
+  if (store_ != nullptr) {
+    // Durable at once: recovery must not replay pre-rollback feedback.
+    storage::ReadoutCheckpoint c = CaptureLocked();
+    WriteCheckpoint(c);
+  }
+  if (dropped > 0) {
+    std::fprintf(stderr,
+                 "leapd: readout '%s': rollback to '%s' dropped %lld completions "
+                 "not yet applied\n",
+                 name_.c_str(), label.c_str(), static_cast<long long>(dropped));
+  }
+  return current()->version;
 }
 
 void LiveReadout::WaitIdle() {
@@ -206,6 +394,21 @@ void LiveReadout::Stop(bool drain) {
     drain_ = drain;
   }
   if (worker_.joinable()) worker_.join();
+  if (checkpointer_.joinable()) {
+    {
+      absl::MutexLock lock(&ckpt_mu_);
+      ckpt_stop_ = true;
+    }
+    checkpointer_.join();
+    if (drain) {
+      // A clean stop leaves an empty log behind: restart is a plain load.
+      absl::MutexLock lock(&state_mu_);
+      if (batches_since_ckpt_ > 0) {
+        storage::ReadoutCheckpoint c = CaptureLocked();
+        WriteCheckpoint(c);
+      }
+    }
+  }
 }
 
 void LiveReadout::WorkerLoop() {
@@ -260,24 +463,32 @@ void LiveReadout::WorkerLoop() {
     }
     const auto t0 = std::chrono::steady_clock::now();
     absl::Status s;
-    Eigen::VectorXd theta;
-    int64_t learned = 0;
+    std::optional<storage::ReadoutCheckpoint> ckpt;
     {
       absl::MutexLock lock(&state_mu_);
       s = rls_->Update(u.data(), n, y);
       if (s.ok()) {
         theta_ = rls_->theta();
-        theta = theta_;
-        learned = learned_.fetch_add(k) + k;
+        applied_seq_ = batch.back().seq;
+        const int64_t learned = learned_.fetch_add(k) + k;
+        metrics_.rls_batch_seconds->Observe(
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
+                .count());
+        metrics_.learned->Increment(static_cast<double>(k));
+        PublishLocked(theta_, learned, "rls");
+        ++batches_since_ckpt_;
+        if (store_ != nullptr &&
+            (batches_since_ckpt_ >= options_.checkpoint_every_batches ||
+             NowNs() - last_ckpt_ns_ >= options_.checkpoint_every_ns)) {
+          ckpt = CaptureLocked();
+        }
       }
     }
-    metrics_.rls_batch_seconds->Observe(
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
-            .count());
-    if (s.ok()) {
-      metrics_.learned->Increment(static_cast<double>(k));
-      Publish(theta, learned, "rls");
-    } else {
+    if (ckpt.has_value()) {
+      absl::MutexLock lock(&ckpt_mu_);
+      ckpt_pending_ = std::move(ckpt);  // replaces a capture not yet written
+    }
+    if (!s.ok()) {
       // Never publish a state that failed: stop adapting, keep serving the
       // last good version, and say so.
       std::fprintf(stderr, "leapd: readout '%s': %s; adaptation frozen\n",
@@ -294,8 +505,8 @@ void LiveReadout::WorkerLoop() {
   }
 }
 
-void LiveReadout::Publish(const Eigen::VectorXd& theta, int64_t learned,
-                          const std::string& cause) {
+void LiveReadout::PublishLocked(const Eigen::VectorXd& theta, int64_t learned,
+                                const std::string& cause) {
   auto v = std::make_shared<PublishedVersion>(PublishedVersion{
       version_.fetch_add(1) + 1,
       readout::FoldedReadout::Fold(standardizer_, theta, spec_.max_tokens),
@@ -307,6 +518,15 @@ void LiveReadout::Publish(const Eigen::VectorXd& theta, int64_t learned,
                          v->published_unix_ms, v->cause, NAN, 0});
     while (static_cast<int64_t>(versions_.size()) > options_.versions_kept) {
       versions_.pop_front();
+    }
+  }
+  if (store_ != nullptr) {
+    absl::Status s = store_->PutVersion(
+        meta_, {v->version, learned, v->published_unix_ms, cause}, theta);
+    if (!s.ok()) {
+      std::fprintf(stderr, "leapd: readout '%s': version %lld not stored: %s\n",
+                   name_.c_str(), static_cast<long long>(v->version),
+                   std::string(s.message()).c_str());
     }
   }
   metrics_.version->Set(static_cast<double>(v->version));

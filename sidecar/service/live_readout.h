@@ -22,6 +22,7 @@
 #include "sidecar/readout/rls.h"
 #include "sidecar/service/metrics.h"
 #include "sidecar/service/quality.h"
+#include "storage/state_store.h"
 
 namespace leap::sidecar {
 
@@ -65,6 +66,11 @@ struct LiveReadoutOptions {
   int64_t quality_window = 1000;
   // Version records kept in memory (the oldest are dropped). Default: 10000
   int64_t versions_kept = 10000;
+  // With a store: a checkpoint of theta and P is written after this many
+  // RLS batches or this much time since the last one, whichever is first.
+  // Default: 256 batches, 60 s
+  int64_t checkpoint_every_batches = 256;
+  int64_t checkpoint_every_ns = int64_t{60} * 1'000'000'000;
 
   absl::Status Validate() const;
 };
@@ -79,12 +85,34 @@ struct VersionRecord {
   int64_t spearman_n = 0;
 };
 
+// Everything a LiveReadout starts from: a new readout or a recovered one.
+struct LiveReadoutInit {
+  std::string name;
+  readout::ReadoutState state;  // spec, standardizer, theta, P, version...
+  bool frozen = false;
+  // Cause recorded for the first published version ("create", "recovered").
+  std::string cause = "create";
+  // Durable state; null keeps everything in memory.
+  storage::StateStore* store = nullptr;
+  storage::ReadoutMeta meta;  // incarnation assigned by the store
+  // Feedback-log records with seq <= last_seq are already in theta and P.
+  uint64_t last_seq = 0;
+};
+
+// A completion to learn.
+struct Learnable {
+  absl::string_view request_id;
+  readout::FeatureView x;  // contiguous
+  double target = 0;
+};
+
 // Thread-safe unless stated.
 class LiveReadout {
  public:
-  // Starts the RLS thread when `state` has a P matrix.
-  LiveReadout(std::string name, readout::ReadoutState state,
-              LiveReadoutOptions options, Metrics* metrics, PublishHub* hub);
+  // Starts the RLS thread when the state has a P matrix (and the checkpoint
+  // thread when there is a store).
+  LiveReadout(LiveReadoutInit init, LiveReadoutOptions options,
+              Metrics* metrics, PublishHub* hub);
   ~LiveReadout();
   LiveReadout(const LiveReadout&) = delete;
   LiveReadout& operator=(const LiveReadout&) = delete;
@@ -102,9 +130,20 @@ class LiveReadout {
   // failure that left P unusable.
   absl::Status SetFrozen(bool frozen);
 
-  // Queues one completion for learning: standardizes x here (off the RLS
-  // thread) and wakes the RLS thread.
-  void Learn(const readout::FeatureView& x, double target);
+  // Records one completion durably in the feedback log (when there is a
+  // store), then queues it for the RLS thread (standardized here, off that
+  // thread). Only after this returns OK may the completion be acknowledged.
+  absl::Status Learn(const Learnable& item);
+  // Queues a record recovered from the log (already durable).
+  void Replay(const storage::LogRecord& record);
+
+  // Labels the current state (theta, P, version, quality) for rollback.
+  absl::StatusOr<storage::SnapshotInfo> Snapshot(const std::string& label);
+  absl::StatusOr<std::vector<storage::SnapshotInfo>> ListSnapshots();
+  // Restores a snapshot's theta and P exactly, drops completions not yet
+  // applied, checkpoints, and publishes it as a new version.
+  absl::StatusOr<int64_t> Rollback(const std::string& label);
+  const storage::ReadoutMeta& meta() const { return meta_; }
   // Adds a (predicted, true) pair to the windows of `version` and overall.
   void RecordQuality(int64_t version, double predicted_tokens,
                      double true_tokens);
@@ -129,10 +168,19 @@ class LiveReadout {
     std::vector<float> u;
     double y;
     int64_t enqueued_ns;
+    uint64_t seq;
   };
   void WorkerLoop();
-  void Publish(const Eigen::VectorXd& theta, int64_t learned,
-               const std::string& cause);
+  void CheckpointLoop();
+  void Enqueue(const readout::FeatureView& x, double target, uint64_t seq);
+  // Publishes theta as the next version. Caller holds state_mu_.
+  void PublishLocked(const Eigen::VectorXd& theta, int64_t learned,
+                     const std::string& cause)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_mu_);
+  // Copies the state for a checkpoint. Caller holds state_mu_.
+  storage::ReadoutCheckpoint CaptureLocked()
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_mu_);
+  void WriteCheckpoint(const storage::ReadoutCheckpoint& c);
 
   const std::string name_;
   const readout::ReadoutSpec spec_;
@@ -154,12 +202,35 @@ class LiveReadout {
   bool drain_ ABSL_GUARDED_BY(mu_) = false;
   bool broken_ ABSL_GUARDED_BY(mu_) = false;
 
-  // RLS state: only the worker updates it; Export reads it.
+  std::atomic<int64_t> learned_;
+  std::atomic<int64_t> version_;
+
+  // Durability.
+  storage::StateStore* const store_;
+  const storage::ReadoutMeta meta_;
+  absl::Mutex log_mu_;  // orders seq assignment with the queue
+  uint64_t next_seq_ ABSL_GUARDED_BY(log_mu_);
+
+  // RLS state: the worker updates it; Export/Snapshot/Rollback read or
+  // replace it. Publishing happens under it, so versions are ordered.
   absl::Mutex state_mu_;
   std::optional<readout::RlsState> rls_ ABSL_GUARDED_BY(state_mu_);
   Eigen::VectorXd theta_ ABSL_GUARDED_BY(state_mu_);
-  std::atomic<int64_t> learned_;
-  std::atomic<int64_t> version_;
+  uint64_t applied_seq_ ABSL_GUARDED_BY(state_mu_) = 0;
+  int64_t batches_since_ckpt_ ABSL_GUARDED_BY(state_mu_) = 0;
+  int64_t last_ckpt_ns_ ABSL_GUARDED_BY(state_mu_) = 0;
+  std::map<std::string, storage::ReadoutCheckpoint> memory_snapshots_
+      ABSL_GUARDED_BY(state_mu_);
+  std::map<std::string, storage::SnapshotInfo> memory_snapshot_info_
+      ABSL_GUARDED_BY(state_mu_);
+
+  // Checkpoint hand-off (one slot: a newer capture replaces a waiting one).
+  absl::Mutex ckpt_mu_;
+  std::optional<storage::ReadoutCheckpoint> ckpt_pending_
+      ABSL_GUARDED_BY(ckpt_mu_);
+  bool ckpt_stop_ ABSL_GUARDED_BY(ckpt_mu_) = false;
+  bool ckpt_busy_ ABSL_GUARDED_BY(ckpt_mu_) = false;
+  std::thread checkpointer_;
 
   // Versions and quality.
   mutable absl::Mutex quality_mu_;

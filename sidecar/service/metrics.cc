@@ -55,6 +55,22 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
                        .Help("Rolling Spearman per product line and A/B arm "
                              "(shadow arms included)")
                        .Register(r);
+  checkpoint_seconds_ = &BuildHistogram()
+                             .Name("leap_checkpoint_seconds")
+                             .Help("Time to write one checkpoint of theta and P")
+                             .Register(r);
+  checkpoint_bytes_ = &BuildGauge()
+                           .Name("leap_checkpoint_bytes")
+                           .Help("Payload bytes of the last checkpoint")
+                           .Register(r);
+  checkpoint_errors_ = &BuildCounter()
+                            .Name("leap_checkpoint_errors_total")
+                            .Help("Checkpoints that failed to write")
+                            .Register(r);
+  storage_bytes_ = &BuildGauge()
+                        .Name("leap_storage_bytes")
+                        .Help("Bytes on disk per RocksDB column family")
+                        .Register(r);
   prediction_latency_ =
       &BuildHistogram()
            .Name("leap_prediction_latency_seconds")
@@ -110,6 +126,12 @@ ReadoutMetrics Metrics::ForReadout(const std::string& name) {
   m.version = &version_->Add({{"readout", name}});
   m.spearman = &spearman_->Add({{"readout", name}});
   m.frozen = &frozen_->Add({{"readout", name}});
+  m.checkpoint_seconds = &checkpoint_seconds_->Add(
+      {{"readout", name}},
+      prometheus::Histogram::BucketBoundaries{1e-3, 1e-2, 0.05, 0.1, 0.25, 0.5,
+                                              1.0, 2.5});
+  m.checkpoint_bytes = &checkpoint_bytes_->Add({{"readout", name}});
+  m.checkpoint_errors = &checkpoint_errors_->Add({{"readout", name}});
   return m;
 }
 
@@ -127,6 +149,13 @@ void Metrics::RemoveReadout(const ReadoutMetrics& m) {
   version_->Remove(m.version);
   spearman_->Remove(m.spearman);
   frozen_->Remove(m.frozen);
+  checkpoint_seconds_->Remove(m.checkpoint_seconds);
+  checkpoint_bytes_->Remove(m.checkpoint_bytes);
+  checkpoint_errors_->Remove(m.checkpoint_errors);
+}
+
+prometheus::Gauge& Metrics::StorageBytes(const std::string& family) {
+  return storage_bytes_->Add({{"family", family}});
 }
 
 prometheus::Gauge& Metrics::ArmSpearman(const std::string& product_line,

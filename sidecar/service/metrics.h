@@ -30,6 +30,9 @@ struct ReadoutMetrics {
   prometheus::Gauge* version;
   prometheus::Gauge* spearman;
   prometheus::Gauge* frozen;
+  prometheus::Histogram* checkpoint_seconds;
+  prometheus::Gauge* checkpoint_bytes;
+  prometheus::Counter* checkpoint_errors;
 };
 
 class Metrics {
@@ -45,6 +48,8 @@ class Metrics {
   prometheus::Gauge& ArmSpearman(const std::string& product_line,
                                  const std::string& arm);
   prometheus::Counter& RequestErrors(const std::string& code);
+  // Bytes on disk of one storage column family.
+  prometheus::Gauge& StorageBytes(const std::string& family);
 
   prometheus::Histogram& prediction_latency() { return *prediction_latency_; }
   prometheus::Gauge& cache_bytes() { return *cache_bytes_; }
@@ -67,6 +72,10 @@ class Metrics {
   prometheus::Family<prometheus::Gauge>* spearman_;
   prometheus::Family<prometheus::Gauge>* frozen_;
   prometheus::Family<prometheus::Gauge>* arm_spearman_;
+  prometheus::Family<prometheus::Histogram>* checkpoint_seconds_;
+  prometheus::Family<prometheus::Gauge>* checkpoint_bytes_;
+  prometheus::Family<prometheus::Counter>* checkpoint_errors_;
+  prometheus::Family<prometheus::Gauge>* storage_bytes_;
   prometheus::Histogram* prediction_latency_;
   prometheus::Gauge* cache_bytes_;
   prometheus::Gauge* cache_entries_;

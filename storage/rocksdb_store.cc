@@ -1,0 +1,667 @@
+#include "storage/rocksdb_store.h"
+
+#include <chrono>
+#include <cmath>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "common/crc32c.h"
+#include "common/status_macros.h"
+#include "nlohmann/json.hpp"
+#include "rocksdb/db.h"
+#include "rocksdb/options.h"
+#include "rocksdb/write_batch.h"
+
+namespace leap::storage {
+namespace {
+
+using nlohmann::json;
+
+constexpr const char* kFamilies[] = {"default",  "meta",      "checkpoints",
+                                     "log",      "versions",  "snapshots",
+                                     "dedup"};
+enum Cf { kDefault = 0, kMeta, kCheckpoints, kLog, kVersions, kSnapshots, kDedup };
+
+int64_t UnixMs() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+void PutU64(std::string& s, uint64_t v) {
+  for (int i = 7; i >= 0; --i) s.push_back(static_cast<char>((v >> (8 * i)) & 0xFF));
+}
+uint64_t GetU64(const char* p) {
+  uint64_t v = 0;
+  for (int i = 0; i < 8; ++i) v = (v << 8) | static_cast<uint8_t>(p[i]);
+  return v;
+}
+std::string Prefix(uint64_t inc) {
+  std::string s;
+  PutU64(s, inc);
+  return s;
+}
+std::string Key2(uint64_t inc, uint64_t n) {
+  std::string s = Prefix(inc);
+  PutU64(s, n);
+  return s;
+}
+template <typename T>
+void Append(std::string& s, const T& v) {
+  s.append(reinterpret_cast<const char*>(&v), sizeof(T));
+}
+template <typename T>
+T Read(const char* p) {
+  T v;
+  std::memcpy(&v, p, sizeof(T));
+  return v;
+}
+
+absl::Status FromRocks(const rocksdb::Status& s, absl::string_view what) {
+  if (s.ok()) return absl::OkStatus();
+  const std::string msg = absl::StrCat(what, ": ", s.ToString());
+  if (s.IsNotFound()) return absl::NotFoundError(msg);
+  if (s.IsCorruption()) return absl::DataLossError(msg);
+  if (s.IsIOError()) return absl::UnavailableError(msg);
+  return absl::InternalError(msg);
+}
+
+// Checkpoint / snapshot payload keys: base + 'M' manifest, 'T' theta,
+// 'C' + u32 chunk index.
+std::string Part(const std::string& base, char kind, uint32_t idx = 0) {
+  std::string k = base;
+  k.push_back(kind);
+  if (kind == 'C') {
+    for (int i = 3; i >= 0; --i) k.push_back(static_cast<char>((idx >> (8 * i)) & 0xFF));
+  }
+  return k;
+}
+
+std::string PackedP(const readout::SymMatrix& p) {
+  const int64_t n = p.n();
+  std::string out(static_cast<size_t>(n * n) * 4, '\0');
+  for (int64_t i = 0; i < n; ++i) {
+    std::memcpy(out.data() + i * n * 4, p.row(i), n * 4);
+  }
+  return out;
+}
+
+}  // namespace
+
+absl::Status RocksStoreOptions::Validate() const {
+  if (checkpoints_kept < 1) {
+    return absl::InvalidArgumentError("checkpoints_kept must be >= 1");
+  }
+  if (versions_kept < 1) return absl::InvalidArgumentError("versions_kept must be >= 1");
+  if (chunk_bytes < 4096 || chunk_bytes % 4 != 0) {
+    return absl::InvalidArgumentError("chunk_bytes must be >= 4096, multiple of 4");
+  }
+  return absl::OkStatus();
+}
+
+class RocksStore final : public StateStore {
+ public:
+  RocksStore(RocksStoreOptions o, rocksdb::DB* db,
+             std::vector<rocksdb::ColumnFamilyHandle*> h)
+      : o_(o), db_(db), h_(std::move(h)) {}
+
+  ~RocksStore() override {
+    rocksdb::FlushOptions fo;
+    db_->Flush(fo, h_);
+    for (auto* h : h_) db_->DestroyColumnFamilyHandle(h);
+    delete db_;
+  }
+
+  absl::Status Init() {
+    std::string v;
+    auto s = db_->Get(rocksdb::ReadOptions(), h_[kMeta], "next_incarnation", &v);
+    if (s.ok() && v.size() == 8) {
+      next_inc_ = GetU64(v.data());
+    } else if (!s.IsNotFound()) {
+      return FromRocks(s, "reading next_incarnation");
+    }
+    return absl::OkStatus();
+  }
+
+  // ---------------------------------------------------------------- meta
+  static json MetaJson(const ReadoutMeta& m) {
+    return {{"name", m.name},
+            {"incarnation", m.incarnation},
+            {"dim", m.spec.dim},
+            {"layer", m.spec.layer},
+            {"model_id", m.spec.model_id},
+            {"max_tokens", m.spec.max_tokens},
+            {"lambda", m.spec.lambda},
+            {"frozen", m.frozen},
+            {"has_p", m.has_p},
+            {"created_unix_ms", m.created_unix_ms}};
+  }
+
+  absl::Status CreateReadout(ReadoutMeta* meta,
+                             const ReadoutCheckpoint& initial) override {
+    absl::MutexLock lock(&mu_);
+    meta->incarnation = next_inc_++;
+    rocksdb::WriteBatch b;
+    std::string next;
+    PutU64(next, next_inc_);
+    b.Put(h_[kMeta], "next_incarnation", next);
+    b.Put(h_[kMeta], "readout:" + meta->name, MetaJson(*meta).dump());
+    std::string st;
+    const int64_t d = meta->spec.dim;
+    st.append(reinterpret_cast<const char*>(meta->standardizer.mean.data()), d * 8);
+    st.append(reinterpret_cast<const char*>(meta->standardizer.scale.data()), d * 8);
+    const uint32_t crc = Crc32c(st.data(), st.size());
+    Append(st, crc);
+    b.Put(h_[kMeta], "std:" + Prefix(meta->incarnation), st);
+    AddCheckpoint(b, *meta, initial, 1);
+    next_ckpt_[meta->incarnation] = 2;
+    rocksdb::WriteOptions wo;
+    wo.sync = true;
+    return FromRocks(db_->Write(wo, &b), "create readout");
+  }
+
+  absl::Status DeleteReadout(const ReadoutMeta& meta) override {
+    absl::MutexLock lock(&mu_);
+    rocksdb::WriteBatch b;
+    b.Delete(h_[kMeta], "readout:" + meta.name);
+    b.Delete(h_[kMeta], "std:" + Prefix(meta.incarnation));
+    for (int cf : {kCheckpoints, kLog, kVersions, kSnapshots}) {
+      b.DeleteRange(h_[cf], Prefix(meta.incarnation), Prefix(meta.incarnation + 1));
+    }
+    rocksdb::WriteOptions wo;
+    wo.sync = true;
+    return FromRocks(db_->Write(wo, &b), "delete readout");
+  }
+
+  absl::Status SetFrozen(const ReadoutMeta& meta, bool frozen) override {
+    ReadoutMeta m = meta;
+    m.frozen = frozen;
+    rocksdb::WriteOptions wo;
+    wo.sync = true;
+    return FromRocks(db_->Put(wo, h_[kMeta], "readout:" + m.name, MetaJson(m).dump()),
+                     "set frozen");
+  }
+
+  absl::Status PutRoute(const std::string& pl, const std::string& route) override {
+    rocksdb::WriteOptions wo;
+    wo.sync = true;
+    return FromRocks(db_->Put(wo, h_[kMeta], "route:" + pl, route), "put route");
+  }
+
+  absl::Status DeleteRoute(const std::string& pl) override {
+    rocksdb::WriteOptions wo;
+    wo.sync = true;
+    return FromRocks(db_->Delete(wo, h_[kMeta], "route:" + pl), "delete route");
+  }
+
+  // ----------------------------------------------------------------- log
+  absl::Status AppendLog(const ReadoutMeta& meta,
+                         std::span<const LogRecord> records) override {
+    rocksdb::WriteBatch b;
+    std::string now;
+    PutU64(now, static_cast<uint64_t>(UnixMs()));
+    for (const LogRecord& r : records) {
+      std::string v;
+      v.reserve(r.features.size() + r.request_id.size() + 32);
+      v.append(4, '\0');  // crc placeholder
+      v.push_back(static_cast<char>(r.dtype));
+      Append(v, r.target);
+      const uint16_t idlen = static_cast<uint16_t>(r.request_id.size());
+      Append(v, idlen);
+      v += r.request_id;
+      v += r.features;
+      const uint32_t crc = Crc32c(v.data() + 4, v.size() - 4);
+      std::memcpy(v.data(), &crc, 4);
+      b.Put(h_[kLog], Key2(meta.incarnation, r.seq), v);
+      if (!r.request_id.empty()) b.Put(h_[kDedup], r.request_id, now);
+    }
+    rocksdb::WriteOptions wo;
+    wo.sync = o_.sync_log;
+    return FromRocks(db_->Write(wo, &b), "append feedback log");
+  }
+
+  absl::StatusOr<bool> WasRecorded(const std::string& request_id) override {
+    std::string v;
+    auto s = db_->Get(rocksdb::ReadOptions(), h_[kDedup], request_id, &v);
+    if (s.IsNotFound()) return false;
+    RETURN_IF_ERROR(FromRocks(s, "dedup lookup"));
+    if (v.size() != 8) return false;
+    return UnixMs() - static_cast<int64_t>(GetU64(v.data())) < o_.dedup_window_ms;
+  }
+
+  // --------------------------------------------------------- checkpoints
+  void AddCheckpoint(rocksdb::WriteBatch& b, const ReadoutMeta& meta,
+                     const ReadoutCheckpoint& c, uint64_t id) {
+    AddState(b, h_[kCheckpoints], Key2(meta.incarnation, id), c, json::object());
+  }
+
+  void AddState(rocksdb::WriteBatch& b, rocksdb::ColumnFamilyHandle* cf,
+                const std::string& base, const ReadoutCheckpoint& c, json extra) {
+    const std::string theta(reinterpret_cast<const char*>(c.theta.data()),
+                            c.theta.size() * 8);
+    json m = std::move(extra);
+    m["version"] = c.version;
+    m["learned"] = c.completions_learned;
+    m["last_seq"] = c.last_seq;
+    m["unix_ms"] = c.unix_ms;
+    m["n"] = c.theta.size();
+    m["theta_crc"] = Crc32c(theta.data(), theta.size());
+    m["has_p"] = c.p.has_value();
+    json crcs = json::array();
+    if (c.p.has_value()) {
+      const std::string packed = PackedP(*c.p);
+      uint32_t idx = 0;
+      for (size_t off = 0; off < packed.size(); off += o_.chunk_bytes, ++idx) {
+        const size_t len = std::min<size_t>(o_.chunk_bytes, packed.size() - off);
+        b.Put(cf, Part(base, 'C', idx), rocksdb::Slice(packed.data() + off, len));
+        crcs.push_back(Crc32c(packed.data() + off, len));
+      }
+    }
+    m["chunk_crcs"] = crcs;
+    b.Put(cf, Part(base, 'T'), theta);
+    b.Put(cf, Part(base, 'M'), m.dump());  // same batch: atomic with chunks
+  }
+
+  // Reads and verifies a state written by AddState.
+  absl::StatusOr<ReadoutCheckpoint> ReadState(rocksdb::ColumnFamilyHandle* cf,
+                                              const std::string& base,
+                                              json* manifest_out = nullptr) {
+    std::string mtext;
+    RETURN_IF_ERROR(FromRocks(db_->Get(rocksdb::ReadOptions(), cf, Part(base, 'M'), &mtext),
+                              "manifest"));
+    json m = json::parse(mtext, nullptr, false);
+    if (m.is_discarded()) return absl::DataLossError("manifest is not JSON");
+    ReadoutCheckpoint c;
+    try {
+      c.version = m.at("version").get<int64_t>();
+      c.completions_learned = m.at("learned").get<int64_t>();
+      c.last_seq = m.at("last_seq").get<uint64_t>();
+      c.unix_ms = m.at("unix_ms").get<int64_t>();
+      const int64_t n = m.at("n").get<int64_t>();
+      std::string theta;
+      RETURN_IF_ERROR(FromRocks(db_->Get(rocksdb::ReadOptions(), cf, Part(base, 'T'), &theta),
+                                "theta"));
+      if (static_cast<int64_t>(theta.size()) != n * 8 ||
+          Crc32c(theta.data(), theta.size()) != m.at("theta_crc").get<uint32_t>()) {
+        return absl::DataLossError("theta failed its CRC-32C check");
+      }
+      c.theta.resize(n);
+      std::memcpy(c.theta.data(), theta.data(), theta.size());
+      if (m.at("has_p").get<bool>()) {
+        readout::SymMatrix p(n);
+        const auto& crcs = m.at("chunk_crcs");
+        const size_t total = static_cast<size_t>(n * n) * 4;
+        std::string chunk;
+        size_t off = 0;
+        for (uint32_t idx = 0; idx < crcs.size(); ++idx) {
+          RETURN_IF_ERROR(FromRocks(
+              db_->Get(rocksdb::ReadOptions(), cf, Part(base, 'C', idx), &chunk),
+              absl::StrCat("P chunk ", idx)));
+          if (Crc32c(chunk.data(), chunk.size()) != crcs[idx].get<uint32_t>()) {
+            return absl::DataLossError(
+                absl::StrCat("P chunk ", idx, " failed its CRC-32C check"));
+          }
+          if (off + chunk.size() > total) return absl::DataLossError("P too long");
+          for (size_t k = 0; k < chunk.size(); k += 4) {
+            const size_t e = (off + k) / 4;
+            std::memcpy(&p(static_cast<int64_t>(e / n), static_cast<int64_t>(e % n)),
+                        chunk.data() + k, 4);
+          }
+          off += chunk.size();
+        }
+        if (off != total) return absl::DataLossError("P incomplete");
+        c.p = std::move(p);
+      }
+    } catch (const json::exception& e) {
+      return absl::DataLossError(absl::StrCat("manifest field: ", e.what()));
+    }
+    if (manifest_out != nullptr) *manifest_out = std::move(m);
+    return c;
+  }
+
+  // Checkpoint ids of a readout, newest first.
+  std::vector<uint64_t> CheckpointIds(uint64_t inc) {
+    std::vector<uint64_t> ids;
+    std::unique_ptr<rocksdb::Iterator> it(
+        db_->NewIterator(rocksdb::ReadOptions(), h_[kCheckpoints]));
+    const std::string pre = Prefix(inc);
+    for (it->Seek(pre); it->Valid() && it->key().starts_with(pre); it->Next()) {
+      const rocksdb::Slice k = it->key();
+      if (k.size() == 17 && k[16] == 'M') ids.push_back(GetU64(k.data() + 8));
+    }
+    std::sort(ids.rbegin(), ids.rend());
+    return ids;
+  }
+
+  absl::Status WriteCheckpoint(const ReadoutMeta& meta,
+                               const ReadoutCheckpoint& c) override {
+    uint64_t id;
+    {
+      absl::MutexLock lock(&mu_);
+      uint64_t& next = next_ckpt_[meta.incarnation];
+      if (next == 0) {
+        auto ids = CheckpointIds(meta.incarnation);
+        next = ids.empty() ? 1 : ids.front() + 1;
+      }
+      id = next++;
+    }
+    rocksdb::WriteBatch b;
+    AddCheckpoint(b, meta, c, id);
+    rocksdb::WriteOptions wo;
+    wo.sync = true;
+    RETURN_IF_ERROR(FromRocks(db_->Write(wo, &b), "write checkpoint"));
+    // Retention: keep the newest checkpoints_kept; keep the log from the
+    // oldest kept one, so a corrupt newer checkpoint loses nothing.
+    auto ids = CheckpointIds(meta.incarnation);
+    rocksdb::WriteBatch prune;
+    uint64_t oldest_kept_seq = c.last_seq;
+    for (size_t i = 0; i < ids.size(); ++i) {
+      const std::string base = Key2(meta.incarnation, ids[i]);
+      if (static_cast<int>(i) < o_.checkpoints_kept) {
+        std::string mtext;
+        if (db_->Get(rocksdb::ReadOptions(), h_[kCheckpoints], Part(base, 'M'), &mtext).ok()) {
+          json m = json::parse(mtext, nullptr, false);
+          if (!m.is_discarded() && m.contains("last_seq")) {
+            oldest_kept_seq = std::min(oldest_kept_seq, m["last_seq"].get<uint64_t>());
+          }
+        }
+        continue;
+      }
+      prune.DeleteRange(h_[kCheckpoints], base, Key2(meta.incarnation, ids[i] + 1));
+    }
+    prune.DeleteRange(h_[kLog], Key2(meta.incarnation, 0),
+                      Key2(meta.incarnation, oldest_kept_seq + 1));
+    PruneDedupLocked(prune);
+    return FromRocks(db_->Write(rocksdb::WriteOptions(), &prune), "prune");
+  }
+
+  void PruneDedupLocked(rocksdb::WriteBatch& b) {
+    const int64_t now = UnixMs();
+    if (now - last_dedup_prune_ms_ < 60 * 1000) return;
+    last_dedup_prune_ms_ = now;
+    std::unique_ptr<rocksdb::Iterator> it(
+        db_->NewIterator(rocksdb::ReadOptions(), h_[kDedup]));
+    for (it->SeekToFirst(); it->Valid(); it->Next()) {
+      if (it->value().size() != 8 ||
+          now - static_cast<int64_t>(GetU64(it->value().data())) >= o_.dedup_window_ms) {
+        b.Delete(h_[kDedup], it->key());
+      }
+    }
+  }
+
+  absl::Status PutVersion(const ReadoutMeta& meta, const VersionEntry& v,
+                          const Eigen::VectorXd& theta) override {
+    std::string val;
+    Append(val, v.completions_learned);
+    Append(val, v.unix_ms);
+    const uint16_t len = static_cast<uint16_t>(v.cause.size());
+    Append(val, len);
+    val += v.cause;
+    val.append(reinterpret_cast<const char*>(theta.data()), theta.size() * 8);
+    const uint32_t crc = Crc32c(val.data(), val.size());
+    Append(val, crc);
+    rocksdb::WriteBatch b;
+    b.Put(h_[kVersions], Key2(meta.incarnation, static_cast<uint64_t>(v.version)), val);
+    if (v.version > o_.versions_kept) {
+      b.DeleteRange(h_[kVersions], Key2(meta.incarnation, 0),
+                    Key2(meta.incarnation,
+                         static_cast<uint64_t>(v.version - o_.versions_kept)));
+    }
+    return FromRocks(db_->Write(rocksdb::WriteOptions(), &b), "put version");
+  }
+
+  // ------------------------------------------------------------ snapshots
+  static std::string SnapBase(uint64_t inc, const std::string& label) {
+    std::string s = Prefix(inc);
+    s += label;
+    s.push_back('\0');
+    return s;
+  }
+
+  absl::Status PutSnapshot(const ReadoutMeta& meta, const SnapshotInfo& info,
+                           const ReadoutCheckpoint& state) override {
+    rocksdb::WriteBatch b;
+    const std::string base = SnapBase(meta.incarnation, info.label);
+    b.DeleteRange(h_[kSnapshots], base, base + '\xff');
+    AddState(b, h_[kSnapshots], base, state,
+             {{"label", info.label},
+              {"spearman", std::isfinite(info.spearman) ? json(info.spearman) : json()},
+              {"taken_unix_ms", info.unix_ms}});
+    rocksdb::WriteOptions wo;
+    wo.sync = true;
+    return FromRocks(db_->Write(wo, &b), "put snapshot");
+  }
+
+  absl::StatusOr<ReadoutCheckpoint> GetSnapshot(const ReadoutMeta& meta,
+                                                const std::string& label) override {
+    auto s = ReadState(h_[kSnapshots], SnapBase(meta.incarnation, label));
+    if (!s.ok() && absl::IsNotFound(s.status())) {
+      return absl::NotFoundError(absl::StrCat("readout '", meta.name,
+                                              "' has no snapshot '", label, "'"));
+    }
+    return s;
+  }
+
+  absl::StatusOr<std::vector<SnapshotInfo>> ListSnapshots(
+      const ReadoutMeta& meta) override {
+    std::vector<SnapshotInfo> out;
+    std::unique_ptr<rocksdb::Iterator> it(
+        db_->NewIterator(rocksdb::ReadOptions(), h_[kSnapshots]));
+    const std::string pre = Prefix(meta.incarnation);
+    for (it->Seek(pre); it->Valid() && it->key().starts_with(pre); it->Next()) {
+      const rocksdb::Slice k = it->key();
+      if (k.size() < 10 || k[k.size() - 1] != 'M' || k[k.size() - 2] != '\0') continue;
+      json m = json::parse(it->value().ToString(), nullptr, false);
+      if (m.is_discarded()) continue;
+      SnapshotInfo s;
+      s.label = std::string(k.data() + 8, k.size() - 10);
+      s.version = m.value("version", int64_t{0});
+      s.completions_learned = m.value("learned", int64_t{0});
+      s.spearman = m["spearman"].is_number() ? m["spearman"].get<double>() : NAN;
+      s.unix_ms = m.value("taken_unix_ms", int64_t{0});
+      out.push_back(std::move(s));
+    }
+    return out;
+  }
+
+  // ------------------------------------------------------------- recovery
+  absl::StatusOr<RecoveredState> Load() override {
+    RecoveredState out;
+    std::unique_ptr<rocksdb::Iterator> it(
+        db_->NewIterator(rocksdb::ReadOptions(), h_[kMeta]));
+    for (it->Seek("readout:"); it->Valid() && it->key().starts_with("readout:");
+         it->Next()) {
+      json m = json::parse(it->value().ToString(), nullptr, false);
+      if (m.is_discarded()) {
+        out.problems.push_back(absl::StrCat("metadata of '", it->key().ToString(),
+                                            "' is not JSON; readout skipped"));
+        continue;
+      }
+      RecoveredReadout r;
+      try {
+        r.meta.name = m.at("name").get<std::string>();
+        r.meta.incarnation = m.at("incarnation").get<uint64_t>();
+        r.meta.spec.dim = m.at("dim").get<int64_t>();
+        r.meta.spec.layer = m.at("layer").get<int32_t>();
+        r.meta.spec.model_id = m.at("model_id").get<std::string>();
+        r.meta.spec.max_tokens = m.at("max_tokens").get<int64_t>();
+        r.meta.spec.lambda = m.at("lambda").get<double>();
+        r.meta.frozen = m.at("frozen").get<bool>();
+        r.meta.has_p = m.at("has_p").get<bool>();
+        r.meta.created_unix_ms = m.at("created_unix_ms").get<int64_t>();
+      } catch (const json::exception& e) {
+        out.problems.push_back(absl::StrCat("metadata of '", it->key().ToString(),
+                                            "': ", e.what(), "; readout skipped"));
+        continue;
+      }
+      const std::string& name = r.meta.name;
+      std::string st;
+      const int64_t d = r.meta.spec.dim;
+      if (!db_->Get(rocksdb::ReadOptions(), h_[kMeta], "std:" + Prefix(r.meta.incarnation), &st)
+               .ok() ||
+          static_cast<int64_t>(st.size()) != d * 16 + 4 ||
+          Crc32c(st.data(), d * 16) != Read<uint32_t>(st.data() + d * 16)) {
+        out.problems.push_back(absl::StrCat("readout '", name,
+                                            "': standardization missing or corrupt; "
+                                            "readout skipped"));
+        continue;
+      }
+      r.meta.standardizer.mean.resize(d);
+      r.meta.standardizer.scale.resize(d);
+      std::memcpy(r.meta.standardizer.mean.data(), st.data(), d * 8);
+      std::memcpy(r.meta.standardizer.scale.data(), st.data() + d * 8, d * 8);
+      bool found = false;
+      for (uint64_t id : CheckpointIds(r.meta.incarnation)) {
+        auto c = ReadState(h_[kCheckpoints], Key2(r.meta.incarnation, id));
+        if (!c.ok()) {
+          out.problems.push_back(absl::StrCat("readout '", name, "': checkpoint ", id,
+                                              " is corrupt (", c.status().message(),
+                                              "); falling back to an older one"));
+          continue;
+        }
+        if (c->theta.size() != d + 1 || (c->p.has_value() && c->p->n() != d + 1)) {
+          out.problems.push_back(absl::StrCat("readout '", name, "': checkpoint ", id,
+                                              " has the wrong size; skipped"));
+          continue;
+        }
+        r.checkpoint = std::move(*c);
+        found = true;
+        break;
+      }
+      if (!found) {
+        out.problems.push_back(absl::StrCat("readout '", name,
+                                            "': no valid checkpoint; readout skipped"));
+        continue;
+      }
+      // The log after the checkpoint, in order; corrupt records are skipped.
+      std::unique_ptr<rocksdb::Iterator> li(
+          db_->NewIterator(rocksdb::ReadOptions(), h_[kLog]));
+      const std::string pre = Prefix(r.meta.incarnation);
+      for (li->Seek(Key2(r.meta.incarnation, r.checkpoint.last_seq + 1));
+           li->Valid() && li->key().starts_with(pre); li->Next()) {
+        const rocksdb::Slice v = li->value();
+        const uint64_t seq = GetU64(li->key().data() + 8);
+        if (v.size() < 15 ||
+            Crc32c(v.data() + 4, v.size() - 4) != Read<uint32_t>(v.data())) {
+          out.problems.push_back(absl::StrCat("readout '", name, "': log record ", seq,
+                                              " failed its CRC-32C check; skipped"));
+          continue;
+        }
+        LogRecord rec;
+        rec.seq = seq;
+        rec.dtype = static_cast<readout::DType>(v[4]);
+        rec.target = Read<double>(v.data() + 5);
+        const uint16_t idlen = Read<uint16_t>(v.data() + 13);
+        if (15 + size_t{idlen} > v.size()) continue;
+        rec.request_id.assign(v.data() + 15, idlen);
+        rec.features.assign(v.data() + 15 + idlen, v.size() - 15 - idlen);
+        r.log.push_back(std::move(rec));
+      }
+      std::unique_ptr<rocksdb::Iterator> vi(
+          db_->NewIterator(rocksdb::ReadOptions(), h_[kVersions]));
+      r.max_version = r.checkpoint.version;
+      for (vi->Seek(pre); vi->Valid() && vi->key().starts_with(pre); vi->Next()) {
+        const rocksdb::Slice v = vi->value();
+        if (v.size() < 22) continue;
+        VersionEntry e;
+        e.version = static_cast<int64_t>(GetU64(vi->key().data() + 8));
+        e.completions_learned = Read<int64_t>(v.data());
+        e.unix_ms = Read<int64_t>(v.data() + 8);
+        const uint16_t len = Read<uint16_t>(v.data() + 16);
+        if (18 + size_t{len} <= v.size()) e.cause.assign(v.data() + 18, len);
+        r.max_version = std::max(r.max_version, e.version);
+        r.versions.push_back(std::move(e));
+      }
+      out.readouts.push_back(std::move(r));
+    }
+    for (it->Seek("route:"); it->Valid() && it->key().starts_with("route:"); it->Next()) {
+      out.routes[it->key().ToString().substr(6)] = it->value().ToString();
+    }
+    {
+      absl::MutexLock lock(&mu_);
+      for (const auto& r : out.readouts) {
+        auto ids = CheckpointIds(r.meta.incarnation);
+        next_ckpt_[r.meta.incarnation] = ids.empty() ? 1 : ids.front() + 1;
+      }
+    }
+    return out;
+  }
+
+  std::map<std::string, int64_t> BytesPerFamily() override {
+    std::map<std::string, int64_t> out;
+    for (int cf = kMeta; cf <= kDedup; ++cf) {
+      uint64_t sst = 0, mem = 0;
+      db_->GetIntProperty(h_[cf], rocksdb::DB::Properties::kTotalSstFilesSize, &sst);
+      db_->GetIntProperty(h_[cf], rocksdb::DB::Properties::kCurSizeAllMemTables, &mem);
+      out[kFamilies[cf]] = static_cast<int64_t>(sst + mem);
+    }
+    return out;
+  }
+
+  rocksdb::DB* db() { return db_; }
+  rocksdb::ColumnFamilyHandle* handle(int cf) { return h_[cf]; }
+
+ private:
+  const RocksStoreOptions o_;
+  rocksdb::DB* db_;
+  std::vector<rocksdb::ColumnFamilyHandle*> h_;
+  absl::Mutex mu_;
+  uint64_t next_inc_ = 1;
+  std::map<uint64_t, uint64_t> next_ckpt_;
+  int64_t last_dedup_prune_ms_ = 0;
+};
+
+absl::StatusOr<std::unique_ptr<StateStore>> OpenRocksStore(
+    const std::string& dir, const RocksStoreOptions& o) {
+  RETURN_IF_ERROR(o.Validate());
+  rocksdb::DBOptions dbo;
+  dbo.create_if_missing = true;
+  dbo.create_missing_column_families = true;
+  dbo.max_background_jobs = 2;
+  std::vector<rocksdb::ColumnFamilyDescriptor> cfs;
+  for (const char* name : kFamilies) {
+    rocksdb::ColumnFamilyOptions co;
+    if (std::string(name) == "checkpoints" || std::string(name) == "snapshots") {
+      co.write_buffer_size = 128 << 20;  // a 64 MiB checkpoint fits one memtable
+      co.compression = rocksdb::kNoCompression;
+    }
+    cfs.emplace_back(name, co);
+  }
+  std::vector<rocksdb::ColumnFamilyHandle*> handles;
+  rocksdb::DB* db = nullptr;
+  rocksdb::Status s = rocksdb::DB::Open(dbo, dir, cfs, &handles, &db);
+  if (!s.ok()) return FromRocks(s, absl::StrCat("opening RocksDB in ", dir));
+  auto store = std::make_unique<RocksStore>(o, db, std::move(handles));
+  RETURN_IF_ERROR(store->Init());
+  return std::unique_ptr<StateStore>(std::move(store));
+}
+
+absl::Status CorruptNewestCheckpoint(const std::string& dir,
+                                     const std::string& name) {
+  ASSIGN_OR_RETURN(auto base, OpenRocksStore(dir));
+  auto* store = static_cast<RocksStore*>(base.get());
+  std::string mtext;
+  RETURN_IF_ERROR(FromRocks(store->db()->Get(rocksdb::ReadOptions(),
+                                             store->handle(kMeta),
+                                             "readout:" + name, &mtext),
+                            "readout metadata"));
+  const uint64_t inc = json::parse(mtext).at("incarnation").get<uint64_t>();
+  auto ids = store->CheckpointIds(inc);
+  if (ids.empty()) return absl::NotFoundError("no checkpoint");
+  const std::string b = Key2(inc, ids.front());
+  for (const std::string& key : {Part(b, 'C', 0), Part(b, 'T')}) {
+    std::string v;
+    if (!store->db()->Get(rocksdb::ReadOptions(), store->handle(kCheckpoints), key, &v).ok()) {
+      continue;
+    }
+    v[v.size() / 2] ^= 0x5A;
+    rocksdb::WriteOptions wo;
+    wo.sync = true;
+    return FromRocks(store->db()->Put(wo, store->handle(kCheckpoints), key, v),
+                     "corrupting");
+  }
+  return absl::NotFoundError("checkpoint has no payload");
+}
+
+}  // namespace leap::storage

@@ -1,0 +1,143 @@
+// Durable state of leapd, behind an interface (DESIGN §7): the sidecar is
+// written against StateStore, and the RocksDB code stays in storage/.
+//
+// What is kept, per readout (identified by an incarnation number, so a
+// deleted and re-created name never sees the old records):
+//  - metadata: spec, standardization, frozen flag;
+//  - checkpoints: theta, P (chunked), version, completions learned, and the
+//    last feedback-log sequence number they include;
+//  - the feedback log: every acknowledged completion (raw features + target)
+//    after the last checkpoint;
+//  - published versions (theta and provenance), within a retention policy;
+//  - snapshots: labelled complete states for rollback.
+// Plus the routing table and a dedup index of recorded request ids.
+#ifndef LEAP_STORAGE_STATE_STORE_H_
+#define LEAP_STORAGE_STATE_STORE_H_
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "Eigen/Core"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "sidecar/readout/features.h"
+#include "sidecar/readout/readout.h"
+#include "sidecar/readout/rls.h"
+
+namespace leap::storage {
+
+// A readout's identity and static configuration.
+struct ReadoutMeta {
+  std::string name;
+  uint64_t incarnation = 0;  // assigned by the store, never reused
+  readout::ReadoutSpec spec;
+  readout::Standardizer standardizer;
+  bool frozen = false;
+  bool has_p = true;
+  int64_t created_unix_ms = 0;
+};
+
+// A complete restorable state of a readout at one point.
+struct ReadoutCheckpoint {
+  int64_t version = 0;
+  int64_t completions_learned = 0;
+  // Every log record with seq <= last_seq is included.
+  uint64_t last_seq = 0;
+  int64_t unix_ms = 0;
+  Eigen::VectorXd theta;
+  std::optional<readout::SymMatrix> p;
+};
+
+// One acknowledged completion, as learned.
+struct LogRecord {
+  uint64_t seq = 0;
+  std::string request_id;
+  readout::DType dtype = readout::DType::kFloat32;
+  std::string features;  // raw little-endian values
+  double target = 0;     // sqrt(min(tokens, M))
+};
+
+// A published version (for history and audit).
+struct VersionEntry {
+  int64_t version = 0;
+  int64_t completions_learned = 0;
+  int64_t unix_ms = 0;
+  std::string cause;
+};
+
+struct SnapshotInfo {
+  std::string label;
+  int64_t version = 0;
+  int64_t completions_learned = 0;
+  double spearman = 0;  // rolling Spearman when taken (NaN if unknown)
+  int64_t unix_ms = 0;
+};
+
+// What recovery found for one readout.
+struct RecoveredReadout {
+  ReadoutMeta meta;
+  ReadoutCheckpoint checkpoint;     // newest valid one
+  std::vector<LogRecord> log;       // records after it, in seq order
+  std::vector<VersionEntry> versions;
+  int64_t max_version = 0;          // newest version ever recorded
+};
+
+struct RecoveredState {
+  std::vector<RecoveredReadout> readouts;
+  // product line -> route, as the JSON the sidecar stored.
+  std::map<std::string, std::string> routes;
+  // Problems found and worked around (corrupt checkpoint skipped, ...).
+  std::vector<std::string> problems;
+};
+
+// Thread-safe.
+class StateStore {
+ public:
+  virtual ~StateStore() = default;
+
+  // Registers a readout with its initial state; fills meta->incarnation.
+  virtual absl::Status CreateReadout(ReadoutMeta* meta,
+                                     const ReadoutCheckpoint& initial) = 0;
+  virtual absl::Status DeleteReadout(const ReadoutMeta& meta) = 0;
+  virtual absl::Status SetFrozen(const ReadoutMeta& meta, bool frozen) = 0;
+  virtual absl::Status PutRoute(const std::string& product_line,
+                                const std::string& route_json) = 0;
+  virtual absl::Status DeleteRoute(const std::string& product_line) = 0;
+
+  // Durably appends completions (and their request ids to the dedup index)
+  // before returning, per the sync policy. All or nothing.
+  virtual absl::Status AppendLog(const ReadoutMeta& meta,
+                                 std::span<const LogRecord> records) = 0;
+  // True when a completion for `request_id` was recorded recently (within
+  // the dedup window): a resent completion must not be learned twice.
+  virtual absl::StatusOr<bool> WasRecorded(const std::string& request_id) = 0;
+
+  // Writes a checkpoint atomically (a manifest written after its chunks),
+  // then prunes the log up to last_seq and old checkpoints.
+  virtual absl::Status WriteCheckpoint(const ReadoutMeta& meta,
+                                       const ReadoutCheckpoint& c) = 0;
+  virtual absl::Status PutVersion(const ReadoutMeta& meta,
+                                  const VersionEntry& v,
+                                  const Eigen::VectorXd& theta) = 0;
+
+  virtual absl::Status PutSnapshot(const ReadoutMeta& meta,
+                                   const SnapshotInfo& info,
+                                   const ReadoutCheckpoint& state) = 0;
+  virtual absl::StatusOr<ReadoutCheckpoint> GetSnapshot(
+      const ReadoutMeta& meta, const std::string& label) = 0;
+  virtual absl::StatusOr<std::vector<SnapshotInfo>> ListSnapshots(
+      const ReadoutMeta& meta) = 0;
+
+  // Everything needed to resume, with corrupt records skipped and reported.
+  virtual absl::StatusOr<RecoveredState> Load() = 0;
+  // Approximate bytes on disk per kind of data.
+  virtual std::map<std::string, int64_t> BytesPerFamily() = 0;
+};
+
+}  // namespace leap::storage
+
+#endif  // LEAP_STORAGE_STATE_STORE_H_
