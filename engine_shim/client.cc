@@ -1,0 +1,386 @@
+#include "engine_shim/client.h"
+
+#include <random>
+
+#include "absl/strings/str_cat.h"
+
+namespace leap::shim {
+namespace {
+
+namespace pb = ::leap::v1;
+
+constexpr int32_t kNotFound = 5;
+constexpr int32_t kAlreadyExists = 6;
+constexpr int32_t kInvalidArgument = 3;
+
+}  // namespace
+
+size_t DTypeSize(DType dtype) { return dtype == DType::kFloat32 ? 4 : 2; }
+
+absl::Status ClientOptions::Validate() const {
+  if (endpoint.empty()) return absl::InvalidArgumentError("endpoint is empty");
+  if (dim < 1 || dim > 16384) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("dim must be in [1, 16384], got ", dim));
+  }
+  if (min_backoff <= absl::ZeroDuration() || max_backoff < min_backoff) {
+    return absl::InvalidArgumentError("need 0 < min_backoff <= max_backoff");
+  }
+  if (max_batch_records < 1) {
+    return absl::InvalidArgumentError("max_batch_records must be >= 1");
+  }
+  if (max_live_requests < 1) {
+    return absl::InvalidArgumentError("max_live_requests must be >= 1");
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<Client>> Client::Start(ClientOptions options) {
+  absl::Status s = options.Validate();
+  if (!s.ok()) return s;
+  std::unique_ptr<Client> c(new Client(std::move(options)));
+  c->manager_ = std::thread([p = c.get()] { p->ManagerLoop(); });
+  return c;
+}
+
+Client::~Client() {
+  {
+    absl::MutexLock lock(&mu_);
+    stop_ = true;
+  }
+  if (manager_.joinable()) manager_.join();
+}
+
+void Client::Emit(Event e) {
+  absl::MutexLock lock(&events_mu_);
+  if (callback_) {
+    callback_(e);
+  } else {
+    events_.push_back(std::move(e));
+  }
+}
+
+void Client::Submit(std::vector<CapturedFeatures> features) {
+  const size_t want =
+      static_cast<size_t>(options_.dim) * DTypeSize(options_.dtype);
+  std::vector<Event> rejected;
+  {
+    absl::MutexLock lock(&mu_);
+    for (CapturedFeatures& f : features) {
+      Event err;
+      err.kind = Event::Kind::kError;
+      err.request_id = f.request_id;
+      if (f.bytes.size() != want) {
+        err.code = kInvalidArgument;
+        err.message = absl::StrCat("features of ", f.bytes.size(),
+                                   " bytes; the client ships ", want);
+      } else if (live_.contains(f.request_id)) {
+        err.code = kAlreadyExists;
+        err.message = "request id already live in this client";
+      } else if (static_cast<int64_t>(live_.size()) >= options_.max_live_requests) {
+        err.code = 8;  // RESOURCE_EXHAUSTED
+        err.message = "too many live requests in the client";
+      } else {
+        const std::string id = f.request_id;
+        live_[id].features = std::move(f);
+        outbox_.push_back({Outgoing::Kind::kFeatures, id});
+        continue;
+      }
+      ++stats_.errors;
+      rejected.push_back(std::move(err));
+    }
+  }
+  for (auto& e : rejected) Emit(std::move(e));
+}
+
+void Client::Complete(const std::string& request_id, int64_t output_tokens,
+                      FinishReason reason) {
+  absl::MutexLock lock(&mu_);
+  auto it = live_.find(request_id);
+  if (it == live_.end() || it->second.completing) return;
+  it->second.completing = true;
+  it->second.output_tokens = output_tokens;
+  it->second.reason = reason;
+  outbox_.push_back({Outgoing::Kind::kCompletion, request_id});
+}
+
+void Client::Cancel(const std::string& request_id) {
+  absl::MutexLock lock(&mu_);
+  if (live_.erase(request_id) == 0) return;
+  outbox_.push_back({Outgoing::Kind::kCancel, request_id});
+}
+
+std::vector<Event> Client::Poll(size_t max) {
+  absl::MutexLock lock(&events_mu_);
+  std::vector<Event> out;
+  while (!events_.empty() && out.size() < max) {
+    out.push_back(std::move(events_.front()));
+    events_.pop_front();
+  }
+  return out;
+}
+
+void Client::SetCallback(std::function<void(const Event&)> cb) {
+  absl::MutexLock lock(&events_mu_);
+  callback_ = std::move(cb);
+}
+
+bool Client::WaitConnected(absl::Duration timeout) {
+  absl::MutexLock lock(&mu_);
+  auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return acked_hello_ && !broken_;
+  };
+  return mu_.AwaitWithTimeout(absl::Condition(&ready), timeout);
+}
+
+ClientStats Client::stats() const {
+  absl::MutexLock lock(&mu_);
+  ClientStats s = stats_;
+  s.live = static_cast<int64_t>(live_.size());
+  return s;
+}
+
+void Client::ReaderLoop(Transport* t, uint64_t generation) {
+  pb::SidecarMessage m;
+  while (t->Receive(&m)) {
+    std::vector<Event> events;
+    {
+      absl::MutexLock lock(&mu_);
+      if (generation != generation_) break;
+      switch (m.body_case()) {
+        case pb::SidecarMessage::kHelloAck: {
+          sidecar_id_ = m.hello_ack().sidecar_id();
+          acked_hello_ = true;
+          Event e;
+          e.kind = Event::Kind::kConnected;
+          e.message = sidecar_id_;
+          events.push_back(std::move(e));
+          break;
+        }
+        case pb::SidecarMessage::kPredictions:
+          for (const auto& p : m.predictions().predictions()) {
+            auto it = live_.find(p.request_id());
+            if (it != live_.end()) it->second.held_by = sidecar_id_;
+            ++stats_.predictions;
+            Event e;
+            e.request_id = p.request_id();
+            e.predicted_tokens = p.predicted_tokens();
+            e.score = p.score();
+            e.readout = p.readout();
+            e.version = p.version();
+            events.push_back(std::move(e));
+          }
+          for (const auto& err : m.predictions().errors()) {
+            auto it = live_.find(err.request_id());
+            if (err.code() == kAlreadyExists && it != live_.end()) {
+              it->second.held_by = sidecar_id_;  // it has them already
+              continue;
+            }
+            if (it != live_.end() && !it->second.completing) live_.erase(it);
+            ++stats_.errors;
+            Event e;
+            e.kind = Event::Kind::kError;
+            e.request_id = err.request_id();
+            e.code = err.code();
+            e.message = err.message();
+            events.push_back(std::move(e));
+          }
+          break;
+        case pb::SidecarMessage::kAck: {
+          auto in = inflight_.find(m.seq());
+          if (in == inflight_.end()) break;  // a cancel's ack
+          std::map<std::string, const pb::RequestError*> failed;
+          for (const auto& err : m.ack().errors()) failed[err.request_id()] = &err;
+          for (const std::string& id : in->second) {
+            live_.erase(id);
+            auto f = failed.find(id);
+            if (f == failed.end()) continue;
+            ++stats_.errors;
+            Event e;
+            e.kind = Event::Kind::kError;
+            e.request_id = id;
+            e.code = f->second->code();
+            e.message = f->second->message();
+            events.push_back(std::move(e));
+          }
+          inflight_.erase(in);
+          break;
+        }
+        case pb::SidecarMessage::kRescore:
+          for (const auto& p : m.rescore().predictions()) {
+            ++stats_.rescores;
+            Event e;
+            e.kind = Event::Kind::kRescore;
+            e.request_id = p.request_id();
+            e.predicted_tokens = p.predicted_tokens();
+            e.score = p.score();
+            e.readout = p.readout();
+            e.version = p.version();
+            events.push_back(std::move(e));
+          }
+          break;
+        case pb::SidecarMessage::kError: {
+          ++stats_.errors;
+          Event e;
+          e.kind = Event::Kind::kError;
+          e.code = m.error().code();
+          e.message = m.error().message();
+          events.push_back(std::move(e));
+          break;
+        }
+        default:
+          break;
+      }
+    }
+    for (auto& e : events) Emit(std::move(e));
+  }
+  absl::MutexLock lock(&mu_);
+  if (generation == generation_) broken_ = true;
+}
+
+// One connection's life: hello, resubmission, then shipping the outbox.
+// Returns when the connection breaks or the client stops.
+bool Client::Session(Transport* t) {
+  pb::EngineMessage hello;
+  hello.set_seq(0);
+  auto* h = hello.mutable_hello();
+  h->set_engine_id(options_.engine_id);
+  h->set_model_id(options_.model_id);
+  h->set_layer(options_.layer);
+  h->set_dim(options_.dim);
+  h->set_dtype(static_cast<pb::FeatureDType>(options_.dtype));
+  if (!t->Send(hello)) return false;
+  {
+    absl::MutexLock lock(&mu_);
+    auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return acked_hello_ || broken_ || stop_;
+    };
+    if (!mu_.AwaitWithTimeout(absl::Condition(&ready), options_.connect_timeout) ||
+        !acked_hello_) {
+      return false;
+    }
+    // Rebuild the outbox: features of every live request this sidecar does
+    // not hold, then every completion not acknowledged, then the rest.
+    std::deque<Outgoing> rebuilt;
+    for (auto& [id, live] : live_) {
+      if (live.held_by != sidecar_id_) {
+        rebuilt.push_back({Outgoing::Kind::kFeatures, id});
+        if (!live.held_by.empty()) ++stats_.resubmitted;
+      }
+    }
+    for (auto& [id, live] : live_) {
+      if (live.completing) rebuilt.push_back({Outgoing::Kind::kCompletion, id});
+    }
+    for (const Outgoing& o : outbox_) {
+      if (o.kind == Outgoing::Kind::kCancel) rebuilt.push_back(o);
+    }
+    outbox_.swap(rebuilt);
+    inflight_.clear();
+    ++stats_.connects;
+  }
+  connected_.store(true);
+  uint64_t seq = 1;
+  for (;;) {
+    pb::EngineMessage features, completions, cancels;
+    std::vector<std::string> completing;
+    {
+      absl::MutexLock lock(&mu_);
+      auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return stop_ || broken_ || !outbox_.empty();
+      };
+      mu_.Await(absl::Condition(&ready));
+      if (stop_ || broken_) return false;
+      while (!outbox_.empty() &&
+             features.features().records_size() < options_.max_batch_records &&
+             completions.completions().completions_size() <
+                 options_.max_batch_records) {
+        Outgoing o = std::move(outbox_.front());
+        outbox_.pop_front();
+        auto it = live_.find(o.request_id);
+        switch (o.kind) {
+          case Outgoing::Kind::kFeatures: {
+            if (it == live_.end()) break;  // cancelled meanwhile
+            auto* r = features.mutable_features()->add_records();
+            r->set_request_id(o.request_id);
+            r->set_product_line(it->second.features.product_line);
+            r->set_features(it->second.features.bytes);
+            r->mutable_decoding()->set_max_tokens(it->second.features.max_tokens);
+            break;
+          }
+          case Outgoing::Kind::kCompletion: {
+            if (it == live_.end()) break;
+            auto* c = completions.mutable_completions()->add_completions();
+            c->set_request_id(o.request_id);
+            c->set_output_tokens(it->second.output_tokens);
+            c->set_reason(static_cast<pb::FinishReason>(it->second.reason));
+            completing.push_back(o.request_id);
+            break;
+          }
+          case Outgoing::Kind::kCancel:
+            cancels.mutable_cancels()->add_request_ids(o.request_id);
+            break;
+        }
+      }
+      if (!completing.empty()) inflight_[seq + 1] = completing;
+    }
+    // Features before completions, so a resubmitted request is known when
+    // its completion arrives.
+    features.set_seq(seq++);
+    completions.set_seq(seq++);
+    cancels.set_seq(seq++);
+    if (features.has_features() && !t->Send(features)) return false;
+    if (completions.has_completions() && !t->Send(completions)) return false;
+    if (cancels.has_cancels() && !t->Send(cancels)) return false;
+  }
+}
+
+void Client::ManagerLoop() {
+  std::mt19937_64 rng(std::random_device{}());
+  absl::Duration backoff = options_.min_backoff;
+  for (;;) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (stop_) return;
+    }
+    absl::StatusOr<std::unique_ptr<Transport>> t =
+        Dial(options_.endpoint, options_.connect_timeout);
+    bool had_session = false;
+    if (t.ok()) {
+      uint64_t generation;
+      {
+        absl::MutexLock lock(&mu_);
+        generation = ++generation_;
+        broken_ = false;
+        acked_hello_ = false;
+      }
+      Transport* raw = t->get();
+      std::thread reader([this, raw, generation] { ReaderLoop(raw, generation); });
+      had_session = Session(raw);
+      {
+        absl::MutexLock lock(&mu_);
+        had_session = acked_hello_;
+        acked_hello_ = false;
+        ++generation_;  // the reader's late messages are ignored
+        // Completions in flight lose their ack: resend them next time.
+        inflight_.clear();
+      }
+      if (connected_.exchange(false)) {
+        Event e;
+        e.kind = Event::Kind::kDisconnected;
+        Emit(std::move(e));
+      }
+      raw->Close();
+      reader.join();
+    }
+    if (had_session) backoff = options_.min_backoff;
+    // Wait out the backoff (with jitter), waking early on stop.
+    std::uniform_real_distribution<double> jitter(0.5, 1.0);
+    const absl::Duration wait = backoff * jitter(rng);
+    backoff = std::min(backoff * 2, options_.max_backoff);
+    absl::MutexLock lock(&mu_);
+    auto stopping = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_; };
+    mu_.AwaitWithTimeout(absl::Condition(&stopping), wait);
+  }
+}
+
+}  // namespace leap::shim

@@ -1,0 +1,169 @@
+// The engine's client of leapd. Thread-safe; no call blocks the caller:
+// submissions queue up and a background thread ships them, keeps the
+// connection alive (reconnecting with backoff), and after a sidecar restart
+// resubmits the features of every live request and resends unacknowledged
+// completions (the sidecar recognises duplicates). Predictions and rescores
+// arrive through Poll() or a callback.
+#ifndef LEAP_ENGINE_SHIM_CLIENT_H_
+#define LEAP_ENGINE_SHIM_CLIENT_H_
+
+#include <atomic>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "engine_shim/transport.h"
+
+namespace leap::shim {
+
+// Element type of the features an engine ships (values match the wire).
+enum class DType : uint8_t { kFloat32 = 1, kBFloat16 = 2, kFloat16 = 3 };
+size_t DTypeSize(DType dtype);
+
+// How a request ended (values match the wire).
+enum class FinishReason : uint8_t {
+  kStop = 1,       // EOS or stop string: learned
+  kLength = 2,     // hit max_tokens: learned only when it reached the budget
+  kCancelled = 3,  // never learned
+  kAborted = 4,    // never learned
+};
+
+// The captured hidden state of one request, ready to ship.
+struct CapturedFeatures {
+  std::string request_id;
+  std::string product_line;
+  // dim values of the client's dtype, little-endian, contiguous.
+  std::string bytes;
+  // The request's own output cap (0 = none).
+  int64_t max_tokens = 0;
+};
+
+struct ClientOptions {
+  // "host:port" or "unix:///path". Default: 127.0.0.1:7070
+  std::string endpoint = "127.0.0.1:7070";
+  // Identity for leapd's logs and metrics (e.g. the pod name).
+  std::string engine_id;
+  std::string model_id;
+  int32_t layer = -1;
+  // Feature width and dtype of every submission. Required.
+  int64_t dim = 0;
+  DType dtype = DType::kFloat32;
+  // Reconnect backoff: doubles from min to max. Default: 50 ms, 5 s
+  absl::Duration min_backoff = absl::Milliseconds(50);
+  absl::Duration max_backoff = absl::Seconds(5);
+  absl::Duration connect_timeout = absl::Seconds(1);
+  // Records per FeatureBatch message. Default: 256
+  int max_batch_records = 256;
+  // Live requests kept for resubmission; submissions beyond are refused
+  // with an error event. Default: 65536
+  int64_t max_live_requests = 65536;
+
+  absl::Status Validate() const;
+};
+
+// Something the sidecar said, delivered asynchronously.
+struct Event {
+  enum class Kind { kPrediction, kRescore, kError, kConnected, kDisconnected };
+  Kind kind = Kind::kPrediction;
+  std::string request_id;
+  // kPrediction / kRescore.
+  double predicted_tokens = 0;
+  double score = 0;
+  std::string readout;
+  int64_t version = 0;
+  // kError: google.rpc code and message. kConnected: the sidecar id.
+  int32_t code = 0;
+  std::string message;
+};
+
+struct ClientStats {
+  int64_t connects = 0;
+  int64_t resubmitted = 0;   // features resent after a sidecar restart
+  int64_t predictions = 0;
+  int64_t rescores = 0;
+  int64_t errors = 0;
+  int64_t live = 0;          // requests kept for resubmission
+};
+
+class Client {
+ public:
+  // Starts the background threads; connecting happens there.
+  static absl::StatusOr<std::unique_ptr<Client>> Start(ClientOptions options);
+  ~Client();
+  Client(const Client&) = delete;
+  Client& operator=(const Client&) = delete;
+
+  // Queues features of new requests. Wrong sizes are reported as error
+  // events (INVALID_ARGUMENT), never thrown.
+  void Submit(std::vector<CapturedFeatures> features);
+  // Queues how a request ended. It stays known (for resending) until the
+  // sidecar acknowledges it.
+  void Complete(const std::string& request_id, int64_t output_tokens,
+                FinishReason reason);
+  // Drops a request (no learning).
+  void Cancel(const std::string& request_id);
+
+  // Takes up to `max` queued events (when no callback is set).
+  std::vector<Event> Poll(size_t max = SIZE_MAX);
+  // Delivers events to `cb` on the client's reader thread instead of the
+  // queue; `cb` must not block. Pass nullptr to go back to Poll.
+  void SetCallback(std::function<void(const Event&)> cb);
+
+  bool connected() const { return connected_.load(); }
+  // Blocks until connected (tests and startup checks only).
+  bool WaitConnected(absl::Duration timeout);
+  // Counters since Start.
+  ClientStats stats() const;
+
+ private:
+  explicit Client(ClientOptions options) : options_(std::move(options)) {}
+  struct Live {
+    CapturedFeatures features;
+    std::string held_by;  // sidecar id that holds its features
+    bool completing = false;
+    int64_t output_tokens = 0;
+    FinishReason reason = FinishReason::kStop;
+  };
+  struct Outgoing {
+    enum class Kind { kFeatures, kCompletion, kCancel } kind;
+    std::string request_id;
+  };
+  void ManagerLoop();
+  void ReaderLoop(Transport* t, uint64_t generation);
+  void Emit(Event e);
+  bool Session(Transport* t);
+
+  const ClientOptions options_;
+  std::atomic<bool> connected_{false};
+
+  mutable absl::Mutex mu_;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  absl::flat_hash_map<std::string, Live> live_ ABSL_GUARDED_BY(mu_);
+  std::deque<Outgoing> outbox_ ABSL_GUARDED_BY(mu_);
+  // Completion messages in flight on this connection: seq -> ids.
+  std::map<uint64_t, std::vector<std::string>> inflight_ ABSL_GUARDED_BY(mu_);
+  std::string sidecar_id_ ABSL_GUARDED_BY(mu_);
+  bool broken_ ABSL_GUARDED_BY(mu_) = false;
+  bool acked_hello_ ABSL_GUARDED_BY(mu_) = false;
+  uint64_t generation_ ABSL_GUARDED_BY(mu_) = 0;
+  ClientStats stats_ ABSL_GUARDED_BY(mu_);
+
+  absl::Mutex events_mu_;
+  std::deque<Event> events_ ABSL_GUARDED_BY(events_mu_);
+  std::function<void(const Event&)> callback_ ABSL_GUARDED_BY(events_mu_);
+
+  std::thread manager_;
+};
+
+}  // namespace leap::shim
+
+#endif  // LEAP_ENGINE_SHIM_CLIENT_H_

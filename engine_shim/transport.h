@@ -1,0 +1,35 @@
+// The shim's link to leapd, behind an interface: the Client speaks the
+// leap.v1 Connect messages over whichever transport the endpoint names
+// (gRPC today: "host:port", "unix:///path"; shared memory: "shm://...").
+#ifndef LEAP_ENGINE_SHIM_TRANSPORT_H_
+#define LEAP_ENGINE_SHIM_TRANSPORT_H_
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "leap/v1/predictor.pb.h"
+
+namespace leap::shim {
+
+// One open connection. Send may be called from one thread while Receive
+// runs on another; Close may be called from any thread.
+class Transport {
+ public:
+  virtual ~Transport() = default;
+  // False when the connection is broken.
+  virtual bool Send(const leap::v1::EngineMessage& m) = 0;
+  // Blocks for the next message; false when the connection has ended.
+  virtual bool Receive(leap::v1::SidecarMessage* m) = 0;
+  // Ends the connection; unblocks Receive.
+  virtual void Close() = 0;
+};
+
+// Opens a connection to `endpoint`, waiting at most `timeout` for it.
+absl::StatusOr<std::unique_ptr<Transport>> Dial(const std::string& endpoint,
+                                                absl::Duration timeout);
+
+}  // namespace leap::shim
+
+#endif  // LEAP_ENGINE_SHIM_TRANSPORT_H_

@@ -1,0 +1,174 @@
+// The engine shim's Client against a real leapd process: predictions and
+// rescores arrive asynchronously, completions are learned, and after a
+// sidecar restart (kill -9, same unix socket, state on disk) the client
+// reconnects by itself and resubmits its live requests, which get
+// predictions again; nothing blocks the caller.
+#include <signal.h>
+
+#include <chrono>
+#include <filesystem>
+#include <map>
+#include <random>
+#include <set>
+
+#include "absl/synchronization/mutex.h"
+#include "engine_shim/client.h"
+#include "gtest/gtest.h"
+#include "tests/support/engine_client.h"
+#include "tests/support/process.h"
+
+namespace leap {
+namespace {
+
+namespace pb = ::leap::v1;
+using shim::Event;
+
+constexpr int64_t kDim = 32;
+
+class Collector {
+ public:
+  void Add(const Event& e) {
+    absl::MutexLock lock(&mu_);
+    events_.push_back(e);
+  }
+  // Waits until `pred` over all events so far holds.
+  bool Wait(const std::function<bool(const std::vector<Event>&)>& pred,
+            absl::Duration timeout = absl::Seconds(30)) {
+    absl::MutexLock lock(&mu_);
+    auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return pred(events_); };
+    return mu_.AwaitWithTimeout(absl::Condition(&ready), timeout);
+  }
+  std::vector<Event> events() {
+    absl::MutexLock lock(&mu_);
+    return events_;
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::vector<Event> events_ ABSL_GUARDED_BY(mu_);
+};
+
+int Count(const std::vector<Event>& ev, Event::Kind kind,
+          const std::set<std::string>& ids, int64_t min_version = 0) {
+  std::set<std::string> seen;
+  for (const Event& e : ev) {
+    if (e.kind == kind && ids.count(e.request_id) && e.version >= min_version) {
+      seen.insert(e.request_id);
+    }
+  }
+  return static_cast<int>(seen.size());
+}
+
+shim::CapturedFeatures Features(const std::string& id, std::mt19937& rng) {
+  std::normal_distribution<float> n01;
+  std::vector<float> x(kDim);
+  for (auto& v : x) v = n01(rng);
+  return {id, "", std::string(reinterpret_cast<const char*>(x.data()), kDim * 4), 0};
+}
+
+TEST(ShimClient, PredictsLearnsRescoresAndSurvivesSidecarRestart) {
+  const std::string dir = ::testing::TempDir() + "/shim-" + std::to_string(getpid());
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  const std::string sock = "unix://" + dir + "/leapd.sock";
+  const std::vector<std::string> args = {"--listen=" + sock, "--data_dir=" + dir + "/db",
+                                         "--rls_batch=1"};
+  std::string addr;
+  auto leapd = testing::StartLeapd(LEAPD_PATH, args, &addr);
+  ASSERT_TRUE(leapd.ok()) << leapd.status();
+  {
+    auto admin = pb::Admin::NewStub(testing::MakeChannel(sock));
+    grpc::ClientContext ctx;
+    pb::CreateReadoutRequest req;
+    req.set_name("r");
+    req.mutable_cold_start()->set_dim(kDim);
+    req.mutable_cold_start()->set_lambda(1.0);
+    pb::ReadoutInfo info;
+    ASSERT_TRUE(admin->CreateReadout(&ctx, req, &info).ok());
+    grpc::ClientContext rctx;
+    pb::SetRouteRequest route;
+    route.mutable_route()->add_arms()->set_readout("r");
+    route.mutable_route()->mutable_arms(0)->set_percent(100);
+    pb::Route out;
+    ASSERT_TRUE(admin->SetRoute(&rctx, route, &out).ok());
+  }
+
+  shim::ClientOptions o;
+  o.endpoint = sock;
+  o.dim = kDim;
+  o.engine_id = "test";
+  o.min_backoff = absl::Milliseconds(20);
+  o.max_backoff = absl::Milliseconds(200);
+  auto client = shim::Client::Start(o);
+  ASSERT_TRUE(client.ok()) << client.status();
+  Collector col;
+  (*client)->SetCallback([&col](const Event& e) { col.Add(e); });
+  ASSERT_TRUE((*client)->WaitConnected(absl::Seconds(10)));
+
+  std::mt19937 rng(3);
+  std::vector<shim::CapturedFeatures> batch;
+  std::set<std::string> all, live;
+  for (int i = 0; i < 6; ++i) {
+    batch.push_back(Features("q" + std::to_string(i), rng));
+    all.insert(batch.back().request_id);
+  }
+  (*client)->Submit(std::move(batch));
+  ASSERT_TRUE(col.Wait([&](const auto& ev) {
+    return Count(ev, Event::Kind::kPrediction, all) == 6;
+  })) << "predictions did not arrive";
+
+  // Two finish; the readout learns them and the others are rescored.
+  (*client)->Complete("q0", 400, shim::FinishReason::kStop);
+  (*client)->Complete("q1", 30, shim::FinishReason::kStop);
+  live = {"q2", "q3", "q4", "q5"};
+  ASSERT_TRUE(col.Wait([&](const auto& ev) {
+    return Count(ev, Event::Kind::kRescore, live, /*min_version=*/3) == 4;
+  })) << "no rescore at version 3 for the live requests";
+
+  // Bad input is an error event, not an exception or a block.
+  (*client)->Submit({{"bad", "", std::string(12, '\0'), 0}});
+  ASSERT_TRUE(col.Wait([&](const auto& ev) {
+    for (const Event& e : ev) {
+      if (e.kind == Event::Kind::kError && e.request_id == "bad" && e.code == 3) return true;
+    }
+    return false;
+  }));
+
+  // The sidecar dies and comes back on the same socket with its state.
+  (*leapd)->Signal(SIGKILL);
+  (*leapd)->Wait();
+  ASSERT_TRUE(col.Wait([&](const auto& ev) {
+    for (const Event& e : ev) {
+      if (e.kind == Event::Kind::kDisconnected) return true;
+    }
+    return false;
+  }));
+  const size_t before_restart = col.events().size();
+  std::filesystem::remove(dir + "/leapd.sock");
+  auto again = testing::StartLeapd(LEAPD_PATH, args, &addr);
+  ASSERT_TRUE(again.ok()) << again.status();
+  ASSERT_TRUE(col.Wait([&](const auto& ev) {
+    std::vector<Event> after(ev.begin() + before_restart, ev.end());
+    return Count(after, Event::Kind::kPrediction, live) == 4;
+  })) << "live requests were not resubmitted and predicted after the restart";
+  EXPECT_GE((*client)->stats().resubmitted, 4);
+  EXPECT_GE((*client)->stats().connects, 2);
+
+  // Their completions are learned by the restarted sidecar.
+  for (const std::string& id : live) (*client)->Complete(id, 100, shim::FinishReason::kStop);
+  auto admin = pb::Admin::NewStub(testing::MakeChannel(sock));
+  grpc::ClientContext wctx;
+  pb::WatchReadoutRequest wreq;
+  wreq.set_readout("r");
+  auto stub = pb::Predictor::NewStub(testing::MakeChannel(sock));
+  auto watch = stub->WatchReadout(&wctx, wreq);
+  pb::ReadoutVersion v;
+  while (watch->Read(&v) && v.completions_learned() < 6) {
+  }
+  EXPECT_EQ(v.completions_learned(), 6);
+  wctx.TryCancel();
+  ASSERT_TRUE(col.Wait([&](const auto&) { return (*client)->stats().live == 0; }));
+}
+
+}  // namespace
+}  // namespace leap
