@@ -11,17 +11,18 @@
 #include "sidecar/readout/synth.h"
 #include "tools/leapctl/commands.h"
 #include "tools/leapctl/flags.h"
+#include "tools/leapctl/internal/command.h"
 
 namespace leap::leapctl {
 namespace {
 
 constexpr char kTopHelp[] =
-    "Usage: leapctl <command> [flags]\n"
+    "Usage: leapctl <command> [arguments] [flags]\n"
     "\n"
     "Operator tool for LEAP length readouts (a linear readout of the hidden\n"
     "state that predicts sqrt(output tokens)).\n"
     "\n"
-    "Commands:\n"
+    "Offline commands (files only):\n"
     "  train   Fit a ridge readout on features + lengths; write a .leapr "
     "artifact.\n"
     "  eval    Score a readout on features + true lengths (Spearman, Kendall,"
@@ -31,13 +32,25 @@ constexpr char kTopHelp[] =
     "  synth   Write synthetic features + lengths with a controllable domain\n"
     "          shift.\n"
     "\n"
+    "Commands for a running leapd (--server ADDR, default 127.0.0.1:7070):\n"
+    "  readouts list|get|create|delete   Manage the served readouts.\n"
+    "  versions NAME    Published versions of a readout with their online\n"
+    "                   Spearman.\n"
+    "  export NAME      Write a readout's current state as a .leapr "
+    "artifact.\n"
+    "  freeze NAME      Stop online adaptation (RLS) of a readout.\n"
+    "  resume NAME      Restart online adaptation of a readout.\n"
+    "  route set|list|delete   Which readouts (A/B and shadow arms) serve a\n"
+    "                   product line.\n"
+    "  stats [NAME]     Online quality and counters.\n"
+    "  bench            Load-test leapd's Connect stream (predictions/s,\n"
+    "                   latency).\n"
+    "  feed             Simulate an engine: send features and completions "
+    "from\n"
+    "                   files, report the rolling Spearman as leapd learns.\n"
+    "\n"
     "Run 'leapctl <command> --help' for the flags of a command.\n"
     "Exit codes: 0 success, 1 failure, 2 usage error.\n";
-
-// One line (the status message may carry newlines from file contents).
-std::string OneLine(absl::string_view s) {
-  return absl::StrReplaceAll(s, {{"\n", " "}, {"\r", " "}});
-}
 
 // Quotes an argument for the provenance note when it has shell-special
 // characters.
@@ -49,45 +62,8 @@ std::string QuoteArg(const std::string& a) {
   return absl::StrCat("'", absl::StrReplaceAll(a, {{"'", "'\\''"}}), "'");
 }
 
-// Shared plumbing of one subcommand run.
-class Command {
- public:
-  Command(std::string name, std::ostream& out, std::ostream& err)
-      : name_(std::move(name)), out_(out), err_(err) {}
-
-  // Parses; returns -1 to continue, or the exit code to return now (help
-  // printed or usage error reported).
-  int Parse(FlagSet& flags, const std::vector<std::string>& args) {
-    absl::Status s = flags.Parse(args);
-    if (!s.ok()) return UsageError(s);
-    if (flags.help_requested()) {
-      out_ << flags.Help();
-      return kExitOk;
-    }
-    return -1;
-  }
-  int UsageError(const absl::Status& s) {
-    err_ << "leapctl " << name_ << ": error: " << OneLine(s.message())
-         << " (see 'leapctl " << name_ << " --help')" << std::endl;
-    return kExitUsage;
-  }
-  int Failure(const absl::Status& s) {
-    err_ << "leapctl " << name_ << ": error: " << OneLine(s.message())
-         << std::endl;
-    return kExitFailure;
-  }
-  ProgressFn Progress() {
-    return [this](const std::string& line) {
-      err_ << "leapctl " << name_ << ": " << line << std::endl;
-    };
-  }
-  std::ostream& out() { return out_; }
-
- private:
-  std::string name_;
-  std::ostream& out_;
-  std::ostream& err_;
-};
+using internal::Command;
+using internal::OneLine;
 
 std::string Note(const std::vector<std::string>& args) {
   std::vector<std::string> q;
@@ -335,7 +311,9 @@ int RunLeapctl(const std::vector<std::string>& all, std::ostream& out,
   const std::vector<std::string> args(all.begin() + 1, all.end());
   if (command == "--help" || command == "-h" || command == "help") {
     if (command == "help" && !args.empty()) {
-      return RunLeapctl({args[0], "--help"}, out, err);
+      std::vector<std::string> sub = args;
+      sub.push_back("--help");
+      return RunLeapctl(sub, out, err);
     }
     out << kTopHelp;
     return kExitOk;
@@ -344,8 +322,22 @@ int RunLeapctl(const std::vector<std::string>& all, std::ostream& out,
   if (command == "eval") return Eval(args, out, err);
   if (command == "adapt") return Adapt(args, all, out, err);
   if (command == "synth") return Synth(args, out, err);
+  if (command == "readouts") return internal::ReadoutsCommand(args, out, err);
+  if (command == "versions") return internal::VersionsCommand(args, out, err);
+  if (command == "export") return internal::ExportCommand(args, out, err);
+  if (command == "freeze") {
+    return internal::AdaptationCommand(true, args, out, err);
+  }
+  if (command == "resume") {
+    return internal::AdaptationCommand(false, args, out, err);
+  }
+  if (command == "route") return internal::RouteCommand(args, out, err);
+  if (command == "stats") return internal::StatsCommand(args, out, err);
+  if (command == "bench") return internal::BenchCommand(args, out, err);
+  if (command == "feed") return internal::FeedCommand(args, out, err);
   err << "leapctl: error: unknown command '" << OneLine(command)
-      << "' (commands: train, eval, adapt, synth; see 'leapctl --help')"
+      << "' (commands: train, eval, adapt, synth, readouts, versions, export, "
+         "freeze, resume, route, stats, bench, feed; see 'leapctl --help')"
       << std::endl;
   return kExitUsage;
 }

@@ -10,6 +10,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "common/npy.h"
 #include "sidecar/readout/ridge.h"
 
@@ -55,6 +56,16 @@ absl::StatusOr<std::vector<int64_t>> LoadLengths(
 absl::StatusOr<std::vector<int32_t>> LoadFinishReasons(
     const std::string& path, int64_t expected_rows,
     const std::string& features_path);
+
+// Reads a whole file. NotFound or another errno-derived code, the message
+// starting with `path`.
+absl::StatusOr<std::string> ReadFileBytes(const std::string& path);
+
+// Writes `bytes` to `path` atomically: a temporary file in the same
+// directory, fsync, rename over `path`. Readers see the old file or the whole
+// new one; the temporary file is removed on failure.
+absl::Status WriteFileAtomically(const std::string& path,
+                                 absl::string_view bytes);
 
 }  // namespace leap::leapctl
 

@@ -12,6 +12,30 @@ namespace {
 
 std::string FormatDouble(double v) { return absl::StrFormat("%g", v); }
 
+// Appends `head` on its own line, then `text` wrapped at ~80 columns and
+// indented under it.
+void AppendEntry(const std::string& head, const std::string& text,
+                 std::string* out) {
+  constexpr size_t kIndent = 6;
+  constexpr size_t kWidth = 80;
+  absl::StrAppend(out, head, "\n");
+  std::string line(kIndent, ' ');
+  size_t pos = 0;
+  while (pos < text.size()) {
+    size_t end = text.find(' ', pos);
+    if (end == std::string::npos) end = text.size();
+    const std::string word = text.substr(pos, end - pos);
+    if (line.size() > kIndent && line.size() + 1 + word.size() > kWidth) {
+      absl::StrAppend(out, line, "\n");
+      line.assign(kIndent, ' ');
+    }
+    if (line.size() > kIndent) line += ' ';
+    line += word;
+    pos = end + 1;
+  }
+  if (line.size() > kIndent) absl::StrAppend(out, line, "\n");
+}
+
 }  // namespace
 
 FlagSet::FlagSet(std::string command, std::string usage,
@@ -90,6 +114,23 @@ void FlagSet::OptionalDouble(const std::string& name,
   Add(std::move(f));
 }
 
+void FlagSet::OptionalInt64(const std::string& name,
+                            std::optional<int64_t>* dst,
+                            const std::string& value_name,
+                            const std::string& help) {
+  Flag f;
+  f.name = name;
+  f.value_name = value_name;
+  f.help = help;
+  f.parse = [dst](absl::string_view v) {
+    int64_t x = 0;
+    if (!absl::SimpleAtoi(v, &x)) return false;
+    *dst = x;
+    return true;
+  };
+  Add(std::move(f));
+}
+
 void FlagSet::Bool(const std::string& name, bool* dst,
                    const std::string& help) {
   Flag f;
@@ -100,6 +141,44 @@ void FlagSet::Bool(const std::string& name, bool* dst,
     return true;
   };
   Add(std::move(f));
+}
+
+void FlagSet::StringList(const std::string& name, std::vector<std::string>* dst,
+                         const std::string& value_name,
+                         const std::string& help) {
+  Flag f;
+  f.name = name;
+  f.value_name = value_name;
+  f.help = absl::StrCat(help, " Repeatable.");
+  f.repeatable = true;
+  f.parse = [dst](absl::string_view v) {
+    if (v.empty()) return false;
+    dst->emplace_back(v);
+    return true;
+  };
+  Add(std::move(f));
+}
+
+void FlagSet::Positional(const std::string& name, std::string* dst,
+                         const std::string& help, bool required) {
+  Arg a;
+  a.name = name;
+  a.help = help;
+  a.required = required;
+  a.dst = dst;
+  args_.push_back(std::move(a));
+}
+
+absl::Status FlagSet::TakePositional(const std::string& value) {
+  for (Arg& a : args_) {
+    if (a.set) continue;
+    a.set = true;
+    *a.dst = value;
+    return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      "unexpected argument '", value, "'",
+      args_.empty() ? " (flags are --name VALUE)" : " (too many arguments)"));
 }
 
 FlagSet::Flag* FlagSet::Find(absl::string_view name) {
@@ -113,19 +192,31 @@ bool FlagSet::WasSet(const std::string& name) const {
   for (const Flag& f : flags_) {
     if (f.name == name) return f.set;
   }
+  for (const Arg& a : args_) {
+    if (a.name == name) return a.set;
+  }
   return false;
 }
 
 absl::Status FlagSet::Parse(const std::vector<std::string>& args) {
+  bool only_positionals = false;
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string& arg = args[i];
+    if (only_positionals) {
+      if (absl::Status s = TakePositional(arg); !s.ok()) return s;
+      continue;
+    }
     if (arg == "-h") {
       help_requested_ = true;
       continue;
     }
+    if (arg == "--") {
+      only_positionals = true;
+      continue;
+    }
     if (arg.size() < 3 || arg.compare(0, 2, "--") != 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "unexpected argument '", arg, "' (flags are --name VALUE)"));
+      if (absl::Status s = TakePositional(arg); !s.ok()) return s;
+      continue;
     }
     std::string name = arg.substr(2);
     std::optional<std::string> inline_value;
@@ -137,7 +228,7 @@ absl::Status FlagSet::Parse(const std::vector<std::string>& args) {
     if (f == nullptr) {
       return absl::InvalidArgumentError(absl::StrCat("unknown flag --", name));
     }
-    if (f->set && f->name != "help") {
+    if (f->set && f->name != "help" && !f->repeatable) {
       return absl::InvalidArgumentError(
           absl::StrCat("flag --", name, " given more than once"));
     }
@@ -168,6 +259,12 @@ absl::Status FlagSet::Parse(const std::vector<std::string>& args) {
     }
   }
   if (help_requested_) return absl::OkStatus();
+  for (const Arg& a : args_) {
+    if (a.required && !a.set) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("missing required argument ", a.name));
+    }
+  }
   for (const Flag& f : flags_) {
     if (f.required && !f.set) {
       return absl::InvalidArgumentError(
@@ -180,6 +277,13 @@ absl::Status FlagSet::Parse(const std::vector<std::string>& args) {
 std::string FlagSet::Help() const {
   std::string out = absl::StrCat("Usage: ", usage_, "\n\n", description_);
   if (!out.empty() && out.back() != '\n') out += '\n';
+  if (!args_.empty()) {
+    out += "\nArguments:\n";
+    for (const Arg& a : args_) {
+      AppendEntry(absl::StrCat("  ", a.name),
+                  absl::StrCat(a.help, a.required ? " Required." : ""), &out);
+    }
+  }
   out += "\nFlags:\n";
   for (const Flag& f : flags_) {
     std::string head = absl::StrCat("  --", f.name);
@@ -190,25 +294,7 @@ std::string FlagSet::Help() const {
     } else if (!f.default_text.empty()) {
       absl::StrAppend(&text, " Default: ", f.default_text, ".");
     }
-    // Wrap the description at ~80 columns, indented under the flag.
-    constexpr size_t kIndent = 6;
-    constexpr size_t kWidth = 80;
-    absl::StrAppend(&out, head, "\n");
-    std::string line(kIndent, ' ');
-    size_t pos = 0;
-    while (pos < text.size()) {
-      size_t end = text.find(' ', pos);
-      if (end == std::string::npos) end = text.size();
-      const std::string word = text.substr(pos, end - pos);
-      if (line.size() > kIndent && line.size() + 1 + word.size() > kWidth) {
-        absl::StrAppend(&out, line, "\n");
-        line.assign(kIndent, ' ');
-      }
-      if (line.size() > kIndent) line += ' ';
-      line += word;
-      pos = end + 1;
-    }
-    if (line.size() > kIndent) absl::StrAppend(&out, line, "\n");
+    AppendEntry(head, text, &out);
   }
   return out;
 }

@@ -90,5 +90,58 @@ TEST(FlagSetTest, HelpSkipsRequiredChecksAndListsEveryFlag) {
   EXPECT_THAT(h, HasSubstr("--flag\n      A switch."));
 }
 
+TEST(FlagSetTest, PositionalsAndListFlags) {
+  std::string name, extra;
+  std::vector<std::string> arms;
+  bool json = false;
+  FlagSet f("cmd", "leapctl cmd NAME [EXTRA]", "Does things.");
+  f.Positional("NAME", &name, "The name.");
+  f.Positional("EXTRA", &extra, "More.", /*required=*/false);
+  f.StringList("arm", &arms, "SPEC", "An arm.");
+  f.Bool("json", &json, "JSON.");
+  ASSERT_TRUE(
+      f.Parse({"--arm", "a=x:50", "n1", "--json", "--arm=b=y:50"}).ok());
+  EXPECT_EQ(name, "n1");
+  EXPECT_EQ(extra, "");
+  EXPECT_FALSE(f.WasSet("EXTRA"));
+  EXPECT_EQ(arms, (std::vector<std::string>{"a=x:50", "b=y:50"}));
+  EXPECT_TRUE(json);
+
+  // "--" makes the rest positional, even when it looks like a flag; an empty
+  // argument is a value.
+  std::string a, b;
+  FlagSet g("cmd", "u", "d");
+  g.Positional("A", &a, "a");
+  g.Positional("B", &b, "b");
+  ASSERT_TRUE(g.Parse({"", "--", "--json"}).ok());
+  EXPECT_EQ(a, "");
+  EXPECT_EQ(b, "--json");
+  EXPECT_TRUE(g.WasSet("A"));
+
+  const std::string h = f.Help();
+  EXPECT_THAT(h, HasSubstr("Arguments:\n  NAME\n      The name. Required.\n"));
+  EXPECT_THAT(h, HasSubstr("  EXTRA\n      More.\n"));
+  EXPECT_THAT(h, HasSubstr("--arm SPEC\n      An arm. Repeatable.\n"));
+}
+
+TEST(FlagSetTest, PositionalUsageErrors) {
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
+      {{}, "missing required argument NAME"},
+      {{"a", "b"}, "unexpected argument 'b' (too many arguments)"},
+      {{"a", "--arm"}, "flag --arm needs a value"},
+      {{"a", "--arm="}, "invalid value '' for --arm"},
+  };
+  for (const auto& [args, want] : cases) {
+    std::string name;
+    std::vector<std::string> arms;
+    FlagSet f("cmd", "u", "d");
+    f.Positional("NAME", &name, "n");
+    f.StringList("arm", &arms, "SPEC", "s");
+    absl::Status s = f.Parse(args);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << want;
+    EXPECT_THAT(std::string(s.message()), HasSubstr(want));
+  }
+}
+
 }  // namespace
 }  // namespace leap::leapctl
