@@ -1,6 +1,7 @@
 #include "sidecar/service/core.h"
 
 #include <chrono>
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 
@@ -438,6 +439,7 @@ absl::StatusOr<CompletionOutcome> Core::Complete(absl::string_view request_id,
 
   CompletionOutcome outcome;
   auto map = readouts_.load();
+  std::vector<std::string> learners;  // a readout learns a completion once
   for (size_t i = 0; i < r.scores.size(); ++i) {
     const ArmScore& s = r.scores[i];
     auto it = map->find(s.readout);
@@ -470,10 +472,14 @@ absl::StatusOr<CompletionOutcome> Core::Complete(absl::string_view request_id,
           ait->second->gauge->Set(ait->second->window.Value());
         }
       }
-      if (ro.frozen()) {
+      if (std::find(learners.begin(), learners.end(), s.readout) !=
+          learners.end()) {
+        // Same readout on two arms (serving and shadow): learned once.
+      } else if (ro.frozen()) {
         skip = "frozen";
         ro.metrics().skipped_frozen->Increment();
       } else {
+        learners.push_back(s.readout);
         absl::Status learned = ro.Learn(
             {r.request_id, r.view(),
              readout::TargetFromTokens(output_tokens, ro.spec().max_tokens)});

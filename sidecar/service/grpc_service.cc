@@ -497,7 +497,7 @@ grpc::Status AdminService::CreateReadout(grpc::ServerContext*,
                                        c.lambda()));
     }
     state.spec.dim = c.dim();
-    state.spec.layer = c.layer() == 0 ? -1 : c.layer();
+    state.spec.layer = c.has_layer() ? c.layer() : -1;
     state.spec.model_id = c.model_id();
     state.spec.max_tokens = c.max_tokens() == 0 ? readout::kDefaultMaxTokens
                                                 : c.max_tokens();
@@ -616,6 +616,10 @@ grpc::Status AdminService::DeleteRoute(grpc::ServerContext*,
 grpc::Status AdminService::GetStats(grpc::ServerContext*,
                                     const pb::GetStatsRequest* req,
                                     pb::StatsResponse* resp) {
+  if (!req->readout().empty()) {
+    auto r = core_->GetReadout(req->readout());
+    if (!r.ok()) return ToGrpc(r.status());
+  }
   for (auto& r : core_->ListReadouts()) {
     if (!req->readout().empty() && r->name() != req->readout()) continue;
     pb::ReadoutStats* s = resp->add_readouts();

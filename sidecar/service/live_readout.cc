@@ -132,8 +132,17 @@ absl::Status LiveReadout::SetFrozen(bool frozen) {
     absl::Status s = store_->SetFrozen(meta_, frozen);
     if (!s.ok()) return s;
   }
+  absl::MutexLock lock(&mu_);
   frozen_.store(frozen);
   metrics_.frozen->Set(frozen ? 1 : 0);
+  if (frozen) {
+    // Immediate: once this returns no batch is applied (and no version
+    // published) until resumed; queued completions wait, they are not lost.
+    auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return !in_flight_ || stop_;
+    };
+    mu_.Await(absl::Condition(&idle));
+  }
   return absl::OkStatus();
 }
 
@@ -381,7 +390,8 @@ absl::StatusOr<int64_t> LiveReadout::Rollback(const std::string& label) {
 void LiveReadout::WaitIdle() {
   absl::MutexLock lock(&mu_);
   auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return (queue_.empty() && !in_flight_) || stop_ || !adaptive_;
+    return (queue_.empty() && !in_flight_) || stop_ || !adaptive_ ||
+           (frozen_.load() && !in_flight_);
   };
   mu_.Await(absl::Condition(&idle));
 }
@@ -421,16 +431,17 @@ void LiveReadout::WorkerLoop() {
     {
       absl::MutexLock lock(&mu_);
       for (;;) {
-        if (stop_ && (!drain_ || queue_.empty() || broken_)) return;
-        if (!broken_ &&
+        const bool paused = broken_ || frozen_.load();
+        if (stop_ && (!drain_ || queue_.empty() || paused)) return;
+        if (!paused &&
             (static_cast<int>(queue_.size()) >= options_.rls_batch ||
              (!queue_.empty() && (stop_ || NowNs() - queue_.front().enqueued_ns >=
                                                 options_.flush_after_ns)))) {
           break;
         }
-        if (queue_.empty() || broken_) {
+        if (queue_.empty() || paused) {
           auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-            return stop_ || (!broken_ && !queue_.empty());
+            return stop_ || (!broken_ && !frozen_.load() && !queue_.empty());
           };
           mu_.Await(absl::Condition(&ready));
         } else {
@@ -494,9 +505,9 @@ void LiveReadout::WorkerLoop() {
       std::fprintf(stderr, "leapd: readout '%s': %s; adaptation frozen\n",
                    name_.c_str(), std::string(s.message()).c_str());
       metrics_.rls_errors->Increment();
-      frozen_.store(true);
       metrics_.frozen->Set(1);
       absl::MutexLock lock(&mu_);
+      frozen_.store(true);
       broken_ = true;
       queue_.clear();
     }

@@ -330,21 +330,9 @@ absl::StatusOr<pb::ReadoutInfo> RunSetAdaptation(AdminClient& client,
                                                  bool frozen, bool wait_idle) {
   if (name.empty()) return Usage("missing required argument NAME");
   ASSIGN_OR_RETURN(pb::ReadoutInfo info, client.SetAdaptation(name, frozen));
-  if (!wait_idle) return info;
-  // leapd has no "wait until idle" call: poll. The backlog drains within its
-  // --rls_flush (200 ms by default) once no completion arrives.
-  const absl::Time deadline =
-      absl::Now() + absl::Seconds(client.options().timeout_s);
-  while (info.rls_backlog() > 0) {
-    if (absl::Now() > deadline) {
-      return absl::DeadlineExceededError(
-          absl::StrCat("DEADLINE_EXCEEDED: readout '", name, "' still has ",
-                       info.rls_backlog(), " queued completions after ",
-                       client.options().timeout_s, " s"));
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    ASSIGN_OR_RETURN(info, client.GetReadout(name));
-  }
+  // Freezing is immediate on the sidecar (no batch is applied after the
+  // call returns), so --wait has nothing left to wait for.
+  (void)wait_idle;
   return info;
 }
 

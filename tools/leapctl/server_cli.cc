@@ -473,9 +473,11 @@ int AdaptationCommand(bool frozen, const std::vector<std::string>& args,
             "still\n"
             "measured (Spearman) but not learned, and no new version is "
             "published.\n"
-            "Completions queued before the freeze are still applied; --wait "
-            "waits for\n"
-            "them, so the printed version is final until 'leapctl resume'."
+            "The freeze is immediate: once this returns no batch is applied "
+            "and the\n"
+            "printed version is final until 'leapctl resume' (completions "
+            "queued\n"
+            "before it wait, they are not lost)."
           : "Resumes online adaptation of a frozen readout: completions are "
             "learned\n"
             "again. Fails with FAILED_PRECONDITION for a readout without the "
@@ -486,8 +488,7 @@ int AdaptationCommand(bool frozen, const std::vector<std::string>& args,
   ServerFlags(flags, &server);
   if (frozen) {
     flags.Bool("wait", &wait,
-               "Wait (at most --timeout) until the completions queued before "
-               "the freeze are applied.");
+               "Accepted for compatibility; the freeze is immediate.");
   }
   if (int rc = cmd.Parse(flags, args); rc >= 0) return rc;
   if (int rc = CheckServer(cmd, server); rc >= 0) return rc;
