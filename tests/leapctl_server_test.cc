@@ -10,6 +10,7 @@
 //    an unreachable server -> exit 1 with a clear message; bad --arm syntax
 //    and other usage errors -> exit 2 and nothing changed on the server.
 //  - A short `leapctl bench --json`.
+#include <cstring>
 #include <signal.h>
 #include <sys/wait.h>
 
@@ -413,6 +414,52 @@ TEST_F(LeapctlServerTest, BenchReportsThroughputAndLatency) {
   EXPECT_TRUE(list["readouts"].empty()) << list.dump();
   nlohmann::json routes = Json({"route", "list", "--json"});
   EXPECT_TRUE(routes["routes"].empty()) << routes.dump();
+}
+
+// Snapshot before a rollout, learn, roll back: the storage commands of the
+// runbook, each printing what it did and failing with the gRPC code.
+TEST_F(LeapctlServerTest, SnapshotRollbackImport) {
+  Synth("src", 2000, 11, kChat);
+  Synth("more", 600, 12, kTranslation);
+  ASSERT_FALSE(HasFailure());
+  RunResult train = RunLeapctl(
+      dir_, {"train", "--features", dir_.File("src.npy"), "--lengths",
+             dir_.File("src_len.npy"), "--out", dir_.File("r.leapr"),
+             "--lambda", "20"});
+  ASSERT_EQ(train.exit_code, 0) << Describe(train);
+  RunResult imported = Ok({"import", "r", "--artifact", dir_.File("r.leapr")});
+  EXPECT_THAT(imported.out, HasSubstr("created readout r version 1"));
+  Ok({"route", "set", "--default", "--arm", "r"});
+  RunResult snap = Ok({"snapshot", "create", "r", "before-rollout"});
+  EXPECT_THAT(snap.out, HasSubstr("before-rollout"));
+  EXPECT_THAT(snap.out, HasSubstr("version 1"));
+  Ok({"export", "r", "--out", dir_.File("at_snapshot.leapr")});
+  Ok({"feed", "--features", dir_.File("more.npy"), "--lengths",
+      dir_.File("more_len.npy")});
+  const nlohmann::json moved = Json({"readouts", "get", "r", "--json"});
+  ASSERT_GT(moved["version"].get<int64_t>(), 1);
+  RunResult list = Ok({"snapshot", "list", "r"});
+  EXPECT_THAT(list.out, HasSubstr("1 snapshot(s) of readout r"));
+  EXPECT_THAT(list.out, HasSubstr("before-rollout"));
+  RunResult rb = Ok({"rollback", "r", "before-rollout"});
+  EXPECT_THAT(rb.out, HasSubstr("rolled readout r back to snapshot before-rollout as version"));
+  const nlohmann::json after = Json({"readouts", "get", "r", "--json"});
+  EXPECT_GT(after["version"].get<int64_t>(), moved["version"].get<int64_t>());
+  // theta and P are the snapshot's, bit for bit.
+  Ok({"export", "r", "--out", dir_.File("after_rollback.leapr")});
+  auto a = readout::ReadArtifact(dir_.File("at_snapshot.leapr"));
+  auto b = readout::ReadArtifact(dir_.File("after_rollback.leapr"));
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_EQ(a->theta, b->theta);
+  ASSERT_TRUE(a->p.has_value() && b->p.has_value());
+  EXPECT_EQ(std::memcmp(a->p->data(), b->p->data(),
+                        a->p->n() * a->p->ld() * sizeof(float)), 0);
+  // Failures carry the code and exit 1; usage errors exit 2.
+  RunResult missing = Ctl({"rollback", "r", "no-such-label"});
+  EXPECT_EQ(missing.exit_code, 1);
+  EXPECT_THAT(missing.err, HasSubstr("NOT_FOUND"));
+  EXPECT_EQ(Ctl({"snapshot", "create", "r"}).exit_code, 2);
+  EXPECT_EQ(Ctl({"snapshot", "list", "nope"}).exit_code, 1);
 }
 
 }  // namespace

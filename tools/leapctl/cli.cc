@@ -43,6 +43,12 @@ constexpr char kTopHelp[] =
     "  route set|list|delete   Which readouts (A/B and shadow arms) serve a\n"
     "                   product line.\n"
     "  stats [NAME]     Online quality and counters.\n"
+    "  snapshot create NAME LABEL | list NAME   Label / list restorable "
+    "states.\n"
+    "  rollback NAME LABEL   Restore a snapshot (published as a new "
+    "version).\n"
+    "  import NAME --artifact R.leapr   Load an artifact (= readouts "
+    "create).\n"
     "  bench            Load-test leapd's Connect stream (predictions/s,\n"
     "                   latency).\n"
     "  feed             Simulate an engine: send features and completions "
@@ -335,9 +341,13 @@ int RunLeapctl(const std::vector<std::string>& all, std::ostream& out,
   if (command == "stats") return internal::StatsCommand(args, out, err);
   if (command == "bench") return internal::BenchCommand(args, out, err);
   if (command == "feed") return internal::FeedCommand(args, out, err);
+  if (command == "snapshot") return internal::SnapshotCommand(args, out, err);
+  if (command == "rollback") return internal::RollbackCommand(args, out, err);
+  if (command == "import") return internal::ImportCommand(args, out, err);
   err << "leapctl: error: unknown command '" << OneLine(command)
       << "' (commands: train, eval, adapt, synth, readouts, versions, export, "
-         "freeze, resume, route, stats, bench, feed; see 'leapctl --help')"
+         "freeze, resume, route, stats, bench, feed, snapshot, rollback, import; "
+         "see 'leapctl --help')"
       << std::endl;
   return kExitUsage;
 }

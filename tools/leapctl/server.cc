@@ -219,6 +219,32 @@ absl::Status AdminClient::DeleteRoute(const std::string& product_line) {
       .status();
 }
 
+absl::StatusOr<pb::SnapshotInfo> AdminClient::CreateSnapshot(
+    const std::string& readout, const std::string& label) {
+  pb::CreateSnapshotRequest req;
+  req.set_readout(readout);
+  req.set_label(label);
+  return Call<pb::CreateSnapshotRequest, pb::SnapshotInfo>(
+      &pb::Admin::Stub::CreateSnapshot, req);
+}
+
+absl::StatusOr<pb::ListSnapshotsResponse> AdminClient::ListSnapshots(
+    const std::string& readout) {
+  pb::ListSnapshotsRequest req;
+  req.set_readout(readout);
+  return Call<pb::ListSnapshotsRequest, pb::ListSnapshotsResponse>(
+      &pb::Admin::Stub::ListSnapshots, req);
+}
+
+absl::StatusOr<pb::RollbackResponse> AdminClient::Rollback(
+    const std::string& readout, const std::string& label) {
+  pb::RollbackRequest req;
+  req.set_readout(readout);
+  req.set_label(label);
+  return Call<pb::RollbackRequest, pb::RollbackResponse>(
+      &pb::Admin::Stub::Rollback, req);
+}
+
 absl::StatusOr<pb::StatsResponse> AdminClient::GetStats(
     const std::string& readout) {
   pb::GetStatsRequest req;

@@ -71,6 +71,12 @@ class AdminClient {
   absl::StatusOr<v1::ListRoutesResponse> ListRoutes();
   absl::Status DeleteRoute(const std::string& product_line);
   absl::StatusOr<v1::StatsResponse> GetStats(const std::string& readout);
+  absl::StatusOr<v1::SnapshotInfo> CreateSnapshot(const std::string& readout,
+                                                  const std::string& label);
+  absl::StatusOr<v1::ListSnapshotsResponse> ListSnapshots(
+      const std::string& readout);
+  absl::StatusOr<v1::RollbackResponse> Rollback(const std::string& readout,
+                                                const std::string& label);
 
  private:
   template <class Request, class Response, class Method>

@@ -400,6 +400,106 @@ int RouteCommand(const std::vector<std::string>& args, std::ostream& out,
       out, err);
 }
 
+namespace {
+
+std::string FormatSnapshot(const pb::SnapshotInfo& s) {
+  const absl::Time t = absl::FromUnixMillis(s.unix_ms());
+  return absl::StrFormat(
+      "%-24s version %-8d learned %-9d spearman %s  %s\n", s.label(),
+      s.version(), s.completions_learned(),
+      std::isfinite(s.spearman()) ? absl::StrFormat("%.4f", s.spearman())
+                                  : std::string("-"),
+      absl::FormatTime("%Y-%m-%d %H:%M:%S UTC", t, absl::UTCTimeZone()));
+}
+
+int SnapshotCreate(const std::vector<std::string>& args, std::ostream& out,
+                   std::ostream& err) {
+  Command cmd("snapshot create", out, err);
+  ServerOptions server;
+  std::string name, label;
+  FlagSet flags(
+      "snapshot create", "leapctl snapshot create NAME LABEL",
+      "Labels the current state of a readout (theta, RLS matrix P,\n"
+      "standardization, version, completions learned, online Spearman) so it\n"
+      "can be restored with 'leapctl rollback'. Take one before a rollout.\n"
+      "Taking a label again replaces that snapshot.");
+  flags.Positional("NAME", &name, "The readout.");
+  flags.Positional("LABEL", &label, "Snapshot label (1-128 bytes).");
+  ServerFlags(flags, &server);
+  if (int rc = cmd.Parse(flags, args); rc >= 0) return rc;
+  if (int rc = CheckServer(cmd, server); rc >= 0) return rc;
+  AdminClient client(server);
+  absl::StatusOr<pb::SnapshotInfo> r = client.CreateSnapshot(name, label);
+  if (!r.ok()) return cmd.Failure(r.status());
+  out << "snapshot of readout " << name << " taken:\n" << FormatSnapshot(*r);
+  return kExitOk;
+}
+
+int SnapshotList(const std::vector<std::string>& args, std::ostream& out,
+                 std::ostream& err) {
+  Command cmd("snapshot list", out, err);
+  ServerOptions server;
+  std::string name;
+  FlagSet flags("snapshot list", "leapctl snapshot list NAME",
+                "Lists the snapshots of a readout: label, version, "
+                "completions learned,\n"
+                "online Spearman when taken, and time.");
+  flags.Positional("NAME", &name, "The readout.");
+  ServerFlags(flags, &server);
+  if (int rc = cmd.Parse(flags, args); rc >= 0) return rc;
+  if (int rc = CheckServer(cmd, server); rc >= 0) return rc;
+  AdminClient client(server);
+  absl::StatusOr<pb::ListSnapshotsResponse> r = client.ListSnapshots(name);
+  if (!r.ok()) return cmd.Failure(r.status());
+  out << r->snapshots_size() << " snapshot(s) of readout " << name << "\n";
+  for (const auto& s : r->snapshots()) out << FormatSnapshot(s);
+  return kExitOk;
+}
+
+}  // namespace
+
+int SnapshotCommand(const std::vector<std::string>& args, std::ostream& out,
+                    std::ostream& err) {
+  return Dispatch("snapshot",
+                  "usage: leapctl snapshot create NAME LABEL | list NAME\n",
+                  {{"create", SnapshotCreate}, {"list", SnapshotList}}, args,
+                  out, err);
+}
+
+int RollbackCommand(const std::vector<std::string>& args, std::ostream& out,
+                    std::ostream& err) {
+  Command cmd("rollback", out, err);
+  ServerOptions server;
+  std::string name, label;
+  FlagSet flags(
+      "rollback", "leapctl rollback NAME LABEL",
+      "Restores a readout's theta and P exactly as in snapshot LABEL. The\n"
+      "rollback is published as a NEW version (history is append-only), "
+      "pushed\n"
+      "to every engine, which rescores its live requests. Completions not yet\n"
+      "applied when it happens are dropped.");
+  flags.Positional("NAME", &name, "The readout.");
+  flags.Positional("LABEL", &label, "The snapshot to restore.");
+  ServerFlags(flags, &server);
+  if (int rc = cmd.Parse(flags, args); rc >= 0) return rc;
+  if (int rc = CheckServer(cmd, server); rc >= 0) return rc;
+  AdminClient client(server);
+  absl::StatusOr<pb::RollbackResponse> r = client.Rollback(name, label);
+  if (!r.ok()) return cmd.Failure(r.status());
+  out << "rolled readout " << name << " back to snapshot " << label
+      << " as version " << r->version() << "\n";
+  return kExitOk;
+}
+
+int ImportCommand(const std::vector<std::string>& args, std::ostream& out,
+                  std::ostream& err) {
+  // The same as `readouts create NAME --artifact FILE`, under the name the
+  // storage runbook uses.
+  std::vector<std::string> forwarded = {"create"};
+  forwarded.insert(forwarded.end(), args.begin(), args.end());
+  return ReadoutsCommand(forwarded, out, err);
+}
+
 int VersionsCommand(const std::vector<std::string>& args, std::ostream& out,
                     std::ostream& err) {
   Command cmd("versions", out, err);

@@ -82,6 +82,12 @@ int BenchCommand(const std::vector<std::string>& args, std::ostream& out,
                  std::ostream& err);
 int FeedCommand(const std::vector<std::string>& args, std::ostream& out,
                 std::ostream& err);
+int SnapshotCommand(const std::vector<std::string>& args, std::ostream& out,
+                    std::ostream& err);
+int RollbackCommand(const std::vector<std::string>& args, std::ostream& out,
+                    std::ostream& err);
+int ImportCommand(const std::vector<std::string>& args, std::ostream& out,
+                  std::ostream& err);
 
 }  // namespace leap::leapctl::internal
 

@@ -1,0 +1,270 @@
+#include "engine_shim/scheduler.h"
+
+#include <algorithm>
+#include <cmath>
+#include <tuple>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+
+namespace leap::shim {
+namespace {
+
+// Tiers of the sort key, first served first.
+constexpr int kTierPromoted = 0;
+constexpr int kTierUnpredictedFirst = 1;
+constexpr int kTierRanked = 2;
+constexpr int kTierUnpredictedLast = 3;
+
+absl::Status CheckTokens(absl::string_view what, double value) {
+  if (!std::isfinite(value) || value < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, " must be finite and >= 0, got ", value));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status SchedulerOptions::Validate() const {
+  if (slots < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("slots must be >= 1, got ", slots));
+  }
+  if (waiting_cap < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "waiting_cap must be >= 0 (0 disables), got ", waiting_cap));
+  }
+  if (!std::isfinite(aging_rate) || aging_rate < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "aging_rate must be finite and >= 0 (0 disables), got ", aging_rate));
+  }
+  if (absl::Status s = CheckTokens("remaining_floor", remaining_floor);
+      !s.ok()) {
+    return s;
+  }
+  switch (unpredicted) {
+    case UnpredictedPolicy::kMedian:
+    case UnpredictedPolicy::kFixed:
+    case UnpredictedPolicy::kFirst:
+    case UnpredictedPolicy::kLast:
+      break;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat(
+          "unknown unpredicted policy ", static_cast<int>(unpredicted)));
+  }
+  return CheckTokens("unpredicted_tokens", unpredicted_tokens);
+}
+
+absl::StatusOr<CountdownScheduler> CountdownScheduler::Create(
+    SchedulerOptions options) {
+  if (absl::Status s = options.Validate(); !s.ok()) return s;
+  return CountdownScheduler(options);
+}
+
+absl::Status CountdownScheduler::Add(absl::string_view request_id) {
+  auto [it, inserted] = index_.try_emplace(request_id, live_.size());
+  if (!inserted) {
+    return absl::AlreadyExistsError(
+        absl::StrCat("request ", request_id, " is already live"));
+  }
+  Request& r = live_.emplace_back();
+  r.id = std::string(request_id);
+  r.arrival = next_arrival_++;
+  ++counters_.added;
+  return absl::OkStatus();
+}
+
+absl::Status CountdownScheduler::SetPrediction(absl::string_view request_id,
+                                               double predicted_tokens) {
+  return SetPredictionImpl(request_id, predicted_tokens, /*first_only=*/true);
+}
+
+absl::Status CountdownScheduler::Rescore(absl::string_view request_id,
+                                         double predicted_tokens) {
+  return SetPredictionImpl(request_id, predicted_tokens, /*first_only=*/false);
+}
+
+absl::Status CountdownScheduler::SetPredictionImpl(absl::string_view request_id,
+                                                   double value,
+                                                   bool first_only) {
+  if (absl::Status s = CheckTokens("predicted_tokens", value); !s.ok()) {
+    return s;
+  }
+  auto it = index_.find(request_id);
+  if (it == index_.end()) {
+    return absl::NotFoundError(
+        absl::StrCat("request ", request_id, " is not live"));
+  }
+  Request& r = live_[it->second];
+  if (first_only && r.predicted_tokens.has_value()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("request ", request_id, " already has a prediction (",
+                     *r.predicted_tokens, "); use Rescore for a new one"));
+  }
+  r.predicted_tokens = value;
+  ++r.predictions;
+  return absl::OkStatus();
+}
+
+absl::Status CountdownScheduler::Remove(absl::string_view request_id) {
+  auto it = index_.find(request_id);
+  if (it == index_.end()) {
+    return absl::NotFoundError(
+        absl::StrCat("request ", request_id, " is not live"));
+  }
+  const size_t pos = it->second;
+  index_.erase(it);
+  if (pos + 1 != live_.size()) {
+    live_[pos] = std::move(live_.back());
+    index_[live_[pos].id] = pos;
+  }
+  live_.pop_back();
+  ++counters_.removed;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<RequestStats> CountdownScheduler::GetRequest(
+    absl::string_view request_id) const {
+  auto it = index_.find(request_id);
+  if (it == index_.end()) {
+    return absl::NotFoundError(
+        absl::StrCat("request ", request_id, " is not live"));
+  }
+  const Request& r = live_[it->second];
+  RequestStats stats;
+  stats.predicted_tokens = r.predicted_tokens;
+  stats.generated = r.generated;
+  stats.steps_waited = r.steps_waited;
+  stats.arrival = r.arrival;
+  stats.predictions = r.predictions;
+  return stats;
+}
+
+double CountdownScheduler::Remaining(const Request& r) const {
+  return std::max(*r.predicted_tokens - static_cast<double>(r.generated),
+                  options_.remaining_floor);
+}
+
+double CountdownScheduler::UnpredictedRemaining() {
+  const double fixed =
+      std::max(options_.unpredicted_tokens, options_.remaining_floor);
+  if (options_.unpredicted != UnpredictedPolicy::kMedian) return fixed;
+  scratch_.clear();
+  for (const Request& r : live_) {
+    if (r.predicted_tokens.has_value()) scratch_.push_back(Remaining(r));
+  }
+  if (scratch_.empty()) return fixed;
+  // Lower median: an actual remaining value, no averaging.
+  auto mid = scratch_.begin() + (scratch_.size() - 1) / 2;
+  std::nth_element(scratch_.begin(), mid, scratch_.end());
+  return *mid;
+}
+
+int64_t CountdownScheduler::CountAgingPromotions(size_t k) {
+  // Tier sizes do not depend on aging, so the ranked tier gets the same k2
+  // slots with or without it; count the chosen ones that the un-aged order
+  // (remaining, arrival) would not have put among its first k2.
+  size_t k2 = 0;
+  for (size_t i = 0; i < k; ++i) k2 += candidates_[i].tier == kTierRanked;
+  raw_keys_.clear();
+  for (const Candidate& c : candidates_) {
+    if (c.tier == kTierRanked) raw_keys_.emplace_back(c.remaining, c.arrival);
+  }
+  if (k2 == 0 || k2 == raw_keys_.size()) return 0;
+  auto nth = raw_keys_.begin() + (k2 - 1);
+  std::nth_element(raw_keys_.begin(), nth, raw_keys_.end());
+  const std::pair<double, uint64_t> threshold = *nth;
+  int64_t moved = 0;
+  for (size_t i = 0; i < k; ++i) {
+    const Candidate& c = candidates_[i];
+    if (c.tier == kTierRanked &&
+        std::make_pair(c.remaining, c.arrival) > threshold) {
+      ++moved;
+    }
+  }
+  return moved;
+}
+
+std::vector<std::string> CountdownScheduler::Select(int slots) {
+  ++counters_.steps;
+  const size_t n = live_.size();
+  const size_t k = slots <= 0 ? 0 : std::min(static_cast<size_t>(slots), n);
+  std::vector<std::string> chosen;
+  selected_.assign(n, 0);
+
+  if (k > 0) {
+    bool any_unpredicted = false;
+    for (const Request& r : live_) {
+      any_unpredicted |= !r.predicted_tokens.has_value();
+    }
+    const double unpredicted_remaining =
+        any_unpredicted ? UnpredictedRemaining() : 0;
+    const int64_t cap = options_.waiting_cap;
+    const double rate = options_.aging_rate;
+
+    candidates_.clear();
+    for (size_t i = 0; i < n; ++i) {
+      const Request& r = live_[i];
+      Candidate c;
+      c.arrival = r.arrival;
+      c.index = static_cast<uint32_t>(i);
+      if (cap > 0 && r.steps_waited >= cap) {
+        c.tier = kTierPromoted;
+        c.priority = -static_cast<double>(r.steps_waited);
+      } else if (!r.predicted_tokens.has_value() &&
+                 options_.unpredicted == UnpredictedPolicy::kFirst) {
+        c.tier = kTierUnpredictedFirst;
+      } else if (!r.predicted_tokens.has_value() &&
+                 options_.unpredicted == UnpredictedPolicy::kLast) {
+        c.tier = kTierUnpredictedLast;
+      } else {
+        c.tier = kTierRanked;
+        c.remaining = r.predicted_tokens.has_value() ? Remaining(r)
+                                                     : unpredicted_remaining;
+        c.priority =
+            rate > 0 ? c.remaining *
+                           std::exp(-rate * static_cast<double>(r.steps_waited))
+                     : c.remaining;
+      }
+      candidates_.push_back(c);
+    }
+
+    auto less = [](const Candidate& a, const Candidate& b) {
+      return std::tie(a.tier, a.priority, a.arrival) <
+             std::tie(b.tier, b.priority, b.arrival);
+    };
+    // The key is a total order (arrival is unique), so the first k after
+    // nth_element are exactly the k smallest.
+    if (k < n) {
+      std::nth_element(candidates_.begin(), candidates_.begin() + k,
+                       candidates_.end(), less);
+    }
+    std::sort(candidates_.begin(), candidates_.begin() + k, less);
+
+    chosen.reserve(k);
+    for (size_t i = 0; i < k; ++i) {
+      const Candidate& c = candidates_[i];
+      counters_.cap_promotions += c.tier == kTierPromoted;
+      selected_[c.index] = 1;
+      chosen.push_back(live_[c.index].id);
+    }
+    if (rate > 0) counters_.aging_promotions += CountAgingPromotions(k);
+    counters_.selections += static_cast<int64_t>(k);
+  }
+
+  for (size_t i = 0; i < n; ++i) {
+    Request& r = live_[i];
+    if (selected_[i]) {
+      ++r.generated;
+      r.steps_waited = 0;
+    } else {
+      ++r.steps_waited;
+      counters_.max_steps_waited =
+          std::max(counters_.max_steps_waited, r.steps_waited);
+    }
+  }
+  return chosen;
+}
+
+}  // namespace leap::shim

@@ -1,0 +1,241 @@
+// CountdownScheduler: decides, step by step, which live requests get a decode
+// slot (DESIGN §5, the paper's countdown scheduler with a waiting cap).
+//
+// Ordering of one step, first to last:
+//   1. Promoted requests: steps_waited >= waiting_cap (when the cap is on).
+//      Most steps waited first; ties by arrival (FCFS).
+//   2. Everybody else by effective priority, smallest first; ties by arrival:
+//        remaining = max(L̂ − generated, remaining_floor)
+//        priority  = remaining * exp(-aging_rate * steps_waited)
+//      (with aging_rate == 0 the priority is exactly `remaining`). Requests
+//      without a prediction yet are placed by `UnpredictedPolicy`.
+// Every key ends in the arrival counter, so the order is total and the result
+// is deterministic: it does not depend on hash order or on the order in which
+// requests were added, removed or rescored.
+//
+// Starvation bound (proved in scheduler_test.cc, WaitingBound*): with
+// waiting_cap = W >= 1 and every step given at least k >= 1 slots, a request
+// that reaches the cap while L requests are live (itself included) is selected
+// after at most W + floor((L - 1) / k) consecutive steps without a slot. More
+// precisely the extra wait is floor(A / k), A being the promoted requests
+// ranked ahead of it when it reaches the cap, so when more than k requests hit
+// the cap together the last of them waits past W.
+//
+// Cost of one Select over n live requests with k slots: O(n + k log k)
+// (nth_element, then sort of the chosen k), plus O(n) when aging is on (to
+// count aging promotions) or when the median policy needs a median. No I/O,
+// no clocks, no randomness.
+//
+// Thread safety: none. The engine's step loop owns the scheduler and is the
+// only caller of every method; predictions and rescores that arrive on other
+// threads must be handed to the step loop (e.g. queued and applied before the
+// next Select).
+#ifndef LEAP_ENGINE_SHIM_SCHEDULER_H_
+#define LEAP_ENGINE_SHIM_SCHEDULER_H_
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+namespace leap::shim {
+
+// Where a request that has no prediction yet (the sidecar is late or down) is
+// placed among the non-promoted requests. The waiting cap applies to it as to
+// any request.
+enum class UnpredictedPolicy {
+  // Ranked as if its remaining length were the lower median of the remaining
+  // lengths of the live predicted requests (or `unpredicted_tokens` when none
+  // is predicted). It does not count down, and aging applies as usual.
+  // The default: a request the predictor has not seen is treated like a
+  // typical request of the current mix. It neither jumps ahead of the short
+  // requests the scheduler exists to favour, nor sinks behind every long one
+  // and waits for the cap. With the sidecar down all requests share one value
+  // and the scheduler degrades to FCFS (plus aging and the cap), which is what
+  // an engine without a predictor would do. The median follows the traffic,
+  // so no length scale has to be configured.
+  kMedian,
+  // Ranked as if its remaining length were `unpredicted_tokens` (floored);
+  // does not count down.
+  kFixed,
+  // Ahead of all predicted non-promoted requests, FCFS among themselves.
+  kFirst,
+  // Behind all predicted requests, FCFS among themselves.
+  kLast,
+};
+
+// Configuration of a CountdownScheduler. All fields are validated by
+// Validate(); CountdownScheduler::Create rejects invalid options.
+struct SchedulerOptions {
+  // Decode slots per step used by Select() without an argument.
+  // Default: 64
+  int slots = 64;
+
+  // Consecutive steps without a slot after which a request is promoted ahead
+  // of all others. 0 disables the cap.
+  // Default: 128
+  int waiting_cap = 128;
+
+  // Exponential aging: priority = remaining * exp(-aging_rate *
+  // steps_waited). Must be finite and >= 0; 0 disables aging.
+  // Default: 0
+  double aging_rate = 0;
+
+  // Lower bound of remaining = max(L̂ − generated, remaining_floor), so a
+  // request that outlives its prediction keeps a positive priority and
+  // requests past their prediction are served FCFS. Finite, >= 0.
+  // Default: 1
+  double remaining_floor = 1;
+
+  // Placement of requests without a prediction; see UnpredictedPolicy.
+  // Default: kMedian
+  UnpredictedPolicy unpredicted = UnpredictedPolicy::kMedian;
+
+  // Remaining length assumed for unpredicted requests under kFixed, and under
+  // kMedian while no live request is predicted. Finite, >= 0.
+  // Default: 256
+  double unpredicted_tokens = 256;
+
+  // OK, or kInvalidArgument naming the first bad field and its value.
+  absl::Status Validate() const;
+};
+
+// A snapshot of one live request.
+struct RequestStats {
+  // L̂, absent until SetPrediction or Rescore.
+  std::optional<double> predicted_tokens;
+  // Decode steps in which the request held a slot.
+  int64_t generated = 0;
+  // Consecutive steps without a slot, up to now (0 right after a slot).
+  int64_t steps_waited = 0;
+  // Position in arrival order (0 for the first request ever added).
+  uint64_t arrival = 0;
+  // Number of SetPrediction/Rescore calls that changed L̂.
+  int64_t predictions = 0;
+};
+
+// Monotonic counters since creation (for metrics).
+struct SchedulerCounters {
+  // Select calls.
+  int64_t steps = 0;
+  // Slots handed out (sum of the sizes of all selections).
+  int64_t selections = 0;
+  // Selections of requests that had reached the waiting cap.
+  int64_t cap_promotions = 0;
+  // Selections that aging decided: requests chosen that would not have been
+  // chosen for the same slots had aging_rate been 0 (always 0 without aging).
+  int64_t aging_promotions = 0;
+  // Largest steps_waited any request has reached.
+  int64_t max_steps_waited = 0;
+  // Add calls that succeeded / Remove calls that succeeded.
+  int64_t added = 0;
+  int64_t removed = 0;
+};
+
+// The engine-side countdown scheduler. Not thread-safe: owned and called only
+// by the engine's step loop (see the file comment).
+class CountdownScheduler {
+ public:
+  // A scheduler with `options`, or kInvalidArgument from options.Validate().
+  static absl::StatusOr<CountdownScheduler> Create(SchedulerOptions options);
+
+  CountdownScheduler(CountdownScheduler&&) = default;
+  CountdownScheduler& operator=(CountdownScheduler&&) = default;
+
+  // Makes `request_id` live, without a prediction, generated = 0, at the end
+  // of the arrival order. kAlreadyExists if it is live already (an id may be
+  // reused after Remove; it then counts as a new arrival).
+  absl::Status Add(absl::string_view request_id);
+
+  // Sets the first prediction L̂ (in tokens). kNotFound for an unknown id,
+  // kInvalidArgument for a non-finite or negative value, kFailedPrecondition
+  // if the request already has a prediction (a newer L̂ goes through Rescore;
+  // this also drops a late initial prediction that a publish overtook).
+  absl::Status SetPrediction(absl::string_view request_id,
+                             double predicted_tokens);
+
+  // Replaces L̂ after a readout publish; generated tokens are kept, so the
+  // countdown continues from the new L̂. Also accepted as the first prediction
+  // of a request that has none. Errors as SetPrediction, except that it never
+  // returns kFailedPrecondition.
+  absl::Status Rescore(absl::string_view request_id, double predicted_tokens);
+
+  // Forgets a finished or cancelled request. kNotFound for an unknown id.
+  absl::Status Remove(absl::string_view request_id);
+
+  // Decides one decode step and commits it: returns up to `slots` live
+  // request ids (all of them when fewer are live), in priority order. The
+  // returned requests get generated += 1 and steps_waited = 0; every other
+  // live request gets steps_waited += 1. `slots` <= 0 selects nobody (every
+  // request waits). Deciding and committing are one call so the two cannot
+  // drift apart; an engine that could not run a selected request should
+  // Remove it (or accept that it was counted).
+  std::vector<std::string> Select(int slots);
+
+  // Select(options().slots).
+  std::vector<std::string> Select() { return Select(options_.slots); }
+
+  // Number of live requests.
+  size_t size() const { return live_.size(); }
+
+  // A snapshot of a live request, or kNotFound.
+  absl::StatusOr<RequestStats> GetRequest(absl::string_view request_id) const;
+
+  // Counters since creation.
+  const SchedulerCounters& counters() const { return counters_; }
+
+  // True when aging_rate > 0 (a gauge for metrics).
+  bool aging_enabled() const { return options_.aging_rate > 0; }
+
+  // The options the scheduler was created with.
+  const SchedulerOptions& options() const { return options_; }
+
+ private:
+  struct Request {
+    std::string id;
+    std::optional<double> predicted_tokens;
+    int64_t generated = 0;
+    int64_t steps_waited = 0;
+    uint64_t arrival = 0;
+    int64_t predictions = 0;
+  };
+  // Sort key of one live request for one step; compared lexicographically
+  // on (tier, priority, arrival).
+  struct Candidate {
+    int tier = 0;
+    double priority = 0;
+    uint64_t arrival = 0;
+    double remaining = 0;  // un-aged, for counting aging promotions
+    uint32_t index = 0;    // into live_
+  };
+
+  explicit CountdownScheduler(SchedulerOptions options) : options_(options) {}
+
+  absl::Status SetPredictionImpl(absl::string_view request_id, double value,
+                                 bool first_only);
+  double Remaining(const Request& r) const;
+  double UnpredictedRemaining();
+  int64_t CountAgingPromotions(size_t k);
+
+  SchedulerOptions options_;
+  // Live requests, unordered (swap-remove); index_ maps id to position.
+  std::vector<Request> live_;
+  absl::flat_hash_map<std::string, size_t> index_;
+  uint64_t next_arrival_ = 0;
+  SchedulerCounters counters_;
+  // Scratch buffers reused across steps.
+  std::vector<Candidate> candidates_;
+  std::vector<double> scratch_;
+  std::vector<std::pair<double, uint64_t>> raw_keys_;
+  std::vector<char> selected_;
+};
+
+}  // namespace leap::shim
+
+#endif  // LEAP_ENGINE_SHIM_SCHEDULER_H_

@@ -1,0 +1,786 @@
+#include "engine_shim/scheduler.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <map>
+#include <optional>
+#include <random>
+#include <set>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+
+namespace leap::shim {
+namespace {
+
+using ::absl::StatusCode;
+
+CountdownScheduler MakeScheduler(const SchedulerOptions& options) {
+  absl::StatusOr<CountdownScheduler> s = CountdownScheduler::Create(options);
+  EXPECT_TRUE(s.ok()) << s.status();
+  return std::move(s).value();
+}
+
+// ---------------------------------------------------------------------------
+// Brute-force reference: keeps its own copy of every request and, each step,
+// sorts all of them by the documented key (header comment of scheduler.h).
+// ---------------------------------------------------------------------------
+class ReferenceScheduler {
+ public:
+  explicit ReferenceScheduler(const SchedulerOptions& o) : o_(o) {}
+
+  void Add(const std::string& id) {
+    reqs_[id] = Req{std::nullopt, 0, 0, next_arrival_++};
+  }
+  bool Has(const std::string& id) const { return reqs_.count(id) > 0; }
+  bool Predicted(const std::string& id) const {
+    return reqs_.at(id).pred.has_value();
+  }
+  void Predict(const std::string& id, double v) { reqs_.at(id).pred = v; }
+  void Remove(const std::string& id) { reqs_.erase(id); }
+  size_t size() const { return reqs_.size(); }
+
+  std::vector<std::string> Select(int slots) {
+    using Key = std::tuple<int, double, uint64_t>;
+    const bool aging = o_.aging_rate > 0;
+    // Median of the predicted remainings (lower median), by full sort.
+    std::vector<double> rems;
+    for (const auto& [id, r] : reqs_) {
+      if (r.pred) rems.push_back(Remaining(r));
+    }
+    std::sort(rems.begin(), rems.end());
+    double unpredicted = std::max(o_.unpredicted_tokens, o_.remaining_floor);
+    if (o_.unpredicted == UnpredictedPolicy::kMedian && !rems.empty()) {
+      unpredicted = rems[(rems.size() - 1) / 2];
+    }
+
+    struct Entry {
+      Key key;
+      double remaining;
+      std::string id;
+    };
+    std::vector<Entry> all;
+    for (const auto& [id, r] : reqs_) {
+      Entry e{{}, 0, id};
+      if (o_.waiting_cap > 0 && r.waited >= o_.waiting_cap) {
+        e.key = {0, -static_cast<double>(r.waited), r.arrival};
+      } else if (!r.pred && o_.unpredicted == UnpredictedPolicy::kFirst) {
+        e.key = {1, 0.0, r.arrival};
+      } else if (!r.pred && o_.unpredicted == UnpredictedPolicy::kLast) {
+        e.key = {3, 0.0, r.arrival};
+      } else {
+        e.remaining = r.pred ? Remaining(r) : unpredicted;
+        e.key = {2,
+                 e.remaining *
+                     std::exp(-o_.aging_rate * static_cast<double>(r.waited)),
+                 r.arrival};
+      }
+      all.push_back(e);
+    }
+    std::sort(all.begin(), all.end(),
+              [](const Entry& a, const Entry& b) { return a.key < b.key; });
+    const size_t k =
+        slots <= 0 ? 0 : std::min(all.size(), static_cast<size_t>(slots));
+
+    std::vector<std::string> chosen;
+    std::set<std::string> chosen_set;
+    std::vector<Entry> ranked_chosen;
+    for (size_t i = 0; i < k; ++i) {
+      chosen.push_back(all[i].id);
+      chosen_set.insert(all[i].id);
+      if (std::get<0>(all[i].key) == 0) ++cap_promotions;
+      if (std::get<0>(all[i].key) == 2) ranked_chosen.push_back(all[i]);
+    }
+    if (aging) {
+      // Which ranked requests would the un-aged order pick for those slots?
+      std::vector<std::pair<double, uint64_t>> unaged;
+      std::map<std::pair<double, uint64_t>, std::string> by_key;
+      for (const Entry& e : all) {
+        if (std::get<0>(e.key) != 2) continue;
+        std::pair<double, uint64_t> key{e.remaining, std::get<2>(e.key)};
+        unaged.push_back(key);
+        by_key[key] = e.id;
+      }
+      std::sort(unaged.begin(), unaged.end());
+      std::set<std::string> unaged_top;
+      for (size_t i = 0; i < ranked_chosen.size(); ++i) {
+        unaged_top.insert(by_key[unaged[i]]);
+      }
+      for (const Entry& e : ranked_chosen) {
+        aging_promotions += unaged_top.count(e.id) == 0;
+      }
+    }
+    for (auto& [id, r] : reqs_) {
+      if (chosen_set.count(id)) {
+        ++r.generated;
+        r.waited = 0;
+      } else {
+        ++r.waited;
+        max_waited = std::max(max_waited, r.waited);
+      }
+    }
+    return chosen;
+  }
+
+  void ExpectStatsMatch(const CountdownScheduler& s) const {
+    ASSERT_EQ(s.size(), reqs_.size());
+    for (const auto& [id, r] : reqs_) {
+      absl::StatusOr<RequestStats> st = s.GetRequest(id);
+      ASSERT_TRUE(st.ok()) << id << ": " << st.status();
+      EXPECT_EQ(st->predicted_tokens, r.pred) << id;
+      EXPECT_EQ(st->generated, r.generated) << id;
+      EXPECT_EQ(st->steps_waited, r.waited) << id;
+      EXPECT_EQ(st->arrival, r.arrival) << id;
+    }
+  }
+
+  int64_t cap_promotions = 0;
+  int64_t aging_promotions = 0;
+  int64_t max_waited = 0;
+
+ private:
+  struct Req {
+    std::optional<double> pred;
+    int64_t generated;
+    int64_t waited;
+    uint64_t arrival;
+  };
+  double Remaining(const Req& r) const {
+    return std::max(*r.pred - static_cast<double>(r.generated),
+                    o_.remaining_floor);
+  }
+
+  SchedulerOptions o_;
+  std::map<std::string, Req> reqs_;
+  uint64_t next_arrival_ = 0;
+};
+
+// Random traffic: arrivals (with bursts), true lengths, predictions that are
+// noisy, tied, immediate, late or missing, publishes that rescore every live
+// request, single rescores, cancellations, varying slot counts, id reuse.
+struct Traffic {
+  int target_live = 300;
+  int max_arrivals = 6;
+  double burst_prob = 0.01;
+  int burst_size = 60;
+  double late_prob = 0.3;    // prediction arrives 1..40 steps late
+  double never_prob = 0.05;  // prediction never arrives
+  double publish_prob = 0.01;
+  double rescore_prob = 0.05;
+  double cancel_prob = 0.02;
+  double vary_slots_prob = 0.2;
+};
+
+double NoisyPrediction(std::mt19937_64& rng, int64_t true_len) {
+  std::uniform_real_distribution<double> u(0, 1);
+  const double x = u(rng);
+  if (x < 0.1) {
+    static constexpr double kTied[] = {0, 8, 32, 128};
+    return kTied[std::uniform_int_distribution<int>(0, 3)(rng)];
+  }
+  std::lognormal_distribution<double> noise(0, 0.5);
+  const double p = static_cast<double>(true_len) * noise(rng);
+  return x < 0.6 ? std::round(p) : p;
+}
+
+int64_t TrueLength(std::mt19937_64& rng) {
+  std::uniform_real_distribution<double> u(0, 1);
+  const double x = u(rng);
+  if (x < 0.7) return std::uniform_int_distribution<int64_t>(1, 40)(rng);
+  if (x < 0.95) return std::uniform_int_distribution<int64_t>(40, 400)(rng);
+  return std::uniform_int_distribution<int64_t>(400, 2000)(rng);
+}
+
+void RunAgainstReference(const SchedulerOptions& options,
+                         const Traffic& traffic, int steps, uint64_t seed) {
+  SCOPED_TRACE(::testing::Message()
+               << "seed=" << seed << " slots=" << options.slots << " cap="
+               << options.waiting_cap << " aging=" << options.aging_rate
+               << " policy=" << static_cast<int>(options.unpredicted));
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<double> u(0, 1);
+  CountdownScheduler sched = MakeScheduler(options);
+  ReferenceScheduler ref(options);
+
+  std::map<std::string, int64_t> true_len;
+  std::map<std::string, int64_t> generated;
+  std::multimap<int, std::string> late;  // step -> id
+  std::vector<std::string> retired;      // ids free for reuse
+  int next_id = 0;
+
+  auto predict = [&](const std::string& id, bool rescore) {
+    const double v = NoisyPrediction(rng, true_len[id]);
+    if (rescore) {
+      ASSERT_TRUE(sched.Rescore(id, v).ok());
+      ref.Predict(id, v);
+    } else if (ref.Predicted(id)) {
+      // A late initial prediction overtaken by a publish is refused.
+      EXPECT_EQ(sched.SetPrediction(id, v).code(),
+                StatusCode::kFailedPrecondition);
+    } else {
+      ASSERT_TRUE(sched.SetPrediction(id, v).ok());
+      ref.Predict(id, v);
+    }
+  };
+  auto remove = [&](const std::string& id) {
+    ASSERT_TRUE(sched.Remove(id).ok());
+    ref.Remove(id);
+    true_len.erase(id);
+    generated.erase(id);
+    retired.push_back(id);
+  };
+  auto arrive = [&](int step) {
+    std::string id;
+    if (!retired.empty() && u(rng) < 0.1) {
+      const size_t i =
+          std::uniform_int_distribution<size_t>(0, retired.size() - 1)(rng);
+      id = retired[i];
+      retired.erase(retired.begin() + static_cast<long>(i));
+    } else {
+      id = absl::StrCat("req-", next_id++);
+    }
+    ASSERT_TRUE(sched.Add(id).ok());
+    EXPECT_EQ(sched.Add(id).code(), StatusCode::kAlreadyExists);
+    ref.Add(id);
+    true_len[id] = TrueLength(rng);
+    generated[id] = 0;
+    const double x = u(rng);
+    if (x < traffic.never_prob) return;
+    if (x < traffic.never_prob + traffic.late_prob) {
+      late.emplace(step + std::uniform_int_distribution<int>(1, 40)(rng), id);
+    } else {
+      predict(id, /*rescore=*/false);
+    }
+  };
+
+  int64_t cap_seen = 0;
+  for (int step = 0; step < steps; ++step) {
+    // Arrivals.
+    int n =
+        static_cast<int>(ref.size()) < traffic.target_live
+            ? std::uniform_int_distribution<int>(0, traffic.max_arrivals)(rng)
+            : 0;
+    if (u(rng) < traffic.burst_prob) n += traffic.burst_size;
+    for (int i = 0; i < n; ++i) arrive(step);
+    // Late predictions (ignored if the request is gone).
+    for (auto it = late.begin(); it != late.end() && it->first <= step;
+         it = late.erase(it)) {
+      if (ref.Has(it->second)) predict(it->second, /*rescore=*/false);
+    }
+    // A publish rescores every live request (also unpredicted ones).
+    if (u(rng) < traffic.publish_prob) {
+      for (const auto& [id, len] : true_len) predict(id, /*rescore=*/true);
+    }
+    // Single rescores and cancellations of random live requests.
+    std::vector<std::string> live;
+    for (const auto& [id, len] : true_len) live.push_back(id);
+    for (const std::string& id : live) {
+      if (u(rng) < traffic.rescore_prob) predict(id, /*rescore=*/true);
+      if (u(rng) < traffic.cancel_prob / 10) remove(id);
+    }
+    if (::testing::Test::HasFatalFailure()) return;
+
+    int slots = options.slots;
+    if (u(rng) < traffic.vary_slots_prob) {
+      slots = std::uniform_int_distribution<int>(-1, 2 * options.slots)(rng);
+    }
+    const std::vector<std::string> got = sched.Select(slots);
+    const std::vector<std::string> want = ref.Select(slots);
+    ASSERT_EQ(got, want) << "step " << step << " slots " << slots;
+    for (const std::string& id : got) {
+      if (++generated[id] >= true_len[id]) remove(id);
+    }
+    ASSERT_EQ(sched.counters().cap_promotions, ref.cap_promotions);
+    ASSERT_EQ(sched.counters().aging_promotions, ref.aging_promotions);
+    ASSERT_EQ(sched.counters().max_steps_waited, ref.max_waited);
+    if (step % 97 == 0) {
+      ref.ExpectStatsMatch(sched);
+      if (::testing::Test::HasFatalFailure()) return;
+    }
+    cap_seen = sched.counters().cap_promotions;
+  }
+  EXPECT_EQ(sched.counters().steps, steps);
+  // The generated traffic must exercise the rules it is meant to check.
+  if (options.waiting_cap > 0 && options.waiting_cap <= 16) {
+    EXPECT_GT(cap_seen, 0);
+  }
+  if (options.aging_rate > 0) {
+    EXPECT_GT(sched.counters().aging_promotions, 0);
+  }
+}
+
+TEST(CountdownSchedulerTest, MatchesBruteForceReference) {
+  struct Config {
+    int slots, cap;
+    double aging;
+    UnpredictedPolicy policy;
+    double floor;
+  };
+  const Config configs[] = {
+      {64, 128, 0, UnpredictedPolicy::kMedian, 1},
+      {64, 8, 0, UnpredictedPolicy::kMedian, 1},
+      {64, 0, 0.02, UnpredictedPolicy::kMedian, 1},
+      {64, 16, 0.05, UnpredictedPolicy::kFixed, 1},
+      {8, 4, 0, UnpredictedPolicy::kFirst, 0},
+      {8, 0, 0.3, UnpredictedPolicy::kLast, 1},
+      {3, 2, 0.5, UnpredictedPolicy::kMedian, 5},
+      {1, 1, 0, UnpredictedPolicy::kLast, 1},
+      {16, 12, 0.1, UnpredictedPolicy::kFirst, 2.5},
+      {32, 0, 0, UnpredictedPolicy::kFixed, 0},
+  };
+  uint64_t seed = 1;
+  for (const Config& c : configs) {
+    SchedulerOptions o;
+    o.slots = c.slots;
+    o.waiting_cap = c.cap;
+    o.aging_rate = c.aging;
+    o.unpredicted = c.policy;
+    o.remaining_floor = c.floor;
+    o.unpredicted_tokens = 100;
+    Traffic t;
+    // Keep the engine overloaded (live >> slots) so the order matters.
+    t.target_live = std::max(40, std::min(500, c.slots * 8));
+    t.max_arrivals = std::max(2, c.slots / 4);
+    RunAgainstReference(o, t, 2000, seed++);
+    if (HasFatalFailure()) return;
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Waiting bound.
+//
+// Claim: with waiting_cap W >= 1 and k >= 1 slots every step, a request r that
+// starts a step t0 with steps_waited == W (its first promoted step) is selected
+// with steps_waited <= W + floor(A / k) <= W + floor((L - 1) / k), where A is
+// the number of promoted requests ordered ahead of r at t0 (steps_waited > W,
+// or == W and earlier arrival) and L the number of live requests at t0.
+//
+// Proof. Let A(t) be the live requests ordered ahead of r in the promoted tier
+// at step t >= t0 while r is not yet selected; w_x(t) is x's steps_waited at
+// the start of step t. Since r is not selected at t, w_r(t+1) = w_r(t) + 1.
+//  * q selected at t: w_q(t+1) = 0 < W <= w_r(t+1), so q is not in A(t+1).
+//  * q added after t: w_q(t+1) = 0, likewise not in A(t+1).
+//  * q live at t and not selected: w_q and w_r both grew by one, so q is
+//    ahead of r at t+1 iff it was at t.
+// Hence A(t+1) is a subset of A(t) minus the requests selected at t (and
+// removals only shrink it). Promoted requests are served first, so everything
+// ordered before r lies in A(t); if r is not selected at t, the k slots all
+// went to members of A(t) and |A(t+1)| <= |A(t)| - k. So r is selected at the
+// first t with |A(t)| < k, after at most floor(A / k) steps past t0, i.e. with
+// steps_waited <= W + floor(A / k). A <= L - 1 gives the second form, which
+// is also <= W + L / k. When more than k requests reach the cap together
+// (A >= k) the later ones do wait past W. The bound is attained
+// (WaitingBoundIsTight). Slots < k on some step void it (Select(0) makes
+// everybody wait).
+// ---------------------------------------------------------------------------
+void CheckWaitingBound(int slots, int cap, double aging,
+                       UnpredictedPolicy policy, uint64_t seed) {
+  SCOPED_TRACE(::testing::Message() << "slots=" << slots << " cap=" << cap
+                                    << " aging=" << aging << " seed=" << seed);
+  SchedulerOptions o;
+  o.slots = slots;
+  o.waiting_cap = cap;
+  o.aging_rate = aging;
+  o.unpredicted = policy;
+  CountdownScheduler sched = MakeScheduler(o);
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<double> u(0, 1);
+
+  struct Live {
+    int64_t true_len, generated = 0, waited = 0;
+    uint64_t arrival;
+    std::optional<int64_t> bound_sharp, bound_live;  // set at t0
+  };
+  std::map<std::string, Live> live;
+  uint64_t arrival = 0;
+  int next_id = 0;
+  int64_t longest_wait = 0;
+  bool overload = false;
+  int phase_end = 0;
+  for (int step = 0; step < 4000; ++step) {
+    // Adversarial mix: phases in which short requests (which always outrank
+    // the long ones) arrive faster than the slots serve them alternate with
+    // phases that drain the queue; bursts of long requests starve during the
+    // overload and then hit the cap together.
+    if (step == phase_end) {
+      overload = !overload;
+      phase_end = step + std::uniform_int_distribution<int>(20, 200)(rng);
+    }
+    auto add = [&](int64_t len, double pred) {
+      std::string id = absl::StrCat("r", next_id++);
+      ASSERT_TRUE(sched.Add(id).ok());
+      if (pred >= 0) {
+        ASSERT_TRUE(sched.SetPrediction(id, pred).ok());
+      }
+      live[id] = Live{len, 0, 0, arrival++, std::nullopt, std::nullopt};
+    };
+    if (live.size() < 500) {
+      const int shorts = std::uniform_int_distribution<int>(
+          0, overload ? slots : slots / 2)(rng);
+      for (int i = 0; i < shorts; ++i) {
+        add(overload ? 1 + static_cast<int64_t>(rng() % 3) : 1, 1);
+      }
+      if (u(rng) < 0.01) {
+        const int longs = std::uniform_int_distribution<int>(1, 2 * slots)(rng);
+        for (int i = 0; i < longs; ++i) {
+          add(5 + static_cast<int64_t>(rng() % 36),
+              u(rng) < 0.2 ? -1 : 1000.0 + static_cast<double>(rng() % 1000));
+        }
+      }
+    }
+    if (::testing::Test::HasFatalFailure()) return;
+    // Record the bounds of requests in their first promoted step.
+    const int64_t l = static_cast<int64_t>(live.size());
+    for (auto& [id, r] : live) {
+      if (r.waited != cap || r.bound_sharp) continue;
+      int64_t ahead = 0;
+      for (const auto& [qid, q] : live) {
+        if (q.waited > cap || (q.waited == cap && q.arrival < r.arrival)) {
+          ++ahead;
+        }
+      }
+      r.bound_sharp = cap + ahead / slots;
+      r.bound_live = cap + (l - 1) / slots;
+    }
+    const std::vector<std::string> got = sched.Select();
+    std::set<std::string> chosen(got.begin(), got.end());
+    for (auto it = live.begin(); it != live.end();) {
+      Live& r = it->second;
+      if (chosen.count(it->first)) {
+        longest_wait = std::max(longest_wait, r.waited);
+        r.waited = 0;
+        r.bound_sharp.reset();
+        r.bound_live.reset();
+        if (++r.generated >= r.true_len) {
+          ASSERT_TRUE(sched.Remove(it->first).ok());
+          it = live.erase(it);
+          continue;
+        }
+      } else {
+        ++r.waited;
+        longest_wait = std::max(longest_wait, r.waited);
+        if (r.bound_sharp) {
+          ASSERT_LE(r.waited, *r.bound_sharp) << it->first << " step " << step;
+          ASSERT_LE(r.waited, *r.bound_live) << it->first << " step " << step;
+        } else {
+          ASSERT_LE(r.waited, cap) << it->first << " step " << step;
+        }
+      }
+      ++it;
+    }
+  }
+  EXPECT_EQ(sched.counters().max_steps_waited, longest_wait);
+  EXPECT_GT(sched.counters().cap_promotions, 0);
+  // The traffic did push requests past the cap, so the test is not vacuous.
+  EXPECT_GT(longest_wait, cap);
+}
+
+TEST(CountdownSchedulerTest, WaitingBoundHoldsUnderAdversarialTraffic) {
+  uint64_t seed = 100;
+  for (int slots : {1, 2, 8}) {
+    for (int cap : {1, 4, 16}) {
+      CheckWaitingBound(slots, cap, 0, UnpredictedPolicy::kLast, seed++);
+      if (HasFatalFailure()) return;
+      CheckWaitingBound(slots, cap, 0.01, UnpredictedPolicy::kMedian, seed++);
+      if (HasFatalFailure()) return;
+    }
+  }
+}
+
+TEST(CountdownSchedulerTest, WaitingBoundIsTight) {
+  // W = 3, k = 2: two short requests hold the slots for 3 steps and finish;
+  // the 7 long ones all reach the cap together with L = 7 live, and the last
+  // of them waits exactly W + floor((L - 1) / k) = 3 + 3 = 6 steps.
+  SchedulerOptions o;
+  o.slots = 2;
+  o.waiting_cap = 3;
+  CountdownScheduler sched = MakeScheduler(o);
+  for (int i = 0; i < 2; ++i) {
+    ASSERT_TRUE(sched.Add(absl::StrCat("short", i)).ok());
+    ASSERT_TRUE(sched.SetPrediction(absl::StrCat("short", i), 3).ok());
+  }
+  for (int i = 0; i < 7; ++i) {
+    ASSERT_TRUE(sched.Add(absl::StrCat("long", i)).ok());
+    ASSERT_TRUE(sched.SetPrediction(absl::StrCat("long", i), 1000).ok());
+  }
+  for (int step = 0; step < 3; ++step) {
+    EXPECT_EQ(sched.Select(), (std::vector<std::string>{"short0", "short1"}));
+  }
+  ASSERT_TRUE(sched.Remove("short0").ok());
+  ASSERT_TRUE(sched.Remove("short1").ok());
+  EXPECT_EQ(sched.Select(), (std::vector<std::string>{"long0", "long1"}));
+  EXPECT_EQ(sched.Select(), (std::vector<std::string>{"long2", "long3"}));
+  EXPECT_EQ(sched.Select(), (std::vector<std::string>{"long4", "long5"}));
+  EXPECT_EQ(sched.GetRequest("long6")->steps_waited, 6);
+  // long6 (promoted, waited 6) first; then long0 (999 left, earlier arrival
+  // than long1 with the same remaining).
+  EXPECT_EQ(sched.Select(), (std::vector<std::string>{"long6", "long0"}));
+  EXPECT_EQ(sched.counters().max_steps_waited, 6);
+  EXPECT_EQ(sched.counters().cap_promotions, 7);
+}
+
+// ---------------------------------------------------------------------------
+// Perfect predictions, no cap, no aging: shortest remaining first.
+// ---------------------------------------------------------------------------
+TEST(CountdownSchedulerTest, PerfectPredictionsGiveShortestRemainingFirst) {
+  SchedulerOptions o;
+  o.slots = 16;
+  o.waiting_cap = 0;
+  CountdownScheduler sched = MakeScheduler(o);
+  std::mt19937_64 rng(7);
+  struct Job {
+    int64_t len, generated;
+    int order;
+  };
+  std::map<std::string, Job> jobs;
+  int next = 0;
+  for (int step = 0; step < 3000; ++step) {
+    const int n =
+        jobs.size() < 200 ? std::uniform_int_distribution<int>(0, 8)(rng) : 0;
+    for (int i = 0; i < n; ++i) {
+      const std::string id = absl::StrCat("j", next);
+      const int64_t len = TrueLength(rng);
+      ASSERT_TRUE(sched.Add(id).ok());
+      ASSERT_TRUE(sched.SetPrediction(id, static_cast<double>(len)).ok());
+      jobs[id] = Job{len, 0, next++};
+    }
+    // Expected: the k jobs with the least true work left, ties FCFS.
+    std::vector<std::tuple<int64_t, int, std::string>> srpt;
+    for (const auto& [id, j] : jobs) {
+      srpt.emplace_back(j.len - j.generated, j.order, id);
+    }
+    std::sort(srpt.begin(), srpt.end());
+    std::vector<std::string> want;
+    for (size_t i = 0; i < std::min<size_t>(16, srpt.size()); ++i) {
+      want.push_back(std::get<2>(srpt[i]));
+    }
+    const std::vector<std::string> got = sched.Select();
+    ASSERT_EQ(got, want) << "step " << step;
+    for (const std::string& id : got) {
+      if (++jobs[id].generated == jobs[id].len) {
+        ASSERT_TRUE(sched.Remove(id).ok());
+        jobs.erase(id);
+      }
+    }
+  }
+}
+
+// The paper's illustration: A (1000 tokens), B (50), C (100) arrive together,
+// one slot. FCFS finishes at 1000, 1050, 1150 (mean 1066.7); short-first at
+// 50, 150, 1150 (mean 450).
+double MeanFinish(UnpredictedPolicy policy, bool predict) {
+  SchedulerOptions o;
+  o.slots = 1;
+  o.waiting_cap = 0;
+  o.unpredicted = policy;
+  CountdownScheduler sched = MakeScheduler(o);
+  const std::map<std::string, int> len = {{"A", 1000}, {"B", 50}, {"C", 100}};
+  for (const char* id : {"A", "B", "C"}) {
+    EXPECT_TRUE(sched.Add(id).ok());
+    if (predict) {
+      EXPECT_TRUE(sched.SetPrediction(id, len.at(id)).ok());
+    }
+  }
+  std::map<std::string, int> done;
+  double total = 0;
+  for (int step = 1; sched.size() > 0 && step <= 2000; ++step) {
+    for (const std::string& id : sched.Select()) {
+      if (++done[id] == len.at(id)) {
+        EXPECT_TRUE(sched.Remove(id).ok());
+        total += step;
+      }
+    }
+  }
+  return total / 3;
+}
+
+TEST(CountdownSchedulerTest, PaperExampleShortFirstVersusFcfs) {
+  EXPECT_DOUBLE_EQ(MeanFinish(UnpredictedPolicy::kMedian, true), 450);
+  // Without any prediction every policy degrades to FCFS.
+  for (UnpredictedPolicy p :
+       {UnpredictedPolicy::kMedian, UnpredictedPolicy::kFixed,
+        UnpredictedPolicy::kFirst, UnpredictedPolicy::kLast}) {
+    EXPECT_DOUBLE_EQ(MeanFinish(p, false), 3200.0 / 3);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Documented behaviours, one by one.
+// ---------------------------------------------------------------------------
+TEST(CountdownSchedulerTest, RescoreKeepsGeneratedTokens) {
+  SchedulerOptions o;
+  o.slots = 1;
+  o.waiting_cap = 0;
+  CountdownScheduler sched = MakeScheduler(o);
+  ASSERT_TRUE(sched.Add("a").ok());
+  ASSERT_TRUE(sched.SetPrediction("a", 10).ok());
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(sched.Select()[0], "a");
+  ASSERT_TRUE(sched.Add("b").ok());
+  ASSERT_TRUE(sched.SetPrediction("b", 15).ok());
+  EXPECT_EQ(sched.Select()[0], "a");         // 6 left < 15
+  ASSERT_TRUE(sched.Rescore("a", 20).ok());  // 20 - 5 = 15 left: tie, FCFS
+  EXPECT_EQ(sched.Select()[0], "a");
+  ASSERT_TRUE(sched.Rescore("a", 21).ok());  // 21 - 6 = 15 left: tie again
+  EXPECT_EQ(sched.Select()[0], "a");
+  ASSERT_TRUE(sched.Rescore("a", 23).ok());  // 23 - 7 = 16 > 15
+  EXPECT_EQ(sched.Select()[0], "b");
+  absl::StatusOr<RequestStats> a = sched.GetRequest("a");
+  ASSERT_TRUE(a.ok());
+  EXPECT_EQ(a->generated, 7);
+  EXPECT_EQ(a->steps_waited, 1);
+  EXPECT_EQ(a->predicted_tokens, 23);
+  EXPECT_EQ(a->predictions, 4);
+}
+
+TEST(CountdownSchedulerTest, FloorMakesOverrunRequestsFcfs) {
+  SchedulerOptions o;
+  o.slots = 1;
+  o.waiting_cap = 0;
+  CountdownScheduler sched = MakeScheduler(o);
+  for (const char* id : {"x", "y"}) ASSERT_TRUE(sched.Add(id).ok());
+  ASSERT_TRUE(sched.SetPrediction("y", 0).ok());  // 0 is valid: at the floor
+  ASSERT_TRUE(sched.SetPrediction("x", 0.5).ok());
+  // Both at the floor of 1: x arrived first.
+  EXPECT_EQ(sched.Select(), std::vector<std::string>{"x"});
+  EXPECT_EQ(sched.Select(), std::vector<std::string>{"x"});
+}
+
+TEST(CountdownSchedulerTest, UnpredictedPolicies) {
+  // Predicted remainings 10, 20, 30, 40 (arrivals p0..p3), then u arrives.
+  auto order = [](UnpredictedPolicy policy, double fixed) {
+    SchedulerOptions o;
+    o.slots = 5;
+    o.waiting_cap = 0;
+    o.unpredicted = policy;
+    o.unpredicted_tokens = fixed;
+    CountdownScheduler sched = MakeScheduler(o);
+    for (int i = 0; i < 4; ++i) {
+      const std::string id = absl::StrCat("p", i);
+      EXPECT_TRUE(sched.Add(id).ok());
+      EXPECT_TRUE(sched.SetPrediction(id, 10.0 * (i + 1)).ok());
+    }
+    EXPECT_TRUE(sched.Add("u").ok());
+    return sched.Select();
+  };
+  using V = std::vector<std::string>;
+  // Lower median of {10, 20, 30, 40} is 20; u arrived after p1, so FCFS
+  // puts it behind p1.
+  EXPECT_EQ(order(UnpredictedPolicy::kMedian, 999),
+            (V{"p0", "p1", "u", "p2", "p3"}));
+  EXPECT_EQ(order(UnpredictedPolicy::kFixed, 25),
+            (V{"p0", "p1", "u", "p2", "p3"}));
+  EXPECT_EQ(order(UnpredictedPolicy::kFixed, 5),
+            (V{"u", "p0", "p1", "p2", "p3"}));
+  EXPECT_EQ(order(UnpredictedPolicy::kFirst, 999),
+            (V{"u", "p0", "p1", "p2", "p3"}));
+  EXPECT_EQ(order(UnpredictedPolicy::kLast, 0),
+            (V{"p0", "p1", "p2", "p3", "u"}));
+}
+
+TEST(CountdownSchedulerTest, AgingLetsALongWaiterOvertake) {
+  // remaining 100 vs a stream of fresh requests with remaining 10: with
+  // rate 0.1 the waiter's priority 100 * exp(-0.1 w) drops below 10 once
+  // w > 10 ln 10 = 23.03, i.e. at w = 24.
+  SchedulerOptions o;
+  o.slots = 1;
+  o.waiting_cap = 0;
+  o.aging_rate = 0.1;
+  CountdownScheduler sched = MakeScheduler(o);
+  ASSERT_TRUE(sched.Add("long").ok());
+  ASSERT_TRUE(sched.SetPrediction("long", 100).ok());
+  int step = 0;
+  for (;; ++step) {
+    const std::string id = absl::StrCat("s", step);
+    ASSERT_TRUE(sched.Add(id).ok());
+    ASSERT_TRUE(sched.SetPrediction(id, 10).ok());
+    const std::vector<std::string> got = sched.Select();
+    if (got[0] == "long") break;
+    ASSERT_TRUE(sched.Remove(got[0]).ok());
+    ASSERT_LT(step, 100);
+  }
+  EXPECT_EQ(step, 24);
+  EXPECT_EQ(sched.counters().aging_promotions, 1);
+  EXPECT_TRUE(sched.aging_enabled());
+  EXPECT_EQ(sched.counters().cap_promotions, 0);
+}
+
+TEST(CountdownSchedulerTest, SelectEdgeCases) {
+  CountdownScheduler sched = MakeScheduler(SchedulerOptions{});
+  EXPECT_TRUE(sched.Select().empty());
+  ASSERT_TRUE(sched.Add("a").ok());
+  ASSERT_TRUE(sched.Add("b").ok());
+  EXPECT_TRUE(sched.Select(0).empty());
+  EXPECT_TRUE(sched.Select(-3).empty());
+  EXPECT_EQ(sched.GetRequest("a")->steps_waited, 2);
+  EXPECT_EQ(sched.Select(), (std::vector<std::string>{"a", "b"}));
+  EXPECT_EQ(sched.GetRequest("a")->steps_waited, 0);
+  EXPECT_EQ(sched.GetRequest("a")->generated, 1);
+  EXPECT_EQ(sched.counters().steps, 4);
+  EXPECT_EQ(sched.counters().selections, 2);
+  EXPECT_FALSE(sched.aging_enabled());
+
+  // An id reused after Remove is a new arrival, at the back of the line.
+  ASSERT_TRUE(sched.Remove("a").ok());
+  ASSERT_TRUE(sched.Add("a").ok());
+  EXPECT_EQ(sched.GetRequest("a")->generated, 0);
+  EXPECT_EQ(sched.Select(1), std::vector<std::string>{"b"});
+  EXPECT_EQ(sched.counters().added, 3);
+  EXPECT_EQ(sched.counters().removed, 1);
+}
+
+TEST(CountdownSchedulerTest, BadInput) {
+  const double kNan = std::numeric_limits<double>::quiet_NaN();
+  const double kInf = std::numeric_limits<double>::infinity();
+  auto invalid = [](auto mutate) {
+    SchedulerOptions o;
+    mutate(o);
+    EXPECT_EQ(o.Validate().code(), StatusCode::kInvalidArgument);
+    EXPECT_EQ(CountdownScheduler::Create(o).status().code(),
+              StatusCode::kInvalidArgument);
+  };
+  EXPECT_TRUE(SchedulerOptions{}.Validate().ok());
+  invalid([](SchedulerOptions& o) { o.slots = 0; });
+  invalid([](SchedulerOptions& o) { o.waiting_cap = -1; });
+  invalid([&](SchedulerOptions& o) { o.aging_rate = -0.1; });
+  invalid([&](SchedulerOptions& o) { o.aging_rate = kNan; });
+  invalid([&](SchedulerOptions& o) { o.aging_rate = kInf; });
+  invalid([&](SchedulerOptions& o) { o.remaining_floor = -1; });
+  invalid([&](SchedulerOptions& o) { o.remaining_floor = kNan; });
+  invalid([&](SchedulerOptions& o) { o.unpredicted_tokens = -1; });
+  invalid([&](SchedulerOptions& o) { o.unpredicted_tokens = kInf; });
+  invalid([](SchedulerOptions& o) {
+    o.unpredicted = static_cast<UnpredictedPolicy>(42);
+  });
+
+  CountdownScheduler sched = MakeScheduler(SchedulerOptions{});
+  ASSERT_TRUE(sched.Add("a").ok());
+  EXPECT_EQ(sched.Add("a").code(), StatusCode::kAlreadyExists);
+  EXPECT_EQ(sched.SetPrediction("zz", 5).code(), StatusCode::kNotFound);
+  EXPECT_EQ(sched.Rescore("zz", 5).code(), StatusCode::kNotFound);
+  EXPECT_EQ(sched.Remove("zz").code(), StatusCode::kNotFound);
+  EXPECT_EQ(sched.GetRequest("zz").status().code(), StatusCode::kNotFound);
+  for (double bad : {kNan, kInf, -kInf, -1.0}) {
+    EXPECT_EQ(sched.SetPrediction("a", bad).code(),
+              StatusCode::kInvalidArgument);
+    EXPECT_EQ(sched.Rescore("a", bad).code(), StatusCode::kInvalidArgument);
+  }
+  EXPECT_FALSE(sched.GetRequest("a")->predicted_tokens.has_value());
+  // A publish may deliver the first prediction; the late initial one is
+  // then refused.
+  ASSERT_TRUE(sched.Rescore("a", 40).ok());
+  EXPECT_EQ(sched.SetPrediction("a", 30).code(),
+            StatusCode::kFailedPrecondition);
+  EXPECT_EQ(sched.GetRequest("a")->predicted_tokens, 40);
+  ASSERT_TRUE(sched.Remove("a").ok());
+  EXPECT_EQ(sched.Remove("a").code(), StatusCode::kNotFound);
+  EXPECT_EQ(sched.size(), 0u);
+}
+
+}  // namespace
+}  // namespace leap::shim
