@@ -252,12 +252,41 @@ TEST(LeapdEndToEnd, TenThousandRequestsMatchAnchoredClosedForm) {
   std::thread tb([&] { drive(b, 1); });
   ta.join();
   tb.join();
+  // One more learned completion (unary path), sent after every live request
+  // is in: the version it publishes must rescore all of them. (The last
+  // drive batches' publishes may land before the live requests arrive.)
+  {
+    Request tail;
+    tail.id = "tail";
+    tail.x.resize(kDim);
+    tail.tokens = gen->Draw(*chat, rng, tail.x.data());
+    tail.reason = pb::FINISH_REASON_STOP;
+    tail.cap = 0;
+    tail.learned = true;
+    tail.stays_live = false;
+    grpc::ClientContext pctx;
+    pb::PredictRequest preq;
+    preq.set_dtype(pb::FEATURE_DTYPE_FLOAT32);
+    preq.mutable_record()->set_request_id(tail.id);
+    preq.mutable_record()->set_features(Bytes(tail.x));
+    pb::PredictResponse presp;
+    ASSERT_TRUE(predictor->Predict(&pctx, preq, &presp).ok());
+    grpc::ClientContext cctx;
+    pb::CompleteRequest creq;
+    creq.mutable_completion()->set_request_id(tail.id);
+    creq.mutable_completion()->set_output_tokens(tail.tokens);
+    creq.mutable_completion()->set_reason(pb::FINISH_REASON_STOP);
+    pb::CompleteResponse cresp;
+    ASSERT_TRUE(predictor->Complete(&cctx, creq, &cresp).ok());
+    ASSERT_TRUE(cresp.learned());
+    reqs.push_back(std::move(tail));
+  }
 
   int64_t learned = 0;
   for (const Request& r : reqs) learned += r.learned ? 1 : 0;
   // 500 cancelled, 500 censored, 100 left live (10 of them already one of
-  // those): 8,910 learned.
-  ASSERT_EQ(learned, 8910);
+  // those): 8,910 learned, plus the tail request.
+  ASSERT_EQ(learned, 8911);
 
   // Follow WatchReadout until every learned completion is applied.
   std::vector<int64_t> watched = {first.version()};
@@ -358,8 +387,8 @@ TEST(LeapdEndToEnd, TenThousandRequestsMatchAnchoredClosedForm) {
   auto body = testing::HttpGet(metrics_addr, "/metrics");
   ASSERT_TRUE(body.ok()) << body.status();
   for (const std::string& want :
-       {std::string("leap_predictions_total{arm_kind=\"serving\",readout=\"r\"} 10000"),
-        std::string("leap_completions_total{outcome=\"learned\",readout=\"r\"} 8910"),
+       {std::string("leap_predictions_total{arm_kind=\"serving\",readout=\"r\"} 10001"),
+        std::string("leap_completions_total{outcome=\"learned\",readout=\"r\"} 8911"),
         std::string("leap_completions_total{outcome=\"skipped_cancelled\",readout=\"r\"} 495"),
         std::string("leap_readout_version{readout=\"r\"} ") + std::to_string(final_version),
         std::string("leap_feature_cache{unit=\"entries\"} 100"),

@@ -1,0 +1,697 @@
+#!/usr/bin/python3
+"""The Python binding leap_shim against a real leapd, with Debian's
+python3-torch making the tensors (the module itself links no torch).
+
+  - End to end (unix socket, --data_dir, --rls_batch=1): torch tensors of
+    float32, bfloat16 and float16, a strided slice, a transposed view, a
+    numpy array, a torch DLPack capsule and a hand-made ctypes capsule
+    (byte_offset, NULL strides, a deleter that must run once) are captured;
+    every request gets a prediction; two complete; leapd publishes versions
+    2 and 3 and rescores the live requests, whose scores equal w . x + b over
+    the published weights and the tensors' own values (so every DLPack path
+    read the right elements); Scheduler.apply + select order the requests
+    exactly as a brute-force countdown does; leapd is killed with SIGKILL and
+    restarted on the same socket: the client reconnects by itself and the
+    live requests are predicted again, then learned by the new process.
+  - Bad input raises the documented Python exception and consumes nothing.
+  - Scheduler.apply / select over many steps against a brute-force
+    countdown (newest version wins, unpredicted requests last).
+  - CUDA capture (skipped unless this process has a CUDA device, a CUDA
+    torch and a leap_shim built with CUDA).
+
+Waits are on events with deadlines (Client.poll(timeout_s=...), a stdout
+reader thread, a WatchReadout stream); nothing sleeps.
+
+Run: /usr/bin/python3 tests/python_shim_test.py --leapd PATH --proto-dir DIR
+       --module-dir DIR_OF_leap_shim
+"""
+
+import argparse
+import ctypes
+import importlib
+import os
+import queue
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import unittest
+
+import grpc
+import numpy as np
+import torch
+
+ARGS = None  # parsed command line (set in main)
+PB = {}  # generated modules
+STUB_DIR = None
+leap_shim = None  # imported in setUpModule from --module-dir
+
+DIM = 64
+READOUT = "r"
+DEADLINE_S = 30.0
+
+
+def setUpModule():
+    """Imports leap_shim and generates the gRPC stubs (Admin and
+    WatchReadout only) from proto/ into a temporary directory."""
+    global STUB_DIR, leap_shim
+    sys.path.insert(0, ARGS.module_dir)
+    leap_shim = importlib.import_module("leap_shim")
+    STUB_DIR = tempfile.mkdtemp(prefix="leap_shim_stubs_")
+    protos = ["leap/v1/predictor.proto", "leap/v1/admin.proto"]
+    subprocess.run(
+        [sys.executable, "-m", "grpc_tools.protoc", "-I" + ARGS.proto_dir,
+         "--python_out=" + STUB_DIR, "--grpc_python_out=" + STUB_DIR] + protos,
+        check=True)
+    sys.path.insert(0, STUB_DIR)
+    for name in ("predictor_pb2", "predictor_pb2_grpc", "admin_pb2",
+                 "admin_pb2_grpc"):
+        PB[name] = importlib.import_module("leap.v1." + name)
+
+
+def tearDownModule():
+    if STUB_DIR is not None:
+        shutil.rmtree(STUB_DIR, ignore_errors=True)
+
+
+class Leapd:
+    """A leapd child process on a unix socket with its state in data_dir;
+    stdout is read by a thread so waiting for a line has a deadline."""
+
+    def __init__(self, sock, data_dir):
+        self.sock = sock
+        self.proc = subprocess.Popen(
+            [ARGS.leapd, "--listen=unix://" + sock,
+             "--metrics_listen=127.0.0.1:0", "--data_dir=" + data_dir,
+             "--rls_batch=1", "--rls_flush=10ms"],
+            stdout=subprocess.PIPE, text=True)
+        self.lines = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        self.wait_for_line("listening on ")
+        self.wait_for_line("leapd ")  # "leapd <id> ready"
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.put(line.rstrip("\n"))
+        self.lines.put(None)  # EOF
+
+    def wait_for_line(self, prefix):
+        deadline = time.monotonic() + DEADLINE_S
+        seen = []
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("no line starting with %r in %s s; got %r"
+                                   % (prefix, DEADLINE_S, seen))
+            try:
+                line = self.lines.get(timeout=left)
+            except queue.Empty:
+                continue
+            if line is None:
+                raise RuntimeError("leapd exited before printing %r; got %r"
+                                   % (prefix, seen))
+            seen.append(line)
+            if line.startswith(prefix):
+                return line[len(prefix):]
+
+    def kill9(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=DEADLINE_S)
+        self.proc.stdout.close()
+
+    def terminate(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(timeout=DEADLINE_S)
+        self.proc.stdout.close()
+
+
+class Events:
+    """Everything a Client delivered, with waits on a predicate."""
+
+    def __init__(self, client):
+        self.client = client
+        self.all = []
+
+    def wait_for(self, pred, timeout=DEADLINE_S):
+        """Polls (each poll waits for the next event) until pred(self.all)
+        holds; returns whether it did before the deadline."""
+        deadline = time.monotonic() + timeout
+        while not pred(self.all):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self.all.extend(self.client.poll(timeout_s=min(left, 1.0)))
+        return True
+
+    def since(self, start, kind):
+        return [e for e in self.all[start:] if e.kind == kind]
+
+
+def latest(events, ids, kinds=("prediction", "rescore"), min_version=0):
+    """request id -> its event of the newest version (of the given kinds)."""
+    out = {}
+    for e in events:
+        if e.kind in kinds and e.request_id in ids and e.version >= min_version:
+            if e.request_id not in out or e.version >= out[e.request_id].version:
+                out[e.request_id] = e
+    return out
+
+
+# ---- A DLPack capsule made by hand (ctypes), to test the raw protocol ------
+
+class DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int), ("device_id", ctypes.c_int)]
+
+
+class DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8),
+                ("lanes", ctypes.c_uint16)]
+
+
+class DLTensor(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("device", DLDevice),
+                ("ndim", ctypes.c_int), ("dtype", DLDataType),
+                ("shape", ctypes.POINTER(ctypes.c_int64)),
+                ("strides", ctypes.POINTER(ctypes.c_int64)),
+                ("byte_offset", ctypes.c_uint64)]
+
+
+class DLManagedTensor(ctypes.Structure):
+    pass
+
+
+DELETER = ctypes.CFUNCTYPE(None, ctypes.POINTER(DLManagedTensor))
+DLManagedTensor._fields_ = [("dl_tensor", DLTensor),
+                            ("manager_ctx", ctypes.c_void_p),
+                            ("deleter", DELETER)]
+
+_capsule_new = ctypes.pythonapi.PyCapsule_New
+_capsule_new.restype = ctypes.py_object
+_capsule_new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+_capsule_name = ctypes.pythonapi.PyCapsule_GetName
+_capsule_name.restype = ctypes.c_char_p
+_capsule_name.argtypes = [ctypes.py_object]
+_DLTENSOR = b"dltensor"  # must outlive the capsules named by it
+
+
+class HandMadeCapsule:
+    """A 'dltensor' capsule over `values` (a float32 numpy array) with the
+    given shape, strides (None = NULL), byte offset and device; counts the
+    calls of its deleter."""
+
+    def __init__(self, values, shape, strides=None, byte_offset=0,
+                 device_type=1, dtype=(2, 32), data=None):
+        self.values = values
+        self.deleted = 0
+        self.shape = (ctypes.c_int64 * len(shape))(*shape)
+        self.strides = (None if strides is None
+                        else (ctypes.c_int64 * len(strides))(*strides))
+        self.managed = DLManagedTensor()
+        t = self.managed.dl_tensor
+        t.data = data if data is not None else values.ctypes.data
+        t.device = DLDevice(device_type, 0)
+        t.ndim = len(shape)
+        t.dtype = DLDataType(dtype[0], dtype[1], 1)
+        t.shape = self.shape
+        if self.strides is not None:
+            t.strides = self.strides
+        t.byte_offset = byte_offset
+        self.deleter = DELETER(self._delete)
+        self.managed.deleter = self.deleter
+        self.capsule = _capsule_new(ctypes.addressof(self.managed), _DLTENSOR,
+                                    None)
+
+    def _delete(self, _):
+        self.deleted += 1
+
+    def name(self):
+        return _capsule_name(self.capsule).decode()
+
+
+# ---- The tests --------------------------------------------------------------
+
+class LeapdFixture(unittest.TestCase):
+    """Starts leapd (unix socket, data_dir) with a cold-start readout of
+    dim 64 on the default route."""
+
+    def setUp(self):
+        self.dir = tempfile.mkdtemp(prefix="leap_shim_test_")
+        self.addCleanup(shutil.rmtree, self.dir, True)
+        self.sock = os.path.join(self.dir, "leapd.sock")
+        self.data_dir = os.path.join(self.dir, "db")
+        self.leapd = Leapd(self.sock, self.data_dir)
+        self.addCleanup(lambda: self.leapd.kill9())
+        apb = PB["admin_pb2"]
+        with grpc.insecure_channel("unix://" + self.sock) as ch:
+            admin = PB["admin_pb2_grpc"].AdminStub(ch)
+            info = admin.CreateReadout(apb.CreateReadoutRequest(
+                name=READOUT, cold_start=apb.ColdStart(dim=DIM, **{"lambda": 1.0})),
+                timeout=DEADLINE_S)
+            self.assertEqual(info.version, 1)
+            admin.SetRoute(apb.SetRouteRequest(route=apb.Route(
+                product_line="", arms=[apb.Arm(readout=READOUT, percent=100)])),
+                timeout=DEADLINE_S)
+        # Rows x = c * v + noise: a readout that learns from c = +1 (900
+        # tokens) and c = -1 (25 tokens) predicts distinct lengths for
+        # distinct c in between.
+        self.gen = torch.Generator().manual_seed(7)
+        self.v = torch.randn(DIM, generator=self.gen)
+        self.v *= 4.0 / self.v.norm()
+
+    def rows(self, cs):
+        cs = torch.tensor(cs, dtype=torch.float32)
+        noise = 0.1 * torch.randn(len(cs), DIM, generator=self.gen)
+        return cs[:, None] * self.v[None, :] + noise
+
+    def client(self):
+        c = leap_shim.Client("unix://" + self.sock, DIM, dtype="float32",
+                             engine_id="py-test", model_id="m", layer=12,
+                             min_backoff_s=0.02, max_backoff_s=0.2)
+        self.addCleanup(c.close)
+        self.assertTrue(c.wait_connected(DEADLINE_S), "client never connected")
+        return c
+
+    def weights(self):
+        """The readout's current version with its folded weights."""
+        pb = PB["predictor_pb2"]
+        with grpc.insecure_channel("unix://" + self.sock) as ch:
+            stub = PB["predictor_pb2_grpc"].PredictorStub(ch)
+            call = stub.WatchReadout(
+                pb.WatchReadoutRequest(readout=READOUT, include_weights=True),
+                timeout=DEADLINE_S)
+            v = next(call)
+            call.cancel()
+        w = torch.tensor(struct.unpack("<%df" % DIM, v.w), dtype=torch.float64)
+        return v, w
+
+    def wait_learned(self, n):
+        """Waits on WatchReadout until the readout learned n completions."""
+        pb = PB["predictor_pb2"]
+        with grpc.insecure_channel("unix://" + self.sock) as ch:
+            stub = PB["predictor_pb2_grpc"].PredictorStub(ch)
+            call = stub.WatchReadout(pb.WatchReadoutRequest(readout=READOUT),
+                                     timeout=DEADLINE_S)
+            for v in call:
+                if v.completions_learned >= n:
+                    call.cancel()
+                    return v
+        return None
+
+    def assert_scores(self, events, expected_rows, w, bias):
+        """Each event's score against w . x + bias in FP64 (leapd computes
+        in float32: 1e-4 relative)."""
+        for rid, x in expected_rows.items():
+            want = float(x.double() @ w) + bias
+            got = events[rid].score
+            self.assertAlmostEqual(got, want, delta=1e-4 * max(1.0, abs(want)),
+                                   msg="score of %s" % rid)
+
+
+class EndToEndTest(LeapdFixture):
+
+    def test_capture_learn_rescore_schedule_and_restart(self):
+        client = self.client()
+        ev = Events(client)
+        sched = leap_shim.Scheduler(slots=4)
+        expected = {}  # request id -> the float32 values leapd must see
+
+        def capture(tensor, ids, values, **kw):
+            for rid in ids:
+                sched.add(rid)
+            client.capture(tensor, ids, **kw)
+            for rid, x in zip(ids, values):
+                expected[rid] = x.float()
+
+        # float32, contiguous; a0/a1 will be completed and learned.
+        f32 = self.rows([1.0, -1.0, 0.3])
+        capture(f32, ["a0", "a1", "a2"], f32, max_tokens=[1000, 0, 500])
+        # bfloat16 and float16 (converted to the client's float32).
+        bf16 = self.rows([-0.7, 0.55]).to(torch.bfloat16)
+        capture(bf16, ["b0", "b1"], bf16.float())
+        f16 = self.rows([0.12, -0.33]).to(torch.float16)
+        capture(f16, ["h0", "h1"], f16.float())
+        # A strided slice (col stride 2) of a wider tensor.
+        wide = torch.zeros(3, 2 * DIM)
+        wide[:, ::2] = self.rows([0.8, -0.05, 0.41])
+        capture(wide[:, ::2], ["s0", "s1", "s2"], wide[:, ::2])
+        # A transposed view (row stride 1, col stride 2).
+        tt = self.rows([0.66, -0.5]).t().contiguous()
+        capture(tt.t(), ["t0", "t1"], tt.t())
+        # numpy through its own __dlpack__.
+        npa = self.rows([0.2]).numpy()
+        capture(npa, ["n0"], torch.from_numpy(npa))
+        # A torch capsule: consumed by the capture.
+        pt = self.rows([-0.2])
+        cap = torch.utils.dlpack.to_dlpack(pt)
+        capture(cap, ["p0"], pt)
+        with self.assertRaisesRegex(ValueError, "consumed already"):
+            client.capture(cap, ["p0-again"])
+        # A hand-made capsule: byte_offset skips row 0, NULL strides; its
+        # deleter runs once, before capture() returns (CPU copies at once).
+        two = self.rows([0.9, -0.9]).numpy()
+        hand = HandMadeCapsule(two, shape=[1, DIM], byte_offset=4 * DIM)
+        capture(hand.capsule, ["k0"], torch.from_numpy(two[1:]))
+        self.assertEqual(hand.deleted, 1)
+        self.assertEqual(hand.name(), "used_dltensor")
+
+        ids = set(expected)
+        self.assertTrue(ev.wait_for(
+            lambda a: len(latest(a, ids, ("prediction",))) == len(ids)),
+            "predictions missing for %s" % (ids - set(latest(ev.all, ids))))
+        first = latest(ev.all, ids, ("prediction",))
+        for rid, e in first.items():
+            # Cold start: theta = 0, score 0, one token.
+            self.assertEqual((e.readout, e.version, e.score, e.predicted_tokens),
+                             (READOUT, 1, 0.0, 1.0), rid)
+        self.assertFalse([e for e in ev.all if e.kind == "error"])
+        self.assertEqual(sched.apply(ev.all), len(ids))
+
+        # A duplicate id is an error event from the client itself.
+        client.capture(self.rows([0.0]), ["a2"])
+        self.assertTrue(ev.wait_for(lambda a: any(
+            e.kind == "error" and e.request_id == "a2" and e.code == 6
+            for e in a)))
+
+        # Two finish: leapd publishes versions 2 and 3 and rescores the
+        # live requests from their cached features.
+        client.complete("a0", 900, "stop")
+        client.complete("a1", 25, "stop")
+        sched.remove("a0")
+        sched.remove("a1")
+        live = ids - {"a0", "a1"}
+        self.assertTrue(ev.wait_for(
+            lambda a: len(latest(a, live, ("rescore",), 3)) == len(live)),
+            "no rescore at version 3 for every live request")
+        now = latest(ev.all, live)
+        version, w = self.weights()
+        self.assertEqual(version.version, 3)
+        self.assertEqual(version.completions_learned, 2)
+        self.assertEqual({e.version for e in now.values()}, {3})
+        self.assert_scores(now, {r: expected[r] for r in live}, w,
+                           version.bias)
+        preds = {r: e.predicted_tokens for r, e in now.items()}
+        print("version 3 predictions: %s" % ", ".join(
+            "%s=%.1f" % (r, preds[r]) for r in sorted(preds)), file=sys.stderr)
+        self.assertGreater(len(set(preds.values())), len(live) - 2,
+                           "predictions should mostly differ: %r" % preds)
+
+        # Scheduler: apply() keeps the newest version; select() is the
+        # countdown (shortest remaining first, ties by arrival).
+        sched.apply(ev.all)
+        arrival = {r: sched.request(r)["arrival"] for r in live}
+        for r in live:
+            self.assertEqual(sched.request(r)["predicted_tokens"], preds[r])
+        generated = dict.fromkeys(live, 0)
+        for _ in range(3):
+            want = sorted(live, key=lambda r: (max(preds[r] - generated[r], 1.0),
+                                               arrival[r]))[:4]
+            self.assertEqual(sched.select(), want)
+            for r in want:
+                generated[r] += 1
+
+        # SIGKILL; the client notices and keeps trying; leapd comes back on
+        # the same socket with its state and the client resubmits.
+        stats = client.stats
+        self.assertEqual(stats["live"], len(live))
+        self.leapd.kill9()
+        self.assertTrue(ev.wait_for(
+            lambda a: any(e.kind == "disconnected" for e in a)))
+        mark = len(ev.all)
+        os.remove(self.sock)
+        self.leapd = Leapd(self.sock, self.data_dir)
+        self.assertTrue(ev.wait_for(lambda a: len(
+            latest(a[mark:], live, ("prediction",))) == len(live)),
+            "live requests were not predicted again after the restart")
+        self.assertTrue(ev.since(mark, "connected"))
+        # The resubmitted features are the captured ones: scored with the
+        # weights of the recovered readout. leapd recovers by replaying its
+        # completion log (new version numbers); once it learned both again,
+        # every live request holds a prediction or rescore of that version.
+        self.assertIsNotNone(self.wait_learned(2))
+        version, w = self.weights()
+        self.assertTrue(ev.wait_for(lambda a: {
+            e.version for e in latest(a[mark:], live).values()} == {
+                version.version} and len(latest(a[mark:], live)) == len(live)),
+            "no prediction of version %d for every live request"
+            % version.version)
+        again = latest(ev.all[mark:], live)
+        print("after the restart: version %d, %d resubmitted" % (
+            version.version, client.stats["resubmitted"]), file=sys.stderr)
+        self.assert_scores(again, {r: expected[r] for r in live}, w,
+                           version.bias)
+        stats = client.stats
+        self.assertGreaterEqual(stats["resubmitted"], len(live))
+        self.assertGreaterEqual(stats["connects"], 2)
+        self.assertTrue(stats["connected"])
+        self.assertGreaterEqual(sched.apply(ev.all[mark:]), len(live))
+        for r in live:
+            self.assertEqual(sched.request(r)["predicted_tokens"],
+                             again[r].predicted_tokens)
+
+        # The new process learns the rest.
+        for rid in sorted(live):
+            client.complete(rid, 100, "stop")
+            sched.remove(rid)
+        learned = self.wait_learned(2 + len(live))
+        self.assertIsNotNone(learned)
+        self.assertEqual(learned.completions_learned, 2 + len(live))
+        self.assertTrue(ev.wait_for(lambda a: client.stats["live"] == 0))
+        self.assertEqual(len(sched), 0)
+
+        client.close()
+        self.assertTrue(client.closed)
+        with self.assertRaisesRegex(RuntimeError, "closed"):
+            client.capture(self.rows([0.0]), ["late"])
+        client.close()  # idempotent
+        self.leapd.terminate()
+
+
+class BadInputTest(unittest.TestCase):
+    """Validation happens before any I/O: no leapd needed."""
+
+    def setUp(self):
+        self.client = leap_shim.Client(
+            "unix://" + os.path.join(tempfile.gettempdir(), "no-leapd.sock"),
+            DIM, dtype="bfloat16")
+        self.addCleanup(self.client.close)
+
+    def test_tensor_errors(self):
+        c = self.client
+        ok = torch.zeros(2, DIM)
+        cases = [
+            (TypeError, "supports DLPack", [[0.0] * DIM] * 2),
+            (TypeError, "got int64", torch.zeros(2, DIM, dtype=torch.int64)),
+            (TypeError, "got float64", torch.zeros(2, DIM, dtype=torch.float64)),
+            (ValueError, "2-D .* got 1-D", torch.zeros(DIM)),
+            (ValueError, "2-D .* got 3-D", torch.zeros(2, 1, DIM)),
+            (ValueError, "expected 64 columns, got 63", torch.zeros(2, DIM - 1)),
+            (ValueError, "positive strides",
+             torch.zeros(1, DIM).expand(2, DIM)),
+        ]
+        for exc, regex, tensor in cases:
+            with self.subTest(regex=regex):
+                with self.assertRaisesRegex(exc, regex):
+                    c.capture(tensor, ["x", "y"])
+        with self.assertRaisesRegex(ValueError, "2 rows, got 3 request ids"):
+            c.capture(ok, ["x", "y", "z"])
+        with self.assertRaises(TypeError):
+            c.capture(ok, "xy")  # a str is not a list of ids
+        with self.assertRaisesRegex(ValueError, "one max_tokens per request"):
+            c.capture(ok, ["x", "y"], max_tokens=[1])
+        with self.assertRaisesRegex(ValueError, "max_tokens must be >= 0"):
+            c.capture(ok, ["x", "y"], max_tokens=-1)
+        with self.assertRaisesRegex(ValueError, "stream"):
+            c.capture(ok, ["x", "y"], stream=0)
+        # Nothing of the above was submitted.
+        self.assertEqual(c.stats["live"], 0)
+
+    def test_rejected_capsules_are_not_consumed(self):
+        c = self.client
+        data = np.zeros((3, DIM), np.float32)
+        for kw, exc, regex in [
+                (dict(shape=[3, DIM, 1]), ValueError, "3-D"),
+                (dict(shape=[3, DIM], dtype=(0, 32)), TypeError, "int32"),
+                (dict(shape=[3, DIM], device_type=4), ValueError, "opencl"),
+                (dict(shape=[3, DIM - 1]), ValueError, "63")]:
+            with self.subTest(kw=kw):
+                hand = HandMadeCapsule(data, **kw)
+                with self.assertRaisesRegex(exc, regex):
+                    c.capture(hand.capsule, ["x", "y", "z"])
+                self.assertEqual(hand.name(), "dltensor")
+                self.assertEqual(hand.deleted, 0)
+        hand = HandMadeCapsule(data, shape=[3, DIM])
+        with self.assertRaisesRegex(ValueError, "one request id per row"):
+            c.capture(hand.capsule, ["x"])
+        self.assertEqual((hand.name(), hand.deleted), ("dltensor", 0))
+        # Accepted now: consumed, released at once.
+        c.capture(hand.capsule, ["x", "y", "z"])
+        self.assertEqual((hand.name(), hand.deleted), ("used_dltensor", 1))
+        # Another capsule name.
+        other = _capsule_new(ctypes.addressof(hand.managed), b"dltensor_versioned", None)
+        with self.assertRaisesRegex(TypeError, "dltensor_versioned"):
+            c.capture(other, ["x"])
+
+    def test_cuda_tensor_without_cuda_capture(self):
+        if leap_shim.cuda_capture_available():
+            self.skipTest("this process can capture CUDA tensors")
+        data = np.zeros((1, DIM), np.float32)
+        hand = HandMadeCapsule(data, shape=[1, DIM], device_type=2,
+                               data=0x1000)
+        with self.assertRaisesRegex(RuntimeError, "cuda:0.*no CUDA capture"):
+            self.client.capture(hand.capsule, ["x"])
+        self.assertEqual((hand.name(), hand.deleted), ("dltensor", 0))
+
+    def test_option_and_call_errors(self):
+        with self.assertRaisesRegex(ValueError, "dim must be in"):
+            leap_shim.Client("unix:///nowhere", 0)
+        with self.assertRaisesRegex(ValueError, "dtype must be"):
+            leap_shim.Client("unix:///nowhere", DIM, dtype="int8")
+        self.assertEqual(
+            leap_shim.Client("unix:///nowhere", DIM, dtype=str(torch.float16)).dtype,
+            "float16")
+        with self.assertRaisesRegex(ValueError, "reason must be"):
+            self.client.complete("x", 10, "done")
+        with self.assertRaisesRegex(ValueError, "output_tokens"):
+            self.client.complete("x", -1)
+        with self.assertRaisesRegex(ValueError, "max must be"):
+            self.client.poll(max=-1)
+        with self.assertRaisesRegex(ValueError, "timeout_s"):
+            self.client.poll(timeout_s=-1.0)
+        # Not connected: wait_connected answers False at its deadline.
+        self.assertFalse(self.client.wait_connected(0.05))
+        self.assertFalse(self.client.connected)
+        with leap_shim.Client("unix:///nowhere", DIM) as c:
+            self.assertEqual((c.dim, c.dtype), (DIM, "float32"))
+        self.assertTrue(c.closed)
+
+    def test_scheduler_errors(self):
+        with self.assertRaisesRegex(ValueError, "slots must be >= 1"):
+            leap_shim.Scheduler(slots=0)
+        with self.assertRaisesRegex(ValueError, "unpredicted must be"):
+            leap_shim.Scheduler(unpredicted="random")
+        with self.assertRaisesRegex(ValueError, "aging_rate"):
+            leap_shim.Scheduler(aging_rate=-1.0)
+        s = leap_shim.Scheduler()
+        s.add("a")
+        with self.assertRaises(ValueError):
+            s.add("a")
+        with self.assertRaises(KeyError):
+            s.remove("b")
+        with self.assertRaises(KeyError):
+            s.request("b")
+        with self.assertRaisesRegex(ValueError, "finite and >= 0"):
+            s.set_prediction("a", -3.0)
+        s.set_prediction("a", 3.0)
+        with self.assertRaises(RuntimeError):
+            s.set_prediction("a", 4.0)  # a newer value goes through rescore
+        with self.assertRaisesRegex(TypeError, "leap_shim.Event"):
+            s.apply([("prediction", "a", 5.0)])
+        with self.assertRaisesRegex(ValueError, "kind must be"):
+            leap_shim.Event("guess")
+
+
+class SchedulerTest(unittest.TestCase):
+    """apply() + select() against a brute-force countdown."""
+
+    def test_apply_and_select_match_brute_force(self):
+        import random
+        rng = random.Random(11)
+        slots, n, steps = 3, 12, 25
+        s = leap_shim.Scheduler(slots=slots, waiting_cap=0, unpredicted="last")
+        ids = ["q%02d" % i for i in range(n)]
+        for rid in ids:
+            s.add(rid)
+        pred, ver, gen = {}, {}, dict.fromkeys(ids, 0)
+        for step in range(steps):
+            # Some events, some of them stale (an older version).
+            events = []
+            for rid in rng.sample(ids, 4):
+                v = rng.randint(1, 6)
+                tokens = float(rng.randint(1, 60))
+                kind = rng.choice(["prediction", "rescore"])
+                events.append(leap_shim.Event(kind, rid, tokens, version=v))
+                if v >= ver.get(rid, 0):
+                    pred[rid], ver[rid] = tokens, v
+            events.append(leap_shim.Event("error", "q00", code=3))
+            events.append(leap_shim.Event("prediction", "unknown", 5.0))
+            s.apply(events)
+            predicted = [r for r in ids if r in pred]
+            unpredicted = [r for r in ids if r not in pred]
+            want = sorted(predicted, key=lambda r: (
+                max(pred[r] - gen[r], 1.0), ids.index(r)))
+            want = (want + unpredicted)[:slots]
+            self.assertEqual(s.select(), want, "step %d" % step)
+            for r in want:
+                gen[r] += 1
+        self.assertEqual(s.counters["steps"], steps)
+        self.assertEqual(s.counters["selections"], steps * slots)
+        self.assertEqual(len(s), n)
+        self.assertIn("q01", s)
+        self.assertEqual(s.request("q01")["generated"], gen["q01"])
+
+
+@unittest.skipUnless(torch.cuda.is_available(),
+                     "needs a CUDA torch and a CUDA device")
+class CudaCaptureTest(LeapdFixture):
+    """CUDA tensors: copied on a side stream after the producer's stream,
+    shipped from a host callback; values checked like the CPU ones."""
+
+    def test_cuda_capture(self):
+        if not leap_shim.cuda_capture_available():
+            self.skipTest("leap_shim built without CUDA capture")
+        client = self.client()
+        ev = Events(client)
+        learn = self.rows([1.0, -1.0])
+        client.capture(learn, ["a0", "a1"])
+        self.assertTrue(ev.wait_for(lambda a: len(
+            latest(a, {"a0", "a1"}, ("prediction",))) == 2))
+        client.complete("a0", 900)
+        client.complete("a1", 25)
+        self.assertIsNotNone(self.wait_learned(2))
+        version, w = self.weights()
+
+        expected = {}
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            x = self.rows([0.5, -0.25, 0.75]).cuda().to(torch.bfloat16)
+            y = (x.float() * 1.0).to(torch.bfloat16)  # still on `side`
+            client.capture(y, ["c0", "c1", "c2"],
+                           stream=torch.cuda.current_stream().cuda_stream)
+        wide = torch.zeros(2, 2 * DIM, device="cuda")
+        wide[:, 1::2] = self.rows([0.1, -0.6]).cuda()
+        client.capture(wide[:, 1::2], ["d0", "d1"])  # legacy default stream
+        client.flush()
+        self.assertEqual(client.stats["cuda_captures_in_flight"], 0)
+        for rid, row in zip(["c0", "c1", "c2"], y.float().cpu()):
+            expected[rid] = row
+        for rid, row in zip(["d0", "d1"], wide[:, 1::2].cpu()):
+            expected[rid] = row
+        ids = set(expected)
+        self.assertTrue(ev.wait_for(lambda a: len(
+            latest(a, ids, ("prediction",))) == len(ids)))
+        got = latest(ev.all, ids, ("prediction",))
+        self.assertEqual({e.version for e in got.values()}, {version.version})
+        self.assert_scores(got, expected, w, version.bias)
+
+
+def main():
+    global ARGS
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--leapd", required=True, help="path to leapd")
+    parser.add_argument("--proto-dir", required=True,
+                        help="directory holding leap/v1/*.proto")
+    parser.add_argument("--module-dir", required=True,
+                        help="directory holding the built leap_shim module")
+    ARGS, rest = parser.parse_known_args()
+    result = unittest.main(argv=[sys.argv[0]] + rest, exit=False, verbosity=2)
+    sys.exit(0 if result.result.wasSuccessful() else 1)
+
+
+if __name__ == "__main__":
+    main()
