@@ -26,6 +26,7 @@
 #include "grpcpp/health_check_service_interface.h"
 #include "prometheus/exposer.h"
 #include "sidecar/readout/artifact.h"
+#include "sidecar/service/admin_auth.h"
 #include "sidecar/service/core.h"
 #include "sidecar/service/grpc_service.h"
 #include "storage/rocksdb_store.h"
@@ -78,6 +79,13 @@ ABSL_FLAG(int64_t, max_message_bytes, int64_t{512} << 20,
           "gRPC transport limit on one message (admin artifacts included).");
 ABSL_FLAG(absl::Duration, drain_timeout, absl::Seconds(5),
           "On SIGTERM/SIGINT: time given to open streams to finish.");
+ABSL_FLAG(std::string, admin_token_file, "",
+          "File holding the bearer token that every leap.v1.Admin call "
+          "arriving over TCP must carry as the metadata 'authorization: "
+          "Bearer TOKEN' (else UNAUTHENTICATED). Read once at start; "
+          "surrounding whitespace is ignored. Admin calls over a unix socket "
+          "are trusted; Predictor, health and reflection are not affected. "
+          "Empty: no token is required.");
 
 namespace {
 
@@ -120,6 +128,16 @@ std::string RandomId() {
   std::random_device rd;
   return absl::StrCat(absl::Hex(rd(), absl::kZeroPad8),
                       absl::Hex(rd(), absl::kZeroPad8));
+}
+
+// Whether a --listen address is only reachable from this host: a unix
+// socket or a loopback TCP address.
+bool IsLocalAddress(const std::string& listen) {
+  if (listen.rfind("unix:", 0) == 0 || listen.rfind("unix-abstract:", 0) == 0) {
+    return true;
+  }
+  const std::string host = listen.substr(0, listen.rfind(':'));
+  return host == "localhost" || host == "[::1]" || host.rfind("127.", 0) == 0;
 }
 
 int Fail(const std::string& msg) {
@@ -174,6 +192,15 @@ int main(int argc, char** argv) {
   options.readout.versions_kept = absl::GetFlag(FLAGS_versions_kept);
   if (absl::Status s = options.Validate(); !s.ok()) {
     return Fail(std::string(s.message()));
+  }
+  // The admin token first: a bad token file fails before any state is
+  // opened.
+  leap::sidecar::AdminAuth auth;
+  if (!absl::GetFlag(FLAGS_admin_token_file).empty()) {
+    auto token = leap::sidecar::ReadAdminTokenFile(
+        absl::GetFlag(FLAGS_admin_token_file));
+    if (!token.ok()) return Fail(std::string(token.status().message()));
+    auth = leap::sidecar::AdminAuth(std::move(*token));
   }
   std::unique_ptr<leap::storage::StateStore> store;
   leap::storage::RecoveredState recovered;
@@ -265,9 +292,20 @@ int main(int argc, char** argv) {
     }
   }
 
+  const std::vector<std::string> listens = absl::GetFlag(FLAGS_listen);
+  for (const std::string& l : listens) {
+    if (!auth.enabled() && !IsLocalAddress(l)) {
+      std::fprintf(stderr,
+                   "leapd: warning: --listen=%s is reachable from other "
+                   "hosts and there is no --admin_token_file: anyone who "
+                   "reaches it can call Admin\n",
+                   l.c_str());
+    }
+  }
+
   const std::string sidecar_id = RandomId();
   leap::sidecar::PredictorService predictor(&core, sidecar_id);
-  leap::sidecar::AdminService admin(&core);
+  leap::sidecar::AdminService admin(&core, auth);
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
@@ -275,7 +313,6 @@ int main(int argc, char** argv) {
       static_cast<int>(absl::GetFlag(FLAGS_max_message_bytes)));
   builder.SetMaxSendMessageSize(
       static_cast<int>(absl::GetFlag(FLAGS_max_message_bytes)));
-  const std::vector<std::string> listens = absl::GetFlag(FLAGS_listen);
   std::vector<int> ports(listens.size(), 0);
   for (size_t i = 0; i < listens.size(); ++i) {
     builder.AddListeningPort(listens[i], grpc::InsecureServerCredentials(),

@@ -411,6 +411,15 @@ TEST(LeapdStorage, RollbackRestoresSnapshotBitForBitAndPushesIt) {
     ASSERT_TRUE(again.admin->ListVersions(&ctx, req, &resp).ok());
     ASSERT_GT(resp.versions_size(), 0);
     EXPECT_GT(resp.versions(resp.versions_size() - 1).version(), rollback_version);
+    // The history survives the restart: the rollback version is still listed.
+    bool found = false;
+    for (const auto& v : resp.versions()) {
+      if (v.version() == rollback_version) {
+        found = true;
+        EXPECT_EQ(v.cause(), "rollback:before-rollout");
+      }
+    }
+    EXPECT_TRUE(found) << "version history not recovered";
   }
 }
 

@@ -112,6 +112,7 @@ absl::Status Core::Recover(storage::RecoveredState state) {
     init.frozen = r.meta.frozen;
     init.cause = "recovered";
     init.last_seq = r.checkpoint.last_seq;
+    init.history = std::move(r.versions);
     init.state.spec = r.meta.spec;
     init.state.standardizer = r.meta.standardizer;
     init.state.theta = std::move(r.checkpoint.theta);

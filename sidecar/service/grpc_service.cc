@@ -469,25 +469,34 @@ grpc::Status PredictorService::WatchReadout(
 
 // ------------------------------------------------------------------ Admin
 
-grpc::Status AdminService::ListReadouts(grpc::ServerContext*,
+grpc::Status AdminService::CheckAdmin(grpc::ServerContext* ctx) {
+  grpc::Status s = auth_.Check(*ctx);
+  if (!s.ok()) core_->metrics().RequestErrors("UNAUTHENTICATED").Increment();
+  return s;
+}
+
+grpc::Status AdminService::ListReadouts(grpc::ServerContext* ctx,
                                         const pb::ListReadoutsRequest*,
                                         pb::ListReadoutsResponse* resp) {
+  if (grpc::Status s = CheckAdmin(ctx); !s.ok()) return s;
   for (auto& r : core_->ListReadouts()) FillInfo(*r, resp->add_readouts());
   return grpc::Status::OK;
 }
 
-grpc::Status AdminService::GetReadout(grpc::ServerContext*,
+grpc::Status AdminService::GetReadout(grpc::ServerContext* ctx,
                                       const pb::GetReadoutRequest* req,
                                       pb::ReadoutInfo* resp) {
+  if (grpc::Status s = CheckAdmin(ctx); !s.ok()) return s;
   auto r = core_->GetReadout(req->name());
   if (!r.ok()) return ToGrpc(r.status());
   FillInfo(**r, resp);
   return grpc::Status::OK;
 }
 
-grpc::Status AdminService::CreateReadout(grpc::ServerContext*,
+grpc::Status AdminService::CreateReadout(grpc::ServerContext* ctx,
                                          const pb::CreateReadoutRequest* req,
                                          pb::ReadoutInfo* resp) {
+  if (grpc::Status s = CheckAdmin(ctx); !s.ok()) return s;
   readout::ReadoutState state;
   if (req->has_cold_start()) {
     const pb::ColdStart& c = req->cold_start();
@@ -524,15 +533,17 @@ grpc::Status AdminService::CreateReadout(grpc::ServerContext*,
   return grpc::Status::OK;
 }
 
-grpc::Status AdminService::DeleteReadout(grpc::ServerContext*,
+grpc::Status AdminService::DeleteReadout(grpc::ServerContext* ctx,
                                          const pb::DeleteReadoutRequest* req,
                                          pb::DeleteReadoutResponse*) {
+  if (grpc::Status s = CheckAdmin(ctx); !s.ok()) return s;
   return ToGrpc(core_->DeleteReadout(req->name()));
 }
 
-grpc::Status AdminService::ListVersions(grpc::ServerContext*,
+grpc::Status AdminService::ListVersions(grpc::ServerContext* ctx,
                                         const pb::ListVersionsRequest* req,
                                         pb::ListVersionsResponse* resp) {
+  if (grpc::Status s = CheckAdmin(ctx); !s.ok()) return s;
   auto r = core_->GetReadout(req->name());
   if (!r.ok()) return ToGrpc(r.status());
   for (const VersionRecord& v : (*r)->Versions()) {
@@ -541,9 +552,10 @@ grpc::Status AdminService::ListVersions(grpc::ServerContext*,
   return grpc::Status::OK;
 }
 
-grpc::Status AdminService::ExportReadout(grpc::ServerContext*,
+grpc::Status AdminService::ExportReadout(grpc::ServerContext* ctx,
                                          const pb::ExportReadoutRequest* req,
                                          pb::ExportReadoutResponse* resp) {
+  if (grpc::Status s = CheckAdmin(ctx); !s.ok()) return s;
   auto r = core_->GetReadout(req->name());
   if (!r.ok()) return ToGrpc(r.status());
   readout::ReadoutState state = (*r)->Export();
@@ -555,9 +567,10 @@ grpc::Status AdminService::ExportReadout(grpc::ServerContext*,
   return grpc::Status::OK;
 }
 
-grpc::Status AdminService::SetAdaptation(grpc::ServerContext*,
+grpc::Status AdminService::SetAdaptation(grpc::ServerContext* ctx,
                                          const pb::SetAdaptationRequest* req,
                                          pb::ReadoutInfo* resp) {
+  if (grpc::Status s = CheckAdmin(ctx); !s.ok()) return s;
   auto r = core_->GetReadout(req->name());
   if (!r.ok()) return ToGrpc(r.status());
   absl::Status s = (*r)->SetFrozen(req->frozen());
@@ -566,9 +579,10 @@ grpc::Status AdminService::SetAdaptation(grpc::ServerContext*,
   return grpc::Status::OK;
 }
 
-grpc::Status AdminService::SetRoute(grpc::ServerContext*,
+grpc::Status AdminService::SetRoute(grpc::ServerContext* ctx,
                                     const pb::SetRouteRequest* req,
                                     pb::Route* resp) {
+  if (grpc::Status s = CheckAdmin(ctx); !s.ok()) return s;
   Route route;
   route.product_line = req->route().product_line();
   for (const auto& a : req->route().arms()) {
@@ -590,9 +604,10 @@ grpc::Status AdminService::SetRoute(grpc::ServerContext*,
   return grpc::Status::OK;
 }
 
-grpc::Status AdminService::ListRoutes(grpc::ServerContext*,
+grpc::Status AdminService::ListRoutes(grpc::ServerContext* ctx,
                                       const pb::ListRoutesRequest*,
                                       pb::ListRoutesResponse* resp) {
+  if (grpc::Status s = CheckAdmin(ctx); !s.ok()) return s;
   for (const Route& r : core_->ListRoutes()) {
     pb::Route* out = resp->add_routes();
     out->set_product_line(r.product_line);
@@ -607,15 +622,17 @@ grpc::Status AdminService::ListRoutes(grpc::ServerContext*,
   return grpc::Status::OK;
 }
 
-grpc::Status AdminService::DeleteRoute(grpc::ServerContext*,
+grpc::Status AdminService::DeleteRoute(grpc::ServerContext* ctx,
                                        const pb::DeleteRouteRequest* req,
                                        pb::DeleteRouteResponse*) {
+  if (grpc::Status s = CheckAdmin(ctx); !s.ok()) return s;
   return ToGrpc(core_->DeleteRoute(req->product_line()));
 }
 
-grpc::Status AdminService::GetStats(grpc::ServerContext*,
+grpc::Status AdminService::GetStats(grpc::ServerContext* ctx,
                                     const pb::GetStatsRequest* req,
                                     pb::StatsResponse* resp) {
+  if (grpc::Status s = CheckAdmin(ctx); !s.ok()) return s;
   if (!req->readout().empty()) {
     auto r = core_->GetReadout(req->readout());
     if (!r.ok()) return ToGrpc(r.status());
@@ -675,18 +692,20 @@ void FillSnapshot(const storage::SnapshotInfo& i, pb::SnapshotInfo* out) {
 }
 }  // namespace
 
-grpc::Status AdminService::CreateSnapshot(grpc::ServerContext*,
+grpc::Status AdminService::CreateSnapshot(grpc::ServerContext* ctx,
                                           const pb::CreateSnapshotRequest* req,
                                           pb::SnapshotInfo* resp) {
+  if (grpc::Status s = CheckAdmin(ctx); !s.ok()) return s;
   auto info = core_->Snapshot(req->readout(), req->label());
   if (!info.ok()) return ToGrpc(info.status());
   FillSnapshot(*info, resp);
   return grpc::Status::OK;
 }
 
-grpc::Status AdminService::ListSnapshots(grpc::ServerContext*,
+grpc::Status AdminService::ListSnapshots(grpc::ServerContext* ctx,
                                          const pb::ListSnapshotsRequest* req,
                                          pb::ListSnapshotsResponse* resp) {
+  if (grpc::Status s = CheckAdmin(ctx); !s.ok()) return s;
   auto r = core_->GetReadout(req->readout());
   if (!r.ok()) return ToGrpc(r.status());
   auto list = (*r)->ListSnapshots();
@@ -695,9 +714,10 @@ grpc::Status AdminService::ListSnapshots(grpc::ServerContext*,
   return grpc::Status::OK;
 }
 
-grpc::Status AdminService::Rollback(grpc::ServerContext*,
+grpc::Status AdminService::Rollback(grpc::ServerContext* ctx,
                                     const pb::RollbackRequest* req,
                                     pb::RollbackResponse* resp) {
+  if (grpc::Status s = CheckAdmin(ctx); !s.ok()) return s;
   auto v = core_->Rollback(req->readout(), req->label());
   if (!v.ok()) return ToGrpc(v.status());
   resp->set_version(*v);

@@ -9,6 +9,7 @@
 
 #include "leap/v1/admin.grpc.pb.h"
 #include "leap/v1/predictor.grpc.pb.h"
+#include "sidecar/service/admin_auth.h"
 #include "sidecar/service/core.h"
 
 namespace leap::sidecar {
@@ -45,9 +46,13 @@ class PredictorService final : public leap::v1::Predictor::Service {
   std::atomic<bool> shutting_down_{false};
 };
 
+// Every handler first runs the AdminAuth check (a refused call gets
+// UNAUTHENTICATED and counts in leap_request_errors_total{code=
+// "UNAUTHENTICATED"}).
 class AdminService final : public leap::v1::Admin::Service {
  public:
-  explicit AdminService(Core* core) : core_(core) {}
+  explicit AdminService(Core* core, AdminAuth auth = AdminAuth())
+      : core_(core), auth_(std::move(auth)) {}
 
   grpc::Status ListReadouts(grpc::ServerContext*,
                             const leap::v1::ListReadoutsRequest*,
@@ -90,7 +95,10 @@ class AdminService final : public leap::v1::Admin::Service {
                         leap::v1::RollbackResponse*) override;
 
  private:
+  grpc::Status CheckAdmin(grpc::ServerContext* ctx);
+
   Core* const core_;
+  const AdminAuth auth_;
 };
 
 }  // namespace leap::sidecar

@@ -96,6 +96,14 @@ LiveReadout::LiveReadout(LiveReadoutInit init, LiveReadoutOptions options,
         learned_.load(), UnixMs(), init.cause});
     current_.store(v);
     absl::MutexLock qlock(&quality_mu_);
+    for (const storage::VersionEntry& h : init.history) {
+      if (h.version >= v->version) continue;
+      versions_.push_back({h.version, h.completions_learned, h.unix_ms, h.cause,
+                           NAN, 0});
+    }
+    while (static_cast<int64_t>(versions_.size()) >= options_.versions_kept) {
+      versions_.pop_front();
+    }
     versions_.push_back({v->version, v->completions_learned,
                          v->published_unix_ms, v->cause, NAN, 0});
   }

@@ -97,6 +97,8 @@ struct LiveReadoutInit {
   storage::ReadoutMeta meta;  // incarnation assigned by the store
   // Feedback-log records with seq <= last_seq are already in theta and P.
   uint64_t last_seq = 0;
+  // Versions published before (recovered from the store), oldest first.
+  std::vector<storage::VersionEntry> history;
 };
 
 // A completion to learn.

@@ -12,6 +12,7 @@
 #include "tools/leapctl/commands.h"
 #include "tools/leapctl/flags.h"
 #include "tools/leapctl/internal/command.h"
+#include "tools/leapctl/replay.h"
 
 namespace leap::leapctl {
 namespace {
@@ -54,6 +55,11 @@ constexpr char kTopHelp[] =
     "  feed             Simulate an engine: send features and completions "
     "from\n"
     "                   files, report the rolling Spearman as leapd learns.\n"
+    "\n"
+    "Evaluation (starts its own leapd unless --server is given):\n"
+    "  replay   Replay a request trace through an engine model: latency after\n"
+    "           scheduling for FCFS, the oracle, LEAP (frozen / RLS) and\n"
+    "           learned-predictor baselines; table, JSON and plot.\n"
     "\n"
     "Run 'leapctl <command> --help' for the flags of a command.\n"
     "Exit codes: 0 success, 1 failure, 2 usage error.\n";
@@ -344,9 +350,11 @@ int RunLeapctl(const std::vector<std::string>& all, std::ostream& out,
   if (command == "snapshot") return internal::SnapshotCommand(args, out, err);
   if (command == "rollback") return internal::RollbackCommand(args, out, err);
   if (command == "import") return internal::ImportCommand(args, out, err);
+  if (command == "replay") return replay::ReplayCommand(args, out, err);
   err << "leapctl: error: unknown command '" << OneLine(command)
       << "' (commands: train, eval, adapt, synth, readouts, versions, export, "
-         "freeze, resume, route, stats, bench, feed, snapshot, rollback, import; "
+         "freeze, resume, route, stats, bench, feed, snapshot, rollback, import, "
+         "replay; "
          "see 'leapctl --help')"
       << std::endl;
   return kExitUsage;

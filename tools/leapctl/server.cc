@@ -7,6 +7,7 @@
 #include <thread>
 #include <utility>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -129,16 +130,37 @@ absl::Status FromGrpc(const grpc::Status& status, const std::string& address) {
 AdminClient::AdminClient(ServerOptions options)
     : AdminClient(options, MakeChannel(options)) {}
 
+absl::StatusOr<std::string> ReadTokenFile(const std::string& path) {
+  absl::StatusOr<std::string> bytes = ReadFileBytes(path);
+  if (!bytes.ok()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("cannot read the admin token file (--token-file / "
+                     "$LEAP_ADMIN_TOKEN_FILE): ",
+                     bytes.status().message()));
+  }
+  absl::string_view token = absl::StripAsciiWhitespace(*bytes);
+  if (token.empty()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("the admin token file ", path, " is empty"));
+  }
+  return std::string(token);
+}
+
 AdminClient::AdminClient(ServerOptions options,
                          std::shared_ptr<grpc::Channel> channel)
     : options_(std::move(options)),
       channel_(std::move(channel)),
-      stub_(pb::Admin::NewStub(channel_)) {}
+      stub_(pb::Admin::NewStub(channel_)),
+      token_(options_.token_file.empty() ? absl::StatusOr<std::string>("")
+                                         : ReadTokenFile(options_.token_file)) {
+}
 
 template <class Request, class Response, class Method>
 absl::StatusOr<Response> AdminClient::Call(Method method,
                                            const Request& request) {
+  if (!token_.ok()) return token_.status();
   grpc::ClientContext ctx;
+  if (!token_->empty()) ctx.AddMetadata("authorization", "Bearer " + *token_);
   ctx.set_deadline(std::chrono::system_clock::now() +
                    std::chrono::microseconds(
                        static_cast<int64_t>(options_.timeout_s * 1e6)));
@@ -436,6 +458,100 @@ absl::StatusOr<pb::Route> ParseRoute(const std::string& product_line,
     *route.add_arms() = std::move(arm);
   }
   return route;
+}
+
+absl::StatusOr<std::vector<pb::Route>> ParseRoutesJson(
+    absl::string_view text, const std::string& source) {
+  const auto bad = [&](const std::string& why) {
+    return Usage(absl::StrCat(source, ": ", why,
+                              " (expected {\"routes\": [{\"product_line\", "
+                              "\"arms\": [{\"name\", \"readout\", "
+                              "\"percent\" | \"shadow\": true}]}]})"));
+  };
+  nlohmann::json j = nlohmann::json::parse(text.begin(), text.end(), nullptr,
+                                           /*allow_exceptions=*/false);
+  if (j.is_discarded()) return bad("not valid JSON");
+  if (!j.is_object() || !j.contains("routes") || !j["routes"].is_array()) {
+    return bad("no \"routes\" array");
+  }
+  std::vector<pb::Route> routes;
+  for (size_t i = 0; i < j["routes"].size(); ++i) {
+    const nlohmann::json& r = j["routes"][i];
+    const std::string where = absl::StrCat("routes[", i, "]");
+    if (!r.is_object() || !r.contains("product_line") ||
+        !r["product_line"].is_string()) {
+      return bad(absl::StrCat(where, " has no string \"product_line\""));
+    }
+    if (!r.contains("arms") || !r["arms"].is_array() || r["arms"].empty()) {
+      return bad(absl::StrCat(where, " has no \"arms\""));
+    }
+    pb::Route route;
+    route.set_product_line(r["product_line"].get<std::string>());
+    for (size_t k = 0; k < r["arms"].size(); ++k) {
+      const nlohmann::json& a = r["arms"][k];
+      const std::string arm_where = absl::StrCat(where, ".arms[", k, "]");
+      if (!a.is_object() || !a.contains("name") || !a["name"].is_string() ||
+          !a.contains("readout") || !a["readout"].is_string()) {
+        return bad(
+            absl::StrCat(arm_where, " needs string \"name\" and \"readout\""));
+      }
+      pb::Arm* arm = route.add_arms();
+      arm->set_name(a["name"].get<std::string>());
+      arm->set_readout(a["readout"].get<std::string>());
+      if (a.contains("shadow") && !a["shadow"].is_boolean()) {
+        return bad(
+            absl::StrCat(arm_where, " \"shadow\" must be true or false"));
+      }
+      arm->set_shadow(a.value("shadow", false));
+      if (arm->shadow()) continue;
+      if (!a.contains("percent") || !a["percent"].is_number()) {
+        return bad(absl::StrCat(arm_where, " needs a number \"percent\""));
+      }
+      arm->set_percent(a["percent"].get<double>());
+    }
+    routes.push_back(std::move(route));
+  }
+  if (routes.empty()) return bad("no routes");
+  return routes;
+}
+
+absl::StatusOr<std::vector<pb::Route>> RunApplyRoutes(
+    AdminClient& client, const std::vector<pb::Route>& routes) {
+  ASSIGN_OR_RETURN(pb::ListReadoutsResponse have, client.ListReadouts());
+  std::vector<std::string> missing;
+  for (const pb::Route& r : routes) {
+    for (const pb::Arm& a : r.arms()) {
+      const bool found = std::any_of(
+          have.readouts().begin(), have.readouts().end(),
+          [&](const pb::ReadoutInfo& i) { return i.name() == a.readout(); });
+      if (!found && std::find(missing.begin(), missing.end(), a.readout()) ==
+                        missing.end()) {
+        missing.push_back(a.readout());
+      }
+    }
+  }
+  if (!missing.empty()) {
+    std::string names;
+    for (const std::string& m : missing) {
+      absl::StrAppend(&names, names.empty() ? "" : ", ", "'", m, "'");
+    }
+    return absl::NotFoundError(absl::StrCat(
+        "NOT_FOUND: the routes name readouts leapd does not have: ", names,
+        " (import them first); no route was changed"));
+  }
+  std::vector<pb::Route> stored;
+  for (const pb::Route& r : routes) {
+    absl::StatusOr<pb::Route> s = client.SetRoute(r);
+    if (!s.ok()) {
+      return absl::Status(
+          s.status().code(),
+          absl::StrCat(s.status().message(), " (route for product line '",
+                       r.product_line(), "'; ", stored.size(),
+                       " route(s) before it were set)"));
+    }
+    stored.push_back(std::move(*s));
+  }
+  return stored;
 }
 
 // ---- formatters ------------------------------------------------------------

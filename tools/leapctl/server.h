@@ -31,6 +31,12 @@ struct ServerOptions {
   // Deadline of each unary call, in seconds (also how long a stream waits
   // for one answer). Default: 30
   double timeout_s = 30;
+  // File holding leapd's admin bearer token (leapd --admin_token_file),
+  // sent as the metadata "authorization: Bearer TOKEN" on every Admin call;
+  // surrounding whitespace is ignored. Needed over TCP when leapd requires
+  // a token, never over a unix socket. The command line fills it from
+  // --token-file or $LEAP_ADMIN_TOKEN_FILE. Default: empty (no token sent).
+  std::string token_file;
 
   // InvalidArgument (a usage error) for an empty address or a timeout
   // outside (0, 86400].
@@ -46,8 +52,10 @@ std::shared_ptr<grpc::Channel> MakeChannel(const ServerOptions& options);
 // leapd at ADDR (server message)".
 absl::Status FromGrpc(const grpc::Status& status, const std::string& address);
 
-// leapd's Admin service. Each call has the options' deadline. Thread-safe
-// (a gRPC stub is).
+// leapd's Admin service. Each call has the options' deadline and, with a
+// token file, the bearer token (read once, when the client is made; a file
+// that cannot be read fails every call with the reason). Thread-safe (a
+// gRPC stub is).
 class AdminClient {
  public:
   explicit AdminClient(ServerOptions options);
@@ -85,7 +93,14 @@ class AdminClient {
   ServerOptions options_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Admin::Stub> stub_;
+  // The token from options_.token_file, or why it could not be read.
+  absl::StatusOr<std::string> token_;
 };
+
+// The token in an admin token file: its content without surrounding
+// whitespace. FailedPrecondition naming the file when it cannot be read or
+// is empty.
+absl::StatusOr<std::string> ReadTokenFile(const std::string& path);
 
 // ---- readouts create --------------------------------------------------------
 
@@ -164,6 +179,20 @@ absl::StatusOr<v1::Arm> ParseArm(absl::string_view spec, bool shadow,
 absl::StatusOr<v1::Route> ParseRoute(const std::string& product_line,
                                      const std::vector<std::string>& arms,
                                      const std::vector<std::string>& shadows);
+
+// Parses a routes file: the JSON that `leapctl route list --json` prints,
+// {"routes": [{"product_line": "chat", "arms": [{"name": "a", "readout":
+// "chat-v1", "percent": 90}, {"name": "s", "readout": "cold", "shadow":
+// true}]}]} ("percent" is ignored for a shadow arm; "shadow" defaults to
+// false). InvalidArgument naming `source` and the offending route or arm.
+absl::StatusOr<std::vector<v1::Route>> ParseRoutesJson(
+    absl::string_view text, const std::string& source);
+
+// Sets every route of `routes`, in order, after checking that every readout
+// they name exists on leapd (NotFound listing the missing ones, and nothing
+// changed). Returns the routes as leapd stored them.
+absl::StatusOr<std::vector<v1::Route>> RunApplyRoutes(
+    AdminClient& client, const std::vector<v1::Route>& routes);
 
 // ---- formatters ------------------------------------------------------------
 

@@ -1,5 +1,6 @@
 // The command lines of leapctl's commands for a running leapd: flags, --help
 // text and output. The logic lives in server.h, bench.h and feed.h.
+#include <cstdlib>
 #include <optional>
 #include <ostream>
 #include <string>
@@ -9,6 +10,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "tools/leapctl/bench.h"
+#include "tools/leapctl/data.h"
 #include "tools/leapctl/feed.h"
 #include "tools/leapctl/flags.h"
 #include "tools/leapctl/internal/command.h"
@@ -24,6 +26,14 @@ void ServerFlags(FlagSet& flags, ServerOptions* o) {
                "leapd's gRPC address: host:port or unix:///path.");
   flags.Double("timeout", &o->timeout_s, "SECONDS",
                "How long to wait for each answer from leapd.");
+  if (const char* env = std::getenv("LEAP_ADMIN_TOKEN_FILE");
+      env != nullptr && o->token_file.empty()) {
+    o->token_file = env;
+  }
+  flags.String("token-file", &o->token_file, "PATH",
+               "File with leapd's admin bearer token (leapd "
+               "--admin_token_file), sent on every admin call; needed over "
+               "TCP when leapd requires one. Default: $LEAP_ADMIN_TOKEN_FILE.");
 }
 
 // Checks the server flags; -1 to continue, else the exit code.
@@ -249,6 +259,9 @@ constexpr char kRouteHelp[] =
     "Subcommands:\n"
     "  set PRODUCT_LINE|--default --arm NAME=READOUT:PERCENT [--arm ...]\n"
     "      [--shadow NAME=READOUT ...]   Create or replace a route.\n"
+    "  apply --file ROUTES.json          Set every route of a file (the "
+    "JSON of\n"
+    "                                    'route list --json').\n"
     "  list                              Every route and its arms.\n"
     "  delete PRODUCT_LINE|--default     Remove a route.\n"
     "\n"
@@ -326,6 +339,40 @@ int RouteSet(const std::vector<std::string>& args, std::ostream& out,
   return kExitOk;
 }
 
+int RouteApply(const std::vector<std::string>& args, std::ostream& out,
+               std::ostream& err) {
+  Command cmd("route apply", out, err);
+  ServerOptions server;
+  std::string path;
+  FlagSet flags(
+      "route apply", "leapctl route apply --file ROUTES.json",
+      "Creates or replaces every route of a routes file, in order: the JSON "
+      "that\n"
+      "'leapctl route list --json' prints, {\"routes\": [{\"product_line\", "
+      "\"arms\":\n"
+      "[{\"name\", \"readout\", \"percent\"}, {\"name\", \"readout\", "
+      "\"shadow\": true}]}]}.\n"
+      "Every readout named must exist on leapd, else nothing is changed. "
+      "Routes\n"
+      "not in the file are left as they are. Prints the routes as leapd "
+      "stored\n"
+      "them.");
+  ServerFlags(flags, &server);
+  flags.String("file", &path, "PATH", "The routes file.", true);
+  if (int rc = cmd.Parse(flags, args); rc >= 0) return rc;
+  if (int rc = CheckServer(cmd, server); rc >= 0) return rc;
+  absl::StatusOr<std::string> text = ReadFileBytes(path);
+  if (!text.ok()) return cmd.Failure(text.status());
+  absl::StatusOr<std::vector<pb::Route>> routes = ParseRoutesJson(*text, path);
+  if (!routes.ok()) return cmd.UsageError(routes.status());
+  AdminClient client(server);
+  absl::StatusOr<std::vector<pb::Route>> r = RunApplyRoutes(client, *routes);
+  if (!r.ok()) return cmd.Failure(r.status());
+  out << "applied " << r->size() << " route(s) from " << path << ":\n";
+  for (const pb::Route& route : *r) out << FormatRoute(route);
+  return kExitOk;
+}
+
 int RouteList(const std::vector<std::string>& args, std::ostream& out,
               std::ostream& err) {
   Command cmd("route list", out, err);
@@ -394,10 +441,12 @@ int ReadoutsCommand(const std::vector<std::string>& args, std::ostream& out,
 
 int RouteCommand(const std::vector<std::string>& args, std::ostream& out,
                  std::ostream& err) {
-  return Dispatch(
-      "route", kRouteHelp,
-      {{"set", RouteSet}, {"list", RouteList}, {"delete", RouteDelete}}, args,
-      out, err);
+  return Dispatch("route", kRouteHelp,
+                  {{"set", RouteSet},
+                   {"apply", RouteApply},
+                   {"list", RouteList},
+                   {"delete", RouteDelete}},
+                  args, out, err);
 }
 
 namespace {

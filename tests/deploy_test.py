@@ -1,0 +1,614 @@
+#!/usr/bin/python3
+"""Checks of deploy/ that need neither a cluster nor a Docker engine.
+
+Kubernetes (every overlay rendered with the real `kubectl kustomize`):
+  - leapd is a native sidecar (init container, restartPolicy: Always) and
+    the engine a main container; every leapd flag in the manifest is one
+    `leapd --help` documents;
+  - both containers mount the memory-backed shared volume at the same path,
+    leapd's unix socket is in it, and the engine's LEAP_ENDPOINT names it;
+  - the startup, readiness and liveness probes are gRPC health probes on
+    the TCP port leapd is started with (--listen), a declared container port;
+  - the volumeClaimTemplate is mounted at leapd's --data_dir;
+  - the admin token Secret is mounted and --admin_token_file names the
+    mounted key;
+  - a restrictive securityContext (non-root with the image's uid, read-only
+    root filesystem, no privilege escalation, all capabilities dropped);
+  - memory request = limit, and the limit covers --feature_cache_bytes plus
+    the measured peak of leapd with two d = 4096 readouts;
+  - Prometheus annotations name the metrics port leapd listens on;
+  - the routes files of each overlay (mounted as a ConfigMap) route its
+    product line, and routes-ab.json splits it over two arms;
+  - the overlays' selectors do not overlap.
+Docker (deploy/docker/Dockerfile, no image is built):
+  - the build stage is Debian 12 and runs scripts/install-deps --sidecar and
+    scripts/build (the scripts CI runs) with tests, benchmarks, LibTorch,
+    CUDA and the Python module off; a CMake configure with exactly those
+    flags succeeds here and defines leapd and leapctl, and every package
+    that configure found is in the --sidecar list or its dependencies;
+  - the runtime stage is debian:12-slim, installs only
+    `install-deps --runtime`, copies only leapd and leapctl, runs as a
+    numeric non-root user, and the runtime list (with its dependencies and
+    what every Debian image has) covers every library `ldd` shows for the
+    built leapd and leapctl.
+Prometheus (deploy/prometheus): the scrape job keeps the port name and
+annotations the manifests use; every metric an alert uses is one a real
+leapd serves on /metrics; every alert is described in RUNBOOK.md.
+
+Run: /usr/bin/python3 tests/deploy_test.py --leapd PATH --leapctl PATH
+         --source-dir DIR [--kubectl PATH]
+"""
+
+import argparse
+import glob
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import unittest
+import urllib.request
+
+import yaml
+
+ARGS = None
+
+# Measured (deploy/k8s/README.md, "Sizing"): peak RSS of leapd holding two
+# d = 4096 readouts through import, 5,000 fed requests, export, snapshot
+# and rollback: VmHWM 734,204 kB.
+MEASURED_PEAK_BYTES = 734204 * 1024
+MIB = 1 << 20
+
+
+def parse_quantity(q):
+    units = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40,
+             "k": 10**3, "M": 10**6, "G": 10**9}
+    m = re.fullmatch(r"(\d+)([A-Za-z]*)", str(q))
+    assert m, q
+    return int(m.group(1)) * units.get(m.group(2), 1)
+
+
+def flag_values(args, name):
+    prefix = "--" + name + "="
+    return [a[len(prefix):] for a in args if a.startswith(prefix)]
+
+
+def render(overlay):
+    r = subprocess.run([ARGS.kubectl, "kustomize", overlay],
+                       capture_output=True, text=True, timeout=120)
+    if r.returncode != 0:
+        raise AssertionError("kubectl kustomize %s failed:\n%s" %
+                             (overlay, r.stderr))
+    return [d for d in yaml.safe_load_all(r.stdout) if d]
+
+
+def dockerfile_stages(path):
+    """[(from_line, [instructions])] with continuation lines joined."""
+    with open(path) as f:
+        text = f.read()
+    logical, cur = [], ""
+    for line in text.split("\n"):
+        s = line.strip()
+        if not cur and (not s or s.startswith("#")):
+            continue
+        if s.startswith("#"):
+            continue
+        if s.endswith("\\"):
+            cur += s[:-1] + " "
+            continue
+        logical.append(cur + s)
+        cur = ""
+    stages = []
+    for ins in logical:
+        if ins.upper().startswith("FROM "):
+            stages.append((ins, []))
+        else:
+            stages[-1][1].append(ins)
+    return stages
+
+
+def dpkg_owner(path):
+    for p in {path, os.path.realpath(path)}:
+        for cand in {p, re.sub(r"^/usr/lib/", "/lib/", p),
+                     re.sub(r"^/lib/", "/usr/lib/", p)}:
+            r = subprocess.run(["dpkg-query", "-S", cand],
+                               capture_output=True, text=True)
+            if r.returncode == 0:
+                return r.stdout.split(":")[0].split(",")[0].strip()
+    return None
+
+
+class Dpkg:
+    """Dependency closure over the installed packages (dpkg status)."""
+
+    def __init__(self):
+        r = subprocess.run(
+            ["dpkg-query", "-W", "-f",
+             "${Package}\t${Essential}\t${Provides}\t${Pre-Depends}, "
+             "${Depends}\n"],
+            capture_output=True, text=True, check=True)
+        self.deps, self.essential, self.providers = {}, set(), {}
+        for line in r.stdout.strip().split("\n"):
+            pkg, essential, provides, depends = line.split("\t")
+            if essential == "yes":
+                self.essential.add(pkg)
+            for p in provides.split(","):
+                p = p.strip().split(" ")[0]
+                if p:
+                    self.providers.setdefault(p, set()).add(pkg)
+            self.deps[pkg] = [[a.strip().split(" ")[0].split(":")[0]
+                               for a in group.split("|")]
+                              for group in depends.split(",") if group.strip()]
+
+    def closure(self, roots):
+        seen, todo = set(), list(roots)
+        while todo:
+            p = todo.pop()
+            if p in seen:
+                continue
+            seen.add(p)
+            for alternatives in self.deps.get(p, []):
+                for a in alternatives:
+                    for real in ({a} if a in self.deps else set()) | \
+                            self.providers.get(a, set()):
+                        todo.append(real)
+        return seen
+
+    def base_image(self):
+        """What a debian:12(-slim) image has: essential packages and apt."""
+        return self.closure(self.essential | {"apt"})
+
+
+def install_deps(group):
+    r = subprocess.run([os.path.join(ARGS.source_dir, "scripts",
+                                     "install-deps"), group, "--print"],
+                       capture_output=True, text=True, check=True)
+    return r.stdout.split()
+
+
+class DockerfileTest(unittest.TestCase):
+
+    @classmethod
+    def setUpClass(cls):
+        cls.stages = dockerfile_stages(os.path.join(
+            ARGS.source_dir, "deploy", "docker", "Dockerfile"))
+
+    def test_build_stage_runs_the_ci_scripts(self):
+        self.assertEqual(len(self.stages), 2)
+        frm, ins = self.stages[0]
+        self.assertRegex(frm, r"^FROM debian:12(\.\d+)? AS build$")
+        runs = [i for i in ins if i.startswith("RUN ")]
+        self.assertTrue(any("scripts/install-deps --sidecar" in r
+                            for r in runs), runs)
+        build = [r for r in runs if "scripts/build" in r]
+        self.assertEqual(len(build), 1, runs)
+        for flag in ("-DLEAP_BUILD_TESTS=OFF", "-DLEAP_BUILD_BENCHMARKS=OFF",
+                     "-DLEAP_WITH_TORCH=OFF", "-DLEAP_WITH_CUDA=OFF",
+                     "-DLEAP_BUILD_PYTHON=OFF"):
+            self.assertIn(flag, build[0])
+
+    def test_build_stage_configuration(self):
+        """The build stage's CMake configuration, run here: it succeeds,
+        defines leapd and leapctl, and finds only packages of the
+        --sidecar list (and their dependencies)."""
+        build = [i for i in self.stages[0][1] if "scripts/build" in i][0]
+        words = shlex.split(build)
+        words = words[words.index("scripts/build") + 1:]
+        flags = [w for w in words[:words.index("&&")] if w.startswith("-D")]
+        self.assertEqual(len(flags), 5, flags)
+        tmp = tempfile.mkdtemp(prefix="leap_docker_configure_")
+        try:
+            gen = ["-G", "Ninja"] if shutil.which("ninja") else []
+            r = subprocess.run(
+                ["cmake", "-S", ARGS.source_dir, "-B", tmp] + gen +
+                ["-DCMAKE_BUILD_TYPE=Release", "-DLEAP_WERROR=ON"] + flags,
+                capture_output=True, text=True, timeout=300)
+            self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+            self.assertIn("CUDA capture OFF", r.stdout)
+            self.assertIn("LibTorch adapter OFF", r.stdout)
+            if gen:
+                t = subprocess.run(["ninja", "-C", tmp, "-t", "targets",
+                                    "all"], capture_output=True, text=True)
+                names = {line.split(":")[0] for line in t.stdout.split("\n")}
+                self.assertIn("sidecar/leapd", names)
+                self.assertIn("tools/leapctl/leapctl", names)
+            with open(os.path.join(tmp, "CMakeCache.txt")) as f:
+                cache = f.read()
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        dpkg = Dpkg()
+        allowed = dpkg.closure(install_deps("--sidecar")) | dpkg.base_image()
+        found = {}
+        # Config packages (X_DIR) and what module mode found (libraries,
+        # headers, programs such as protoc).
+        for m in re.finditer(r"^([\w-]+)_DIR:PATH=(/usr/\S+)$", cache, re.M):
+            cfg = glob.glob(os.path.join(m.group(2), "*onfig.cmake"))
+            if cfg:
+                found[m.group(1)] = dpkg_owner(cfg[0])
+        for m in re.finditer(r"^([\w-]+_(?:LIBRARY|LIBRARY_RELEASE|"
+                             r"INCLUDE_DIR|EXECUTABLE)):(?:FILE)?PATH="
+                             r"(/usr/\S+)$", cache, re.M):
+            if os.path.isdir(m.group(2)) and m.group(2).count("/") <= 3:
+                continue  # /usr/include and the like: every -dev owns it
+            found[m.group(1)] = dpkg_owner(m.group(2))
+        for k in ("prometheus-cpp", "gRPC", "absl", "RocksDB", "Eigen3",
+                  "Protobuf_PROTOC_EXECUTABLE", "Protobuf_LIBRARY_RELEASE"):
+            self.assertIn(k, found)
+        unowned = {k for k, v in found.items() if v is None}
+        self.assertEqual(unowned, set(), "found outside Debian packages")
+        found = set(found.values())
+        self.assertEqual(found - allowed, set(),
+                         "packages the build finds but `install-deps "
+                         "--sidecar` does not bring in")
+
+    def test_runtime_stage(self):
+        frm, ins = self.stages[-1]
+        self.assertRegex(frm, r"^FROM debian:12(\.\d+)?-slim AS runtime$")
+        runs = [i for i in ins if i.startswith("RUN ")]
+        self.assertTrue(any("install-deps --runtime" in r for r in runs))
+        for r in runs:
+            self.assertNotRegex(r, r"apt-get|apt install|build-essential|"
+                                r"cmake|ninja|\bgcc\b|g\+\+|-dev\b")
+        copies = [i for i in ins if i.startswith("COPY --from=build")]
+        self.assertEqual(len(copies), 1, copies)
+        sources = shlex.split(copies[0])[2:-1]
+        self.assertEqual(sorted(os.path.basename(s) for s in sources),
+                         ["leapctl", "leapd"])
+        user = [i for i in ins if i.startswith("USER ")]
+        self.assertEqual(len(user), 1)
+        uid, _, gid = user[0].split()[1].partition(":")
+        self.assertTrue(uid.isdigit() and int(uid) > 0, user)
+        self.assertTrue(gid.isdigit() and int(gid) > 0, user)
+        entry = [i for i in ins if i.startswith("ENTRYPOINT ")]
+        self.assertEqual(json.loads(entry[0][len("ENTRYPOINT "):]),
+                         ["/usr/local/bin/leapd"])
+        for p in ("7070", "9464"):
+            self.assertTrue(any(i.startswith("EXPOSE") and p in i.split()
+                                for i in ins))
+        runtime = install_deps("--runtime")
+        self.assertNotIn("build-essential", runtime)
+        self.assertFalse([p for p in runtime if p.endswith("-dev")])
+
+    def test_runtime_packages_cover_the_binaries(self):
+        dpkg = Dpkg()
+        runtime = install_deps("--runtime")
+        for p in runtime:
+            self.assertIn(p, dpkg.deps, "not a Debian package here: " + p)
+        covered = dpkg.closure(runtime) | dpkg.base_image()
+        for binary in (ARGS.leapd, ARGS.leapctl):
+            r = subprocess.run(["ldd", binary], capture_output=True,
+                               text=True, check=True)
+            self.assertNotIn("not found", r.stdout)
+            libs = re.findall(r"=> (/\S+)", r.stdout)
+            self.assertGreater(len(libs), 5)
+            for lib in libs:
+                owner = dpkg_owner(lib)
+                self.assertIsNotNone(owner, lib)
+                self.assertIn(owner, covered,
+                              "%s loads %s (package %s), which the runtime "
+                              "stage does not install" % (binary, lib, owner))
+
+
+class ManifestTest(unittest.TestCase):
+
+    @classmethod
+    def setUpClass(cls):
+        root = os.path.join(ARGS.source_dir, "deploy", "k8s", "overlays")
+        cls.overlays = {name: os.path.join(root, name)
+                        for name in sorted(os.listdir(root))}
+        cls.rendered = {n: render(d) for n, d in cls.overlays.items()}
+        h = subprocess.run([ARGS.leapd, "--help"], capture_output=True,
+                           text=True)
+        cls.leapd_flags = set(re.findall(r"--(\w+) \(", h.stdout + h.stderr))
+        stages = dockerfile_stages(os.path.join(
+            ARGS.source_dir, "deploy", "docker", "Dockerfile"))
+        user = [i for i in stages[-1][1] if i.startswith("USER ")][0]
+        cls.image_uid = int(user.split()[1].split(":")[0])
+
+    def objects(self, name, kind):
+        return [o for o in self.rendered[name] if o["kind"] == kind]
+
+    def pod(self, name):
+        sts = self.objects(name, "StatefulSet")
+        self.assertEqual(len(sts), 1, name)
+        spec = sts[0]["spec"]["template"]["spec"]
+        leapd = [c for c in spec.get("initContainers", [])
+                 if c["name"] == "leapd"]
+        self.assertEqual(len(leapd), 1, name)
+        engine = [c for c in spec["containers"] if c["name"] == "engine"]
+        self.assertEqual(len(engine), 1, name)
+        return sts[0], spec, leapd[0], engine[0]
+
+    def test_two_product_lines(self):
+        self.assertGreaterEqual(len(self.overlays), 2)
+
+    def test_native_sidecar_and_flags(self):
+        for name in self.overlays:
+            sts, spec, leapd, engine = self.pod(name)
+            self.assertEqual(leapd.get("restartPolicy"), "Always", name)
+            self.assertEqual(leapd["command"], ["/usr/local/bin/leapd"])
+            for arg in leapd["args"]:
+                m = re.fullmatch(r"--(\w+)=.*", arg)
+                self.assertTrue(m, arg)
+                self.assertIn(m.group(1), self.leapd_flags,
+                              "%s: leapd has no flag %s" % (name, arg))
+            self.assertNotEqual(leapd["image"], "leapd",
+                                name + ": the overlay sets the image")
+
+    def test_shared_volume(self):
+        for name in self.overlays:
+            sts, spec, leapd, engine = self.pod(name)
+            volumes = {v["name"]: v for v in spec["volumes"]}
+            socket = [a for a in flag_values(leapd["args"], "listen")
+                      if a.startswith("unix://")]
+            self.assertEqual(len(socket), 1, name)
+            path = socket[0][len("unix://"):]
+            mounts = [m for m in leapd["volumeMounts"]
+                      if path.startswith(m["mountPath"].rstrip("/") + "/")]
+            self.assertEqual(len(mounts), 1, name)
+            shared = volumes[mounts[0]["name"]]
+            self.assertEqual(shared["emptyDir"]["medium"], "Memory")
+            self.assertIn("sizeLimit", shared["emptyDir"])
+            engine_mounts = [m for m in engine["volumeMounts"]
+                             if m["name"] == shared["name"]]
+            self.assertEqual(len(engine_mounts), 1, name)
+            self.assertEqual(engine_mounts[0]["mountPath"],
+                             mounts[0]["mountPath"])
+            env = {e["name"]: e.get("value") for e in engine["env"]}
+            self.assertEqual(env["LEAP_ENDPOINT"], socket[0])
+
+    def test_probes_target_the_health_service_on_the_listen_port(self):
+        for name in self.overlays:
+            sts, spec, leapd, engine = self.pod(name)
+            tcp = [a for a in flag_values(leapd["args"], "listen")
+                   if not a.startswith("unix:")]
+            self.assertEqual(len(tcp), 1, name)
+            port = int(tcp[0].rsplit(":", 1)[1])
+            self.assertNotEqual(port, 0)
+            self.assertIn(port, [p["containerPort"] for p in leapd["ports"]])
+            for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+                p = leapd[probe]
+                self.assertEqual(set(p) & {"grpc", "httpGet", "tcpSocket",
+                                           "exec"}, {"grpc"}, probe)
+                self.assertEqual(p["grpc"]["port"], port, (name, probe))
+                # "" (or none) = the server's overall health, which leapd
+                # sets SERVING when ready and NOT_SERVING when draining.
+                self.assertEqual(p["grpc"].get("service", ""), "")
+            self.assertGreaterEqual(
+                leapd["startupProbe"]["periodSeconds"] *
+                leapd["startupProbe"]["failureThreshold"], 60)
+
+    def test_pvc_mounted_at_data_dir(self):
+        for name in self.overlays:
+            sts, spec, leapd, engine = self.pod(name)
+            data_dir = flag_values(leapd["args"], "data_dir")
+            self.assertEqual(len(data_dir), 1)
+            claims = {t["metadata"]["name"]: t
+                      for t in sts["spec"]["volumeClaimTemplates"]}
+            mount = [m for m in leapd["volumeMounts"]
+                     if m["mountPath"].rstrip("/") == data_dir[0].rstrip("/")]
+            self.assertEqual(len(mount), 1, name)
+            self.assertIn(mount[0]["name"], claims)
+            self.assertNotIn(mount[0]["name"],
+                             {v["name"] for v in spec["volumes"]})
+            claim = claims[mount[0]["name"]]
+            self.assertEqual(claim["spec"]["accessModes"], ["ReadWriteOnce"])
+            self.assertGreaterEqual(
+                parse_quantity(claim["spec"]["resources"]["requests"]
+                               ["storage"]), 1 << 30)
+
+    def test_admin_token_secret_mounted_and_passed(self):
+        for name in self.overlays:
+            sts, spec, leapd, engine = self.pod(name)
+            token_file = flag_values(leapd["args"], "admin_token_file")
+            self.assertEqual(len(token_file), 1, name)
+            d, _, fname = token_file[0].rpartition("/")
+            mounts = [m for m in leapd["volumeMounts"]
+                      if m["mountPath"].rstrip("/") == d]
+            self.assertEqual(len(mounts), 1, name)
+            self.assertTrue(mounts[0].get("readOnly"))
+            vol = [v for v in spec["volumes"]
+                   if v["name"] == mounts[0]["name"]][0]
+            secret = vol["secret"]
+            self.assertEqual(secret["secretName"], "leap-admin-token")
+            paths = {i["path"]: i["key"] for i in secret["items"]}
+            self.assertEqual(paths.get(fname), "token")
+            self.assertEqual(secret["defaultMode"] & 0o007, 0)
+            # Not given to the engine.
+            self.assertNotIn(mounts[0]["name"],
+                             [m["name"] for m in engine["volumeMounts"]])
+
+    def test_security_context(self):
+        for name in self.overlays:
+            sts, spec, leapd, engine = self.pod(name)
+            pod_sc = spec["securityContext"]
+            self.assertTrue(pod_sc["runAsNonRoot"])
+            self.assertEqual(pod_sc["runAsUser"], self.image_uid)
+            self.assertEqual(pod_sc["seccompProfile"]["type"],
+                             "RuntimeDefault")
+            sc = leapd["securityContext"]
+            self.assertTrue(sc["runAsNonRoot"])
+            self.assertTrue(sc["readOnlyRootFilesystem"])
+            self.assertFalse(sc["allowPrivilegeEscalation"])
+            self.assertEqual(sc["capabilities"]["drop"], ["ALL"])
+            self.assertFalse(sc.get("privileged", False))
+            self.assertFalse(engine["securityContext"][
+                "allowPrivilegeEscalation"])
+
+    def test_resources_from_measured_figures(self):
+        for name in self.overlays:
+            sts, spec, leapd, engine = self.pod(name)
+            res = leapd["resources"]
+            limit = parse_quantity(res["limits"]["memory"])
+            self.assertEqual(parse_quantity(res["requests"]["memory"]), limit)
+            cache = int(flag_values(leapd["args"], "feature_cache_bytes")[0])
+            # The cache, the measured peak with two d = 4096 readouts, and
+            # at least 128 MiB of headroom.
+            self.assertGreaterEqual(limit - cache,
+                                    MEASURED_PEAK_BYTES + 128 * MIB,
+                                    name)
+            self.assertLessEqual(limit - cache, MEASURED_PEAK_BYTES * 2)
+            self.assertIn("cpu", res["requests"])
+
+    def test_prometheus_annotations(self):
+        for name in self.overlays:
+            sts, spec, leapd, engine = self.pod(name)
+            ann = sts["spec"]["template"]["metadata"]["annotations"]
+            self.assertEqual(ann["prometheus.io/scrape"], "true")
+            metrics = flag_values(leapd["args"], "metrics_listen")[0]
+            self.assertEqual(ann["prometheus.io/port"],
+                             metrics.rsplit(":", 1)[1])
+            self.assertEqual(ann["prometheus.io/path"], "/metrics")
+            port = [p for p in leapd["ports"]
+                    if p["containerPort"] == int(ann["prometheus.io/port"])]
+            self.assertEqual([p["name"] for p in port], ["metrics"])
+
+    def test_routes(self):
+        for name, d in self.overlays.items():
+            sts, spec, leapd, engine = self.pod(name)
+            env = {e["name"]: e.get("value") for e in engine["env"]}
+            line = env["LEAP_PRODUCT_LINE"]
+            self.assertEqual(line, name)
+            files = {}
+            for f in ("routes.json", "routes-ab.json"):
+                with open(os.path.join(d, f)) as fh:
+                    files[f] = json.load(fh)
+            steady = {r["product_line"]: r for r in
+                      files["routes.json"]["routes"]}
+            self.assertIn(line, steady)
+            ab = [r for r in files["routes-ab.json"]["routes"]
+                  if r["product_line"] == line]
+            self.assertEqual(len(ab), 1)
+            serving = [a for a in ab[0]["arms"] if not a.get("shadow")]
+            self.assertGreaterEqual(len(serving), 2)
+            self.assertAlmostEqual(sum(a["percent"] for a in serving), 100)
+            self.assertGreaterEqual(len({a["readout"] for a in serving}), 2)
+            # The ConfigMap carries both, mounted in leapd.
+            cms = self.objects(name, "ConfigMap")
+            self.assertEqual(len(cms), 1)
+            self.assertEqual(json.loads(cms[0]["data"]["routes-ab.json"]),
+                             files["routes-ab.json"])
+            vol = [v for v in spec["volumes"] if "configMap" in v]
+            self.assertEqual(vol[0]["configMap"]["name"],
+                             cms[0]["metadata"]["name"])
+            self.assertIn(vol[0]["name"],
+                          [m["name"] for m in leapd["volumeMounts"]])
+
+    def test_selectors_do_not_overlap(self):
+        selectors = {}
+        for name in self.overlays:
+            sts, *_ = self.pod(name)
+            selectors[name] = sts["spec"]["selector"]["matchLabels"]
+            self.assertEqual(sts["metadata"]["namespace"], "leap")
+            svc = self.objects(name, "Service")[0]
+            self.assertEqual(svc["spec"]["selector"], selectors[name])
+            self.assertEqual(sts["spec"]["serviceName"],
+                             svc["metadata"]["name"])
+            np = self.objects(name, "NetworkPolicy")[0]
+            self.assertEqual(np["spec"]["podSelector"]["matchLabels"],
+                             selectors[name])
+        names = list(selectors)
+        for i, a in enumerate(names):
+            for b in names[i + 1:]:
+                sa, sb = selectors[a], selectors[b]
+                self.assertTrue(any(k in sb and sb[k] != v
+                                    for k, v in sa.items()), (a, b))
+
+
+class PrometheusTest(unittest.TestCase):
+
+    @classmethod
+    def setUpClass(cls):
+        d = os.path.join(ARGS.source_dir, "deploy", "prometheus")
+        with open(os.path.join(d, "scrape-config.yaml")) as f:
+            cls.scrape = yaml.safe_load(f)
+        with open(os.path.join(d, "alerts.yaml")) as f:
+            cls.alerts = yaml.safe_load(f)
+
+    def test_scrape_job_matches_the_manifests(self):
+        jobs = self.scrape["scrape_configs"]
+        self.assertEqual(len(jobs), 1)
+        relabel = jobs[0]["relabel_configs"]
+        keep = {tuple(r["source_labels"]): r["regex"] for r in relabel
+                if r.get("action") == "keep"}
+        self.assertEqual(keep[(
+            "__meta_kubernetes_pod_annotation_prometheus_io_scrape",)], "true")
+        self.assertEqual(keep[(
+            "__meta_kubernetes_pod_container_port_name",)], "metrics")
+        self.assertEqual(jobs[0]["job_name"], "leap")
+
+    def test_alerts_use_metrics_leapd_serves(self):
+        tmp = tempfile.mkdtemp(prefix="leap_deploy_metrics_")
+        token = os.path.join(tmp, "token")
+        with open(token, "w") as f:
+            f.write("deploy-test-token\n")
+        proc = subprocess.Popen(
+            [ARGS.leapd, "--listen=127.0.0.1:0",
+             "--metrics_listen=127.0.0.1:0", "--data_dir=" + tmp + "/data",
+             "--admin_token_file=" + token],
+            stdout=subprocess.PIPE, text=True)
+        try:
+            address = metrics = None
+            for line in proc.stdout:
+                if line.startswith("listening on "):
+                    address = line.split()[2]
+                if line.startswith("metrics on "):
+                    metrics = line.split()[2]
+                if line.startswith("leapd ") and "ready" in line:
+                    break
+            self.assertIsNotNone(metrics)
+            r = subprocess.run([ARGS.leapctl, "readouts", "create", "r",
+                                "--cold-start", "--dim", "8", "--lambda", "1",
+                                "--server", address, "--token-file", token],
+                               capture_output=True, text=True)
+            self.assertEqual(r.returncode, 0, r.stderr)
+            # A refused call, so leap_request_errors_total has a series.
+            r = subprocess.run([ARGS.leapctl, "readouts", "list",
+                                "--server", address], capture_output=True,
+                               text=True)
+            self.assertIn("UNAUTHENTICATED", r.stderr)
+            with urllib.request.urlopen(metrics, timeout=30) as resp:
+                text = resp.read().decode()
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.stdout.close()
+            self.assertEqual(proc.wait(timeout=60), 0)
+            shutil.rmtree(tmp, ignore_errors=True)
+        served = set(re.findall(r"^# TYPE (\w+) ", text, re.M))
+        with open(os.path.join(ARGS.source_dir, "deploy",
+                               "RUNBOOK.md")) as f:
+            runbook = f.read()
+        rules = self.alerts["groups"][0]["rules"]
+        self.assertGreaterEqual(len(rules), 10)
+        for rule in rules:
+            for metric in re.findall(r"\b(leap_\w+)", rule["expr"]):
+                base = re.sub(r"_(bucket|sum|count)$", "", metric)
+                self.assertIn(base, served, rule["alert"])
+                self.assertIn("`%s" % base, runbook, rule["alert"])
+            self.assertIn("`%s`" % rule["alert"], runbook)
+            self.assertIn(rule["labels"]["severity"],
+                          ("critical", "warning", "info"))
+
+
+def main():
+    global ARGS
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--leapd", required=True)
+    parser.add_argument("--leapctl", required=True)
+    parser.add_argument("--source-dir", required=True)
+    parser.add_argument("--kubectl", default=shutil.which("kubectl"))
+    ARGS, rest = parser.parse_known_args()
+    if ARGS.kubectl is None:
+        sys.exit("deploy_test: no kubectl on PATH (scripts/install-deps "
+                 "installs Debian's kubernetes-client)")
+    ARGS.source_dir = os.path.abspath(ARGS.source_dir)
+    result = unittest.main(argv=[sys.argv[0]] + rest, exit=False, verbosity=2)
+    sys.exit(0 if result.result.wasSuccessful() else 1)
+
+
+if __name__ == "__main__":
+    main()

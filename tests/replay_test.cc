@@ -1,0 +1,658 @@
+// `leapctl replay`: the metrics and the engine model's arithmetic on
+// hand-built traces (expected values computed by hand in the comments), the
+// waiting-cap bound of the scheduler on an overloaded replay, the three
+// trace parsers with malformed input, the learned-predictor copula, and the
+// LEAP path through a real leapd: a readout that predicts exactly gives the
+// oracle's decode order, and a small replay end to end through the CLI.
+#include "tools/leapctl/replay.h"
+
+#include <unistd.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+#include "sidecar/readout/artifact.h"
+#include "sidecar/readout/stats.h"
+#include "tests/support/process.h"
+#include "tools/leapctl/cli.h"
+#include "tools/leapctl/replay_leap.h"
+#include "tools/leapctl/replay_sim.h"
+#include "tools/leapctl/replay_trace.h"
+
+namespace leap::leapctl::replay {
+namespace {
+
+// ---- metrics ----------------------------------------------------------------
+
+TEST(ReplayMetricsTest, PercentileInterpolatesBetweenOrderStatistics) {
+  const std::vector<double> x = {10, 1, 9, 2, 8, 3, 7, 4, 6, 5};
+  // Sorted 1..10; rank = p/100 * 9.
+  EXPECT_DOUBLE_EQ(Percentile(x, 0), 1);
+  EXPECT_DOUBLE_EQ(Percentile(x, 50), 5.5);   // rank 4.5: 5 + 0.5
+  EXPECT_DOUBLE_EQ(Percentile(x, 90), 9.1);   // rank 8.1: 9 + 0.1
+  EXPECT_DOUBLE_EQ(Percentile(x, 95), 9.55);  // rank 8.55: 9 + 0.55
+  EXPECT_DOUBLE_EQ(Percentile(x, 100), 10);
+  EXPECT_DOUBLE_EQ(Percentile({7}, 99), 7);
+  EXPECT_TRUE(std::isnan(Percentile({}, 50)));
+}
+
+RequestResult Result(int64_t id, double arrival, double first, double done,
+                     int64_t out, double predicted, int segment = 0) {
+  RequestResult r;
+  r.id = id;
+  r.arrival_s = arrival;
+  r.first_token_s = first;
+  r.completion_s = done;
+  r.output_tokens = out;
+  r.predicted_tokens = predicted;
+  r.segment = segment;
+  return r;
+}
+
+TEST(ReplayMetricsTest, HandBuiltResults) {
+  const double nan = std::nan("");
+  const std::vector<RequestResult> rs = {
+      Result(0, 0, 1, 5, 5, 4),         // latency 5, PTL 1
+      Result(1, 1, 2, 7, 2, 3),         // latency 6, PTL 3
+      Result(2, 2, 4, 10, 2000, 1000),  // latency 8, PTL 0.004, long
+      Result(3, 3, 4, 4, 1, nan, 1),    // latency 1, PTL 1, no prediction
+  };
+  const Metrics m = ComputeMetrics(rs);
+  EXPECT_EQ(m.n, 4);
+  EXPECT_DOUBLE_EQ(m.mean_ptl, (1 + 3 + 0.004 + 1) / 4.0);
+  EXPECT_DOUBLE_EQ(m.mean_latency, 5);
+  // Latencies sorted 1, 5, 6, 8; rank = p/100 * 3.
+  EXPECT_DOUBLE_EQ(m.p90_latency, 7.4);   // rank 2.7: 6 + 0.7 * 2
+  EXPECT_DOUBLE_EQ(m.p95_latency, 7.7);   // rank 2.85
+  EXPECT_DOUBLE_EQ(m.p99_latency, 7.94);  // rank 2.97
+  EXPECT_DOUBLE_EQ(m.mean_ttft, (1 + 1 + 2 + 1) / 4.0);
+  // 2008 output tokens from the first arrival (0) to the last completion (10).
+  EXPECT_DOUBLE_EQ(m.throughput, 200.8);
+  ASSERT_TRUE(m.long_p95_latency.has_value());
+  EXPECT_DOUBLE_EQ(*m.long_p95_latency, 8);
+  EXPECT_EQ(m.n_long, 1);
+  // Predictions 4, 3, 1000 rank like the lengths 5, 2, 2000.
+  EXPECT_DOUBLE_EQ(m.spearman, 1.0);
+
+  const Metrics late =
+      ComputeMetrics(rs, [](const RequestResult& r) { return r.segment == 1; });
+  EXPECT_EQ(late.n, 1);
+  EXPECT_DOUBLE_EQ(late.mean_ptl, 1);
+  EXPECT_FALSE(late.long_p95_latency.has_value());
+  EXPECT_TRUE(std::isnan(late.spearman));
+}
+
+// ---- the engine model
+// ---------------------------------------------------------
+
+SimOptions OneSlot() {
+  SimOptions o;
+  o.engine.resident = 3;
+  o.engine.slots = 1;
+  o.engine.step_base_ms = 1000;
+  o.engine.step_per_seq_ms = 0;
+  o.engine.prefill_per_token_ms = 0;
+  o.scheduler.slots = 1;
+  o.record_order = true;
+  return o;
+}
+
+std::vector<SimRequest> ThreeAtZero() {
+  // A (id 0) 5 tokens, B 2, C 3: all arrive at 0 with empty prompts.
+  return {{0, 0, 0, 5, 0}, {1, 0, 0, 2, 0}, {2, 0, 0, 3, 0}};
+}
+
+TEST(ReplaySimTest, FcfsAndOracleOnAHandBuiltTrace) {
+  // Step 1 [0, 1] prefills all three (first tokens at 1); each later step
+  // takes 1 s and decodes one request; a request of L tokens needs L - 1.
+  // FCFS: A in steps 2-5 (done 5), B step 6 (6), C steps 7-8 (8).
+  SimOptions fcfs = OneSlot();
+  fcfs.scheduler.waiting_cap = 0;
+  fcfs.scheduler.unpredicted = shim::UnpredictedPolicy::kFixed;
+  NoPredictor none;
+  absl::StatusOr<SimResult> f = Simulate(ThreeAtZero(), fcfs, none);
+  ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_DOUBLE_EQ(f->requests[0].completion_s, 5);
+  EXPECT_DOUBLE_EQ(f->requests[1].completion_s, 6);
+  EXPECT_DOUBLE_EQ(f->requests[2].completion_s, 8);
+  for (const RequestResult& r : f->requests)
+    EXPECT_DOUBLE_EQ(r.first_token_s, 1);
+  // PTL 5/5, 6/2, 8/3.
+  EXPECT_NEAR(ComputeMetrics(f->requests).mean_ptl, (1 + 3 + 8.0 / 3) / 3,
+              1e-12);
+
+  // Oracle: B (remaining 2) in step 2 (done 2), C in steps 3-4 (4), A 5-8.
+  TablePredictor oracle({5, 2, 3}, 0, false, 0);
+  absl::StatusOr<SimResult> o = Simulate(ThreeAtZero(), OneSlot(), oracle);
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_DOUBLE_EQ(o->requests[0].completion_s, 8);
+  EXPECT_DOUBLE_EQ(o->requests[1].completion_s, 2);
+  EXPECT_DOUBLE_EQ(o->requests[2].completion_s, 4);
+  EXPECT_NEAR(ComputeMetrics(o->requests).mean_ptl, (8.0 / 5 + 1 + 4.0 / 3) / 3,
+              1e-12);
+  const std::vector<std::vector<int64_t>> order = {{},  {1}, {2}, {2},
+                                                   {0}, {0}, {0}, {0}};
+  EXPECT_EQ(o->decode_order, order);
+  EXPECT_EQ(o->late_predictions, 0);
+
+  // Capacity: 3 requests in 8 s under FCFS.
+  absl::StatusOr<double> cap = MeasureCapacity(ThreeAtZero(), OneSlot().engine);
+  ASSERT_TRUE(cap.ok());
+  EXPECT_DOUBLE_EQ(*cap, 3.0 / 8);
+}
+
+TEST(ReplaySimTest, StepTimeModelArithmetic) {
+  // base 10 ms, 5 ms per decoded request, 0.5 ms per prompt token.
+  SimOptions o;
+  o.engine.resident = 4;
+  o.engine.slots = 2;
+  o.engine.step_base_ms = 10;
+  o.engine.step_per_seq_ms = 5;
+  o.engine.prefill_per_token_ms = 0.5;
+  o.scheduler.slots = 2;
+  // R0: t=0, prompt 100, 3 tokens. R1: t=0.07, prompt 20, 2 tokens.
+  const std::vector<SimRequest> reqs = {{0, 0, 100, 3, 0}, {1, 0.07, 20, 2, 0}};
+  NoPredictor none;
+  absl::StatusOr<SimResult> r = Simulate(reqs, o, none);
+  ASSERT_TRUE(r.ok()) << r.status();
+  // Step 1 [0, 0.060]: prefill R0 (10 + 50 ms).
+  EXPECT_NEAR(r->requests[0].first_token_s, 0.060, 1e-12);
+  // Step 2 [0.060, 0.075]: decode R0 (10 + 5). Step 3 [0.075, 0.100]:
+  // decode R0 and prefill R1, arrived at 0.07 (10 + 5 + 10): R0 done.
+  EXPECT_NEAR(r->requests[0].completion_s, 0.100, 1e-12);
+  EXPECT_NEAR(r->requests[1].first_token_s, 0.100, 1e-12);
+  // Step 4 [0.100, 0.115]: decode R1, done.
+  EXPECT_NEAR(r->requests[1].completion_s, 0.115, 1e-12);
+  EXPECT_EQ(r->steps, 4);
+  // A learned predictor's GPU cost lands on the prefill step: +2 ms each.
+  TablePredictor gpu({3, 2}, 0, true, 2.0);
+  absl::StatusOr<SimResult> g = Simulate(reqs, o, gpu);
+  ASSERT_TRUE(g.ok());
+  EXPECT_NEAR(g->requests[0].first_token_s, 0.062, 1e-12);
+  EXPECT_NEAR(g->requests[1].completion_s, 0.119, 1e-12);
+}
+
+TEST(ReplaySimTest, MaxPrefillTokensSplitsAdmission) {
+  SimOptions o = OneSlot();
+  o.engine.max_prefill_tokens = 100;
+  o.engine.prefill_per_token_ms = 1;
+  // Two prompts of 60 tokens: one prefill per step (60 ms each); a prompt
+  // over the limit still goes alone (150 ms).
+  const std::vector<SimRequest> reqs = {
+      {0, 0, 60, 1, 0}, {1, 0, 60, 1, 0}, {2, 0, 150, 1, 0}};
+  NoPredictor none;
+  absl::StatusOr<SimResult> r = Simulate(reqs, o, none);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_NEAR(r->requests[0].completion_s, 1.060, 1e-12);
+  EXPECT_NEAR(r->requests[1].completion_s, 2.120, 1e-12);
+  EXPECT_NEAR(r->requests[2].completion_s, 3.270, 1e-12);
+}
+
+// An overloaded replay: many requests, few slots, continuous arrivals.
+std::vector<SimRequest> Overloaded(int n, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::lognormal_distribution<double> len(std::log(40), 1.0);
+  std::vector<SimRequest> reqs;
+  for (int i = 0; i < n; ++i) {
+    const int64_t l = std::clamp<int64_t>(std::llround(len(rng)), 2, 2000);
+    reqs.push_back({i, 0.004 * i, 50, l, 0});
+  }
+  reqs[3].output_tokens = 2000;  // one very long request early on
+  return reqs;
+}
+
+SimOptions Small(int cap) {
+  SimOptions o;
+  o.engine.resident = 24;
+  o.engine.slots = 4;
+  o.engine.step_base_ms = 10;
+  o.engine.step_per_seq_ms = 0;
+  o.engine.prefill_per_token_ms = 0.01;
+  o.scheduler.slots = 4;
+  o.scheduler.waiting_cap = cap;
+  return o;
+}
+
+std::vector<double> Lengths(const std::vector<SimRequest>& reqs) {
+  std::vector<double> v;
+  for (const SimRequest& r : reqs)
+    v.push_back(static_cast<double>(r.output_tokens));
+  return v;
+}
+
+TEST(ReplaySimTest, WaitingCapBoundsEveryWait) {
+  const std::vector<SimRequest> reqs = Overloaded(1500, 5);
+  const int cap = 20;
+  // The scheduler's proven bound: cap + floor((live - 1) / slots), with
+  // live at most the largest number of requests it held.
+  for (const bool learned : {false, true}) {
+    std::vector<double> pred = Lengths(reqs);
+    if (learned) {
+      std::vector<int64_t> l;
+      for (const SimRequest& r : reqs) l.push_back(r.output_tokens);
+      pred = CopulaPredictions(l, 0.3, 9);
+    }
+    TablePredictor with_cap(pred, 0, false, 0);
+    absl::StatusOr<SimResult> r = Simulate(reqs, Small(cap), with_cap);
+    ASSERT_TRUE(r.ok()) << r.status();
+    const int64_t bound = cap + (r->max_live - 1) / 4;
+    int64_t worst = 0;
+    for (const RequestResult& q : r->requests) {
+      worst = std::max(worst, q.max_wait_steps);
+      EXPECT_LE(q.max_wait_steps, bound) << "request " << q.id;
+    }
+    EXPECT_EQ(worst, r->counters.max_steps_waited);
+    EXPECT_GT(r->counters.cap_promotions, 0);
+
+    // Without the cap the long request starves far past that bound.
+    TablePredictor no_cap(pred, 0, false, 0);
+    absl::StatusOr<SimResult> u = Simulate(reqs, Small(0), no_cap);
+    ASSERT_TRUE(u.ok());
+    EXPECT_GT(u->requests[3].max_wait_steps, 10 * bound)
+        << (learned ? "learned" : "oracle");
+  }
+}
+
+TEST(ReplaySimTest, PredictionLatencyIsChargedOnTheTimeline) {
+  // Prefill of 1000 tokens at 0.1 ms = 100 ms per step; the capture point is
+  // 30/36 into it, so a prediction with latency under 100 * 6/36 = 16.7 ms
+  // is known at the next step, and a slower one is not.
+  std::vector<SimRequest> reqs = Overloaded(300, 7);
+  for (SimRequest& r : reqs) r.prompt_tokens = 1000;
+  SimOptions o = Small(20);
+  o.engine.prefill_per_token_ms = 0.1;
+  o.record_order = true;
+  const std::vector<double> truth = Lengths(reqs);
+  TablePredictor oracle(truth, 0, false, 0);
+  TablePredictor fast(truth, 0.016, false, 0);
+  TablePredictor slow(truth, 0.017, false, 0);
+  absl::StatusOr<SimResult> a = Simulate(reqs, o, oracle);
+  absl::StatusOr<SimResult> b = Simulate(reqs, o, fast);
+  absl::StatusOr<SimResult> c = Simulate(reqs, o, slow);
+  ASSERT_TRUE(a.ok() && b.ok() && c.ok());
+  EXPECT_EQ(a->decode_order, b->decode_order);
+  EXPECT_EQ(b->late_predictions, 0);
+  EXPECT_GT(c->late_predictions, 0);
+  EXPECT_NE(a->decode_order, c->decode_order);
+}
+
+// ---- learned-predictor copula and policies
+// ---------------------------------------
+
+TEST(ReplayLearnedTest, CopulaHitsTheRequestedSpearman) {
+  std::mt19937_64 rng(3);
+  std::lognormal_distribution<double> len(std::log(300), 0.9);
+  std::vector<int64_t> l;
+  std::vector<double> truth;
+  for (int i = 0; i < 6000; ++i) {
+    l.push_back(std::clamp<int64_t>(std::llround(len(rng)), 1, 2048));
+    truth.push_back(static_cast<double>(l.back()));
+  }
+  for (double rho : {0.3, 0.6, 0.9}) {
+    const std::vector<double> p = CopulaPredictions(l, rho, 11);
+    EXPECT_NEAR(readout::Spearman(p, truth), rho, 0.03) << rho;
+    // Same marginal: every prediction is one of the true lengths, and the
+    // medians agree.
+    EXPECT_NEAR(Percentile(p, 50), Percentile(truth, 50),
+                0.1 * Percentile(truth, 50));
+  }
+}
+
+TEST(ReplayPolicyTest, ParsesNamesPresetsAndLearnedSpecs) {
+  absl::StatusOr<std::vector<PolicySpec>> p =
+      ParsePolicies("fcfs, oracle,learned:rho=0.6,cost=2ms,shift_rho=0.4,ltr");
+  ASSERT_TRUE(p.ok()) << p.status();
+  ASSERT_EQ(p->size(), 4u);
+  EXPECT_EQ((*p)[2].name, "learned:rho=0.6,cost=2ms,shift_rho=0.4");
+  EXPECT_DOUBLE_EQ((*p)[2].cost_ms, 2);
+  EXPECT_DOUBLE_EQ(*(*p)[2].shift_rho, 0.4);
+  EXPECT_EQ((*p)[3].name, "ltr");
+  EXPECT_EQ((*p)[3].kind, PolicySpec::Kind::kLearned);
+  absl::StatusOr<std::vector<PolicySpec>> all = ParsePolicies("baselines");
+  ASSERT_TRUE(all.ok());
+  EXPECT_EQ(all->size(), LearnedPresets().size());
+  EXPECT_FALSE(ParsePolicies("fcfs,fifo").ok());
+  EXPECT_FALSE(ParsePolicies("fcfs,fcfs").ok());
+  EXPECT_FALSE(ParsePolicies("learned:cost=2ms").ok());
+  EXPECT_FALSE(ParsePolicies("learned:rho=1.5").ok());
+  EXPECT_FALSE(ParsePolicies("learned:rho=0.5,speed=3").ok());
+}
+
+// ---- trace parsers
+// ------------------------------------------------------------
+
+TEST(ReplayTraceTest, Azure) {
+  absl::StatusOr<Trace> t = ParseTrace(
+      "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+      "2023-11-16 18:15:50.9951690,396,109\r\n"
+      "2023-11-16 18:15:46.6805900,374,44\n"
+      "\n"
+      "2023-11-16 18:16:46.6805900,10,0\n",
+      TraceFormat::kAuto, "a.csv");
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_EQ(t->format, TraceFormat::kAzure);
+  EXPECT_TRUE(t->has_timestamps);
+  ASSERT_EQ(t->rows.size(), 3u);
+  // Sorted by time, relative to the first.
+  EXPECT_EQ(t->rows[0].prompt_tokens, 374);
+  EXPECT_EQ(t->rows[0].output_tokens, 44);
+  EXPECT_DOUBLE_EQ(t->rows[0].arrival_s, 0);
+  EXPECT_NEAR(t->rows[1].arrival_s, 4.314579, 1e-6);
+  EXPECT_NEAR(t->rows[2].arrival_s, 60, 1e-6);
+  EXPECT_EQ(t->rows[2].output_tokens, 0);
+  EXPECT_NEAR(TraceRate(*t), 2 / 60.0, 1e-9);
+  // Other column orders, extra columns, numeric timestamps, max_rows.
+  absl::StatusOr<Trace> u = ParseTrace(
+      "GeneratedTokens,x,ContextTokens,TIMESTAMP\n5,a,6,1.5\n7,b,8,3\n9,c,1,"
+      "4\n",
+      TraceFormat::kAzure, "b.csv", 2);
+  ASSERT_TRUE(u.ok()) << u.status();
+  ASSERT_EQ(u->rows.size(), 2u);
+  EXPECT_EQ(u->rows[1].output_tokens, 7);
+  EXPECT_EQ(u->rows[1].prompt_tokens, 8);
+  EXPECT_DOUBLE_EQ(u->rows[1].arrival_s, 1.5);
+}
+
+void ExpectError(absl::string_view text, TraceFormat format,
+                 absl::string_view want) {
+  absl::StatusOr<Trace> t = ParseTrace(text, format, "t.x");
+  ASSERT_FALSE(t.ok()) << "accepted: " << text;
+  EXPECT_EQ(t.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(t.status().message().find(want), absl::string_view::npos)
+      << t.status().message() << " (wanted '" << want << "')";
+}
+
+TEST(ReplayTraceTest, AzureMalformed) {
+  const TraceFormat az = TraceFormat::kAzure;
+  ExpectError("", az, "t.x: empty file");
+  ExpectError("TIMESTAMP,ContextTokens\n1,2\n", az, "missing GeneratedTokens");
+  ExpectError("TIMESTAMP,ContextTokens,GeneratedTokens\n", az, "no data rows");
+  ExpectError("TIMESTAMP,ContextTokens,GeneratedTokens\n1,2\n", az,
+              "t.x:2: expected 3 comma-separated fields");
+  ExpectError("TIMESTAMP,ContextTokens,GeneratedTokens\n1,2,3\n1,x,3\n", az,
+              "t.x:3: ContextTokens must be a non-negative integer, got 'x'");
+  ExpectError("TIMESTAMP,ContextTokens,GeneratedTokens\n1,2,-3\n", az,
+              "t.x:2: GeneratedTokens must be a non-negative integer");
+  ExpectError("TIMESTAMP,ContextTokens,GeneratedTokens\n1,2,3.5\n", az,
+              "GeneratedTokens must be a non-negative integer");
+  ExpectError(
+      "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-13-16 18:15:46.1,1,2\n",
+      az, "t.x:2: TIMESTAMP must be");
+  ExpectError(
+      "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-02-30 18:15:46,1,2\n", az,
+      "TIMESTAMP must be");
+  ExpectError("TIMESTAMP,ContextTokens,GeneratedTokens\nyesterday,1,2\n", az,
+              "TIMESTAMP must be");
+}
+
+TEST(ReplayTraceTest, Lengths) {
+  absl::StatusOr<Trace> t = ParseTrace(
+      "num_prefill_tokens,num_decode_tokens,num_total_tokens,pd_ratio\n"
+      "74,918,992,0.08\n290,905,1195,0.32\n",
+      TraceFormat::kAuto, "l.csv");
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_EQ(t->format, TraceFormat::kLengths);
+  EXPECT_FALSE(t->has_timestamps);
+  ASSERT_EQ(t->rows.size(), 2u);
+  EXPECT_EQ(t->rows[1].prompt_tokens, 290);
+  EXPECT_EQ(t->rows[1].output_tokens, 905);
+  const TraceFormat lf = TraceFormat::kLengths;
+  ExpectError("num_prefill_tokens,total\n1,2\n", lf,
+              "missing num_decode_tokens");
+  ExpectError(
+      "num_prefill_tokens,num_decode_tokens\n1,2\n3,\n", lf,
+      "t.x:3: num_decode_tokens must be a non-negative integer, got ''");
+  ExpectError("num_prefill_tokens,num_decode_tokens\n1,2,3\n", lf,
+              "t.x:2: expected 2 comma-separated fields");
+  ExpectError("hello,world\n1,2\n", TraceFormat::kAuto,
+              "cannot tell the trace format");
+}
+
+TEST(ReplayTraceTest, Jsonl) {
+  absl::StatusOr<Trace> t = ParseTrace(
+      "{\"timestamp\": 2500, \"input_length\": 10, \"output_length\": 20}\n"
+      "\n"
+      "{\"timestamp\": 1000.5, \"input_length\": 30, \"output_length\": 40, "
+      "\"extra\": \"x\"}\n",
+      TraceFormat::kAuto, "j.jsonl");
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_EQ(t->format, TraceFormat::kJsonl);
+  ASSERT_EQ(t->rows.size(), 2u);
+  EXPECT_EQ(t->rows[0].prompt_tokens, 30);
+  EXPECT_DOUBLE_EQ(t->rows[1].arrival_s, 1.4995);
+  const TraceFormat jf = TraceFormat::kJsonl;
+  ExpectError(
+      "{\"timestamp\": 1, \"input_length\": 1, \"output_length\": 2}\n"
+      "{\"timestamp\": 2, \"input_length\": 1,\n",
+      jf, "t.x:2: not a JSON object");
+  ExpectError("[1, 2, 3]\n", jf, "t.x:1: not a JSON object");
+  ExpectError("{\"input_length\": 1, \"output_length\": 2}\n", jf,
+              "t.x:1: missing or non-numeric \"timestamp\"");
+  ExpectError(
+      "{\"timestamp\": 1, \"input_length\": 1, \"output_length\": -2}\n", jf,
+      "\"output_length\" or not a non-negative integer");
+  ExpectError(
+      "{\"timestamp\": 1, \"input_length\": \"1\", \"output_length\": 2}\n", jf,
+      "\"input_length\" or not a non-negative integer");
+  ExpectError(
+      "{\"timestamp\": 1, \"input_length\": 1.5, \"output_length\": 2}\n", jf,
+      "\"input_length\" or not a non-negative integer");
+  ExpectError("\n\n", jf, "no JSON lines");
+}
+
+TEST(ReplayTraceTest, SyntheticTraceAndPoissonArrivals) {
+  const readout::SynthDomain chat = *readout::BuiltinDomain("chat");
+  const readout::SynthDomain tr = *readout::BuiltinDomain("translation");
+  const Trace t = SyntheticTrace(4000, chat, tr, 2000, 2048, 1);
+  ASSERT_EQ(t.rows.size(), 4000u);
+  std::vector<double> a, b;
+  for (size_t i = 0; i < t.rows.size(); ++i) {
+    ASSERT_GE(t.rows[i].output_tokens, 1);
+    ASSERT_LE(t.rows[i].output_tokens, 2048);
+    (i < 2000 ? a : b).push_back(static_cast<double>(t.rows[i].output_tokens));
+  }
+  EXPECT_NEAR(Percentile(a, 50), 300, 30);
+  EXPECT_NEAR(Percentile(b, 50), 900, 90);
+  // Rates 2/s then 8/s: the mean gaps are 0.5 s and 0.125 s.
+  const std::vector<double> at = PoissonArrivals(20000, 10000, 2, 8, 3);
+  EXPECT_NEAR(at[9999] / 9999, 0.5, 0.02);
+  EXPECT_NEAR((at[19999] - at[9999]) / 10000, 0.125, 0.005);
+}
+
+// ---- LEAP through a real leapd
+// --------------------------------------------------
+
+class ReplayLeapdTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    auto p = testing::StartLeapd(LEAPD_PATH, {}, &address_);
+    ASSERT_TRUE(p.ok()) << p.status();
+    leapd_ = p->release();
+  }
+  static void TearDownTestSuite() {
+    delete leapd_;
+    leapd_ = nullptr;
+  }
+  static ServerOptions Server() {
+    ServerOptions s;
+    s.address = address_;
+    return s;
+  }
+  static std::string address_;
+  static testing::Process* leapd_;
+};
+std::string ReplayLeapdTest::address_;
+testing::Process* ReplayLeapdTest::leapd_ = nullptr;
+
+TEST_F(ReplayLeapdTest, ExactReadoutGivesTheOracleDecodeOrder) {
+  // A readout that reads sqrt(length) off feature 0: theta = [1, 0, 0, 0; 0]
+  // with identity standardization. Lengths are perfect squares, so leapd's
+  // clip(score, 1, sqrt(M))^2 is exact in floating point and equals the
+  // oracle's value; features 1-3 are noise with weight 0.
+  constexpr int64_t kDim = 4;
+  readout::ReadoutState state;
+  state.spec.dim = kDim;
+  state.spec.max_tokens = 2048;
+  state.spec.lambda = 1;
+  state.standardizer = readout::Standardizer::Identity(kDim);
+  state.theta = Eigen::VectorXd::Zero(kDim + 1);
+  state.theta[0] = 1;
+  state.version = 1;
+  absl::StatusOr<std::string> artifact = readout::SerializeArtifact(state);
+  ASSERT_TRUE(artifact.ok()) << artifact.status();
+
+  std::vector<SimRequest> reqs = Overloaded(400, 13);
+  std::mt19937_64 rng(17);
+  std::uniform_int_distribution<int> k(2, 45);
+  std::normal_distribution<float> noise;
+  std::vector<float> x(reqs.size() * kDim);
+  std::vector<double> truth;
+  for (SimRequest& r : reqs) {
+    const int root = k(rng);
+    r.output_tokens = root * root;
+    r.prompt_tokens = 1000;
+    x[r.id * kDim] = static_cast<float>(root);
+    for (int j = 1; j < kDim; ++j) x[r.id * kDim + j] = noise(rng);
+    truth.push_back(r.output_tokens);
+  }
+  // Prefill 1000 tokens at 1 ms: a prediction has 1 s * 6/36 = 167 ms of
+  // slack, far above leapd's latency, so none is late.
+  SimOptions o = Small(20);
+  o.engine.prefill_per_token_ms = 1;
+  o.record_order = true;
+
+  absl::StatusOr<std::unique_ptr<LeapArm>> arm =
+      LeapArm::Create(Server(), "exact", *artifact, /*frozen=*/true);
+  ASSERT_TRUE(arm.ok()) << arm.status();
+  LeapPredictorOptions lo;
+  lo.endpoint = address_;
+  lo.product_line = "exact";
+  lo.dim = kDim;
+  lo.features = x;
+  absl::StatusOr<std::unique_ptr<LeapPredictor>> leap =
+      LeapPredictor::Create(std::move(lo));
+  ASSERT_TRUE(leap.ok()) << leap.status();
+  absl::StatusOr<SimResult> via_leapd = Simulate(reqs, o, **leap);
+  ASSERT_TRUE(via_leapd.ok()) << via_leapd.status();
+  EXPECT_EQ((*leap)->errors(), 0) << (*leap)->first_error();
+  EXPECT_EQ((*leap)->latencies().size(), reqs.size());
+  leap->reset();
+  EXPECT_TRUE((*arm)->Remove().ok());
+
+  TablePredictor oracle(truth, 0, false, 0);
+  absl::StatusOr<SimResult> exact = Simulate(reqs, o, oracle);
+  ASSERT_TRUE(exact.ok());
+  for (const RequestResult& r : via_leapd->requests) {
+    ASSERT_EQ(r.predicted_tokens, truth[r.id]) << "request " << r.id;
+  }
+  EXPECT_EQ(via_leapd->late_predictions, 0);
+  EXPECT_EQ(via_leapd->decode_order, exact->decode_order);
+
+  // And that order is not FCFS's (the comparison can fail).
+  SimOptions f = o;
+  f.scheduler.waiting_cap = 0;
+  f.scheduler.unpredicted = shim::UnpredictedPolicy::kFixed;
+  NoPredictor none;
+  absl::StatusOr<SimResult> fcfs = Simulate(reqs, f, none);
+  ASSERT_TRUE(fcfs.ok());
+  EXPECT_NE(fcfs->decode_order, exact->decode_order);
+}
+
+std::string TempPath(const std::string& name) {
+  return absl::StrCat(::testing::TempDir(), "/replay-", getpid(), "-", name);
+}
+
+TEST_F(ReplayLeapdTest, SmallReplayThroughTheCli) {
+  const std::string json = TempPath("out.json");
+  const std::string plot = TempPath("plot.svg");
+  std::ostringstream out, err;
+  const int rc =
+      RunLeapctl({"replay",
+                  "--requests",
+                  "600",
+                  "--policies",
+                  "fcfs,oracle,leap,leap-rls,learned:rho=0.5,cost=1ms",
+                  "--sweep",
+                  "0.8,1.3",
+                  "--server",
+                  address_,
+                  "--dim",
+                  "32",
+                  "--train-rows",
+                  "800",
+                  "--slots",
+                  "16",
+                  "--resident",
+                  "96",
+                  "--json",
+                  json,
+                  "--plot",
+                  plot},
+                 out, err);
+  ASSERT_EQ(rc, 0) << err.str();
+  EXPECT_NE(out.str().find("leap-rls"), std::string::npos) << out.str();
+  EXPECT_NE(out.str().find("plot: " + plot), std::string::npos) << out.str();
+
+  std::ifstream in(json);
+  const nlohmann::json j = nlohmann::json::parse(in);
+  ASSERT_TRUE(j.is_array());
+  ASSERT_EQ(j.size(), 10u);
+  const std::vector<std::string> keys = {
+      "load",        "long_p95_latency", "mean_ptl", "mean_ttft", "p90_latency",
+      "p95_latency", "p99_latency",      "policy",   "throughput"};
+  std::map<std::pair<std::string, double>, double> ptl;
+  for (const nlohmann::json& row : j) {
+    std::vector<std::string> got;
+    for (auto it = row.begin(); it != row.end(); ++it) got.push_back(it.key());
+    EXPECT_EQ(got, keys);
+    ptl[{row["policy"], row["load"]}] = row["mean_ptl"];
+    EXPECT_GT(row["throughput"].get<double>(), 0);
+    EXPECT_LE(row["p90_latency"].get<double>(),
+              row["p99_latency"].get<double>());
+  }
+  // Overloaded, length-aware ordering beats arrival order.
+  const auto at = [&](const std::string& policy) {
+    return ptl.at(std::make_pair(policy, 1.3));
+  };
+  EXPECT_LT(at("oracle"), at("fcfs"));
+  EXPECT_LT(at("leap"), at("fcfs"));
+  EXPECT_LT(at("leap-rls"), at("fcfs"));
+
+  std::ifstream svg(plot);
+  std::string head(4, '\0');
+  svg.read(head.data(), 4);
+  EXPECT_EQ(head, "<svg");
+  // The arms are gone from leapd.
+  AdminClient admin(Server());
+  absl::StatusOr<v1::ListReadoutsResponse> list = admin.ListReadouts();
+  ASSERT_TRUE(list.ok());
+  EXPECT_EQ(list->readouts_size(), 0);
+}
+
+TEST(ReplayCliTest, UsageErrors) {
+  std::ostringstream out, err;
+  EXPECT_EQ(RunLeapctl({"replay", "--policies", "fifo"}, out, err), kExitUsage);
+  EXPECT_NE(err.str().find("unknown policy 'fifo'"), std::string::npos);
+  EXPECT_EQ(RunLeapctl({"replay", "--load", "1", "--sweep", "1,2"}, out, err),
+            kExitUsage);
+  EXPECT_EQ(RunLeapctl({"replay", "--shift-at", "1.5"}, out, err), kExitUsage);
+  EXPECT_EQ(RunLeapctl({"replay", "--plot", "x.pdf"}, out, err), kExitUsage);
+  EXPECT_EQ(RunLeapctl({"replay", "--format", "csv"}, out, err), kExitUsage);
+  // A missing trace file is a failure, not a usage error.
+  EXPECT_EQ(RunLeapctl({"replay", "--trace", "/nonexistent/t.csv", "--policies",
+                        "fcfs"},
+                       out, err),
+            kExitFailure);
+  std::ostringstream help;
+  EXPECT_EQ(RunLeapctl({"replay", "--help"}, help, err), kExitOk);
+  EXPECT_NE(help.str().find("--prefill-per-token-ms"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace leap::leapctl::replay

@@ -1,0 +1,334 @@
+#!/usr/bin/python3
+"""Walks deploy/RUNBOOK.md: every ```sh runbook block, in order, in one bash
+(set -euo pipefail), with a real leapctl and a real leapd.
+
+There is no Kubernetes cluster here: `kubectl` is tests/runbook_kubectl.py,
+which checks each cluster command against the objects the real
+`kubectl kustomize` renders from the overlay and runs the real leapd with
+the rendered leapd container's arguments (volumes mapped to directories,
+TCP ports to 127.0.0.1). Placeholders substituted:
+  - `export LEAP_SERVER=127.0.0.1:7070` -> the address the port-forward
+    stand-in wrote (the pod's leapd, port 0 at its first start),
+  - $HOME -> a temporary directory (the admin token lives under it),
+  - the working directory: a temporary one with `deploy` linked to the
+    repository's, and the .npy files the runbook trains from made with
+    `leapctl synth` (d = 64).
+Between two blocks the test also plays the engine (leapctl feed on product
+line "chat") where the runbook says traffic flows, so versions advance and
+both A/B arms have completions. Checks: each block exits 0 (the script
+stops at the first failure and names the block), chosen outputs per block,
+no command block in the runbook is left unmarked, and afterwards leapd
+refuses admin calls without the token (so the runbook's calls did carry it).
+
+Run: /usr/bin/python3 tests/runbook_test.py --leapd PATH --leapctl PATH
+         --source-dir DIR [--kubectl PATH]
+"""
+
+import argparse
+import json
+import os
+import re
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import unittest
+
+ARGS = None
+
+BLOCK_OPEN = re.compile(r"^```(\S*)(?:\s+(\S+))?\s*$")
+SERVER_EXPORT = "export LEAP_SERVER=127.0.0.1:7070"
+SYNTH_MODEL = ["--dim", "64", "--signal", "1.6", "--model-seed", "7",
+               "--domain", "chat", "--median", "300", "--log-sigma", "0.9"]
+
+
+def parse_runbook(path):
+    """Returns (blocks, unmarked): blocks as dicts {section, text, line};
+    unmarked: shell-looking fences not marked `runbook`."""
+    blocks, unmarked = [], []
+    section = ""
+    with open(path) as f:
+        lines = f.read().split("\n")
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        if line.startswith("## "):
+            section = line[3:].strip()
+        m = BLOCK_OPEN.match(line)
+        if m and m.group(1):
+            start = i
+            body = []
+            i += 1
+            while i < len(lines) and not lines[i].startswith("```"):
+                body.append(lines[i])
+                i += 1
+            lang, tag = m.group(1), m.group(2)
+            if lang in ("sh", "bash", "shell", "console"):
+                if tag == "runbook":
+                    blocks.append({"section": section,
+                                   "text": "\n".join(body),
+                                   "line": start + 1})
+                else:
+                    unmarked.append(start + 1)
+        i += 1
+    return blocks, unmarked
+
+
+def wait_exit(pid, timeout_s):
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        p = select.poll()
+        p.register(fd, select.POLLIN)
+        return bool(p.poll(timeout_s * 1000))
+    finally:
+        os.close(fd)
+
+
+class RunbookTest(unittest.TestCase):
+
+    def setUp(self):
+        self.tmp = tempfile.mkdtemp(prefix="leap_runbook_")
+        self.work = os.path.join(self.tmp, "work")
+        self.home = os.path.join(self.tmp, "home")
+        self.state = os.path.join(self.tmp, "state")
+        self.bin = os.path.join(self.tmp, "bin")
+        for d in (self.work, self.home, self.state, self.bin):
+            os.makedirs(d)
+        os.symlink(os.path.join(ARGS.source_dir, "deploy"),
+                   os.path.join(self.work, "deploy"))
+        with open(os.path.join(self.bin, "kubectl"), "w") as f:
+            f.write("#!/bin/sh\nexec /usr/bin/python3 %s \"$@\"\n" %
+                    os.path.join(ARGS.source_dir, "tests",
+                                 "runbook_kubectl.py"))
+        os.chmod(os.path.join(self.bin, "kubectl"), 0o755)
+        os.symlink(ARGS.leapctl, os.path.join(self.bin, "leapctl"))
+        self.env = dict(os.environ)
+        self.env.pop("LEAP_ADMIN_TOKEN_FILE", None)
+        self.env.update({
+            "PATH": self.bin + ":" + os.environ.get("PATH", "/usr/bin:/bin"),
+            "HOME": self.home, "RUNBOOK_STATE": self.state,
+            "REAL_KUBECTL": ARGS.kubectl, "LEAPD": ARGS.leapd,
+            "LEAPCTL": ARGS.leapctl, "KUBECONFIG": "/nonexistent"})
+
+    def tearDown(self):
+        cluster = os.path.join(self.state, "cluster.json")
+        if os.path.exists(cluster):
+            with open(cluster) as f:
+                pods = json.load(f)["pods"]
+            for pod in pods.values():
+                try:
+                    os.kill(pod["pid"], signal.SIGTERM)
+                except ProcessLookupError:
+                    continue
+                if not wait_exit(pod["pid"], 60):
+                    os.kill(pod["pid"], signal.SIGKILL)
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def leapctl(self, args, env=None):
+        return subprocess.run([ARGS.leapctl] + args, cwd=self.work,
+                              env=env or self.env, capture_output=True,
+                              text=True, timeout=120)
+
+    def synth(self, name, n, seed):
+        r = self.leapctl(["synth", "--out-features", name + "_features.npy",
+                          "--out-lengths", name + "_lengths.npy", "--n",
+                          str(n), "--seed", str(seed)] + SYNTH_MODEL)
+        self.assertEqual(r.returncode, 0, r.stderr)
+
+    def test_walk_the_runbook(self):
+        blocks, unmarked = parse_runbook(
+            os.path.join(ARGS.source_dir, "deploy", "RUNBOOK.md"))
+        self.assertEqual(unmarked, [],
+                         "shell blocks in RUNBOOK.md not marked `sh runbook`"
+                         " (every command must be one this test runs)")
+        self.assertGreaterEqual(len(blocks), 15)
+        sections = {b["section"] for b in blocks}
+        for s in ("Install", "First readout import",
+                  "Snapshot before a rollout", "Rollback",
+                  "Freeze and resume adaptation",
+                  "Start and end an A/B test", "Rotate the admin token",
+                  "Disaster recovery from an exported artifact"):
+            self.assertIn(s, sections)
+
+        # What the runbook trains from, and the engine's traffic.
+        self.synth("chat", 3000, 1)
+        self.synth("chat_heldout", 500, 2)
+        self.synth("chat_new", 3000, 3)
+        self.synth("traffic", 1200, 4)
+
+        feed = ('"$LEAPCTL" feed --features traffic_features.npy '
+                '--lengths traffic_lengths.npy --product-line chat '
+                '--server "$LEAP_SERVER" --json > {out}')
+        hooks = {
+            # After the first import and routes: the engine's traffic.
+            "deploy/k8s/overlays/chat/routes.json --server": feed.format(
+                out="hook-feed-1.json"),
+            # After the A/B routes: traffic on both arms.
+            "routes-ab.json": feed.format(out="hook-feed-ab.json"),
+        }
+        script = ["set -euo pipefail"]
+        substituted = 0
+        used_hooks = set()
+        for i, b in enumerate(blocks):
+            text = b["text"]
+            if SERVER_EXPORT in text:
+                text = text.replace(
+                    SERVER_EXPORT,
+                    'export LEAP_SERVER=$(cat "$RUNBOOK_STATE/address")')
+                substituted += 1
+            script += [f'echo "::block {i}"', text, f'echo "::end {i}"']
+            for marker, hook in hooks.items():
+                if marker in text and marker not in used_hooks:
+                    used_hooks.add(marker)
+                    script += [f'echo "::hook {i}"', hook]
+        self.assertEqual(substituted, 1, "one `%s` expected" % SERVER_EXPORT)
+        self.assertEqual(used_hooks, set(hooks))
+        with open(os.path.join(self.tmp, "runbook.sh"), "w") as f:
+            f.write("\n".join(script) + "\n")
+
+        run = subprocess.run(["bash", os.path.join(self.tmp, "runbook.sh")],
+                             cwd=self.work, env=self.env,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True, timeout=600)
+        out = {}
+        current = None
+        ended = set()
+        for line in run.stdout.split("\n"):
+            m = re.fullmatch(r"::(block|end|hook) (\d+)", line)
+            if m:
+                if m.group(1) == "end":
+                    ended.add(int(m.group(2)))
+                    current = None
+                else:
+                    current = int(m.group(2))
+                    out.setdefault(current, "")
+                continue
+            if current is not None:
+                out[current] += line + "\n"
+        failed = [i for i in range(len(blocks)) if i not in ended]
+        if run.returncode != 0 or failed:
+            i = failed[0] if failed else len(blocks) - 1
+            self.fail("runbook block %d (RUNBOOK.md line %d, section '%s') "
+                      "failed, exit %d:\n%s\n--- output:\n%s" % (
+                          i, blocks[i]["line"], blocks[i]["section"],
+                          run.returncode, blocks[i]["text"], out.get(i, "")))
+
+        def output_of(command):
+            """Output of the first block that contains `command`."""
+            for i, b in enumerate(blocks):
+                if command in b["text"]:
+                    return out[i]
+            self.fail("no runbook block runs " + command)
+
+        def outputs_of(command):
+            return [out[i] for i, b in enumerate(blocks)
+                    if command in b["text"]]
+
+        self.assertIn("secret/leap-admin-token created",
+                      output_of("create secret generic"))
+        self.assertIn("statefulset/chat-leap created",
+                      output_of("kubectl apply -k"))
+        self.assertIn("roll out complete", output_of("rollout status"))
+        self.assertIn("Forwarding from 127.0.0.1:7070 -> 7070",
+                      output_of("port-forward"))
+        # A fresh leapd has no readouts (install, and again after recovery).
+        lists = outputs_of("leapctl readouts list")
+        self.assertIn("no readouts", lists[0])
+        self.assertIn("no readouts", lists[-1])
+        first = output_of("leapctl import chat --artifact chat.leapr")
+        self.assertIn("created readout chat version 1", first)
+        self.assertIn("applied 2 route(s)", first)
+        with open(os.path.join(self.work, "hook-feed-1.json")) as f:
+            learned = json.load(f)["learned"]
+        self.assertGreater(learned, 0)
+
+        snap = output_of("leapctl snapshot create")
+        self.assertIn("snapshot of readout chat taken", snap)
+        m = re.search(r"exported readout chat version (\d+)", snap)
+        self.assertIsNotNone(m, snap)
+        snap_version = int(m.group(1))
+        self.assertGreater(snap_version, 1)  # the traffic was learned
+        # The restart kept the state (from the volume): the recovered
+        # version has every completion learned before it.
+        restarted = output_of("rollout restart")
+        self.assertIn("statefulset.apps/chat-leap restarted", restarted)
+        self.assertRegex(restarted, r"\s%d\s+\S+\s+recovered\s" % learned)
+        self.assertRegex(output_of("leapctl rollback"),
+                         r"rolled readout chat back to snapshot before-rollout"
+                         r" as version \d+")
+        self.assertIn("rollback", output_of("leapctl rollback"))
+        frozen = output_of("leapctl freeze chat")
+        self.assertIn("froze readout chat", frozen)
+        self.assertIn("frozen: yes", frozen)
+        self.assertIn("resumed readout chat", output_of("leapctl resume"))
+
+        ab = output_of("routes-ab.json")
+        self.assertIn("created readout chat-candidate version 1", ab)
+        with open(os.path.join(self.work, "ab-result.json")) as f:
+            result = json.load(f)
+        arms = {a["arm"]: a for a in result["arms"]
+                if a["product_line"] == "chat"}
+        self.assertEqual(set(arms), {"a", "b"}, result)
+        self.assertEqual(arms["a"]["readout"], "chat")
+        self.assertEqual(arms["b"]["readout"], "chat-candidate")
+        for a in arms.values():
+            self.assertGreater(a["completions"], 0, a)
+        self.assertIn("deleted readout chat-candidate",
+                      output_of("leapctl readouts delete"))
+
+        # Disaster recovery: the readout is back at the exported version
+        # and the routes are those saved.
+        backup = output_of("mkdir -p backups")
+        m = re.search(r"exported readout chat version (\d+)", backup)
+        self.assertIsNotNone(m, backup)
+        recovered = output_of("backups/routes.json --server")
+        self.assertIn("persistentvolumeclaim \"data-chat-leap-0\" deleted",
+                      output_of("delete pvc"))
+        self.assertIn("version: %s\n" % m.group(1), recovered)
+        self.assertIn("applied 2 route(s)", recovered)
+
+        # The leapd the runbook drove requires the token over TCP: the
+        # commands above carried it.
+        with open(os.path.join(self.state, "address")) as f:
+            address = f.read().strip()
+        refused = self.leapctl(["readouts", "list", "--server", address])
+        self.assertEqual(refused.returncode, 1, refused.stdout)
+        self.assertIn("UNAUTHENTICATED", refused.stderr)
+        # ...and the rotated one: the file changed, the restarted leapd
+        # accepts the new content.
+        env = dict(self.env)
+        env["LEAP_ADMIN_TOKEN_FILE"] = os.path.join(
+            self.home, ".config", "leap", "admin.token")
+        ok = self.leapctl(["route", "list", "--json", "--server", address],
+                          env=env)
+        self.assertEqual(ok.returncode, 0, ok.stderr)
+        with open(os.path.join(self.state, "calls.log")) as f:
+            calls = [json.loads(line) for line in f]
+        self.assertIn(["apply", "-f", "-"], calls)
+
+
+def main():
+    global ARGS
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--leapd", required=True)
+    parser.add_argument("--leapctl", required=True)
+    parser.add_argument("--source-dir", required=True)
+    parser.add_argument("--kubectl", default=shutil.which("kubectl"))
+    ARGS, rest = parser.parse_known_args()
+    if ARGS.kubectl is None:
+        sys.exit("runbook_test: no kubectl on PATH (scripts/install-deps "
+                 "installs Debian's kubernetes-client)")
+    ARGS.leapd = os.path.abspath(ARGS.leapd)
+    ARGS.leapctl = os.path.abspath(ARGS.leapctl)
+    ARGS.source_dir = os.path.abspath(ARGS.source_dir)
+    result = unittest.main(argv=[sys.argv[0]] + rest, exit=False, verbosity=2)
+    sys.exit(0 if result.result.wasSuccessful() else 1)
+
+
+if __name__ == "__main__":
+    main()
