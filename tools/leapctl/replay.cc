@@ -454,7 +454,8 @@ absl::StatusOr<ReplayReport> RunReplay(const ReplayOptions& o,
         ASSIGN_OR_RETURN(path, FindLeapd());
       }
       ASSIGN_OR_RETURN(leapd,
-                       LeapdProcess::Start(path, absl::Seconds(o.timeout_s)));
+                       LeapdProcess::Start(path, absl::Seconds(o.timeout_s),
+                                           o.leapd_data_dir));
       server.address = leapd->address();
       say(absl::StrCat("started ", path, " on ", server.address));
     } else {

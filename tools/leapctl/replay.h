@@ -119,6 +119,8 @@ struct ReplayOptions {
   // running one at `server`.
   std::string leapd_path;
   std::string server;
+  // Embedded RocksDB directory for the leapd this run starts ("" = memory).
+  std::string leapd_data_dir;
   // Seconds to wait for leapd to start and for each admin answer.
   // Default: 30
   double timeout_s = 30;

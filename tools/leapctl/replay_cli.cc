@@ -171,6 +171,9 @@ int ReplayCommand(const std::vector<std::string>& args, std::ostream& out,
   flags.String("leapd", &o.leapd_path, "PATH",
                "leapd binary to start. Default: next to leapctl (build tree: "
                "../../sidecar/leapd), else PATH.");
+  flags.String("leapd-data-dir", &o.leapd_data_dir, "DIR",
+               "Start leapd on an embedded RocksDB in DIR (its feedback log, "
+               "checkpoints and versions stay there). Default: in memory.");
   flags.String(
       "server", &o.server, "ADDR",
       "Use this running leapd (host:port or unix:///path) instead of "

@@ -32,7 +32,8 @@ constexpr size_t kKeptLines = 40;
 // -----------------------------------------------------------
 
 absl::StatusOr<std::unique_ptr<LeapdProcess>> LeapdProcess::Start(
-    const std::string& path, absl::Duration timeout) {
+    const std::string& path, absl::Duration timeout,
+    const std::string& data_dir) {
   if (access(path.c_str(), X_OK) != 0) {
     return absl::NotFoundError(
         absl::StrCat("cannot run leapd at ", path, ": ", std::strerror(errno)));
@@ -41,8 +42,9 @@ absl::StatusOr<std::unique_ptr<LeapdProcess>> LeapdProcess::Start(
   if (pipe2(fds, O_CLOEXEC) != 0) {
     return absl::InternalError(absl::StrCat("pipe: ", std::strerror(errno)));
   }
-  const std::vector<std::string> argv = {path, "--listen=127.0.0.1:0",
-                                         "--metrics_listen="};
+  std::vector<std::string> argv = {path, "--listen=127.0.0.1:0",
+                                   "--metrics_listen="};
+  if (!data_dir.empty()) argv.push_back("--data_dir=" + data_dir);
   std::vector<char*> args;
   for (const std::string& a : argv)
     args.push_back(const_cast<char*>(a.c_str()));

@@ -30,15 +30,16 @@
 
 namespace leap::leapctl::replay {
 
-// leapd started as a child process: in memory (no --data_dir), gRPC on a
-// free loopback port, no metrics listener. Its stdout and stderr are kept
+// leapd started as a child process: in memory (or on an embedded RocksDB in
+// `data_dir` when given), gRPC on a free loopback port, no metrics listener. Its stdout and stderr are kept
 // (the last lines appear in error messages). Destruction sends SIGTERM and
 // waits up to 10 s for the exit, then SIGKILL. The child also gets SIGTERM
 // when this process dies (PR_SET_PDEATHSIG). Thread-compatible.
 class LeapdProcess {
  public:
   static absl::StatusOr<std::unique_ptr<LeapdProcess>> Start(
-      const std::string& path, absl::Duration timeout);
+      const std::string& path, absl::Duration timeout,
+      const std::string& data_dir = "");
   ~LeapdProcess();
   LeapdProcess(const LeapdProcess&) = delete;
   LeapdProcess& operator=(const LeapdProcess&) = delete;
