@@ -394,8 +394,11 @@ class RocksStore final : public StateStore {
 
   void PruneDedupLocked(rocksdb::WriteBatch& b) {
     const int64_t now = UnixMs();
-    if (now - last_dedup_prune_ms_ < 60 * 1000) return;
-    last_dedup_prune_ms_ = now;
+    {
+      absl::MutexLock lock(&mu_);
+      if (now - last_dedup_prune_ms_ < 60 * 1000) return;
+      last_dedup_prune_ms_ = now;
+    }
     std::unique_ptr<rocksdb::Iterator> it(
         db_->NewIterator(rocksdb::ReadOptions(), h_[kDedup]));
     for (it->SeekToFirst(); it->Valid(); it->Next()) {

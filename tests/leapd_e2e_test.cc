@@ -582,5 +582,50 @@ TEST(LeapdEndToEnd, BadInputGetsPreciseErrorsAndChangesNothing) {
   EXPECT_TRUE(e.alive());
 }
 
+// A request scored by a readout that is deleted and re-created under the
+// same name with another width is never learned by the new one (and does
+// not crash it): the completion is skipped as readout_deleted.
+TEST(LeapdEndToEnd, RecreatedReadoutNeverLearnsAnotherWidthsRequest) {
+  Server s = Start({"--rls_batch=1"});
+  ASSERT_NE(s.proc, nullptr);
+  ColdReadout(s, "a", 32);
+  auto predictor = pb::Predictor::NewStub(s.channel);
+  std::vector<float> x(32, 0.5f);
+  {
+    grpc::ClientContext ctx;
+    pb::PredictRequest req;
+    req.set_dtype(pb::FEATURE_DTYPE_FLOAT32);
+    req.mutable_record()->set_request_id("old");
+    req.mutable_record()->set_features(Bytes(x));
+    pb::PredictResponse resp;
+    ASSERT_TRUE(predictor->Predict(&ctx, req, &resp).ok());
+  }
+  ColdReadout(s, "b", 64);  // takes the default route
+  {
+    grpc::ClientContext ctx;
+    pb::DeleteReadoutRequest req;
+    req.set_name("a");
+    pb::DeleteReadoutResponse resp;
+    ASSERT_TRUE(s.admin->DeleteReadout(&ctx, req, &resp).ok());
+  }
+  ColdReadout(s, "a", 64);
+  grpc::ClientContext ctx;
+  pb::CompleteRequest req;
+  req.mutable_completion()->set_request_id("old");
+  req.mutable_completion()->set_output_tokens(100);
+  req.mutable_completion()->set_reason(pb::FINISH_REASON_STOP);
+  pb::CompleteResponse resp;
+  ASSERT_TRUE(predictor->Complete(&ctx, req, &resp).ok());
+  EXPECT_FALSE(resp.learned());
+  EXPECT_EQ(resp.skip_reason(), "readout_deleted");
+  grpc::ClientContext gctx;
+  pb::GetReadoutRequest greq;
+  greq.set_name("a");
+  pb::ReadoutInfo info;
+  ASSERT_TRUE(s.admin->GetReadout(&gctx, greq, &info).ok());
+  EXPECT_EQ(info.completions_learned(), 0);
+  EXPECT_EQ(info.dim(), 64);
+}
+
 }  // namespace
 }  // namespace leap

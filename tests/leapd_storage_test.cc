@@ -423,5 +423,46 @@ TEST(LeapdStorage, RollbackRestoresSnapshotBitForBitAndPushesIt) {
   }
 }
 
+// An engine that did not see an ack resubmits the request's features after
+// the sidecar restarts and resends its completion: it is acknowledged as a
+// duplicate and not learned a second time.
+TEST(LeapdStorage, ResubmittedRequestIsNotLearnedTwice) {
+  const int64_t dim = 16;
+  const std::string dir = TempDir("resubmit");
+  const std::vector<std::string> args = {"--data_dir=" + dir, "--rls_batch=1"};
+  std::mt19937_64 rng(5);
+  std::vector<Req> reqs = {MakeReq(0, dim, rng)};
+  {
+    Leapd s;
+    ASSERT_TRUE(s.Start(args));
+    CreateCold(s, dim);
+    EngineStream e(s.channel, dim);
+    ASSERT_EQ(e.Call(Features(reqs, 0, 1)).predictions().predictions_size(), 1);
+    pb::SidecarMessage ack = e.Call(Completions(reqs, {0}));
+    ASSERT_EQ(ack.ack().accepted(), 1);
+    ASSERT_EQ(ack.ack().duplicates(), 0);
+    pb::ReadoutVersion v;
+    ASSERT_TRUE(WaitLearned(s, 1, &v));
+    s.proc->Signal(SIGKILL);
+    s.proc->Wait();
+  }
+  Leapd s;
+  ASSERT_TRUE(s.Start(args));
+  EngineStream e(s.channel, dim);
+  ASSERT_EQ(e.Call(Features(reqs, 0, 1)).predictions().predictions_size(), 1);
+  pb::SidecarMessage ack = e.Call(Completions(reqs, {0}));
+  ASSERT_TRUE(ack.has_ack()) << ack.DebugString();
+  EXPECT_EQ(ack.ack().duplicates(), 1);
+  EXPECT_EQ(ack.ack().errors_size(), 0);
+  // Still one completion learned, and the request left the live set.
+  grpc::ClientContext ctx;
+  pb::GetReadoutRequest req;
+  req.set_name("r");
+  pb::ReadoutInfo info;
+  ASSERT_TRUE(s.admin->GetReadout(&ctx, req, &info).ok());
+  EXPECT_EQ(info.completions_learned(), 1);
+  EXPECT_EQ(info.rls_backlog(), 0);
+}
+
 }  // namespace
 }  // namespace leap

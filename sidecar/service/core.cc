@@ -370,7 +370,7 @@ absl::StatusOr<ScoreResult> Core::Predict(const ScoreRequest& req,
                      readout::TokensFromScore(score, serving.spec().max_tokens),
                      score};
   r->scores.push_back({result.arm, result.readout, result.version,
-                       result.predicted_tokens, false});
+                       result.predicted_tokens, false, it->second});
   std::vector<const sidecar::Arm*> scored_shadows;
   for (const sidecar::Arm* shadow : choice.shadows) {
     auto sit = map->find(shadow->readout);
@@ -378,7 +378,8 @@ absl::StatusOr<ScoreResult> Core::Predict(const ScoreRequest& req,
     auto sv = sit->second->current();
     auto s = sv->folded.PredictTokens(r->view());
     if (!s.ok()) continue;
-    r->scores.push_back({shadow->name, shadow->readout, sv->version, *s, true});
+    r->scores.push_back(
+        {shadow->name, shadow->readout, sv->version, *s, true, sit->second});
     scored_shadows.push_back(shadow);
   }
   RETURN_IF_ERROR(cache_.Insert(r, t0));
@@ -406,11 +407,14 @@ absl::StatusOr<CompletionOutcome> Core::Complete(absl::string_view request_id,
                                 readout::kDefaultMaxTokens)
           .status());
   std::shared_ptr<LiveRequest> peek = cache_.Find(request_id);
-  if (peek == nullptr && store_ != nullptr) {
+  if (store_ != nullptr) {
     // A completion resent after a reconnect: recorded before, so it is
-    // acknowledged again and not learned twice.
+    // acknowledged again and not learned twice. Checked even when the
+    // request is live: an engine resubmits the features of requests whose
+    // completion it has not seen acknowledged.
     absl::StatusOr<bool> seen = store_->WasRecorded(std::string(request_id));
     if (seen.ok() && *seen) {
+      if (peek != nullptr) cache_.Take(request_id).IgnoreError();
       CompletionOutcome dup;
       dup.learned = true;
       dup.duplicate = true;
@@ -443,12 +447,13 @@ absl::StatusOr<CompletionOutcome> Core::Complete(absl::string_view request_id,
   std::vector<std::string> learners;  // a readout learns a completion once
   for (size_t i = 0; i < r.scores.size(); ++i) {
     const ArmScore& s = r.scores[i];
+    std::shared_ptr<LiveReadout> scorer = s.scorer.lock();
     auto it = map->find(s.readout);
-    if (it == map->end()) {
+    if (scorer == nullptr || it == map->end() || it->second != scorer) {
       if (i == 0) outcome.skip_reason = "readout_deleted";
       continue;
     }
-    LiveReadout& ro = *it->second;
+    LiveReadout& ro = *scorer;
     // Never fails: counts were validated above.
     const readout::FeedbackAction action =
         *readout::ClassifyFeedback(output_tokens, reason, r.request_max_tokens,
@@ -485,7 +490,12 @@ absl::StatusOr<CompletionOutcome> Core::Complete(absl::string_view request_id,
             {r.request_id, r.view(),
              readout::TargetFromTokens(output_tokens, ro.spec().max_tokens)});
         if (!learned.ok()) {
-          if (i == 0) return learned;  // not acknowledged
+          if (i == 0) {
+            // Not acknowledged: keep the request live so a retry can learn it.
+            (*taken)->gone.store(false);
+            cache_.Insert(*taken, NowNs()).IgnoreError();
+            return learned;
+          }
           std::fprintf(stderr, "leapd: shadow readout '%s': %s\n",
                        ro.name().c_str(), std::string(learned.message()).c_str());
         }

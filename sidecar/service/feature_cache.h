@@ -23,6 +23,8 @@
 
 namespace leap::sidecar {
 
+class LiveReadout;
+
 // One arm's prediction for a live request.
 struct ArmScore {
   std::string arm;
@@ -30,6 +32,9 @@ struct ArmScore {
   int64_t version = 0;
   double predicted_tokens = 0;
   bool shadow = false;
+  // The readout object that scored it: a readout deleted and re-created
+  // under the same name (maybe another width) never learns this request.
+  std::weak_ptr<LiveReadout> scorer;
 };
 
 // A live request. Immutable after insertion except `gone`.

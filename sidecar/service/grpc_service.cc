@@ -300,7 +300,9 @@ grpc::Status PredictorService::Connect(
   std::thread writer([&session] { session->WriterLoop(); });
 
   Metrics& metrics = core_->metrics();
+  std::vector<std::shared_ptr<LiveRequest>> tracked;
   while (!shutting_down_.load() && stream->Read(&in)) {
+    tracked.clear();
     pb::SidecarMessage out;
     out.set_seq(in.seq());
     switch (in.body_case()) {
@@ -343,7 +345,7 @@ grpc::Status PredictorService::Connect(
             continue;
           }
           ToProto(*s, r.request_id(), batch->add_predictions());
-          session->Track(std::move(live));
+          tracked.push_back(std::move(live));
         }
         break;
       }
@@ -392,6 +394,9 @@ grpc::Status PredictorService::Connect(
         break;
     }
     session->Send(std::move(out));
+    // Tracked once their predictions are queued: a publish from now on
+    // rescores them after, never before, their first prediction.
+    for (auto& live : tracked) session->Track(std::move(live));
   }
   session->Close();
   writer.join();
@@ -448,10 +453,13 @@ grpc::Status PredictorService::WatchReadout(
     grpc::ServerWriter<pb::ReadoutVersion>* writer) {
   auto listener = std::make_shared<WatchListener>(req->readout());
   core_->hub().Subscribe(listener);  // before reading current: no gap
-  absl::StatusOr<std::shared_ptr<LiveReadout>> r =
-      core_->GetReadout(req->readout());
-  if (!r.ok()) return ToGrpc(r.status());
-  auto current = (*r)->current();
+  std::shared_ptr<const PublishedVersion> current;
+  {
+    absl::StatusOr<std::shared_ptr<LiveReadout>> r =
+        core_->GetReadout(req->readout());
+    if (!r.ok()) return ToGrpc(r.status());
+    current = (*r)->current();  // the readout itself is not kept
+  }
   pb::ReadoutVersion msg;
   FillVersionProto(req->readout(), *current, req->include_weights(), &msg);
   if (!writer->Write(msg)) return grpc::Status::OK;

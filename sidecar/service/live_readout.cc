@@ -118,7 +118,7 @@ LiveReadout::LiveReadout(LiveReadoutInit init, LiveReadoutOptions options,
 
 LiveReadout::~LiveReadout() {
   Stop(/*drain=*/false);
-  metrics_owner_->RemoveReadout(metrics_);
+  metrics_owner_->RemoveReadout(name_, metrics_);
 }
 
 absl::Status LiveReadout::SetFrozen(bool frozen) {
@@ -269,7 +269,7 @@ storage::ReadoutCheckpoint LiveReadout::CaptureLocked() {
   return c;
 }
 
-void LiveReadout::WriteCheckpoint(const storage::ReadoutCheckpoint& c) {
+absl::Status LiveReadout::WriteCheckpoint(const storage::ReadoutCheckpoint& c) {
   const auto t0 = std::chrono::steady_clock::now();
   absl::Status s = store_->WriteCheckpoint(meta_, c);
   const double secs =
@@ -278,11 +278,12 @@ void LiveReadout::WriteCheckpoint(const storage::ReadoutCheckpoint& c) {
     std::fprintf(stderr, "leapd: readout '%s': checkpoint failed: %s\n",
                  name_.c_str(), std::string(s.message()).c_str());
     metrics_.checkpoint_errors->Increment();
-    return;
+    return s;
   }
   metrics_.checkpoint_seconds->Observe(secs);
   metrics_.checkpoint_bytes->Set(
       static_cast<double>(c.theta.size() * 8 + (c.p ? c.p->payload_bytes() : 0)));
+  return absl::OkStatus();
 }
 
 void LiveReadout::CheckpointLoop() {
@@ -299,7 +300,7 @@ void LiveReadout::CheckpointLoop() {
       ckpt_pending_.reset();
       ckpt_busy_ = true;
     }
-    WriteCheckpoint(c);
+    WriteCheckpoint(c).IgnoreError();  // counted and logged; the next one retries
     absl::MutexLock lock(&ckpt_mu_);
     ckpt_busy_ = false;
   }
@@ -372,6 +373,22 @@ absl::StatusOr<int64_t> LiveReadout::Rollback(const std::string& label) {
     queue_.clear();
     broken_ = false;
     metrics_.rls_backlog->Set(0);
+    // A batch the worker already took is applied (and published) before
+    // the snapshot replaces the state, never on top of it.
+    auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return !in_flight_ || stop_;
+    };
+    mu_.Await(absl::Condition(&idle));
+  }
+  {
+    // A checkpoint captured before the rollback must not be written after
+    // it (it would resurrect the pre-rollback state on recovery).
+    absl::MutexLock lock(&ckpt_mu_);
+    ckpt_pending_.reset();
+    auto written = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(ckpt_mu_) {
+      return !ckpt_busy_;
+    };
+    ckpt_mu_.Await(absl::Condition(&written));
   }
   absl::MutexLock lock(&state_mu_);  // waits for a batch in flight
   theta_ = snap.theta;
@@ -384,7 +401,12 @@ absl::StatusOr<int64_t> LiveReadout::Rollback(const std::string& label) {
   if (store_ != nullptr) {
     // Durable at once: recovery must not replay pre-rollback feedback.
     storage::ReadoutCheckpoint c = CaptureLocked();
-    WriteCheckpoint(c);
+    absl::Status written = WriteCheckpoint(c);
+    if (!written.ok()) {
+      return absl::UnavailableError(absl::StrCat(
+          "rollback applied and published but not durable (a restart would "
+          "undo it): ", written.message()));
+    }
   }
   if (dropped > 0) {
     std::fprintf(stderr,
@@ -423,7 +445,7 @@ void LiveReadout::Stop(bool drain) {
       absl::MutexLock lock(&state_mu_);
       if (batches_since_ckpt_ > 0) {
         storage::ReadoutCheckpoint c = CaptureLocked();
-        WriteCheckpoint(c);
+        WriteCheckpoint(c).IgnoreError();  // the log still has everything
       }
     }
   }

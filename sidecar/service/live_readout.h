@@ -182,7 +182,7 @@ class LiveReadout {
   // Copies the state for a checkpoint. Caller holds state_mu_.
   storage::ReadoutCheckpoint CaptureLocked()
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_mu_);
-  void WriteCheckpoint(const storage::ReadoutCheckpoint& c);
+  absl::Status WriteCheckpoint(const storage::ReadoutCheckpoint& c);
 
   const std::string name_;
   const readout::ReadoutSpec spec_;

@@ -104,6 +104,10 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
 }
 
 ReadoutMetrics Metrics::ForReadout(const std::string& name) {
+  {
+    std::lock_guard<std::mutex> lock(users_mu_);
+    ++users_[name];
+  }
   ReadoutMetrics m;
   m.predictions_serving =
       &predictions_->Add({{"readout", name}, {"arm_kind", "serving"}});
@@ -135,7 +139,12 @@ ReadoutMetrics Metrics::ForReadout(const std::string& name) {
   return m;
 }
 
-void Metrics::RemoveReadout(const ReadoutMetrics& m) {
+void Metrics::RemoveReadout(const std::string& name, const ReadoutMetrics& m) {
+  {
+    std::lock_guard<std::mutex> lock(users_mu_);
+    if (--users_[name] > 0) return;
+    users_.erase(name);
+  }
   predictions_->Remove(m.predictions_serving);
   predictions_->Remove(m.predictions_shadow);
   completions_->Remove(m.learned);

@@ -4,7 +4,9 @@
 #ifndef LEAP_SIDECAR_SERVICE_METRICS_H_
 #define LEAP_SIDECAR_SERVICE_METRICS_H_
 
+#include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 
 #include "prometheus/counter.h"
@@ -41,10 +43,12 @@ class Metrics {
   const std::shared_ptr<prometheus::Registry>& registry() const {
     return registry_;
   }
-  // Resolves (creating on first use) the series of readout `name`.
+  // Resolves (creating on first use) the series of readout `name`. Series
+  // are shared by every readout object of one name (a deleted readout may
+  // still be alive while its successor runs), so they are counted.
   ReadoutMetrics ForReadout(const std::string& name);
-  // Removes them (readout deleted).
-  void RemoveReadout(const ReadoutMetrics& m);
+  // Drops one user of `name`'s series; the last one removes them.
+  void RemoveReadout(const std::string& name, const ReadoutMetrics& m);
   prometheus::Gauge& ArmSpearman(const std::string& product_line,
                                  const std::string& arm);
   prometheus::Counter& RequestErrors(const std::string& code);
@@ -61,6 +65,8 @@ class Metrics {
 
  private:
   std::shared_ptr<prometheus::Registry> registry_;
+  std::mutex users_mu_;
+  std::map<std::string, int> users_;  // readout name -> live users
   prometheus::Family<prometheus::Counter>* predictions_;
   prometheus::Family<prometheus::Counter>* completions_;
   prometheus::Family<prometheus::Counter>* rls_errors_;
