@@ -300,9 +300,7 @@ grpc::Status PredictorService::Connect(
   std::thread writer([&session] { session->WriterLoop(); });
 
   Metrics& metrics = core_->metrics();
-  std::vector<std::shared_ptr<LiveRequest>> tracked;
   while (!shutting_down_.load() && stream->Read(&in)) {
-    tracked.clear();
     pb::SidecarMessage out;
     out.set_seq(in.seq());
     switch (in.body_case()) {
@@ -345,7 +343,11 @@ grpc::Status PredictorService::Connect(
             continue;
           }
           ToProto(*s, r.request_id(), batch->add_predictions());
-          tracked.push_back(std::move(live));
+          // Tracked before the answer is queued, so every publish from now on
+          // rescores it. A rescore may then reach the engine before this
+          // prediction; both carry the version and the newer one wins (the
+          // shim's scheduler and binding compare versions).
+          session->Track(std::move(live));
         }
         break;
       }
@@ -394,9 +396,6 @@ grpc::Status PredictorService::Connect(
         break;
     }
     session->Send(std::move(out));
-    // Tracked once their predictions are queued: a publish from now on
-    // rescores them after, never before, their first prediction.
-    for (auto& live : tracked) session->Track(std::move(live));
   }
   session->Close();
   writer.join();
