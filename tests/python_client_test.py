@@ -19,7 +19,7 @@ Run: /usr/bin/python3 tests/python_client_test.py --leapd PATH --proto-dir DIR
 import argparse
 import importlib
 import math
-import queue
+import os
 import random
 import shutil
 import signal
@@ -28,10 +28,13 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 import unittest
 
 import grpc
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                "support"))
+import leapd_lines  # noqa: E402  (tests/support/leapd_lines.py)
 
 ARGS = None  # parsed command line (set in main)
 PB = {}  # generated modules: predictor_pb2, predictor_pb2_grpc, admin_...
@@ -73,37 +76,14 @@ class Leapd:
             [ARGS.leapd, "--listen=127.0.0.1:0", "--metrics_listen=127.0.0.1:0"]
             + extra_args,
             stdout=subprocess.PIPE, text=True)
-        self.lines = queue.Queue()
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
+        self.lines = leapd_lines.StdoutLines(self.proc, DEADLINE_S)
         self.address = self.wait_for_line("listening on ")
         self.wait_for_line("leapd ")  # "leapd <id> ready"
         self.channel = grpc.insecure_channel(self.address)
         grpc.channel_ready_future(self.channel).result(timeout=DEADLINE_S)
 
-    def _read(self):
-        for line in self.proc.stdout:
-            self.lines.put(line.rstrip("\n"))
-        self.lines.put(None)  # EOF
-
     def wait_for_line(self, prefix):
-        deadline = time.monotonic() + DEADLINE_S
-        seen = []
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError("no line starting with %r in %s s; got %r"
-                                   % (prefix, DEADLINE_S, seen))
-            try:
-                line = self.lines.get(timeout=left)
-            except queue.Empty:
-                continue
-            if line is None:
-                raise RuntimeError("leapd exited before printing %r; got %r"
-                                   % (prefix, seen))
-            seen.append(line)
-            if line.startswith(prefix):
-                return line[len(prefix):]
+        return self.lines.wait_for(prefix)
 
     def terminate(self):
         """SIGTERM; returns the exit code."""

@@ -30,18 +30,20 @@ import argparse
 import ctypes
 import importlib
 import os
-import queue
 import shutil
 import signal
 import struct
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import unittest
 
 import grpc
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                "support"))
+import leapd_lines  # noqa: E402  (tests/support/leapd_lines.py)
 import numpy as np
 import torch
 
@@ -89,34 +91,12 @@ class Leapd:
              "--metrics_listen=127.0.0.1:0", "--data_dir=" + data_dir,
              "--rls_batch=1", "--rls_flush=10ms"],
             stdout=subprocess.PIPE, text=True)
-        self.lines = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
+        self.lines = leapd_lines.StdoutLines(self.proc, DEADLINE_S)
         self.wait_for_line("listening on ")
         self.wait_for_line("leapd ")  # "leapd <id> ready"
 
-    def _read(self):
-        for line in self.proc.stdout:
-            self.lines.put(line.rstrip("\n"))
-        self.lines.put(None)  # EOF
-
     def wait_for_line(self, prefix):
-        deadline = time.monotonic() + DEADLINE_S
-        seen = []
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError("no line starting with %r in %s s; got %r"
-                                   % (prefix, DEADLINE_S, seen))
-            try:
-                line = self.lines.get(timeout=left)
-            except queue.Empty:
-                continue
-            if line is None:
-                raise RuntimeError("leapd exited before printing %r; got %r"
-                                   % (prefix, seen))
-            seen.append(line)
-            if line.startswith(prefix):
-                return line[len(prefix):]
+        return self.lines.wait_for(prefix)
 
     def kill9(self):
         if self.proc.poll() is None:
