@@ -343,7 +343,8 @@ void Client::ManagerLoop() {
       if (stop_) return;
     }
     absl::StatusOr<std::unique_ptr<Transport>> t =
-        Dial(options_.endpoint, options_.connect_timeout);
+        Dial(options_.endpoint, options_.connect_timeout,
+             TransportOptions{options_.shm_slots, options_.shm_ring_bytes});
     bool had_session = false;
     if (t.ok()) {
       uint64_t generation;

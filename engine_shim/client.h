@@ -48,7 +48,9 @@ struct CapturedFeatures {
 };
 
 struct ClientOptions {
-  // "host:port" or "unix:///path". Default: 127.0.0.1:7070
+  // "host:port" or "unix:///path" (gRPC), or "shm:///path" (shared memory
+  // with a leapd in the same pod; /path is its --shm socket).
+  // Default: 127.0.0.1:7070
   std::string endpoint = "127.0.0.1:7070";
   // Identity for leapd's logs and metrics (e.g. the pod name).
   std::string engine_id;
@@ -61,6 +63,10 @@ struct ClientOptions {
   absl::Duration min_backoff = absl::Milliseconds(50);
   absl::Duration max_backoff = absl::Seconds(5);
   absl::Duration connect_timeout = absl::Seconds(1);
+  // shm only: feature slots (each live request holds one until it ends) and
+  // ring bytes. Default: 1024, 1 MiB
+  uint32_t shm_slots = 1024;
+  uint32_t shm_ring_bytes = 1 << 20;
   // Records per FeatureBatch message. Default: 256
   int max_batch_records = 256;
   // Live requests kept for resubmission; submissions beyond are refused

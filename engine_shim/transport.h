@@ -1,6 +1,6 @@
 // The shim's link to leapd, behind an interface: the Client speaks the
 // leap.v1 Connect messages over whichever transport the endpoint names
-// (gRPC today: "host:port", "unix:///path"; shared memory: "shm://...").
+// (gRPC: "host:port", "unix:///path"; shared memory: "shm:///path").
 #ifndef LEAP_ENGINE_SHIM_TRANSPORT_H_
 #define LEAP_ENGINE_SHIM_TRANSPORT_H_
 
@@ -26,9 +26,20 @@ class Transport {
   virtual void Close() = 0;
 };
 
-// Opens a connection to `endpoint`, waiting at most `timeout` for it.
-absl::StatusOr<std::unique_ptr<Transport>> Dial(const std::string& endpoint,
-                                                absl::Duration timeout);
+// Settings only some transports use.
+struct TransportOptions {
+  // shm: feature slots and ring bytes asked of leapd (see ShmChannelOptions).
+  uint32_t shm_slots = 1024;
+  uint32_t shm_ring_bytes = 1 << 20;
+};
+
+// Opens a connection to `endpoint`, waiting at most `timeout` for it:
+// "shm:///path" attaches to leapd's shared-memory socket at /path (on the
+// hello, which carries dim and dtype); "unix:///path" and "host:port" open
+// a gRPC Connect stream.
+absl::StatusOr<std::unique_ptr<Transport>> Dial(
+    const std::string& endpoint, absl::Duration timeout,
+    const TransportOptions& options = TransportOptions());
 
 }  // namespace leap::shim
 

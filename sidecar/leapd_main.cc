@@ -29,6 +29,7 @@
 #include "sidecar/service/admin_auth.h"
 #include "sidecar/service/core.h"
 #include "sidecar/service/grpc_service.h"
+#include "sidecar/service/shm_server.h"
 #include "storage/rocksdb_store.h"
 
 ABSL_FLAG(std::vector<std::string>, listen, {"127.0.0.1:7070"},
@@ -86,6 +87,22 @@ ABSL_FLAG(std::string, admin_token_file, "",
           "surrounding whitespace is ignored. Admin calls over a unix socket "
           "are trusted; Predictor, health and reflection are not affected. "
           "Empty: no token is required.");
+
+ABSL_FLAG(std::string, shm, "",
+          "Serve the shared-memory data plane on this attach socket path "
+          "(engines use the endpoint shm://PATH, e.g. "
+          "shm:///dev/shm/leap-main). Each engine's segment is created "
+          "beside it as PATH.<id>.seg and removed when the engine detaches. "
+          "In Kubernetes, put it on an emptyDir (medium: Memory) both "
+          "containers mount. Empty: no shared-memory data plane.");
+ABSL_FLAG(absl::Duration, shm_spin, absl::Microseconds(50),
+          "How long the shm thread keeps polling after the last frame before "
+          "it sleeps (0 = sleep at once; longer = lower latency under light "
+          "load for more CPU).");
+ABSL_FLAG(int32_t, shm_max_slots, 65536,
+          "Largest feature-slot count one engine may ask for.");
+ABSL_FLAG(int32_t, shm_max_engines, 64,
+          "Engines attached over shm at once.");
 
 namespace {
 
@@ -334,6 +351,18 @@ int main(int argc, char** argv) {
     }
     std::printf("listening on %s\n", addr.c_str());
   }
+  std::unique_ptr<leap::sidecar::ShmServer> shm_server;
+  if (!absl::GetFlag(FLAGS_shm).empty()) {
+    leap::sidecar::ShmServerOptions so;
+    so.path = absl::GetFlag(FLAGS_shm);
+    so.spin = absl::GetFlag(FLAGS_shm_spin);
+    so.max_slots = static_cast<uint32_t>(std::max(1, absl::GetFlag(FLAGS_shm_max_slots)));
+    so.max_engines = absl::GetFlag(FLAGS_shm_max_engines);
+    auto started = leap::sidecar::ShmServer::Start(&core, sidecar_id, so);
+    if (!started.ok()) return Fail(std::string(started.status().message()));
+    shm_server = *std::move(started);
+    std::printf("shm on shm://%s\n", so.path.c_str());
+  }
   if (exposer != nullptr) {
     std::string host = absl::GetFlag(FLAGS_metrics_listen);
     host = host.substr(0, host.rfind(':'));
@@ -360,6 +389,7 @@ int main(int argc, char** argv) {
                sig == SIGTERM ? "SIGTERM" : "SIGINT");
   server->GetHealthCheckService()->SetServingStatus(false);
   predictor.BeginShutdown();
+  if (shm_server != nullptr) shm_server->Stop();
   server->Shutdown(std::chrono::system_clock::now() +
                    absl::ToChronoSeconds(absl::GetFlag(FLAGS_drain_timeout)));
   core.Shutdown(/*drain=*/true);  // applies the backlog, final checkpoints

@@ -356,7 +356,10 @@ absl::StatusOr<ScoreResult> Core::Predict(const ScoreRequest& req,
   r->route_key = route->product_line;
   r->dtype = req.dtype;
   r->dim = dim;
-  if (req.owned_features != nullptr) {
+  if (req.external_keepalive != nullptr) {
+    r->external = req.features.data();
+    r->keepalive = req.external_keepalive;
+  } else if (req.owned_features != nullptr) {
     r->features.swap(*req.owned_features);
   } else {
     r->features = std::string(req.features);
@@ -439,6 +442,22 @@ absl::StatusOr<CompletionOutcome> Core::Complete(absl::string_view request_id,
     return taken.status();
   }
   const LiveRequest& r = **taken;
+  // Features in engine-writable shared memory may have changed since the
+  // prediction: learn from a checked private copy.
+  std::string copied;
+  readout::FeatureView x = r.view();
+  if (r.external != nullptr) {
+    copied.assign(static_cast<const char*>(x.data),
+                  static_cast<size_t>(r.dim) * readout::DTypeSize(r.dtype));
+    x.data = copied.data();
+    absl::Status valid = readout::ValidateFeatures(x, r.dim);
+    if (!valid.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "features of request '", r.request_id,
+          "' changed in their shared-memory slot after the prediction: ",
+          valid.message()));
+    }
+  }
   metrics_->cache_bytes().Set(static_cast<double>(cache_.bytes()));
   metrics_->cache_entries().Set(static_cast<double>(cache_.size()));
 
@@ -487,7 +506,7 @@ absl::StatusOr<CompletionOutcome> Core::Complete(absl::string_view request_id,
       } else {
         learners.push_back(s.readout);
         absl::Status learned = ro.Learn(
-            {r.request_id, r.view(),
+            {r.request_id, x,
              readout::TargetFromTokens(output_tokens, ro.spec().max_tokens)});
         if (!learned.ok()) {
           if (i == 0) {

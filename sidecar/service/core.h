@@ -45,6 +45,9 @@ struct ScoreRequest {
   // When set, holds the same bytes as `features` and Predict takes them by
   // swap instead of copying (the gRPC handler owns its parsed message).
   std::string* owned_features = nullptr;
+  // When set, `features` points into memory this keeps alive (a
+  // shared-memory slot): the live request references it, no copy is made.
+  std::shared_ptr<void> external_keepalive;
   readout::DType dtype = readout::DType::kFloat32;
   int64_t request_max_tokens = 0;
 };

@@ -46,6 +46,11 @@ struct LiveRequest {
   readout::DType dtype = readout::DType::kFloat32;
   int64_t dim = 0;
   std::string features;  // dim values of dtype, little-endian
+  // Set when the features stay where the engine wrote them (a shared-memory
+  // slot) instead of `features`; `keepalive` holds the slot until the
+  // request is destroyed (then the slot goes back to the engine).
+  const char* external = nullptr;
+  std::shared_ptr<void> keepalive;
   int64_t request_max_tokens = 0;
   // Serving arm first, then shadows.
   std::vector<ArmScore> scores;
@@ -56,7 +61,7 @@ struct LiveRequest {
   std::atomic<bool> gone{false};
 
   readout::FeatureView view() const {
-    return {features.data(), dtype, dim, 1};
+    return {external != nullptr ? external : features.data(), dtype, dim, 1};
   }
   int64_t bytes() const {
     return static_cast<int64_t>(features.size() + request_id.size() +

@@ -1,5 +1,7 @@
 #include "sidecar/service/grpc_service.h"
 
+#include "sidecar/service/engine_session.h"
+
 #include <chrono>
 #include <deque>
 #include <thread>
@@ -18,58 +20,6 @@ namespace pb = ::leap::v1;
 
 // Predictions per Rescore message.
 constexpr size_t kRescoreChunk = 4096;
-
-absl::StatusOr<readout::DType> FromProto(pb::FeatureDType d) {
-  switch (d) {
-    case pb::FEATURE_DTYPE_FLOAT32:
-      return readout::DType::kFloat32;
-    case pb::FEATURE_DTYPE_BFLOAT16:
-      return readout::DType::kBFloat16;
-    case pb::FEATURE_DTYPE_FLOAT16:
-      return readout::DType::kFloat16;
-    default:
-      return absl::InvalidArgumentError(absl::StrCat(
-          "feature dtype must be FLOAT32, BFLOAT16 or FLOAT16, got ",
-          pb::FeatureDType_Name(d).empty() ? std::to_string(d)
-                                           : pb::FeatureDType_Name(d)));
-  }
-}
-
-absl::StatusOr<readout::FinishReason> FromProto(pb::FinishReason r) {
-  switch (r) {
-    case pb::FINISH_REASON_STOP:
-      return readout::FinishReason::kStop;
-    case pb::FINISH_REASON_LENGTH:
-      return readout::FinishReason::kLength;
-    case pb::FINISH_REASON_CANCELLED:
-      return readout::FinishReason::kCancelled;
-    case pb::FINISH_REASON_ABORTED:
-      return readout::FinishReason::kAborted;
-    default:
-      return absl::InvalidArgumentError(absl::StrCat(
-          "finish reason must be STOP, LENGTH, CANCELLED or ABORTED, got ",
-          static_cast<int>(r)));
-  }
-}
-
-void ToProto(const ScoreResult& s, const std::string& id, pb::Prediction* p) {
-  p->set_request_id(id);
-  p->set_predicted_tokens(s.predicted_tokens);
-  p->set_score(s.score);
-  p->set_readout(s.readout);
-  p->set_version(s.version);
-  p->set_arm(s.arm);
-}
-
-void AddError(const std::string& id, const absl::Status& s,
-              google::protobuf::RepeatedPtrField<pb::RequestError>* out,
-              Metrics& metrics) {
-  pb::RequestError* e = out->Add();
-  e->set_request_id(id);
-  e->set_code(static_cast<int>(s.code()));
-  e->set_message(std::string(s.message()));
-  metrics.RequestErrors(absl::StatusCodeToString(s.code())).Increment();
-}
 
 void FillInfo(LiveReadout& r, pb::ReadoutInfo* info) {
   info->set_name(r.name());
@@ -97,7 +47,7 @@ void FillVersion(const VersionRecord& v, pb::VersionInfo* out) {
 // One engine's Connect stream. The handler thread reads and answers; a
 // writer thread owns every Write (answers, publish notices, rescores), so a
 // publish never waits on a slow engine and answers keep their order.
-class ConnectSession final : public PublishListener {
+class ConnectSession final : public PublishListener, public LiveTracker {
  public:
   ConnectSession(Core* core, uint64_t id,
                  grpc::ServerReaderWriter<pb::SidecarMessage,
@@ -123,12 +73,12 @@ class ConnectSession final : public PublishListener {
     outbox_.push_back(std::move(m));
   }
 
-  void Track(std::shared_ptr<LiveRequest> r) {
+  void Track(std::shared_ptr<LiveRequest> r) override {
     absl::MutexLock lock(&live_mu_);
     live_[r->request_id] = std::move(r);
   }
 
-  void Untrack(const std::string& id) {
+  void Untrack(const std::string& id) override {
     absl::MutexLock lock(&live_mu_);
     live_.erase(id);
   }
@@ -175,21 +125,14 @@ class ConnectSession final : public PublishListener {
         ++it;
       }
     }
+    std::vector<pb::Prediction> predictions;
+    RescorePredictions(name, v, mine, &predictions);
     pb::SidecarMessage m;
     pb::Rescore* rs = m.mutable_rescore();
     rs->set_readout(name);
     rs->set_version(v.version);
-    for (const auto& r : mine) {
-      auto score = v.folded.Score(r->view());
-      if (!score.ok()) continue;
-      pb::Prediction* p = rs->add_predictions();
-      p->set_request_id(r->request_id);
-      p->set_score(*score);
-      p->set_predicted_tokens(
-          readout::TokensFromScore(*score, v.folded.max_tokens()));
-      p->set_readout(name);
-      p->set_version(v.version);
-      p->set_arm(r->scores[0].arm);
+    for (auto& p : predictions) {
+      *rs->add_predictions() = std::move(p);
       if (static_cast<size_t>(rs->predictions_size()) >= kRescoreChunk) {
         if (!broken_ && !stream_->Write(m)) broken_ = true;
         rs->clear_predictions();
@@ -278,14 +221,8 @@ grpc::Status PredictorService::Connect(
                         "the first message of a Connect stream must be hello");
   }
   const pb::Hello hello = in.hello();
-  absl::StatusOr<readout::DType> dtype = FromProto(hello.dtype());
+  absl::StatusOr<readout::DType> dtype = CheckHello(hello);
   if (!dtype.ok()) return ToGrpc(dtype.status());
-  if (hello.dim() < readout::kMinDim || hello.dim() > readout::kMaxDim) {
-    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                        absl::StrCat("hello dim must be in [", readout::kMinDim,
-                                     ", ", readout::kMaxDim, "], got ",
-                                     hello.dim()));
-  }
   auto session = std::make_shared<ConnectSession>(
       core_, next_session_.fetch_add(1), stream);
   core_->hub().Subscribe(session);
@@ -299,102 +236,10 @@ grpc::Status PredictorService::Connect(
   }
   std::thread writer([&session] { session->WriterLoop(); });
 
-  Metrics& metrics = core_->metrics();
   while (!shutting_down_.load() && stream->Read(&in)) {
     pb::SidecarMessage out;
-    out.set_seq(in.seq());
-    switch (in.body_case()) {
-      case pb::EngineMessage::kFeatures: {
-        const auto& records = in.features().records();
-        int64_t bytes = 0;
-        for (const auto& r : records) bytes += r.features().size();
-        if (bytes > core_->options().max_batch_bytes) {
-          AddError("",
-                   absl::ResourceExhaustedError(absl::StrCat(
-                       "feature batch of ", bytes, " bytes exceeds the limit of ",
-                       core_->options().max_batch_bytes, " bytes")),
-                   out.mutable_predictions()->mutable_errors(), metrics);
-          break;
-        }
-        pb::PredictionBatch* batch = out.mutable_predictions();
-        for (auto& r : *in.mutable_features()->mutable_records()) {
-          ScoreRequest req;
-          req.request_id = r.request_id();
-          req.product_line = r.product_line();
-          req.features = r.features();
-          req.owned_features = r.mutable_features();
-          req.dtype = *dtype;
-          req.request_max_tokens = r.decoding().max_tokens();
-          if (static_cast<int64_t>(r.features().size()) !=
-              hello.dim() * static_cast<int64_t>(readout::DTypeSize(*dtype))) {
-            AddError(r.request_id(),
-                     absl::InvalidArgumentError(absl::StrCat(
-                         "record has ", r.features().size(),
-                         " bytes of features; hello declared dim ", hello.dim(),
-                         " ", readout::DTypeName(*dtype), " (",
-                         hello.dim() * readout::DTypeSize(*dtype), " bytes)")),
-                     batch->mutable_errors(), metrics);
-            continue;
-          }
-          std::shared_ptr<LiveRequest> live;
-          absl::StatusOr<ScoreResult> s = core_->Predict(req, session->id(), &live);
-          if (!s.ok()) {
-            AddError(r.request_id(), s.status(), batch->mutable_errors(), metrics);
-            continue;
-          }
-          ToProto(*s, r.request_id(), batch->add_predictions());
-          // Tracked before the answer is queued, so every publish from now on
-          // rescores it. A rescore may then reach the engine before this
-          // prediction; both carry the version and the newer one wins (the
-          // shim's scheduler and binding compare versions).
-          session->Track(std::move(live));
-        }
-        break;
-      }
-      case pb::EngineMessage::kCompletions: {
-        pb::Ack* ack = out.mutable_ack();
-        for (const auto& c : in.completions().completions()) {
-          absl::StatusOr<readout::FinishReason> reason = FromProto(c.reason());
-          absl::StatusOr<CompletionOutcome> o =
-              reason.ok() ? core_->Complete(c.request_id(), c.output_tokens(),
-                                            *reason)
-                          : absl::StatusOr<CompletionOutcome>(reason.status());
-          if (!o.ok()) {
-            AddError(c.request_id(), o.status(), ack->mutable_errors(), metrics);
-            continue;
-          }
-          session->Untrack(c.request_id());
-          if (o->duplicate) ack->set_duplicates(ack->duplicates() + 1);
-          if (o->learned) {
-            ack->set_accepted(ack->accepted() + 1);
-          } else {
-            ack->set_skipped(ack->skipped() + 1);
-          }
-        }
-        break;
-      }
-      case pb::EngineMessage::kCancels: {
-        pb::Ack* ack = out.mutable_ack();
-        for (const auto& id : in.cancels().request_ids()) {
-          absl::Status s = core_->Cancel(id);
-          if (!s.ok()) {
-            AddError(id, s, ack->mutable_errors(), metrics);
-            continue;
-          }
-          session->Untrack(id);
-          ack->set_accepted(ack->accepted() + 1);
-        }
-        break;
-      }
-      case pb::EngineMessage::kHello:
-        out.mutable_error()->set_code(grpc::StatusCode::FAILED_PRECONDITION);
-        out.mutable_error()->set_message("hello may only be sent once");
-        break;
-      default:
-        out.mutable_error()->set_code(grpc::StatusCode::INVALID_ARGUMENT);
-        out.mutable_error()->set_message("empty engine message");
-        break;
-    }
+    HandleEngineMessage(core_, session->id(), hello, *dtype, &in, &out,
+                        session.get());
     session->Send(std::move(out));
   }
   session->Close();
@@ -413,7 +258,7 @@ grpc::Status PredictorService::Predict(grpc::ServerContext*,
                                      " bytes exceed the limit of ",
                                      core_->options().max_batch_bytes));
   }
-  absl::StatusOr<readout::DType> dtype = FromProto(req->dtype());
+  absl::StatusOr<readout::DType> dtype = DTypeFromProto(req->dtype());
   if (!dtype.ok()) return ToGrpc(dtype.status());
   ScoreRequest r;
   r.request_id = req->record().request_id();
@@ -427,7 +272,7 @@ grpc::Status PredictorService::Predict(grpc::ServerContext*,
         .Increment();
     return ToGrpc(s.status());
   }
-  ToProto(*s, req->record().request_id(), resp->mutable_prediction());
+  ToPrediction(*s, req->record().request_id(), resp->mutable_prediction());
   return grpc::Status::OK;
 }
 
@@ -435,7 +280,7 @@ grpc::Status PredictorService::Complete(grpc::ServerContext*,
                                         const pb::CompleteRequest* req,
                                         pb::CompleteResponse* resp) {
   absl::StatusOr<readout::FinishReason> reason =
-      FromProto(req->completion().reason());
+      ReasonFromProto(req->completion().reason());
   if (!reason.ok()) return ToGrpc(reason.status());
   absl::StatusOr<CompletionOutcome> o = core_->Complete(
       req->completion().request_id(), req->completion().output_tokens(),

@@ -1,0 +1,459 @@
+// The shared-memory data plane against real leapd processes.
+//
+// Conformance: one scripted engine session (predictions, bad input of every
+// kind, completions with a publish and rescoring, cancels, message-level
+// errors) runs over the gRPC Connect stream and over shm, each against a
+// fresh leapd in the same starting state; every answer, every rescore of
+// the published version and every publish notice must be identical.
+//
+// Hostile and broken engines: out-of-range slot indices, reused slots,
+// truncated frames and a corrupt ring are refused without harm to leapd or
+// to a second engine; refused attaches say why (dim no readout takes, too
+// many slots, wrong format version).
+#include <dirent.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <filesystem>
+#include <map>
+#include <set>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "engine_shim/shm_channel.h"
+#include "engine_shim/transport.h"
+#include "gtest/gtest.h"
+#include "tests/support/engine_client.h"
+#include "tests/support/process.h"
+
+namespace leap {
+namespace {
+
+namespace pb = ::leap::v1;
+constexpr int64_t kDim = 32;
+
+std::string Features(int seed, float poison = 0.0f) {
+  std::vector<float> x(kDim);
+  for (int i = 0; i < kDim; ++i) {
+    x[i] = std::sin(0.37f * static_cast<float>(seed * kDim + i)) + 0.1f * seed;
+  }
+  if (poison != 0.0f) x[5] = poison;
+  return std::string(reinterpret_cast<const char*>(x.data()), x.size() * 4);
+}
+
+// Reads a Transport on a thread and keeps every message.
+class Recorder {
+ public:
+  explicit Recorder(shim::Transport* t) : t_(t), thread_([this] { Loop(); }) {}
+  ~Recorder() {
+    t_->Close();
+    thread_.join();
+  }
+  bool WaitUntil(const std::function<bool(const std::vector<pb::SidecarMessage>&)>& pred,
+                 absl::Duration timeout = absl::Seconds(30)) {
+    absl::MutexLock lock(&mu_);
+    auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return pred(msgs_); };
+    return mu_.AwaitWithTimeout(absl::Condition(&ready), timeout);
+  }
+  std::vector<pb::SidecarMessage> messages() {
+    absl::MutexLock lock(&mu_);
+    return msgs_;
+  }
+
+ private:
+  void Loop() {
+    pb::SidecarMessage m;
+    while (t_->Receive(&m)) {
+      absl::MutexLock lock(&mu_);
+      msgs_.push_back(m);
+    }
+  }
+  shim::Transport* t_;
+  absl::Mutex mu_;
+  std::vector<pb::SidecarMessage> msgs_ ABSL_GUARDED_BY(mu_);
+  std::thread thread_;
+};
+
+bool Answered(const std::vector<pb::SidecarMessage>& ms, uint64_t seq) {
+  for (const auto& m : ms) {
+    if (m.seq() == seq) return true;
+  }
+  return false;
+}
+
+// What a session saw, normalized: answers per seq (records of split
+// answers merged, sorted by request id), the rescore of version 3 per
+// request, and the versions announced.
+struct Outcome {
+  std::map<uint64_t, std::string> answers;
+  std::map<std::string, std::string> rescore_v3;
+  std::set<int64_t> published;
+  std::string sidecar_id;
+};
+
+Outcome Normalize(const std::vector<pb::SidecarMessage>& ms) {
+  Outcome o;
+  std::map<uint64_t, pb::SidecarMessage> merged;
+  for (const auto& m : ms) {
+    if (m.has_rescore()) {
+      if (m.rescore().version() == 3) {
+        for (const auto& p : m.rescore().predictions()) {
+          o.rescore_v3[p.request_id()] = p.DebugString();
+        }
+      }
+      continue;
+    }
+    if (m.has_published()) {
+      o.published.insert(m.published().version());
+      continue;
+    }
+    if (m.has_hello_ack()) {
+      o.sidecar_id = m.hello_ack().sidecar_id();
+      pb::SidecarMessage c = m;
+      c.mutable_hello_ack()->clear_sidecar_id();
+      merged[m.seq()] = c;
+      continue;
+    }
+    auto [it, fresh] = merged.emplace(m.seq(), m);
+    if (!fresh && m.has_predictions()) {
+      for (const auto& p : m.predictions().predictions()) {
+        *it->second.mutable_predictions()->add_predictions() = p;
+      }
+      for (const auto& e : m.predictions().errors()) {
+        *it->second.mutable_predictions()->add_errors() = e;
+      }
+    }
+  }
+  for (auto& [seq, m] : merged) {
+    if (m.has_predictions()) {
+      auto* p = m.mutable_predictions()->mutable_predictions();
+      std::sort(p->begin(), p->end(), [](const auto& a, const auto& b) {
+        return a.request_id() < b.request_id();
+      });
+      auto* e = m.mutable_predictions()->mutable_errors();
+      std::sort(e->begin(), e->end(), [](const auto& a, const auto& b) {
+        return a.request_id() < b.request_id();
+      });
+    }
+    o.answers[seq] = m.DebugString();
+  }
+  return o;
+}
+
+struct Leapd {
+  std::string dir, sock, shm;
+  std::unique_ptr<testing::Process> proc;
+};
+
+Leapd StartLeapd(const std::string& name) {
+  Leapd l;
+  l.dir = ::testing::TempDir() + "/shm-" + name + "-" + std::to_string(getpid());
+  std::filesystem::remove_all(l.dir);
+  std::filesystem::create_directories(l.dir);
+  l.sock = "unix://" + l.dir + "/leapd.sock";
+  l.shm = l.dir + "/leap.shm";
+  std::string addr;
+  auto p = testing::StartLeapd(
+      LEAPD_PATH, {"--listen=" + l.sock, "--shm=" + l.shm, "--rls_batch=1"}, &addr);
+  EXPECT_TRUE(p.ok()) << p.status();
+  if (!p.ok()) return l;
+  l.proc = *std::move(p);
+  auto admin = pb::Admin::NewStub(testing::MakeChannel(l.sock));
+  grpc::ClientContext ctx;
+  pb::CreateReadoutRequest req;
+  req.set_name("r");
+  req.mutable_cold_start()->set_dim(kDim);
+  req.mutable_cold_start()->set_lambda(1.0);
+  pb::ReadoutInfo info;
+  EXPECT_TRUE(admin->CreateReadout(&ctx, req, &info).ok());
+  grpc::ClientContext rctx;
+  pb::SetRouteRequest route;
+  route.mutable_route()->add_arms()->set_readout("r");
+  route.mutable_route()->mutable_arms(0)->set_percent(100);
+  pb::Route out;
+  EXPECT_TRUE(admin->SetRoute(&rctx, route, &out).ok());
+  return l;
+}
+
+pb::EngineMessage Hello(uint64_t seq) {
+  pb::EngineMessage m;
+  m.set_seq(seq);
+  m.mutable_hello()->set_engine_id("conformance");
+  m.mutable_hello()->set_dim(kDim);
+  m.mutable_hello()->set_dtype(pb::FEATURE_DTYPE_FLOAT32);
+  return m;
+}
+
+void AddRecord(pb::EngineMessage* m, const std::string& id, std::string bytes) {
+  auto* r = m->mutable_features()->add_records();
+  r->set_request_id(id);
+  r->set_features(std::move(bytes));
+}
+
+void AddCompletion(pb::EngineMessage* m, const std::string& id, int64_t tokens,
+                   pb::FinishReason reason) {
+  auto* c = m->mutable_completions()->add_completions();
+  c->set_request_id(id);
+  c->set_output_tokens(tokens);
+  c->set_reason(reason);
+}
+
+Outcome RunScenario(const std::string& endpoint) {
+  auto t = shim::Dial(endpoint, absl::Seconds(10));
+  EXPECT_TRUE(t.ok()) << t.status();
+  if (!t.ok()) return {};
+  Recorder rec(t->get());
+  auto send_and_wait = [&](const pb::EngineMessage& m) {
+    EXPECT_TRUE((*t)->Send(m));
+    EXPECT_TRUE(rec.WaitUntil([&](const auto& ms) { return Answered(ms, m.seq()); }))
+        << "no answer to seq " << m.seq() << " over " << endpoint;
+  };
+  send_and_wait(Hello(0));
+
+  pb::EngineMessage batch;
+  batch.set_seq(1);
+  for (int i = 0; i < 6; ++i) AddRecord(&batch, "a" + std::to_string(i), Features(i));
+  AddRecord(&batch, "short", std::string(12, '\0'));          // wrong size
+  AddRecord(&batch, "nan", Features(9, std::nanf("")));      // NaN
+  AddRecord(&batch, "inf", Features(9, INFINITY));            // Inf
+  AddRecord(&batch, "a0", Features(11));                      // duplicate live id
+  AddRecord(&batch, "", Features(12));                        // empty id
+  AddRecord(&batch, std::string(300, 'x'), Features(13));     // id too long
+  send_and_wait(batch);
+  // The wrong-size record's error may come as its own message on shm.
+  EXPECT_TRUE(rec.WaitUntil([](const auto& ms) {
+    int errors = 0;
+    for (const auto& m : ms) {
+      if (m.seq() == 1 && m.has_predictions()) errors += m.predictions().errors_size();
+    }
+    return errors == 6;
+  }));
+
+  pb::EngineMessage done;
+  done.set_seq(2);
+  AddCompletion(&done, "a0", 400, pb::FINISH_REASON_STOP);
+  AddCompletion(&done, "a1", 30, pb::FINISH_REASON_STOP);
+  AddCompletion(&done, "ghost", 5, pb::FINISH_REASON_STOP);          // unknown
+  AddCompletion(&done, "a2", -5, pb::FINISH_REASON_STOP);            // bad count
+  AddCompletion(&done, "a3", 7, pb::FINISH_REASON_UNSPECIFIED);      // bad reason
+  send_and_wait(done);
+  // Two completions learned (batch 1): versions 2 and 3 publish; the live
+  // requests a2..a5 are rescored at version 3.
+  EXPECT_TRUE(rec.WaitUntil([](const auto& ms) {
+    std::set<std::string> v3;
+    for (const auto& m : ms) {
+      if (m.has_rescore() && m.rescore().version() == 3) {
+        for (const auto& p : m.rescore().predictions()) v3.insert(p.request_id());
+      }
+    }
+    return v3.size() == 4;
+  })) << "no rescore of the live requests at version 3 over " << endpoint;
+
+  pb::EngineMessage more;
+  more.set_seq(3);
+  for (int i = 0; i < 3; ++i) AddRecord(&more, "b" + std::to_string(i), Features(20 + i));
+  send_and_wait(more);
+
+  pb::EngineMessage cancels;
+  cancels.set_seq(4);
+  cancels.mutable_cancels()->add_request_ids("a5");
+  cancels.mutable_cancels()->add_request_ids("ghost2");
+  send_and_wait(cancels);
+  send_and_wait(Hello(5));  // a second hello is a message-level error
+  pb::EngineMessage empty;
+  empty.set_seq(6);
+  send_and_wait(empty);
+  pb::EngineMessage cancelled;
+  cancelled.set_seq(7);
+  AddCompletion(&cancelled, "a4", 12, pb::FINISH_REASON_CANCELLED);
+  send_and_wait(cancelled);
+  return Normalize(rec.messages());
+}
+
+TEST(ShmTransport, ConformsToGrpcConnect) {
+  Outcome grpc_outcome, shm_outcome;
+  {
+    Leapd l = StartLeapd("grpc");
+    ASSERT_NE(l.proc, nullptr);
+    grpc_outcome = RunScenario(l.sock);
+  }
+  {
+    Leapd l = StartLeapd("shm");
+    ASSERT_NE(l.proc, nullptr);
+    shm_outcome = RunScenario("shm://" + l.shm);
+    EXPECT_NE(shm_outcome.sidecar_id.find("/shm-"), std::string::npos)
+        << "the shm scenario did not run over shm: " << shm_outcome.sidecar_id;
+  }
+  ASSERT_EQ(grpc_outcome.answers.size(), 8u);
+  ASSERT_EQ(shm_outcome.answers.size(), 8u);
+  for (const auto& [seq, text] : grpc_outcome.answers) {
+    EXPECT_EQ(text, shm_outcome.answers[seq]) << "answer to seq " << seq;
+  }
+  EXPECT_EQ(grpc_outcome.rescore_v3, shm_outcome.rescore_v3);
+  EXPECT_EQ(grpc_outcome.rescore_v3.size(), 4u);
+  EXPECT_EQ(grpc_outcome.published, shm_outcome.published);
+  EXPECT_TRUE(grpc_outcome.published.count(3));
+  // The scenario is not vacuous: the later predictions use the learned
+  // version and differ between requests.
+  const std::string& b = grpc_outcome.answers[3];
+  EXPECT_NE(b.find("version: 3"), std::string::npos) << b;
+  EXPECT_NE(grpc_outcome.answers[1].find("code: 6"), std::string::npos);
+}
+
+// ------------------------------------------------------- hostile engines
+
+shim::ShmChannelOptions ChannelOptions(const std::string& path,
+                                       uint32_t slots = 16) {
+  shim::ShmChannelOptions o;
+  o.path = path;
+  o.hello.set_engine_id("probe");
+  o.hello.set_dim(kDim);
+  o.hello.set_dtype(pb::FEATURE_DTYPE_FLOAT32);
+  o.slots = slots;
+  o.ring_bytes = 1 << 16;
+  o.timeout = absl::Seconds(10);
+  return o;
+}
+
+// Receives until a predictions frame (or a proto) answering `seq`.
+shim::ShmIncoming AwaitAnswer(shim::ShmChannel& ch, uint64_t seq) {
+  shim::ShmIncoming in;
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  while (absl::Now() < deadline) {
+    absl::Status s = ch.Receive(&in, absl::Seconds(1));
+    if (absl::IsDeadlineExceeded(s)) continue;
+    EXPECT_TRUE(s.ok()) << s;
+    if (!s.ok()) break;
+    if (in.kind != shim::ShmIncoming::Kind::kReleased && in.seq == seq) return in;
+  }
+  ADD_FAILURE() << "no answer to seq " << seq;
+  return in;
+}
+
+// One good prediction through `ch` (the engine is still served).
+void ExpectServed(shim::ShmChannel& ch, const std::string& id, uint64_t seq) {
+  const int64_t slot = ch.AcquireSlot();
+  ASSERT_GE(slot, 0);
+  const std::string x = Features(seq);
+  std::memcpy(ch.slot(static_cast<uint32_t>(slot)), x.data(), x.size());
+  shim::ShmChannel::Record r{static_cast<uint32_t>(slot), id, "", 0};
+  ASSERT_TRUE(ch.SendFeatures(seq, {&r, 1}).ok());
+  ch.Flush();
+  shim::ShmIncoming in = AwaitAnswer(ch, seq);
+  ASSERT_EQ(in.kind, shim::ShmIncoming::Kind::kPredictions);
+  ASSERT_EQ(in.predictions.size(), 1u);
+  EXPECT_EQ(in.predictions[0].request_id, id);
+  EXPECT_EQ(in.predictions[0].slot, static_cast<uint32_t>(slot));
+}
+
+TEST(ShmTransport, RefusesBadRecordsAndCorruptRingsAndKeepsServing) {
+  Leapd l = StartLeapd("hostile");
+  ASSERT_NE(l.proc, nullptr);
+  pb::SidecarMessage ack;
+  auto good = shim::ShmChannel::Attach(ChannelOptions(l.shm), &ack);
+  ASSERT_TRUE(good.ok()) << good.status();
+  auto bad = shim::ShmChannel::Attach(ChannelOptions(l.shm), &ack);
+  ASSERT_TRUE(bad.ok()) << bad.status();
+  ExpectServed(**good, "g1", 1);
+
+  // A slot index out of range and a slot still held by a live request.
+  {
+    std::string payload(sizeof(shm::FeaturesHead), '\0');
+    shm::FeaturesHead head{7, 2, 0};
+    std::memcpy(payload.data(), &head, sizeof(head));
+    std::string rec(shm::FeatureRecordBytes(2, 0), '\0');
+    shm::WriteFeatureRecord(rec.data(), 1u << 30, 0, "o1", "");
+    payload += rec;
+    const int64_t slot = (*bad)->AcquireSlot();
+    const std::string x = Features(3);
+    std::memcpy((*bad)->slot(static_cast<uint32_t>(slot)), x.data(), x.size());
+    shm::WriteFeatureRecord(rec.data(), static_cast<uint32_t>(slot), 0, "o2", "");
+    payload += rec;
+    ASSERT_TRUE((*bad)->SendRawForTesting(shm::FrameKind::kFeatures, payload).ok());
+    (*bad)->Flush();
+    shim::ShmIncoming in = AwaitAnswer(**bad, 7);
+    ASSERT_EQ(in.kind, shim::ShmIncoming::Kind::kPredictions);
+    ASSERT_EQ(in.errors.size(), 1u);
+    EXPECT_EQ(in.errors[0].code, 3);
+    EXPECT_NE(in.errors[0].message.find("out of range"), absl::string_view::npos)
+        << in.errors[0].message;
+    ASSERT_EQ(in.predictions.size(), 1u);  // o2 is live and holds its slot
+    // Reusing o2's slot while it is live is refused.
+    std::string again(sizeof(shm::FeaturesHead), '\0');
+    shm::FeaturesHead h2{8, 1, 0};
+    std::memcpy(again.data(), &h2, sizeof(h2));
+    shm::WriteFeatureRecord(rec.data(), static_cast<uint32_t>(slot), 0, "o3", "");
+    again += rec;
+    ASSERT_TRUE((*bad)->SendRawForTesting(shm::FrameKind::kFeatures, again).ok());
+    (*bad)->Flush();
+    in = AwaitAnswer(**bad, 8);
+    ASSERT_EQ(in.errors.size(), 1u);
+    EXPECT_NE(in.errors[0].message.find("still held"), absl::string_view::npos);
+  }
+  // A record count that overruns its frame, and an unknown frame kind.
+  {
+    std::string payload(sizeof(shm::FeaturesHead), '\0');
+    shm::FeaturesHead head{9, 1000, 0};
+    std::memcpy(payload.data(), &head, sizeof(head));
+    ASSERT_TRUE((*bad)->SendRawForTesting(shm::FrameKind::kFeatures, payload).ok());
+    ASSERT_TRUE((*bad)->SendRawForTesting(static_cast<shm::FrameKind>(77), "zz").ok());
+    (*bad)->Flush();
+    shim::ShmIncoming in = AwaitAnswer(**bad, 9);
+    ASSERT_EQ(in.kind, shim::ShmIncoming::Kind::kProto);
+    EXPECT_EQ(in.proto.error().code(), 3);
+    EXPECT_NE(in.proto.error().message().find("claims 1000 records"), std::string::npos)
+        << in.proto.error().message();
+  }
+  ExpectServed(**bad, "b-still", 10);
+
+  // A corrupt ring: the tail jumps far past the head. leapd never follows
+  // it; it detaches that engine with the reason and serves the other.
+  (*bad)->CorruptRingForTesting();
+  {
+    shim::ShmIncoming in;
+    absl::Status s;
+    const absl::Time deadline = absl::Now() + absl::Seconds(30);
+    do {
+      s = (*bad)->Receive(&in, absl::Milliseconds(200));
+    } while ((s.ok() || absl::IsDeadlineExceeded(s)) && absl::Now() < deadline);
+    EXPECT_TRUE(absl::IsUnavailable(s)) << s;
+    EXPECT_NE((*bad)->close_reason().find("corrupt"), std::string::npos)
+        << (*bad)->close_reason();
+  }
+  ExpectServed(**good, "g2", 11);
+}
+
+TEST(ShmTransport, RefusedAttachSaysWhy) {
+  Leapd l = StartLeapd("refuse");
+  ASSERT_NE(l.proc, nullptr);
+  pb::SidecarMessage ack;
+  auto o = ChannelOptions(l.shm);
+  o.hello.set_dim(48);  // no readout takes 48 values
+  auto ch = shim::ShmChannel::Attach(o, &ack);
+  ASSERT_FALSE(ch.ok());
+  EXPECT_TRUE(absl::IsFailedPrecondition(ch.status())) << ch.status();
+  EXPECT_NE(ch.status().message().find("no readout takes dim 48"), absl::string_view::npos)
+      << ch.status();
+  o = ChannelOptions(l.shm, /*slots=*/1u << 20);
+  ch = shim::ShmChannel::Attach(o, &ack);
+  ASSERT_FALSE(ch.ok());
+  EXPECT_TRUE(absl::IsResourceExhausted(ch.status())) << ch.status();
+  ch = shim::ShmChannel::Attach(ChannelOptions("/nonexistent/leap.shm"), &ack);
+  EXPECT_TRUE(absl::IsUnavailable(ch.status())) << ch.status();
+  // The Client surfaces a refusal as an error event instead of hanging.
+  auto t = shim::Dial("shm://" + l.shm, absl::Seconds(10));
+  ASSERT_TRUE(t.ok());
+  Recorder rec(t->get());
+  pb::EngineMessage hello = Hello(0);
+  hello.mutable_hello()->set_dim(48);
+  ASSERT_TRUE((*t)->Send(hello));
+  ASSERT_TRUE(rec.WaitUntil([](const auto& ms) { return !ms.empty(); }));
+  const auto ms = rec.messages();
+  ASSERT_TRUE(ms[0].has_error());
+  EXPECT_NE(ms[0].error().message().find("no readout takes dim 48"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace leap
