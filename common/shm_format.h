@@ -123,6 +123,7 @@ enum class FrameKind : uint16_t {
   kFeatures = 2,     // engine -> leapd: records whose features are in slots
   kPredictions = 3,  // leapd -> engine: the answer to one kFeatures frame
   kRelease = 4,      // leapd -> engine: slots leapd no longer reads
+  kCancels = 5,      // engine -> leapd: a CancelBatch without protobuf
 };
 
 struct FrameHeader {
@@ -227,6 +228,11 @@ struct ErrorRecordHead {
   uint16_t message_len;
   uint32_t reserved;
 };  // then id, message, padding to 8
+struct CancelsHead {
+  uint64_t seq;
+  uint32_t count;
+  uint32_t reserved;
+};  // then count x (uint16 length, id bytes), unpadded
 struct ReleaseHead {
   uint32_t count;
   uint32_t reserved;

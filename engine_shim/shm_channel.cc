@@ -227,6 +227,19 @@ int64_t ShmChannel::AcquireSlot() {
   return s;
 }
 
+int ShmChannel::AcquireSlots(int n, std::vector<uint32_t>* out) {
+  absl::MutexLock lock(&free_mu_);
+  int got = 0;
+  while (got < n && !free_.empty()) {
+    const uint32_t s = free_.back();
+    free_.pop_back();
+    busy_[s] = 1;
+    out->push_back(s);
+    ++got;
+  }
+  return got;
+}
+
 void ShmChannel::ReturnSlot(uint32_t slot) {
   absl::MutexLock lock(&free_mu_);
   if (slot < busy_.size() && busy_[slot]) {
@@ -283,6 +296,31 @@ absl::Status ShmChannel::SendFeatures(uint64_t seq,
   for (const Record& r : records) {
     at += shm::WriteFeatureRecord(p + at, r.slot, r.max_tokens, r.request_id,
                                   r.product_line);
+  }
+  out_.Commit();
+  dirty_ = true;
+  return absl::OkStatus();
+}
+
+absl::Status ShmChannel::SendCancels(uint64_t seq,
+                                     absl::Span<const absl::string_view> ids) {
+  size_t bytes = sizeof(shm::CancelsHead);
+  for (absl::string_view id : ids) {
+    if (id.size() > 0xffff) {
+      return absl::InvalidArgumentError("request id longer than 65535 bytes");
+    }
+    bytes += sizeof(uint16_t) + id.size();
+  }
+  char* p;
+  if (absl::Status s = Reserve(bytes, FrameKind::kCancels, &p); !s.ok()) return s;
+  const shm::CancelsHead head{seq, static_cast<uint32_t>(ids.size()), 0};
+  std::memcpy(p, &head, sizeof(head));
+  size_t at = sizeof(head);
+  for (absl::string_view id : ids) {
+    const uint16_t len = static_cast<uint16_t>(id.size());
+    std::memcpy(p + at, &len, sizeof(len));
+    std::memcpy(p + at + sizeof(len), id.data(), id.size());
+    at += sizeof(len) + id.size();
   }
   out_.Commit();
   dirty_ = true;

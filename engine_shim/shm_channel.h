@@ -105,6 +105,11 @@ class ShmChannel {
   // The slots belong to leapd until it releases them.
   absl::Status SendFeatures(uint64_t seq, absl::Span<const Record> records);
   absl::Status SendProto(const leap::v1::EngineMessage& m);
+  // A CancelBatch as one kCancels frame (no protobuf on either side);
+  // answered by an Ack like the proto message.
+  absl::Status SendCancels(uint64_t seq, absl::Span<const absl::string_view> ids);
+  // Up to `n` free slots appended to `out` (one lock); returns how many.
+  int AcquireSlots(int n, std::vector<uint32_t>* out);
   // Makes queued frames visible and wakes leapd if it sleeps.
   void Flush();
 

@@ -67,6 +67,13 @@ class ShmTransport final : public Transport {
     if (m.has_hello() && ch == nullptr) return Attach(m);
     if (ch == nullptr) return false;
     if (m.has_features()) return SendFeatures(ch, m);
+    if (m.has_cancels()) {
+      const auto& ids = m.cancels().request_ids();
+      std::vector<absl::string_view> views(ids.begin(), ids.end());
+      if (!ch->SendCancels(m.seq(), views).ok()) return false;
+      ch->Flush();
+      return true;
+    }
     if (!ch->SendProto(m).ok()) return false;
     ch->Flush();
     return true;

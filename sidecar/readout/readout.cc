@@ -147,6 +147,57 @@ absl::StatusOr<double> FoldedReadout::Score(const FeatureView& x) const {
   return static_cast<double>(dot) + b_;
 }
 
+void FoldedReadout::ScoreRows(const FeatureView* xs, int64_t n, double* scores,
+                              absl::Status* status) const {
+  const internal::Kernels& k = internal::BestKernels();
+  int64_t i = 0;
+  while (i < n) {
+    const FeatureView& x = xs[i];
+    const bool rows_kernel = x.dim == dim() && x.data != nullptr &&
+                             x.stride == 1 &&
+                             (x.dtype == DType::kFloat32 ||
+                              x.dtype == DType::kBFloat16);
+    if (!rows_kernel) {
+      absl::StatusOr<double> s = Score(x);
+      status[i] = s.status();
+      scores[i] = s.ok() ? *s : 0.0;
+      ++i;
+      continue;
+    }
+    // The run of up to kMaxRows rows like this one.
+    int rows = 1;
+    while (rows < internal::kMaxRows && i + rows < n &&
+           xs[i + rows].dtype == x.dtype && xs[i + rows].dim == x.dim &&
+           xs[i + rows].stride == 1 && xs[i + rows].data != nullptr) {
+      ++rows;
+    }
+    float dots[internal::kMaxRows];
+    if (x.dtype == DType::kFloat32) {
+      const float* p[internal::kMaxRows];
+      for (int r = 0; r < rows; ++r) p[r] = static_cast<const float*>(xs[i + r].data);
+      k.dot_rows_f32(w_.data(), p, rows, dim(), dots);
+    } else {
+      const uint16_t* p[internal::kMaxRows];
+      for (int r = 0; r < rows; ++r) p[r] = static_cast<const uint16_t*>(xs[i + r].data);
+      k.dot_rows_bf16(w_bf16_.data(), p, rows, dim(), dots);
+    }
+    for (int r = 0; r < rows; ++r) {
+      if (std::isfinite(dots[r])) {
+        status[i + r] = absl::OkStatus();
+        scores[i + r] = static_cast<double>(dots[r]) + b_;
+      } else {
+        absl::StatusOr<double> s = Score(xs[i + r]);  // names the bad element
+        status[i + r] = s.ok() ? absl::InvalidArgumentError(
+                                     "score overflowed: feature magnitudes too "
+                                     "large for the readout")
+                               : s.status();
+        scores[i + r] = 0.0;
+      }
+    }
+    i += rows;
+  }
+}
+
 absl::StatusOr<double> FoldedReadout::PredictTokens(
     const FeatureView& x) const {
   absl::StatusOr<double> s = Score(x);

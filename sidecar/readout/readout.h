@@ -72,6 +72,12 @@ class FoldedReadout {
   absl::StatusOr<double> Score(const FeatureView& x) const;
   // clip(Score(x), 1, sqrt(M))^2.
   absl::StatusOr<double> PredictTokens(const FeatureView& x) const;
+  // Score of each of `n` rows into scores[r] (errors as Score's, per row in
+  // status[r]). Contiguous fp32 and bf16 rows are scored up to four per pass
+  // over w; each row's result is the same whatever the other rows are (it
+  // may differ from Score's in the last bits: another summation order).
+  void ScoreRows(const FeatureView* xs, int64_t n, double* scores,
+                 absl::Status* status) const;
 
   int64_t dim() const { return static_cast<int64_t>(w_.size()); }
   const std::vector<float>& w() const { return w_; }

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdio>
 
+#include "absl/container/inlined_vector.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
@@ -329,75 +330,181 @@ absl::Status Core::CheckRequest(const ScoreRequest& r) const {
 absl::StatusOr<ScoreResult> Core::Predict(const ScoreRequest& req,
                                           uint64_t session,
                                           std::shared_ptr<LiveRequest>* live) {
-  const int64_t t0 = NowNs();
-  RETURN_IF_ERROR(CheckRequest(req));
-  auto table = routes_.load();
-  ASSIGN_OR_RETURN(const Route* route, table->Find(req.product_line));
-  const ArmChoice choice = RoutingTable::Choose(*route, req.request_id);
-  auto map = readouts_.load();
-  auto it = map->find(choice.serving->readout);
-  if (it == map->end()) {
-    return absl::NotFoundError(absl::StrCat(
-        "route of '", route->product_line, "' names unknown readout '",
-        choice.serving->readout, "'"));
-  }
-  LiveReadout& serving = *it->second;
-  const int64_t dim = serving.spec().dim;
-  const size_t want = static_cast<size_t>(dim) * readout::DTypeSize(req.dtype);
-  if (req.features.size() != want) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "feature size mismatch for readout '", serving.name(), "': expected ",
-        dim, " ", readout::DTypeName(req.dtype), " values (", want,
-        " bytes), got ", req.features.size(), " bytes"));
-  }
-  auto r = std::make_shared<LiveRequest>();
-  r->request_id = std::string(req.request_id);
-  r->product_line = std::string(req.product_line);
-  r->route_key = route->product_line;
-  r->dtype = req.dtype;
-  r->dim = dim;
-  if (req.external_keepalive != nullptr) {
-    r->external = req.features.data();
-    r->keepalive = req.external_keepalive;
-  } else if (req.owned_features != nullptr) {
-    r->features.swap(*req.owned_features);
-  } else {
-    r->features = std::string(req.features);
-  }
-  r->request_max_tokens = req.request_max_tokens;
-  r->session = session;
+  std::vector<absl::StatusOr<ScoreResult>> results;
+  std::vector<std::shared_ptr<LiveRequest>> lives;
+  PredictBatch({&req, 1}, session, &results, &lives);
+  if (live != nullptr) *live = std::move(lives[0]);
+  return std::move(results[0]);
+}
 
-  auto version = serving.current();
-  ASSIGN_OR_RETURN(const double score, version->folded.Score(r->view()));
-  ScoreResult result{choice.serving->name, serving.name(), version->version,
-                     readout::TokensFromScore(score, serving.spec().max_tokens),
-                     score};
-  r->scores.push_back({result.arm, result.readout, result.version,
-                       result.predicted_tokens, false, it->second});
-  std::vector<const sidecar::Arm*> scored_shadows;
-  for (const sidecar::Arm* shadow : choice.shadows) {
-    auto sit = map->find(shadow->readout);
-    if (sit == map->end() || sit->second->spec().dim != dim) continue;
-    auto sv = sit->second->current();
-    auto s = sv->folded.PredictTokens(r->view());
-    if (!s.ok()) continue;
-    r->scores.push_back(
-        {shadow->name, shadow->readout, sv->version, *s, true, sit->second});
-    scored_shadows.push_back(shadow);
+void Core::PredictBatch(absl::Span<const ScoreRequest> reqs, uint64_t session,
+                        std::vector<absl::StatusOr<ScoreResult>>* results,
+                        std::vector<std::shared_ptr<LiveRequest>>* lives) {
+  const int64_t t0 = NowNs();
+  const size_t n = reqs.size();
+  results->assign(n, absl::StatusOr<ScoreResult>(absl::UnknownError("unscored")));
+  lives->assign(n, nullptr);
+  auto table = routes_.load();
+  auto map = readouts_.load();
+  struct Item {
+    size_t i;
+    const Route* route;
+    ArmChoice choice;
+    LiveReadout* serving;
+    const PublishedVersion* version;
+    std::vector<const sidecar::Arm*> scored_shadows;
+  };
+  absl::InlinedVector<Item, 64> items;
+  // One version per serving readout for the whole batch, so its rows are
+  // scored together.
+  std::vector<std::pair<LiveReadout*, std::shared_ptr<const PublishedVersion>>>
+      versions;
+  for (size_t i = 0; i < n; ++i) {
+    const ScoreRequest& req = reqs[i];
+    if (absl::Status s = CheckRequest(req); !s.ok()) {
+      (*results)[i] = s;
+      continue;
+    }
+    absl::StatusOr<const Route*> route = table->Find(req.product_line);
+    if (!route.ok()) {
+      (*results)[i] = route.status();
+      continue;
+    }
+    ArmChoice choice = RoutingTable::Choose(**route, req.request_id);
+    auto it = map->find(choice.serving->readout);
+    if (it == map->end()) {
+      (*results)[i] = absl::NotFoundError(absl::StrCat(
+          "route of '", (*route)->product_line, "' names unknown readout '",
+          choice.serving->readout, "'"));
+      continue;
+    }
+    LiveReadout& serving = *it->second;
+    const int64_t dim = serving.spec().dim;
+    const size_t want = static_cast<size_t>(dim) * readout::DTypeSize(req.dtype);
+    if (req.features.size() != want) {
+      (*results)[i] = absl::InvalidArgumentError(absl::StrCat(
+          "feature size mismatch for readout '", serving.name(), "': expected ",
+          dim, " ", readout::DTypeName(req.dtype), " values (", want,
+          " bytes), got ", req.features.size(), " bytes"));
+      continue;
+    }
+    auto r = std::make_shared<LiveRequest>();
+    r->request_id = std::string(req.request_id);
+    r->product_line = std::string(req.product_line);
+    r->route_key = (*route)->product_line;
+    r->dtype = req.dtype;
+    r->dim = dim;
+    if (req.external_keepalive != nullptr) {
+      r->external = req.features.data();
+      r->keepalive = req.external_keepalive;
+    } else if (req.owned_features != nullptr) {
+      r->features.swap(*req.owned_features);
+    } else {
+      r->features = std::string(req.features);
+    }
+    r->request_max_tokens = req.request_max_tokens;
+    r->session = session;
+    const PublishedVersion* version = nullptr;
+    for (const auto& [ro, v] : versions) {
+      if (ro == &serving) version = v.get();
+    }
+    if (version == nullptr) {
+      versions.emplace_back(&serving, serving.current());
+      version = versions.back().second.get();
+    }
+    (*lives)[i] = std::move(r);
+    items.push_back({i, *route, std::move(choice), &serving, version, {}});
   }
-  RETURN_IF_ERROR(cache_.Insert(r, t0));
+
+  // Score the rows of each version together.
+  std::vector<readout::FeatureView> views;
+  std::vector<double> scores;
+  std::vector<absl::Status> status;
+  std::vector<Item*> group;
+  for (const auto& [ro, v] : versions) {
+    group.clear();
+    views.clear();
+    for (Item& item : items) {
+      if (item.version != v.get()) continue;
+      group.push_back(&item);
+      views.push_back((*lives)[item.i]->view());
+    }
+    scores.assign(group.size(), 0.0);
+    status.assign(group.size(), absl::OkStatus());
+    v->folded.ScoreRows(views.data(), static_cast<int64_t>(views.size()),
+                        scores.data(), status.data());
+    for (size_t g = 0; g < group.size(); ++g) {
+      Item& item = *group[g];
+      if (!status[g].ok()) {
+        (*results)[item.i] = status[g];
+        (*lives)[item.i] = nullptr;
+        continue;
+      }
+      LiveRequest& r = *(*lives)[item.i];
+      ScoreResult result{item.choice.serving->name, item.serving->name(),
+                         v->version,
+                         readout::TokensFromScore(scores[g],
+                                                  item.serving->spec().max_tokens),
+                         scores[g]};
+      r.scores.push_back({result.arm, result.readout, result.version,
+                          result.predicted_tokens, false,
+                          map->find(result.readout)->second});
+      (*results)[item.i] = std::move(result);
+    }
+  }
+  // Shadow arms (rare): one row at a time.
+  for (Item& item : items) {
+    LiveRequest* r = (*lives)[item.i].get();
+    if (r == nullptr) continue;
+    for (const sidecar::Arm* shadow : item.choice.shadows) {
+      auto sit = map->find(shadow->readout);
+      if (sit == map->end() || sit->second->spec().dim != r->dim) continue;
+      auto sv = sit->second->current();
+      auto s = sv->folded.PredictTokens(r->view());
+      if (!s.ok()) continue;
+      r->scores.push_back(
+          {shadow->name, shadow->readout, sv->version, *s, true, sit->second});
+      item.scored_shadows.push_back(shadow);
+    }
+  }
+
+  std::vector<absl::Status> inserted;
+  cache_.InsertBatch(*lives, t0, &inserted);
   // Counted only once the request is live (duplicates are errors).
-  serving.metrics().predictions_serving->Increment();
-  Arm(route->product_line, *choice.serving)->predictions.fetch_add(1);
-  for (const sidecar::Arm* shadow : scored_shadows) {
-    map->find(shadow->readout)->second->metrics().predictions_shadow->Increment();
-    Arm(route->product_line, *shadow)->predictions.fetch_add(1);
+  const sidecar::Arm* last_arm = nullptr;
+  const Route* last_route = nullptr;
+  ArmState* last_state = nullptr;
+  const double seconds = (NowNs() - t0) * 1e-9;
+  // Counter increments per readout, once per batch.
+  absl::InlinedVector<std::pair<LiveReadout*, double>, 2> served;
+  for (Item& item : items) {
+    if ((*lives)[item.i] == nullptr) continue;
+    if (!inserted[item.i].ok()) {
+      (*results)[item.i] = inserted[item.i];
+      (*lives)[item.i] = nullptr;
+      continue;
+    }
+    if (served.empty() || served.back().first != item.serving) {
+      served.emplace_back(item.serving, 0.0);
+    }
+    served.back().second += 1;
+    if (item.choice.serving != last_arm || item.route != last_route) {
+      last_arm = item.choice.serving;
+      last_route = item.route;
+      last_state = Arm(item.route->product_line, *item.choice.serving);
+    }
+    last_state->predictions.fetch_add(1, std::memory_order_relaxed);
+    for (const sidecar::Arm* shadow : item.scored_shadows) {
+      map->find(shadow->readout)->second->metrics().predictions_shadow->Increment();
+      Arm(item.route->product_line, *shadow)->predictions.fetch_add(1);
+    }
+    metrics_->prediction_latency().Observe(seconds);
+  }
+  for (const auto& [ro, count] : served) {
+    ro->metrics().predictions_serving->Increment(count);
   }
   metrics_->cache_bytes().Set(static_cast<double>(cache_.bytes()));
   metrics_->cache_entries().Set(static_cast<double>(cache_.size()));
-  metrics_->prediction_latency().Observe((NowNs() - t0) * 1e-9);
-  if (live != nullptr) *live = std::move(r);
-  return result;
 }
 
 absl::StatusOr<CompletionOutcome> Core::Complete(absl::string_view request_id,

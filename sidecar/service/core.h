@@ -14,6 +14,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/types/span.h"
 #include "absl/synchronization/mutex.h"
 #include "sidecar/readout/artifact.h"
 #include "sidecar/readout/target.h"
@@ -121,6 +122,13 @@ class Core {
   absl::StatusOr<ScoreResult> Predict(const ScoreRequest& request,
                                       uint64_t session,
                                       std::shared_ptr<LiveRequest>* live);
+  // Predict for each request, in order, with one routing snapshot, one
+  // cache lock and the rows of each readout scored together (up to four
+  // per pass over its weights). results[i] / lives[i] are what Predict
+  // would return for requests[i] after the ones before it.
+  void PredictBatch(absl::Span<const ScoreRequest> requests, uint64_t session,
+                    std::vector<absl::StatusOr<ScoreResult>>* results,
+                    std::vector<std::shared_ptr<LiveRequest>>* lives);
   // How a live request ended: learned or skipped by rule. NOT_FOUND
   // (counted) for an unknown id; INVALID_ARGUMENT for bad counts, with the
   // request left live.

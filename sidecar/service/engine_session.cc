@@ -92,15 +92,19 @@ void HandleEngineMessage(Core* core, uint64_t session, const pb::Hello& hello,
       pb::PredictionBatch* batch = out->mutable_predictions();
       const int64_t want =
           hello.dim() * static_cast<int64_t>(readout::DTypeSize(dtype));
-      for (auto& r : *in->mutable_features()->mutable_records()) {
+      // Size errors first pass; the rest scored as one batch; answers in
+      // record order.
+      std::vector<ScoreRequest> reqs;
+      std::vector<int> req_of(records.size(), -1);
+      std::vector<absl::Status> size_error(records.size());
+      auto* mutable_records = in->mutable_features()->mutable_records();
+      for (int k = 0; k < records.size(); ++k) {
+        auto& r = (*mutable_records)[k];
         if (static_cast<int64_t>(r.features().size()) != want) {
-          AddRequestError(
-              r.request_id(),
-              absl::InvalidArgumentError(absl::StrCat(
-                  "record has ", r.features().size(),
-                  " bytes of features; hello declared dim ", hello.dim(), " ",
-                  readout::DTypeName(dtype), " (", want, " bytes)")),
-              batch->mutable_errors(), metrics);
+          size_error[k] = absl::InvalidArgumentError(absl::StrCat(
+              "record has ", r.features().size(),
+              " bytes of features; hello declared dim ", hello.dim(), " ",
+              readout::DTypeName(dtype), " (", want, " bytes)"));
           continue;
         }
         ScoreRequest req;
@@ -110,8 +114,20 @@ void HandleEngineMessage(Core* core, uint64_t session, const pb::Hello& hello,
         req.owned_features = r.mutable_features();
         req.dtype = dtype;
         req.request_max_tokens = r.decoding().max_tokens();
-        std::shared_ptr<LiveRequest> live;
-        absl::StatusOr<ScoreResult> s = core->Predict(req, session, &live);
+        req_of[k] = static_cast<int>(reqs.size());
+        reqs.push_back(req);
+      }
+      std::vector<absl::StatusOr<ScoreResult>> results;
+      std::vector<std::shared_ptr<LiveRequest>> lives;
+      core->PredictBatch(reqs, session, &results, &lives);
+      for (int k = 0; k < records.size(); ++k) {
+        const auto& r = records[k];
+        if (req_of[k] < 0) {
+          AddRequestError(r.request_id(), size_error[k], batch->mutable_errors(),
+                          metrics);
+          continue;
+        }
+        const absl::StatusOr<ScoreResult>& s = results[req_of[k]];
         if (!s.ok()) {
           AddRequestError(r.request_id(), s.status(), batch->mutable_errors(),
                           metrics);
@@ -122,7 +138,7 @@ void HandleEngineMessage(Core* core, uint64_t session, const pb::Hello& hello,
         // rescores it. A rescore may then reach the engine before this
         // prediction; both carry the version and the newer one wins (the
         // shim's scheduler and binding compare versions).
-        tracker->Track(std::move(live));
+        tracker->Track(std::move(lives[req_of[k]]));
       }
       break;
     }
@@ -151,16 +167,9 @@ void HandleEngineMessage(Core* core, uint64_t session, const pb::Hello& hello,
       break;
     }
     case pb::EngineMessage::kCancels: {
-      pb::Ack* ack = out->mutable_ack();
-      for (const auto& id : in->cancels().request_ids()) {
-        absl::Status s = core->Cancel(id);
-        if (!s.ok()) {
-          AddRequestError(id, s, ack->mutable_errors(), metrics);
-          continue;
-        }
-        tracker->Untrack(id);
-        ack->set_accepted(ack->accepted() + 1);
-      }
+      const auto& ids = in->cancels().request_ids();
+      std::vector<absl::string_view> views(ids.begin(), ids.end());
+      CancelRequests(core, views, out->mutable_ack(), tracker);
       break;
     }
     case pb::EngineMessage::kHello:
@@ -173,6 +182,19 @@ void HandleEngineMessage(Core* core, uint64_t session, const pb::Hello& hello,
           static_cast<int>(absl::StatusCode::kInvalidArgument));
       out->mutable_error()->set_message("empty engine message");
       break;
+  }
+}
+
+void CancelRequests(Core* core, absl::Span<const absl::string_view> ids,
+                    pb::Ack* ack, LiveTracker* tracker) {
+  for (absl::string_view id : ids) {
+    absl::Status s = core->Cancel(id);
+    if (!s.ok()) {
+      AddRequestError(std::string(id), s, ack->mutable_errors(), core->metrics());
+      continue;
+    }
+    tracker->Untrack(id);
+    ack->set_accepted(ack->accepted() + 1);
   }
 }
 

@@ -22,7 +22,7 @@ class LiveTracker {
  public:
   virtual ~LiveTracker() = default;
   virtual void Track(std::shared_ptr<LiveRequest> r) = 0;
-  virtual void Untrack(const std::string& request_id) = 0;
+  virtual void Untrack(absl::string_view request_id) = 0;
 };
 
 // leap.v1 <-> Core conversions.
@@ -45,6 +45,10 @@ void HandleEngineMessage(Core* core, uint64_t session,
                          const leap::v1::Hello& hello, readout::DType dtype,
                          leap::v1::EngineMessage* in,
                          leap::v1::SidecarMessage* out, LiveTracker* tracker);
+
+// Cancels each id (answering into `ack` as a CancelBatch would be).
+void CancelRequests(Core* core, absl::Span<const absl::string_view> ids,
+                    leap::v1::Ack* ack, LiveTracker* tracker);
 
 // The rescored predictions of `live` requests served by readout `name`
 // under version `v` (requests that are gone or served by another readout

@@ -29,15 +29,19 @@ void FeatureCache::ExpireLocked(int64_t now_ns) {
   }
 }
 
-absl::Status FeatureCache::Insert(std::shared_ptr<LiveRequest> r,
-                                  int64_t now_ns) {
+void FeatureCache::PublishSizesLocked() {
+  bytes_seen_.store(bytes_, std::memory_order_relaxed);
+  size_seen_.store(static_cast<int64_t>(index_.size()), std::memory_order_relaxed);
+}
+
+absl::Status FeatureCache::InsertLocked(std::shared_ptr<LiveRequest> r,
+                                        int64_t now_ns) {
   const int64_t need = r->bytes();
   if (need > options_.max_bytes) {
     return absl::ResourceExhaustedError(
         absl::StrCat("request needs ", need, " bytes of feature cache, "
                      "capacity is ", options_.max_bytes));
   }
-  absl::MutexLock lock(&mu_);
   if (index_.count(r->request_id) != 0) {
     return absl::AlreadyExistsError(
         absl::StrCat("request id '", r->request_id, "' is already live"));
@@ -55,6 +59,25 @@ absl::Status FeatureCache::Insert(std::shared_ptr<LiveRequest> r,
   return absl::OkStatus();
 }
 
+absl::Status FeatureCache::Insert(std::shared_ptr<LiveRequest> r,
+                                  int64_t now_ns) {
+  absl::MutexLock lock(&mu_);
+  absl::Status s = InsertLocked(std::move(r), now_ns);
+  PublishSizesLocked();
+  return s;
+}
+
+void FeatureCache::InsertBatch(std::vector<std::shared_ptr<LiveRequest>>& rs,
+                               int64_t now_ns, std::vector<absl::Status>* status) {
+  status->resize(rs.size());
+  absl::MutexLock lock(&mu_);
+  for (size_t i = 0; i < rs.size(); ++i) {
+    if (rs[i] == nullptr) continue;
+    (*status)[i] = InsertLocked(rs[i], now_ns);
+  }
+  PublishSizesLocked();
+}
+
 absl::StatusOr<std::shared_ptr<LiveRequest>> FeatureCache::Take(
     absl::string_view id) {
   absl::MutexLock lock(&mu_);
@@ -66,6 +89,7 @@ absl::StatusOr<std::shared_ptr<LiveRequest>> FeatureCache::Take(
   }
   std::shared_ptr<LiveRequest> r = *it->second;
   EraseLocked(it->second);
+  PublishSizesLocked();
   return r;
 }
 
@@ -78,16 +102,7 @@ std::shared_ptr<LiveRequest> FeatureCache::Find(absl::string_view id) const {
 void FeatureCache::Expire(int64_t now_ns) {
   absl::MutexLock lock(&mu_);
   ExpireLocked(now_ns);
-}
-
-int64_t FeatureCache::bytes() const {
-  absl::MutexLock lock(&mu_);
-  return bytes_;
-}
-
-int64_t FeatureCache::size() const {
-  absl::MutexLock lock(&mu_);
-  return static_cast<int64_t>(index_.size());
+  PublishSizesLocked();
 }
 
 }  // namespace leap::sidecar

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/inlined_vector.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -52,8 +53,8 @@ struct LiveRequest {
   const char* external = nullptr;
   std::shared_ptr<void> keepalive;
   int64_t request_max_tokens = 0;
-  // Serving arm first, then shadows.
-  std::vector<ArmScore> scores;
+  // Serving arm first, then shadows (inline: no allocation without shadows).
+  absl::InlinedVector<ArmScore, 1> scores;
   // Connect session that owns it (0 = unary Predict).
   uint64_t session = 0;
   int64_t inserted_ns = 0;
@@ -92,6 +93,10 @@ class FeatureCache {
   // Adds `r` (ALREADY_EXISTS when its id is live; RESOURCE_EXHAUSTED when it
   // alone exceeds the capacity). Expires and evicts to make room.
   absl::Status Insert(std::shared_ptr<LiveRequest> r, int64_t now_ns);
+  // Insert for each of `rs` in order under one lock; status[i] says how
+  // rs[i] fared (as Insert would).
+  void InsertBatch(std::vector<std::shared_ptr<LiveRequest>>& rs,
+                   int64_t now_ns, std::vector<absl::Status>* status);
   // Removes and returns the request; NOT_FOUND when unknown.
   absl::StatusOr<std::shared_ptr<LiveRequest>> Take(absl::string_view id);
   // The request without removing it; null when unknown.
@@ -99,8 +104,9 @@ class FeatureCache {
   // Drops entries older than the TTL.
   void Expire(int64_t now_ns);
 
-  int64_t bytes() const;
-  int64_t size() const;
+  // Lock-free reads of the latest sizes.
+  int64_t bytes() const { return bytes_seen_.load(std::memory_order_relaxed); }
+  int64_t size() const { return size_seen_.load(std::memory_order_relaxed); }
   int64_t evicted_capacity() const { return evicted_capacity_.load(); }
   int64_t evicted_ttl() const { return evicted_ttl_.load(); }
 
@@ -108,6 +114,9 @@ class FeatureCache {
   using List = std::list<std::shared_ptr<LiveRequest>>;
   void EraseLocked(List::iterator it) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ExpireLocked(int64_t now_ns) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status InsertLocked(std::shared_ptr<LiveRequest> r, int64_t now_ns)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void PublishSizesLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const FeatureCacheOptions options_;
   const std::function<void(bool)> on_evict_;
@@ -116,6 +125,7 @@ class FeatureCache {
   absl::flat_hash_map<std::string, List::iterator> index_ ABSL_GUARDED_BY(mu_);
   int64_t bytes_ ABSL_GUARDED_BY(mu_) = 0;
   std::atomic<int64_t> evicted_capacity_{0}, evicted_ttl_{0};
+  std::atomic<int64_t> bytes_seen_{0}, size_seen_{0};
 };
 
 }  // namespace leap::sidecar

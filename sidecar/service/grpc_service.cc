@@ -78,7 +78,7 @@ class ConnectSession final : public PublishListener, public LiveTracker {
     live_[r->request_id] = std::move(r);
   }
 
-  void Untrack(const std::string& id) override {
+  void Untrack(absl::string_view id) override {
     absl::MutexLock lock(&live_mu_);
     live_.erase(id);
   }

@@ -164,7 +164,7 @@ struct Attachment final : public PublishListener, public LiveTracker {
       prune_at = std::max<size_t>(1024, 2 * live.size());
     }
   }
-  void Untrack(const std::string& id) override { live.erase(id); }
+  void Untrack(absl::string_view id) override { live.erase(id); }
   char* Slot(uint32_t i) const {
     return static_cast<char*>(mapping->base) + layout.slots_offset +
            uint64_t{layout.slot_bytes} * i;
@@ -184,6 +184,12 @@ struct ShmServer::Impl {
   uint64_t next_key = 1;  // epoll tags: key << 2 | kind
   std::mt19937_64 rng{std::random_device{}()};
   std::string scratch_p, scratch_e;
+  // HandleFeatures' reusable buffers.
+  std::vector<std::pair<shm::FeatureRecordView, int>> records_;
+  std::vector<ScoreRequest> reqs_;
+  std::vector<absl::StatusOr<ScoreResult>> results_;
+  std::vector<std::shared_ptr<LiveRequest>> lives_;
+  std::vector<absl::string_view> cancel_ids_;
   // Stats.
   std::atomic<int64_t> n_attached{0}, n_attaches{0}, n_refused{0},
       n_detaches{0}, n_corrupt{0}, n_reclaimed{0}, n_bad_records{0};
@@ -201,6 +207,7 @@ struct ShmServer::Impl {
   bool Service(Attachment& a);
   void HandleFeatures(Attachment& a, const char* payload, size_t bytes);
   void HandleProto(Attachment& a, const char* payload, size_t bytes);
+  void HandleCancels(Attachment& a, const char* payload, size_t bytes);
   void Emit(Attachment& a, FrameKind kind, const std::string& bytes);
   void EmitProto(Attachment& a, const pb::SidecarMessage& m);
   bool FlushPending(Attachment& a);
@@ -654,6 +661,9 @@ bool ShmServer::Impl::Service(Attachment& a) {
         case FrameKind::kProto:
           HandleProto(a, payload, h.bytes);
           break;
+        case FrameKind::kCancels:
+          HandleCancels(a, payload, h.bytes);
+          break;
         default: {
           pb::SidecarMessage m;
           m.mutable_error()->set_code(
@@ -769,45 +779,57 @@ void ShmServer::Impl::HandleFeatures(Attachment& a, const char* payload,
     ++n_err;
     metrics.RequestErrors(absl::StatusCodeToString(s.code())).Increment();
   };
+  // First pass: decode and check slots; then one PredictBatch; then the
+  // answers in record order.
+  records_.clear();
+  reqs_.clear();
   for (uint32_t i = 0; i < count; ++i) {
     shm::FeatureRecordView rec;
     if (absl::Status s = reader.Next(&rec); !s.ok()) {
-      if (n_pred + n_err > 0) flush();
+      // Nothing of this frame is scored: dropping the leases taken so far
+      // releases their slots.
+      reqs_.clear();
       frame_error(s);
       return;
     }
-    if (rec.slot >= a.layout.slot_count) {
+    int req = -1;
+    if (rec.slot < a.layout.slot_count && !a.held[rec.slot]) {
+      a.held[rec.slot] = 1;
+      ScoreRequest sr;
+      sr.request_id = rec.request_id;
+      sr.product_line = rec.product_line;
+      sr.features = absl::string_view(a.Slot(rec.slot), feature_bytes);
+      sr.dtype = a.dtype;
+      sr.request_max_tokens = rec.max_tokens;
+      sr.external_keepalive = std::make_shared<SlotLease>(a.mapping, rec.slot);
+      req = static_cast<int>(reqs_.size());
+      reqs_.push_back(std::move(sr));
+    }
+    records_.emplace_back(rec, req);
+  }
+  core->PredictBatch(reqs_, a.session, &results_, &lives_);
+  reqs_.clear();  // drops the leases of requests that failed: slots released
+  for (size_t k = 0; k < records_.size(); ++k) {
+    const auto& [rec, req] = records_[k];
+    if (req < 0) {
       n_bad_records.fetch_add(1);
       add_error(rec.slot, rec.request_id,
-                absl::InvalidArgumentError(absl::StrCat(
-                    "slot index ", rec.slot, " is out of range [0, ",
-                    a.layout.slot_count, ")")));
+                rec.slot >= a.layout.slot_count
+                    ? absl::InvalidArgumentError(absl::StrCat(
+                          "slot index ", rec.slot, " is out of range [0, ",
+                          a.layout.slot_count, ")"))
+                    : absl::InvalidArgumentError(absl::StrCat(
+                          "slot ", rec.slot,
+                          " is still held by leapd for a live request; wait "
+                          "for its release before reusing it")));
       continue;
     }
-    if (a.held[rec.slot]) {
-      n_bad_records.fetch_add(1);
-      add_error(rec.slot, rec.request_id,
-                absl::InvalidArgumentError(absl::StrCat(
-                    "slot ", rec.slot,
-                    " is still held by leapd for a live request; wait for its "
-                    "release before reusing it")));
-      continue;
-    }
-    a.held[rec.slot] = 1;
-    ScoreRequest req;
-    req.request_id = rec.request_id;
-    req.product_line = rec.product_line;
-    req.features = absl::string_view(a.Slot(rec.slot), feature_bytes);
-    req.dtype = a.dtype;
-    req.request_max_tokens = rec.max_tokens;
-    req.external_keepalive = std::make_shared<SlotLease>(a.mapping, rec.slot);
-    std::shared_ptr<LiveRequest> live;
-    absl::StatusOr<ScoreResult> s = core->Predict(req, a.session, &live);
-    req.external_keepalive.reset();  // an error releases the slot now
+    const absl::StatusOr<ScoreResult>& s = results_[req];
     if (!s.ok()) {
       add_error(rec.slot, rec.request_id, s.status());
       continue;
     }
+    std::shared_ptr<LiveRequest>& live = lives_[req];
     const size_t need = shm::PredictionRecordBytes(
         rec.request_id.size(), std::min<size_t>(s->readout.size(), 255),
         std::min<size_t>(s->arm.size(), 255));
@@ -825,6 +847,8 @@ void ShmServer::Impl::HandleFeatures(Attachment& a, const char* payload,
     ++n_pred;
     a.Track(std::move(live));
   }
+  lives_.clear();
+  results_.clear();
   flush();
 }
 
@@ -840,6 +864,46 @@ void ShmServer::Impl::HandleProto(Attachment& a, const char* payload,
     core->metrics().RequestErrors("INVALID_ARGUMENT").Increment();
   } else {
     HandleEngineMessage(core, a.session, a.hello, a.dtype, &in, &out, &a);
+  }
+  EmitProto(a, out);
+}
+
+void ShmServer::Impl::HandleCancels(Attachment& a, const char* payload,
+                                    size_t bytes) {
+  pb::SidecarMessage out;
+  shm::CancelsHead head{};
+  std::vector<absl::string_view>& ids = cancel_ids_;
+  ids.clear();
+  bool ok = bytes >= sizeof(head);
+  if (ok) {
+    std::memcpy(&head, payload, sizeof(head));
+    size_t at = sizeof(head);
+    for (uint32_t i = 0; i < head.count && ok; ++i) {
+      uint16_t len;
+      if (bytes - at < sizeof(len)) {
+        ok = false;
+        break;
+      }
+      std::memcpy(&len, payload + at, sizeof(len));
+      at += sizeof(len);
+      if (bytes - at < len) {
+        ok = false;
+        break;
+      }
+      ids.emplace_back(payload + at, len);
+      at += len;
+    }
+  }
+  out.set_seq(head.seq);
+  if (!ok) {
+    out.mutable_error()->set_code(
+        static_cast<int>(absl::StatusCode::kInvalidArgument));
+    out.mutable_error()->set_message(absl::StrCat(
+        "cancels frame of ", bytes, " bytes overruns itself (", head.count,
+        " ids claimed); nothing cancelled"));
+    core->metrics().RequestErrors("INVALID_ARGUMENT").Increment();
+  } else {
+    CancelRequests(core, ids, out.mutable_ack(), &a);
   }
   EmitProto(a, out);
 }

@@ -55,6 +55,26 @@ float DotF16Portable(const float* w, const uint16_t* x, int64_t n) {
   return DotPortable(w, n, [x](int64_t i) { return Fp16ToFloat(x[i]); });
 }
 
+void DotRowsF32Portable(const float* w, const float* const* x, int rows,
+                        int64_t n, float* out) {
+  for (int r = 0; r < rows; ++r) {
+    float a[16] = {};
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+      for (int l = 0; l < 16; ++l) a[l] += w[i + l] * x[r][i + l];
+    }
+    float s = 0;
+    for (int l = 0; l < 16; ++l) s += a[l];
+    for (; i < n; ++i) s += w[i] * x[r][i];
+    out[r] = s;
+  }
+}
+
+void DotRowsBf16Portable(const float* w, const uint16_t* const* x, int rows,
+                         int64_t n, float* out) {
+  for (int r = 0; r < rows; ++r) out[r] = DotBf16Portable(w, x[r], n);
+}
+
 void PanelPortable(const float* P, int64_t ldp, int64_t n, const float* U,
                    int64_t ldu, int k, float* V) {
   std::fill(V, V + n * k, 0.0f);
@@ -77,8 +97,10 @@ void PanelPortable(const float* P, int64_t ldp, int64_t n, const float* U,
   }
 }
 
-constexpr Kernels kPortable = {"portable", DotF32Portable, DotBf16Portable,
-                               DotF16Portable, PanelPortable};
+constexpr Kernels kPortable = {"portable",         DotF32Portable,
+                               DotBf16Portable,    DotF16Portable,
+                               DotRowsF32Portable, DotRowsBf16Portable,
+                               PanelPortable};
 
 #if defined(__x86_64__)
 // ---------------------------------------------------------------- AVX2+FMA
@@ -279,7 +301,75 @@ LEAP_AVX2 void PanelAvx2(const float* P, int64_t ldp, int64_t n,
   }
 }
 
-constexpr Kernels kAvx2 = {"avx2", DotF32Avx2, DotBf16Avx2, DotF16Avx2,
+// R rows share each load of w: per 16 values, 2 loads of w and 2R of x
+// feed 2R FMAs into two accumulators per row.
+template <int R>
+LEAP_AVX2 void DotRowsF32Avx2R(const float* w, const float* const* x, int64_t n,
+                               float* out) {
+  __m256 a[R][2];
+  for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m256 w0 = _mm256_loadu_ps(w + i), w1 = _mm256_loadu_ps(w + i + 8);
+    for (int r = 0; r < R; ++r) {
+      a[r][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x[r] + i), a[r][0]);
+      a[r][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x[r] + i + 8), a[r][1]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float s = HSum(_mm256_add_ps(a[r][0], a[r][1]));
+    for (int64_t j = i; j < n; ++j) s += w[j] * x[r][j];
+    out[r] = s;
+  }
+}
+
+LEAP_AVX2 void DotRowsF32Avx2(const float* w, const float* const* x, int rows,
+                              int64_t n, float* out) {
+  switch (rows) {
+    case 1: return DotRowsF32Avx2R<1>(w, x, n, out);
+    case 2: return DotRowsF32Avx2R<2>(w, x, n, out);
+    case 3: return DotRowsF32Avx2R<3>(w, x, n, out);
+    default: return DotRowsF32Avx2R<4>(w, x, n, out);
+  }
+}
+
+template <int R>
+LEAP_AVX2 void DotRowsBf16Avx2R(const float* w, const uint16_t* const* x,
+                                int64_t n, float* out) {
+  const __m256i hi_mask = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  __m256 a[R][2];
+  for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m256 w0 = _mm256_loadu_ps(w + i), w1 = _mm256_loadu_ps(w + i + 8);
+    for (int r = 0; r < R; ++r) {
+      const __m256i v =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[r] + i));
+      a[r][0] = _mm256_fmadd_ps(w0, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)),
+                                a[r][0]);
+      a[r][1] = _mm256_fmadd_ps(
+          w1, _mm256_castsi256_ps(_mm256_and_si256(v, hi_mask)), a[r][1]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float s = HSum(_mm256_add_ps(a[r][0], a[r][1]));
+    for (int64_t j = i; j < n; ++j) s += w[j] * Bf16ToFloat(x[r][j]);
+    out[r] = s;
+  }
+}
+
+LEAP_AVX2 void DotRowsBf16Avx2(const float* w, const uint16_t* const* x,
+                               int rows, int64_t n, float* out) {
+  switch (rows) {
+    case 1: return DotRowsBf16Avx2R<1>(w, x, n, out);
+    case 2: return DotRowsBf16Avx2R<2>(w, x, n, out);
+    case 3: return DotRowsBf16Avx2R<3>(w, x, n, out);
+    default: return DotRowsBf16Avx2R<4>(w, x, n, out);
+  }
+}
+
+constexpr Kernels kAvx2 = {"avx2",         DotF32Avx2,      DotBf16Avx2,
+                           DotF16Avx2,     DotRowsF32Avx2,  DotRowsBf16Avx2,
                            PanelAvx2};
 
 bool CpuHasAvx2Fma() {

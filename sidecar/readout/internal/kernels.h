@@ -9,6 +9,9 @@
 
 namespace leap::readout::internal {
 
+// Rows per dot_rows call.
+inline constexpr int kMaxRows = 4;
+
 // The widest batch the panel kernel handles in one pass over P.
 inline constexpr int kPanelMaxVectors = 8;
 
@@ -22,6 +25,16 @@ struct Kernels {
   // one mask, no widening).
   float (*dot_bf16)(const float* w_bf16, const uint16_t* x, int64_t n);
   float (*dot_f16)(const float* w, const uint16_t* x, int64_t n);
+  // out[r] = sum_i w[i] * x[r][i] for r < rows, 1 <= rows <= kMaxRows: one
+  // pass over w for several requests (fewer loads per FMA, and several
+  // feature streams in flight when they come from L3). Each row's result
+  // depends only on that row, whatever `rows` is (two accumulators per row,
+  // a different summation order from dot_f32).
+  void (*dot_rows_f32)(const float* w, const float* const* x, int rows,
+                       int64_t n, float* out);
+  // The same for bf16 rows, w in PermuteForBf16 order.
+  void (*dot_rows_bf16)(const float* w_bf16, const uint16_t* const* x,
+                        int rows, int64_t n, float* out);
   // V[i * k + c] = sum_{j<n} P[i * ldp + j] * U[c * ldu + j] for i < n,
   // c < k, 1 <= k <= kPanelMaxVectors. P is read once. V is overwritten.
   void (*panel)(const float* P, int64_t ldp, int64_t n, const float* U,
