@@ -4,6 +4,7 @@
 #include <random>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "common/half.h"
 #include "gtest/gtest.h"
 #include "sidecar/readout/internal/kernels.h"
@@ -95,6 +96,97 @@ TEST(FoldedReadout, Bf16AndFp16ReadInPlaceMatchFloat32BitForBit) {
   EXPECT_NEAR(*sb, *sf, 1e-6 * mag_b);
   auto sh = r.Score({hf.data(), DType::kFloat16, d, 1});
   ASSERT_TRUE(sh.ok());
+}
+
+// Several rows per pass over w (the shm and Connect prediction path): each
+// row against an FP64 reference, the same value whatever its neighbours
+// (batch of 1 vs 4, other rows NaN), per-row errors for bad rows.
+TEST(FoldedReadout, ScoreRowsMatchFp64AndDoNotDependOnNeighbours) {
+  for (int64_t d : {1, 15, 16, 17, 100, 4096}) {
+    Fixture f = Make(d, d + 7);
+    const FoldedReadout r = FoldedReadout::Fold(f.st, f.theta, 2048);
+    std::mt19937_64 rng(d);
+    std::normal_distribution<double> n01;
+    const int n = 11;  // runs of 4, 4 and 3
+    std::vector<std::vector<float>> xf(n, std::vector<float>(d));
+    std::vector<std::vector<uint16_t>> xb(n, std::vector<uint16_t>(d));
+    std::vector<FeatureView> views;
+    for (int k = 0; k < n; ++k) {
+      for (int64_t i = 0; i < d; ++i) {
+        xf[k][i] = static_cast<float>(f.st.mean[i] + f.st.scale[i] * n01(rng));
+        xb[k][i] = FloatToBf16(xf[k][i]);
+      }
+      // Mixed dtypes break the runs: the kernel must group only like rows.
+      if (k % 5 == 3) {
+        views.push_back({xb[k].data(), DType::kBFloat16, d, 1});
+      } else {
+        views.push_back(FeatureView::F32(xf[k].data(), d));
+      }
+    }
+    xf[6][d / 2] = std::nanf("");  // row 6 is bad
+    std::vector<double> scores(n);
+    std::vector<absl::Status> status(n);
+    r.ScoreRows(views.data(), n, scores.data(), status.data());
+    for (int k = 0; k < n; ++k) {
+      const bool bf = views[k].dtype == DType::kBFloat16;
+      double ref = f.theta[d], mag = std::abs(f.theta[d]);
+      for (int64_t i = 0; i < d; ++i) {
+        const double x = bf ? Bf16ToFloat(xb[k][i]) : xf[k][i];
+        ref += (x - f.st.mean[i]) / f.st.scale[i] * f.theta[i];
+        mag += std::abs(f.theta[i] / f.st.scale[i] * x);
+      }
+      if (k == 6) {
+        EXPECT_TRUE(absl::IsInvalidArgument(status[k])) << status[k];
+        EXPECT_NE(status[k].message().find(absl::StrCat("element ", d / 2, " ")),
+                  absl::string_view::npos)
+            << status[k];
+        continue;
+      }
+      ASSERT_TRUE(status[k].ok()) << "row " << k << ": " << status[k];
+      EXPECT_NEAR(scores[k], ref, 2e-6 * mag + 1e-9) << "d=" << d << " row " << k;
+      // Alone, the row gets the very same value.
+      double alone = 0;
+      absl::Status st;
+      r.ScoreRows(&views[k], 1, &alone, &st);
+      ASSERT_TRUE(st.ok());
+      EXPECT_EQ(alone, scores[k]) << "d=" << d << " row " << k;
+    }
+  }
+  // Every kernel set: rows 1..4 against FP64.
+  const int64_t d = 333;
+  std::mt19937_64 rng(5);
+  std::normal_distribution<float> g;
+  std::vector<float> w(d);
+  for (auto& v : w) v = g(rng);
+  std::vector<float> wp(d);
+  internal::PermuteForBf16(w.data(), d, wp.data());
+  std::vector<std::vector<float>> x(4, std::vector<float>(d));
+  std::vector<std::vector<uint16_t>> xb(4, std::vector<uint16_t>(d));
+  for (int k = 0; k < 4; ++k) {
+    for (int64_t i = 0; i < d; ++i) {
+      x[k][i] = g(rng);
+      xb[k][i] = FloatToBf16(x[k][i]);
+    }
+  }
+  for (const internal::Kernels* k : internal::SupportedKernels()) {
+    for (int rows = 1; rows <= internal::kMaxRows; ++rows) {
+      const float* xp[4] = {x[0].data(), x[1].data(), x[2].data(), x[3].data()};
+      const uint16_t* bp[4] = {xb[0].data(), xb[1].data(), xb[2].data(), xb[3].data()};
+      float out[4], outb[4];
+      k->dot_rows_f32(w.data(), xp, rows, d, out);
+      k->dot_rows_bf16(wp.data(), bp, rows, d, outb);
+      for (int rr = 0; rr < rows; ++rr) {
+        double ref = 0, refb = 0, mag = 0;
+        for (int64_t i = 0; i < d; ++i) {
+          ref += static_cast<double>(w[i]) * x[rr][i];
+          refb += static_cast<double>(w[i]) * Bf16ToFloat(xb[rr][i]);
+          mag += std::abs(static_cast<double>(w[i]) * x[rr][i]);
+        }
+        EXPECT_NEAR(out[rr], ref, 1e-6 * mag) << k->name << " rows " << rows;
+        EXPECT_NEAR(outb[rr], refb, 1e-6 * mag) << k->name << " bf16 rows " << rows;
+      }
+    }
+  }
 }
 
 TEST(FoldedReadout, StridedViewIsReadInPlace) {
