@@ -66,13 +66,20 @@ shim::CapturedFeatures Features(const std::string& id, std::mt19937& rng) {
   return {id, "", std::string(reinterpret_cast<const char*>(x.data()), kDim * 4), 0};
 }
 
-TEST(ShimClient, PredictsLearnsRescoresAndSurvivesSidecarRestart) {
-  const std::string dir = ::testing::TempDir() + "/shim-" + std::to_string(getpid());
+// The same engine code over both data planes: gRPC on a unix socket, and
+// shared memory (where the restart also means a new segment: the client
+// reattaches and resubmits into new slots).
+class ShimClient : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(ShimClient, PredictsLearnsRescoresAndSurvivesSidecarRestart) {
+  const std::string dir = ::testing::TempDir() + "/shim-" + GetParam() + "-" +
+                          std::to_string(getpid());
   std::filesystem::remove_all(dir);
   std::filesystem::create_directories(dir);
   const std::string sock = "unix://" + dir + "/leapd.sock";
   const std::vector<std::string> args = {"--listen=" + sock, "--data_dir=" + dir + "/db",
-                                         "--rls_batch=1"};
+                                         "--rls_batch=1", "--shm=" + dir + "/leap.shm"};
+  const std::string endpoint = GetParam() == "shm" ? "shm://" + dir + "/leap.shm" : sock;
   std::string addr;
   auto leapd = testing::StartLeapd(LEAPD_PATH, args, &addr);
   ASSERT_TRUE(leapd.ok()) << leapd.status();
@@ -94,7 +101,7 @@ TEST(ShimClient, PredictsLearnsRescoresAndSurvivesSidecarRestart) {
   }
 
   shim::ClientOptions o;
-  o.endpoint = sock;
+  o.endpoint = endpoint;
   o.dim = kDim;
   o.engine_id = "test";
   o.min_backoff = absl::Milliseconds(20);
@@ -169,6 +176,9 @@ TEST(ShimClient, PredictsLearnsRescoresAndSurvivesSidecarRestart) {
   wctx.TryCancel();
   ASSERT_TRUE(col.Wait([&](const auto&) { return (*client)->stats().live == 0; }));
 }
+
+INSTANTIATE_TEST_SUITE_P(Transports, ShimClient, ::testing::Values("unix", "shm"),
+                         [](const auto& info) { return info.param; });
 
 }  // namespace
 }  // namespace leap

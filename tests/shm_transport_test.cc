@@ -455,5 +455,69 @@ TEST(ShmTransport, RefusedAttachSaysWhy) {
   EXPECT_NE(ms[0].error().message().find("no readout takes dim 48"), std::string::npos);
 }
 
+int CountSegments(const std::string& dir) {
+  int n = 0;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) {
+    const std::string name = e.path().filename().string();
+    if (name.size() > 4 && name.compare(name.size() - 4, 4, ".seg") == 0) ++n;
+  }
+  return n;
+}
+
+std::string MetricsAddress(const testing::Process& p) {
+  for (const std::string& line : p.lines()) {
+    if (line.rfind("metrics on http://", 0) == 0) {
+      return line.substr(18, line.find("/metrics") - 18);
+    }
+  }
+  return "";
+}
+
+// The value of one series in a /metrics body (-1 when absent).
+double Metric(const std::string& body, const std::string& series) {
+  const size_t at = body.find("\n" + series + " ");
+  if (at == std::string::npos) return -1;
+  return std::stod(body.substr(at + series.size() + 2));
+}
+
+// An engine process dies by kill -9 with live requests holding slots: leapd
+// notices at once (its attach socket hangs up), cancels them, releases the
+// segment and keeps serving another engine.
+TEST(ShmTransport, EngineKilledIsReclaimedAndOthersKeepServing) {
+  Leapd l = StartLeapd("kill-engine");
+  ASSERT_NE(l.proc, nullptr);
+  const std::string metrics = MetricsAddress(*l.proc);
+  ASSERT_FALSE(metrics.empty());
+  pb::SidecarMessage ack;
+  auto witness = shim::ShmChannel::Attach(ChannelOptions(l.shm), &ack);
+  ASSERT_TRUE(witness.ok()) << witness.status();
+  ExpectServed(**witness, "w1", 1);
+
+  auto engine = testing::Process::Start({SHM_TEST_ENGINE_PATH, l.shm,
+                                         std::to_string(kDim), "50"});
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  auto live = (*engine)->WaitForLine("live ", absl::Seconds(30));
+  ASSERT_TRUE(live.ok()) << live.status();
+  EXPECT_EQ(live->substr(0, 3), "50 ");
+  EXPECT_EQ(CountSegments(l.dir), 2);
+  auto body = testing::HttpGet(metrics, "/metrics");
+  ASSERT_TRUE(body.ok()) << body.status();
+  EXPECT_EQ(Metric(*body, "leap_feature_cache{unit=\"entries\"}"), 51);
+  EXPECT_EQ(Metric(*body, "leap_connected_engines"), 2);
+
+  (*engine)->Signal(SIGKILL);
+  (*engine)->Wait();
+  auto gone = l.proc->WaitForLine("shm: engine 'shm-test-engine' detached",
+                                  absl::Seconds(30));
+  ASSERT_TRUE(gone.ok()) << gone.status();
+  EXPECT_NE(gone->find("50 live requests reclaimed"), std::string::npos) << *gone;
+  EXPECT_EQ(CountSegments(l.dir), 1);
+  body = testing::HttpGet(metrics, "/metrics");
+  ASSERT_TRUE(body.ok());
+  EXPECT_EQ(Metric(*body, "leap_feature_cache{unit=\"entries\"}"), 1);
+  EXPECT_EQ(Metric(*body, "leap_connected_engines"), 1);
+  ExpectServed(**witness, "w2", 2);
+}
+
 }  // namespace
 }  // namespace leap

@@ -599,6 +599,11 @@ absl::Status ShmServer::Impl::Attach(Attachment& a, const std::string& packet) {
   core->metrics().connected_engines().Increment();
   n_attached.fetch_add(1);
   n_attaches.fetch_add(1);
+  std::printf("shm: engine '%s' attached: %lld slots, dim %lld %s, segment %s\n",
+              a.hello.engine_id().c_str(), static_cast<long long>(a.layout.slot_count),
+              static_cast<long long>(a.layout.dim),
+              std::string(readout::DTypeName(a.dtype)).c_str(), a.seg_path.c_str());
+  std::fflush(stdout);
   return absl::OkStatus();
 }
 
@@ -622,12 +627,14 @@ void ShmServer::Impl::Detach(Attachment& a, const std::string& why,
   }
   // The engine is gone: its live requests can never complete. Cancelling
   // them drops their slot leases; the mapping goes with the last one.
+  int64_t reclaimed = 0;
   for (auto& [id, weak] : a.live) {
     auto r = weak.lock();
     if (r == nullptr || r->gone.load() || r->session != a.session) continue;
-    if (core->Cancel(id).ok()) n_reclaimed.fetch_add(1);
+    if (core->Cancel(id).ok()) ++reclaimed;
   }
   a.live.clear();
+  n_reclaimed.fetch_add(reclaimed);
   a.hdr->sidecar_closed.store(1);
   a.hdr->to_engine.wake.fetch_add(1);
   shm::FutexWakeAll(&a.hdr->to_engine.wake);
@@ -637,6 +644,12 @@ void ShmServer::Impl::Detach(Attachment& a, const std::string& why,
   core->metrics().connected_engines().Decrement();
   n_attached.fetch_sub(1);
   n_detaches.fetch_add(1);
+  // Lifecycle lines go to stdout beside "listening on" (tests and operators
+  // wait on them).
+  std::printf("shm: engine '%s' detached (%s); %lld live requests reclaimed\n",
+              a.hello.engine_id().c_str(), why.c_str(),
+              static_cast<long long>(reclaimed));
+  std::fflush(stdout);
 }
 
 // ------------------------------------------------------------ servicing
