@@ -84,6 +84,22 @@ class CudaCapturer {
   // Blocks until every capture issued so far reached its sink (shutdown,
   // tests).
   virtual absl::Status Flush() = 0;
+
+  // --- straight into shared-memory slots (no staging, no CPU copy)
+  // Registers host memory the capturer may copy into directly: a
+  // ShmChannel's slot arena (arena(), arena_bytes()), with cudaHostRegister.
+  // Unregister it (or destroy the capturer) before the memory goes away.
+  virtual absl::Status RegisterHostMemory(void* base, size_t bytes) = 0;
+  virtual absl::Status UnregisterHostMemory(void* base) = 0;
+  // Copies row r of `view` to dst[r] (view.cols values of view.dtype, which
+  // must be the slots' dtype: no conversion on this path), ordered after the
+  // work queued on view.cuda_stream so far; returns at once. `done` runs on
+  // a CUDA driver thread once every row landed (submit the slots to leapd
+  // there; it must not call CUDA). INVALID_ARGUMENT when a destination is
+  // not inside registered memory.
+  virtual absl::Status CaptureInto(const TensorView& view,
+                                   std::span<void* const> dst,
+                                   std::function<void()> done) = 0;
 };
 
 namespace internal {

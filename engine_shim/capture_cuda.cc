@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -93,6 +94,7 @@ class CudaCapturerImpl final : public CudaCapturer {
     ScopedDevice scoped(device_);
     // Every callback references this object and a staging slot.
     if (side_ != nullptr) cudaStreamSynchronize(side_);
+    for (const auto& [base, bytes] : registered_) cudaHostUnregister(base);
     if (ready_ != nullptr) cudaEventDestroy(ready_);
     if (side_ != nullptr) cudaStreamDestroy(side_);
     if (staging_ != nullptr) cudaFreeHost(staging_);
@@ -195,7 +197,114 @@ class CudaCapturerImpl final : public CudaCapturer {
     return std::exchange(callback_error_, absl::OkStatus());
   }
 
+  absl::Status RegisterHostMemory(void* base, size_t bytes) override {
+    if (base == nullptr || bytes == 0) {
+      return absl::InvalidArgumentError("nothing to register");
+    }
+    ScopedDevice scoped(device_);
+    LEAP_CUDA_RETURN_IF_ERROR(scoped.status());
+    LEAP_CUDA_RETURN_IF_ERROR(
+        cudaHostRegister(base, bytes, cudaHostRegisterPortable));
+    absl::MutexLock lock(&mu_);
+    registered_.emplace_back(static_cast<char*>(base), bytes);
+    return absl::OkStatus();
+  }
+
+  absl::Status UnregisterHostMemory(void* base) override {
+    ScopedDevice scoped(device_);
+    LEAP_CUDA_RETURN_IF_ERROR(scoped.status());
+    // Copies into it may still be queued.
+    LEAP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(side_));
+    {
+      absl::MutexLock lock(&mu_);
+      auto it = std::find_if(registered_.begin(), registered_.end(),
+                             [base](const auto& r) { return r.first == base; });
+      if (it == registered_.end()) {
+        return absl::NotFoundError("memory was not registered");
+      }
+      registered_.erase(it);
+    }
+    LEAP_CUDA_RETURN_IF_ERROR(cudaHostUnregister(base));
+    return absl::OkStatus();
+  }
+
+  absl::Status CaptureInto(const TensorView& view, std::span<void* const> dst,
+                           std::function<void()> done) override {
+    if (view.device != Device::kCuda) {
+      return absl::InvalidArgumentError("CaptureInto needs a CUDA view");
+    }
+    if (absl::Status s = ValidateView(view, view.cols, dst.size()); !s.ok()) {
+      return s;
+    }
+    if (view.device_index != device_) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("view is on cuda:", view.device_index,
+                       " but this capturer serves cuda:", device_));
+    }
+    if (!done) return absl::InvalidArgumentError("done is empty");
+    const size_t esize = DTypeSize(view.dtype);
+    const size_t row_bytes = static_cast<size_t>(view.cols) * esize;
+    {
+      absl::MutexLock lock(&mu_);
+      for (size_t r = 0; r < dst.size(); ++r) {
+        const char* d = static_cast<const char*>(dst[r]);
+        const bool inside = std::any_of(
+            registered_.begin(), registered_.end(), [&](const auto& reg) {
+              return d >= reg.first && d + row_bytes <= reg.first + reg.second;
+            });
+        if (!inside) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "destination of row ", r,
+              " is not inside memory registered with RegisterHostMemory"));
+        }
+      }
+    }
+    if (view.rows == 0) return absl::OkStatus();
+    ScopedDevice scoped(device_);
+    LEAP_CUDA_RETURN_IF_ERROR(scoped.status());
+    auto compute = static_cast<cudaStream_t>(view.cuda_stream);
+    LEAP_CUDA_RETURN_IF_ERROR(cudaEventRecord(ready_, compute));
+    LEAP_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(side_, ready_, 0));
+    const char* src = static_cast<const char*>(view.data);
+    for (int64_t r = 0; r < view.rows; ++r) {
+      const char* row = src + static_cast<size_t>(r * view.row_stride) * esize;
+      absl::Status s;
+      if (view.col_stride == 1) {
+        s = CudaStatus(cudaMemcpyAsync(dst[r], row, row_bytes,
+                                       cudaMemcpyDeviceToHost, side_),
+                       "cudaMemcpyAsync");
+      } else {
+        // A strided row: gather its elements (one per "line").
+        s = CudaStatus(
+            cudaMemcpy2DAsync(dst[r], esize, row,
+                              static_cast<size_t>(view.col_stride) * esize,
+                              esize, static_cast<size_t>(view.cols),
+                              cudaMemcpyDeviceToHost, side_),
+            "cudaMemcpy2DAsync");
+      }
+      if (!s.ok()) {
+        cudaStreamSynchronize(side_);  // nothing half-queued stays behind
+        return s;
+      }
+    }
+    auto* cb = new std::function<void()>(std::move(done));
+    if (absl::Status s = CudaStatus(
+            cudaLaunchHostFunc(side_, &OnLanded, cb), "cudaLaunchHostFunc");
+        !s.ok()) {
+      cudaStreamSynchronize(side_);
+      delete cb;
+      return s;
+    }
+    return absl::OkStatus();
+  }
+
  private:
+  static void CUDART_CB OnLanded(void* arg) {
+    std::unique_ptr<std::function<void()>> done(
+        static_cast<std::function<void()>*>(arg));
+    (*done)();
+  }
+
   struct Job {
     CudaCapturerImpl* owner = nullptr;
     TensorView staged;  // a CPU view over the staging slot
@@ -274,6 +383,8 @@ class CudaCapturerImpl final : public CudaCapturer {
   internal::StagingRing ring_ ABSL_GUARDED_BY(mu_);
   // The first conversion failure in a callback, reported by Flush.
   absl::Status callback_error_ ABSL_GUARDED_BY(mu_);
+  // Host memory registered for CaptureInto.
+  std::vector<std::pair<char*, size_t>> registered_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace

@@ -192,6 +192,59 @@ TEST_F(CudaCaptureTest, StagedRowsMatchTheHostReference) {
   }
 }
 
+// The shm path: rows land straight in slots of a registered arena (here a
+// page-aligned buffer laid out like a ShmChannel's: slot_bytes apart, in
+// scrambled slot order), contiguous and column-strided views, fp32 and bf16;
+// destinations outside registered memory are refused.
+TEST_F(CudaCaptureTest, CaptureIntoWritesRowsStraightIntoRegisteredSlots) {
+  auto capturer = CudaCapturer::Create(0, size_t{1} << 20);
+  ASSERT_TRUE(capturer.ok()) << capturer.status();
+  const int64_t cols = 4096, slots = 16;
+  for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
+    const size_t es = DTypeSize(dtype), slot_bytes = cols * es;
+    void* arena = nullptr;
+    ASSERT_EQ(posix_memalign(&arena, 4096, slot_bytes * slots), 0);
+    std::memset(arena, 0, slot_bytes * slots);
+    ASSERT_TRUE((*capturer)->RegisterHostMemory(arena, slot_bytes * slots).ok());
+    for (int64_t col_stride : {1, 3}) {
+      const int64_t rows = 5, row_stride = cols * col_stride;
+      std::vector<char> host(rows * row_stride * es);
+      std::mt19937 rng(static_cast<unsigned>(col_stride));
+      for (size_t i = 0; i < host.size(); ++i) host[i] = static_cast<char>(rng());
+      DeviceBuffer dev(host.size());
+      ASSERT_CUDA(cudaMemcpy(dev.get(), host.data(), host.size(),
+                             cudaMemcpyHostToDevice));
+      const int64_t order[rows] = {11, 2, 7, 0, 15};
+      std::vector<void*> dst;
+      for (int64_t r = 0; r < rows; ++r) {
+        dst.push_back(static_cast<char*>(arena) + order[r] * slot_bytes);
+      }
+      TensorView view{dev.get(), dtype,         rows, cols, row_stride,
+                      col_stride, Device::kCuda, 0,    compute_};
+      absl::Notification landed;
+      ASSERT_TRUE((*capturer)->CaptureInto(view, dst, [&] { landed.Notify(); }).ok());
+      ASSERT_TRUE(landed.WaitForNotificationWithTimeout(absl::Seconds(30)));
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t c = 0; c < cols; ++c) {
+          ASSERT_EQ(std::memcmp(static_cast<char*>(dst[r]) + c * es,
+                                host.data() + (r * row_stride + c * col_stride) * es, es),
+                    0)
+              << "row " << r << " col " << c << " stride " << col_stride;
+        }
+      }
+    }
+    std::vector<char> outside(slot_bytes);
+    DeviceBuffer dev(slot_bytes);
+    TensorView one{dev.get(), dtype, 1, cols, cols, 1, Device::kCuda, 0, compute_};
+    std::vector<void*> bad = {outside.data()};
+    EXPECT_TRUE(absl::IsInvalidArgument((*capturer)->CaptureInto(one, bad, [] {})));
+    std::vector<void*> overrun = {static_cast<char*>(arena) + slot_bytes * slots - 8};
+    EXPECT_TRUE(absl::IsInvalidArgument((*capturer)->CaptureInto(one, overrun, [] {})));
+    ASSERT_TRUE((*capturer)->UnregisterHostMemory(arena).ok());
+    free(arena);
+  }
+}
+
 TEST_F(CudaCaptureTest, CopiesAfterTheWorkQueuedOnTheComputeStream) {
   auto capturer = CudaCapturer::Create(0);
   ASSERT_TRUE(capturer.ok()) << capturer.status();
