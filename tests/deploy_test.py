@@ -359,7 +359,17 @@ class ManifestTest(unittest.TestCase):
             self.assertEqual(engine_mounts[0]["mountPath"],
                              mounts[0]["mountPath"])
             env = {e["name"]: e.get("value") for e in engine["env"]}
-            self.assertEqual(env["LEAP_ENDPOINT"], socket[0])
+            self.assertEqual(env["LEAP_GRPC_ENDPOINT"], socket[0])
+            # The engine's data plane is leapd's shm socket, on the same
+            # memory-backed volume (segments are created beside it).
+            shm = flag_values(leapd["args"], "shm")
+            self.assertEqual(len(shm), 1, name)
+            self.assertTrue(shm[0].startswith(mounts[0]["mountPath"].rstrip("/") + "/"),
+                            name)
+            self.assertEqual(env["LEAP_ENDPOINT"], "shm://" + shm[0])
+            limit = shared["emptyDir"]["sizeLimit"]
+            self.assertTrue(limit.endswith("Mi") and int(limit[:-2]) >= 64,
+                            "%s: %s holds too few shm segments" % (name, limit))
 
     def test_probes_target_the_health_service_on_the_listen_port(self):
         for name in self.overlays:

@@ -281,6 +281,9 @@ absl::StatusOr<std::unique_ptr<ShmServer>> ShmServer::Start(
     return absl::UnavailableError(absl::StrCat(
         "shm: cannot listen on '", path, "': ", std::strerror(errno)));
   }
+  // Engines in another container of the pod connect as the pod's fsGroup:
+  // owner and group may connect, others not.
+  chmod(path.c_str(), 0660);
   im.epfd = epoll_create1(EPOLL_CLOEXEC);
   im.waker->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   if (im.epfd < 0 || im.waker->efd < 0) {
