@@ -342,7 +342,7 @@ void Core::PredictBatch(absl::Span<const ScoreRequest> reqs, uint64_t session,
                         std::vector<std::shared_ptr<LiveRequest>>* lives) {
   const int64_t t0 = NowNs();
   const size_t n = reqs.size();
-  results->assign(n, absl::StatusOr<ScoreResult>(absl::UnknownError("unscored")));
+  results->assign(n, absl::StatusOr<ScoreResult>());
   lives->assign(n, nullptr);
   auto table = routes_.load();
   auto map = readouts_.load();
@@ -357,35 +357,46 @@ void Core::PredictBatch(absl::Span<const ScoreRequest> reqs, uint64_t session,
   absl::InlinedVector<Item, 64> items;
   // One version per serving readout for the whole batch, so its rows are
   // scored together.
-  std::vector<std::pair<LiveReadout*, std::shared_ptr<const PublishedVersion>>>
-      versions;
+  struct Serving {
+    std::shared_ptr<LiveReadout> readout;
+    std::shared_ptr<const PublishedVersion> version;
+  };
+  absl::InlinedVector<Serving, 2> versions;
+  // A request that fails before it has a LiveRequest gives its slot back
+  // here; afterwards the LiveRequest's destructor does.
+  auto fail = [&](size_t i, absl::Status s) {
+    (*results)[i] = std::move(s);
+    if (reqs[i].external_owner != nullptr) {
+      reqs[i].external_owner->Release(reqs[i].external_slot);
+    }
+  };
   for (size_t i = 0; i < n; ++i) {
     const ScoreRequest& req = reqs[i];
     if (absl::Status s = CheckRequest(req); !s.ok()) {
-      (*results)[i] = s;
+      fail(i, s);
       continue;
     }
     absl::StatusOr<const Route*> route = table->Find(req.product_line);
     if (!route.ok()) {
-      (*results)[i] = route.status();
+      fail(i, route.status());
       continue;
     }
     ArmChoice choice = RoutingTable::Choose(**route, req.request_id);
     auto it = map->find(choice.serving->readout);
     if (it == map->end()) {
-      (*results)[i] = absl::NotFoundError(absl::StrCat(
+      fail(i, absl::NotFoundError(absl::StrCat(
           "route of '", (*route)->product_line, "' names unknown readout '",
-          choice.serving->readout, "'"));
+          choice.serving->readout, "'")));
       continue;
     }
     LiveReadout& serving = *it->second;
     const int64_t dim = serving.spec().dim;
     const size_t want = static_cast<size_t>(dim) * readout::DTypeSize(req.dtype);
     if (req.features.size() != want) {
-      (*results)[i] = absl::InvalidArgumentError(absl::StrCat(
+      fail(i, absl::InvalidArgumentError(absl::StrCat(
           "feature size mismatch for readout '", serving.name(), "': expected ",
           dim, " ", readout::DTypeName(req.dtype), " values (", want,
-          " bytes), got ", req.features.size(), " bytes"));
+          " bytes), got ", req.features.size(), " bytes")));
       continue;
     }
     auto r = std::make_shared<LiveRequest>();
@@ -394,9 +405,10 @@ void Core::PredictBatch(absl::Span<const ScoreRequest> reqs, uint64_t session,
     r->route_key = (*route)->product_line;
     r->dtype = req.dtype;
     r->dim = dim;
-    if (req.external_keepalive != nullptr) {
+    if (req.external_owner != nullptr) {
       r->external = req.features.data();
-      r->keepalive = req.external_keepalive;
+      r->owner = req.external_owner;
+      r->slot = req.external_slot;
     } else if (req.owned_features != nullptr) {
       r->features.swap(*req.owned_features);
     } else {
@@ -405,12 +417,12 @@ void Core::PredictBatch(absl::Span<const ScoreRequest> reqs, uint64_t session,
     r->request_max_tokens = req.request_max_tokens;
     r->session = session;
     const PublishedVersion* version = nullptr;
-    for (const auto& [ro, v] : versions) {
-      if (ro == &serving) version = v.get();
+    for (const Serving& sv : versions) {
+      if (sv.readout.get() == &serving) version = sv.version.get();
     }
     if (version == nullptr) {
-      versions.emplace_back(&serving, serving.current());
-      version = versions.back().second.get();
+      versions.push_back({it->second, serving.current()});
+      version = versions.back().version.get();
     }
     (*lives)[i] = std::move(r);
     items.push_back({i, *route, std::move(choice), &serving, version, {}});
@@ -421,7 +433,8 @@ void Core::PredictBatch(absl::Span<const ScoreRequest> reqs, uint64_t session,
   std::vector<double> scores;
   std::vector<absl::Status> status;
   std::vector<Item*> group;
-  for (const auto& [ro, v] : versions) {
+  for (const Serving& sv : versions) {
+    const std::shared_ptr<const PublishedVersion>& v = sv.version;
     group.clear();
     views.clear();
     for (Item& item : items) {
@@ -447,8 +460,7 @@ void Core::PredictBatch(absl::Span<const ScoreRequest> reqs, uint64_t session,
                                                   item.serving->spec().max_tokens),
                          scores[g]};
       r.scores.push_back({result.arm, result.readout, result.version,
-                          result.predicted_tokens, false,
-                          map->find(result.readout)->second});
+                          result.predicted_tokens, false, sv.readout});
       (*results)[item.i] = std::move(result);
     }
   }
@@ -477,6 +489,7 @@ void Core::PredictBatch(absl::Span<const ScoreRequest> reqs, uint64_t session,
   const double seconds = (NowNs() - t0) * 1e-9;
   // Counter increments per readout, once per batch.
   absl::InlinedVector<std::pair<LiveReadout*, double>, 2> served;
+  int64_t observed = 0;
   for (Item& item : items) {
     if ((*lives)[item.i] == nullptr) continue;
     if (!inserted[item.i].ok()) {
@@ -498,8 +511,9 @@ void Core::PredictBatch(absl::Span<const ScoreRequest> reqs, uint64_t session,
       map->find(shadow->readout)->second->metrics().predictions_shadow->Increment();
       Arm(item.route->product_line, *shadow)->predictions.fetch_add(1);
     }
-    metrics_->prediction_latency().Observe(seconds);
+    ++observed;
   }
+  metrics_->ObservePredictions(observed, seconds);
   for (const auto& [ro, count] : served) {
     ro->metrics().predictions_serving->Increment(count);
   }
@@ -633,6 +647,21 @@ absl::StatusOr<CompletionOutcome> Core::Complete(absl::string_view request_id,
     }
   }
   return outcome;
+}
+
+void Core::CancelBatch(absl::Span<const absl::string_view> ids,
+                       std::vector<absl::Status>* status) {
+  std::vector<std::shared_ptr<LiveRequest>> taken;
+  cache_.TakeBatch(ids, &taken, status);
+  int64_t unknown = 0;
+  for (const absl::Status& s : *status) unknown += s.ok() ? 0 : 1;
+  if (unknown > 0) {
+    unknown_.fetch_add(unknown);
+    metrics_->unknown_completions().Increment(static_cast<double>(unknown));
+  }
+  metrics_->cache_bytes().Set(static_cast<double>(cache_.bytes()));
+  metrics_->cache_entries().Set(static_cast<double>(cache_.size()));
+  // The requests (and the slots they hold) go here, outside the cache lock.
 }
 
 absl::Status Core::Cancel(absl::string_view request_id) {

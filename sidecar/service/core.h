@@ -46,9 +46,11 @@ struct ScoreRequest {
   // When set, holds the same bytes as `features` and Predict takes them by
   // swap instead of copying (the gRPC handler owns its parsed message).
   std::string* owned_features = nullptr;
-  // When set, `features` points into memory this keeps alive (a
-  // shared-memory slot): the live request references it, no copy is made.
-  std::shared_ptr<void> external_keepalive;
+  // When set, `features` points into `external_slot` of this owner's memory
+  // (a shared-memory slot): the live request reads it in place, no copy is
+  // made, and the Core guarantees exactly one Release(external_slot).
+  std::shared_ptr<ExternalFeatures> external_owner;
+  uint32_t external_slot = 0;
   readout::DType dtype = readout::DType::kFloat32;
   int64_t request_max_tokens = 0;
 };
@@ -137,6 +139,9 @@ class Core {
                                              readout::FinishReason reason);
   // Drops a live request without learning. NOT_FOUND (counted) if unknown.
   absl::Status Cancel(absl::string_view request_id);
+  // Cancel for each id, under one cache lock; status[i] for ids[i].
+  void CancelBatch(absl::Span<const absl::string_view> ids,
+                   std::vector<absl::Status>* status);
 
   // --- stats
   std::vector<ArmStat> ArmStats() const;

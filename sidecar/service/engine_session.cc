@@ -187,13 +187,15 @@ void HandleEngineMessage(Core* core, uint64_t session, const pb::Hello& hello,
 
 void CancelRequests(Core* core, absl::Span<const absl::string_view> ids,
                     pb::Ack* ack, LiveTracker* tracker) {
-  for (absl::string_view id : ids) {
-    absl::Status s = core->Cancel(id);
-    if (!s.ok()) {
-      AddRequestError(std::string(id), s, ack->mutable_errors(), core->metrics());
+  std::vector<absl::Status> status;
+  core->CancelBatch(ids, &status);
+  for (size_t i = 0; i < ids.size(); ++i) {
+    if (!status[i].ok()) {
+      AddRequestError(std::string(ids[i]), status[i], ack->mutable_errors(),
+                      core->metrics());
       continue;
     }
-    tracker->Untrack(id);
+    tracker->Untrack(ids[i]);
     ack->set_accepted(ack->accepted() + 1);
   }
 }

@@ -13,17 +13,22 @@ absl::Status FeatureCacheOptions::Validate() const {
   return absl::OkStatus();
 }
 
-void FeatureCache::EraseLocked(List::iterator it) {
-  (*it)->gone.store(true);
-  bytes_ -= (*it)->bytes();
-  index_.erase((*it)->request_id);
-  order_.erase(it);
+std::shared_ptr<LiveRequest> FeatureCache::EraseLocked(Index::iterator it) {
+  std::shared_ptr<LiveRequest> r = std::move(it->second);
+  index_.erase(it);
+  r->gone.store(true);
+  bytes_ -= r->bytes();
+  (r->cache_older != nullptr ? r->cache_older->cache_newer : oldest_) =
+      r->cache_newer;
+  (r->cache_newer != nullptr ? r->cache_newer->cache_older : newest_) =
+      r->cache_older;
+  r->cache_older = r->cache_newer = nullptr;
+  return r;
 }
 
 void FeatureCache::ExpireLocked(int64_t now_ns) {
-  while (!order_.empty() &&
-         order_.front()->inserted_ns < now_ns - options_.ttl_ns) {
-    EraseLocked(order_.begin());
+  while (oldest_ != nullptr && oldest_->inserted_ns < now_ns - options_.ttl_ns) {
+    EraseLocked(index_.find(absl::string_view(oldest_->request_id)));
     evicted_ttl_.fetch_add(1);
     if (on_evict_) on_evict_(true);
   }
@@ -47,14 +52,18 @@ absl::Status FeatureCache::InsertLocked(std::shared_ptr<LiveRequest> r,
         absl::StrCat("request id '", r->request_id, "' is already live"));
   }
   ExpireLocked(now_ns);
-  while (bytes_ + need > options_.max_bytes && !order_.empty()) {
-    EraseLocked(order_.begin());
+  while (bytes_ + need > options_.max_bytes && oldest_ != nullptr) {
+    EraseLocked(index_.find(absl::string_view(oldest_->request_id)));
     evicted_capacity_.fetch_add(1);
     if (on_evict_) on_evict_(false);
   }
   r->inserted_ns = now_ns;
-  order_.push_back(std::move(r));
-  index_[order_.back()->request_id] = std::prev(order_.end());
+  LiveRequest* raw = r.get();
+  index_.emplace(absl::string_view(raw->request_id), std::move(r));
+  raw->cache_older = newest_;
+  raw->cache_newer = nullptr;
+  (newest_ != nullptr ? newest_->cache_newer : oldest_) = raw;
+  newest_ = raw;
   bytes_ += need;
   return absl::OkStatus();
 }
@@ -87,16 +96,34 @@ absl::StatusOr<std::shared_ptr<LiveRequest>> FeatureCache::Take(
         absl::StrCat("unknown request id '", id,
                      "' (never predicted, already ended, or evicted)"));
   }
-  std::shared_ptr<LiveRequest> r = *it->second;
-  EraseLocked(it->second);
+  std::shared_ptr<LiveRequest> r = EraseLocked(it);
   PublishSizesLocked();
   return r;
+}
+
+void FeatureCache::TakeBatch(absl::Span<const absl::string_view> ids,
+                             std::vector<std::shared_ptr<LiveRequest>>* taken,
+                             std::vector<absl::Status>* status) {
+  taken->assign(ids.size(), nullptr);
+  status->assign(ids.size(), absl::OkStatus());
+  absl::MutexLock lock(&mu_);
+  for (size_t i = 0; i < ids.size(); ++i) {
+    auto it = index_.find(ids[i]);
+    if (it == index_.end()) {
+      (*status)[i] = absl::NotFoundError(
+          absl::StrCat("unknown request id '", ids[i],
+                       "' (never predicted, already ended, or evicted)"));
+      continue;
+    }
+    (*taken)[i] = EraseLocked(it);
+  }
+  PublishSizesLocked();
 }
 
 std::shared_ptr<LiveRequest> FeatureCache::Find(absl::string_view id) const {
   absl::MutexLock lock(&mu_);
   auto it = index_.find(id);
-  return it == index_.end() ? nullptr : *it->second;
+  return it == index_.end() ? nullptr : it->second;
 }
 
 void FeatureCache::Expire(int64_t now_ns) {

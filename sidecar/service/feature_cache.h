@@ -9,7 +9,6 @@
 #include <atomic>
 #include <cstdint>
 #include <functional>
-#include <list>
 #include <memory>
 #include <string>
 #include <vector>
@@ -19,6 +18,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/types/span.h"
 #include "absl/synchronization/mutex.h"
 #include "sidecar/readout/features.h"
 
@@ -38,6 +38,16 @@ struct ArmScore {
   std::weak_ptr<LiveReadout> scorer;
 };
 
+// Owns memory that live requests' features stay in (a shared-memory slot
+// arena). Release(slot) is called exactly once per request that was handed
+// one: when the request fails to become live, or when its LiveRequest is
+// destroyed (no one reads the slot after). Any thread; must not block.
+class ExternalFeatures {
+ public:
+  virtual ~ExternalFeatures() = default;
+  virtual void Release(uint32_t slot) = 0;
+};
+
 // A live request. Immutable after insertion except `gone`.
 struct LiveRequest {
   std::string request_id;
@@ -48,10 +58,22 @@ struct LiveRequest {
   int64_t dim = 0;
   std::string features;  // dim values of dtype, little-endian
   // Set when the features stay where the engine wrote them (a shared-memory
-  // slot) instead of `features`; `keepalive` holds the slot until the
-  // request is destroyed (then the slot goes back to the engine).
+  // slot) instead of `features`; the slot goes back to `owner` when this
+  // request is destroyed.
   const char* external = nullptr;
-  std::shared_ptr<void> keepalive;
+  std::shared_ptr<ExternalFeatures> owner;
+  uint32_t slot = 0;
+
+  // The cache's age order (owned by the FeatureCache, under its lock).
+  LiveRequest* cache_older = nullptr;
+  LiveRequest* cache_newer = nullptr;
+
+  LiveRequest() = default;
+  LiveRequest(const LiveRequest&) = delete;
+  LiveRequest& operator=(const LiveRequest&) = delete;
+  ~LiveRequest() {
+    if (owner != nullptr) owner->Release(slot);
+  }
   int64_t request_max_tokens = 0;
   // Serving arm first, then shadows (inline: no allocation without shadows).
   absl::InlinedVector<ArmScore, 1> scores;
@@ -99,6 +121,11 @@ class FeatureCache {
                    int64_t now_ns, std::vector<absl::Status>* status);
   // Removes and returns the request; NOT_FOUND when unknown.
   absl::StatusOr<std::shared_ptr<LiveRequest>> Take(absl::string_view id);
+  // Take for each id under one lock: taken[i] (null when unknown) and
+  // status[i] (NOT_FOUND as Take's).
+  void TakeBatch(absl::Span<const absl::string_view> ids,
+                 std::vector<std::shared_ptr<LiveRequest>>* taken,
+                 std::vector<absl::Status>* status);
   // The request without removing it; null when unknown.
   std::shared_ptr<LiveRequest> Find(absl::string_view id) const;
   // Drops entries older than the TTL.
@@ -111,8 +138,13 @@ class FeatureCache {
   int64_t evicted_ttl() const { return evicted_ttl_.load(); }
 
  private:
-  using List = std::list<std::shared_ptr<LiveRequest>>;
-  void EraseLocked(List::iterator it) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Index keyed by a view of the request's own id (stable: a LiveRequest
+  // never moves and its id never changes); the value owns the request.
+  using Index = absl::flat_hash_map<absl::string_view, std::shared_ptr<LiveRequest>>;
+  // Unlinks and unindexes; returns the request (destroy it outside the lock
+  // when convenient).
+  std::shared_ptr<LiveRequest> EraseLocked(Index::iterator it)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ExpireLocked(int64_t now_ns) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status InsertLocked(std::shared_ptr<LiveRequest> r, int64_t now_ns)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -121,8 +153,10 @@ class FeatureCache {
   const FeatureCacheOptions options_;
   const std::function<void(bool)> on_evict_;
   mutable absl::Mutex mu_;
-  List order_ ABSL_GUARDED_BY(mu_);  // oldest first
-  absl::flat_hash_map<std::string, List::iterator> index_ ABSL_GUARDED_BY(mu_);
+  Index index_ ABSL_GUARDED_BY(mu_);
+  // Intrusive age list through LiveRequest::cache_older/newer.
+  LiveRequest* oldest_ ABSL_GUARDED_BY(mu_) = nullptr;
+  LiveRequest* newest_ ABSL_GUARDED_BY(mu_) = nullptr;
   int64_t bytes_ ABSL_GUARDED_BY(mu_) = 0;
   std::atomic<int64_t> evicted_capacity_{0}, evicted_ttl_{0};
   std::atomic<int64_t> bytes_seen_{0}, size_seen_{0};

@@ -1,6 +1,26 @@
 #include "sidecar/service/metrics.h"
 
 namespace leap::sidecar {
+namespace {
+
+const prometheus::Histogram::BucketBoundaries kPredictionBuckets = {
+    1e-6, 2e-6, 5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 1e-3, 1e-2};
+
+}  // namespace
+
+void Metrics::ObservePredictions(int64_t count, double seconds) {
+  if (count <= 0) return;
+  if (count == 1) {
+    prediction_latency_->Observe(seconds);
+    return;
+  }
+  // One increment in the bucket `seconds` falls in (the last is +Inf).
+  std::vector<double> increments(kPredictionBuckets.size() + 1, 0.0);
+  size_t b = 0;
+  while (b < kPredictionBuckets.size() && seconds > kPredictionBuckets[b]) ++b;
+  increments[b] = static_cast<double>(count);
+  prediction_latency_->ObserveMultiple(increments, seconds * count);
+}
 
 using prometheus::BuildCounter;
 using prometheus::BuildGauge;
@@ -76,8 +96,7 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
            .Name("leap_prediction_latency_seconds")
            .Help("Time to score one request (routing, dot products, cache)")
            .Register(r)
-           .Add({}, prometheus::Histogram::BucketBoundaries{
-                        1e-6, 2e-6, 5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 1e-3, 1e-2});
+           .Add({}, kPredictionBuckets);
   auto& cache = BuildGauge()
                     .Name("leap_feature_cache")
                     .Help("Live-request feature cache size")

@@ -56,6 +56,9 @@ class Metrics {
   prometheus::Gauge& StorageBytes(const std::string& family);
 
   prometheus::Histogram& prediction_latency() { return *prediction_latency_; }
+  // `count` predictions that each took `seconds` (one update of the
+  // histogram for a whole batch).
+  void ObservePredictions(int64_t count, double seconds);
   prometheus::Gauge& cache_bytes() { return *cache_bytes_; }
   prometheus::Gauge& cache_entries() { return *cache_entries_; }
   prometheus::Counter& evicted_capacity() { return *evicted_capacity_; }

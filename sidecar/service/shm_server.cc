@@ -78,31 +78,46 @@ struct Waker {
   }
 };
 
-// What slot leases point at: the mapping and the queue of slots to hand
-// back. Outlives its Attachment while any live request holds a slot.
-struct Mapping {
+// True on the shm server thread (it flushes releases itself; other threads
+// must wake it).
+thread_local bool tls_shm_thread = false;
+
+// An engine's mapped segment, and the slots its live requests no longer
+// read: a bitmap any thread sets (a request destroyed on an RLS or gRPC
+// thread) and the server thread drains into kRelease frames. Outlives its
+// Attachment while any live request still reads a slot.
+struct Mapping final : public ExternalFeatures {
   void* base = nullptr;
   size_t bytes = 0;
   std::shared_ptr<Waker> waker;
-  absl::Mutex mu;
-  std::vector<uint32_t> released ABSL_GUARDED_BY(mu);
-  ~Mapping() {
+  std::unique_ptr<std::atomic<uint64_t>[]> released;
+  size_t words = 0;
+  std::atomic<bool> any_released{false};
+
+  Mapping(size_t slots) : released(new std::atomic<uint64_t>[(slots + 63) / 64]),
+                          words((slots + 63) / 64) {
+    for (size_t i = 0; i < words; ++i) released[i].store(0);
+  }
+  ~Mapping() override {
     if (base != nullptr) munmap(base, bytes);
   }
-};
-
-// Held by a live request whose features sit in a slot.
-struct SlotLease {
-  std::shared_ptr<Mapping> m;
-  uint32_t slot;
-  SlotLease(std::shared_ptr<Mapping> mapping, uint32_t s)
-      : m(std::move(mapping)), slot(s) {}
-  ~SlotLease() {
-    {
-      absl::MutexLock lock(&m->mu);
-      m->released.push_back(slot);
+  void Release(uint32_t slot) override {
+    released[slot >> 6].fetch_or(uint64_t{1} << (slot & 63),
+                                 std::memory_order_release);
+    any_released.store(true, std::memory_order_release);
+    if (!tls_shm_thread) waker->Notify();
+  }
+  // Appends the released slots to `out` and clears them.
+  void Drain(std::vector<uint32_t>* out) {
+    if (!any_released.exchange(false, std::memory_order_acquire)) return;
+    for (size_t i = 0; i < words; ++i) {
+      uint64_t w = released[i].exchange(0, std::memory_order_acquire);
+      while (w != 0) {
+        const int b = __builtin_ctzll(w);
+        out->push_back(static_cast<uint32_t>(i * 64 + b));
+        w &= w - 1;
+      }
     }
-    m->waker->Notify();
   }
 };
 
@@ -127,7 +142,10 @@ struct Attachment final : public PublishListener, public LiveTracker {
   std::vector<uint8_t> held;
   std::deque<std::pair<FrameKind, std::string>> pending;
   bool out_dirty = false;
-  absl::flat_hash_map<std::string, std::weak_ptr<LiveRequest>> live;
+  // Live requests to rescore: by slot for slot-backed ones (an entry is
+  // overwritten when its slot is reused), by id for features sent inline.
+  std::vector<std::weak_ptr<LiveRequest>> by_slot;
+  absl::flat_hash_map<std::string, std::weak_ptr<LiveRequest>> inline_live;
   size_t prune_at = 1024;
   std::shared_ptr<Waker> waker;
 
@@ -154,17 +172,41 @@ struct Attachment final : public PublishListener, public LiveTracker {
     waker->Notify();
   }
   void Track(std::shared_ptr<LiveRequest> r) override {
-    live[r->request_id] = r;
-    if (live.size() > prune_at) {
-      for (auto it = live.begin(); it != live.end();) {
+    if (r->owner.get() == mapping.get() && r->slot < by_slot.size()) {
+      by_slot[r->slot] = std::move(r);
+      return;
+    }
+    inline_live[r->request_id] = r;
+    if (inline_live.size() > prune_at) {
+      for (auto it = inline_live.begin(); it != inline_live.end();) {
         auto cur = it++;
         auto p = cur->second.lock();
-        if (p == nullptr || p->gone.load()) live.erase(cur);
+        if (p == nullptr || p->gone.load()) inline_live.erase(cur);
       }
-      prune_at = std::max<size_t>(1024, 2 * live.size());
+      prune_at = std::max<size_t>(1024, 2 * inline_live.size());
     }
   }
-  void Untrack(absl::string_view id) override { live.erase(id); }
+  // Slot-backed requests need no untracking: a gone request is skipped, and
+  // its entry is overwritten when the slot comes back.
+  void Untrack(absl::string_view id) override { inline_live.erase(id); }
+  // Every tracked request still live (for rescoring and reclaiming).
+  std::vector<std::shared_ptr<LiveRequest>> Live() {
+    std::vector<std::shared_ptr<LiveRequest>> out;
+    for (auto& w : by_slot) {
+      auto r = w.lock();
+      if (r != nullptr && !r->gone.load()) out.push_back(std::move(r));
+    }
+    for (auto it = inline_live.begin(); it != inline_live.end();) {
+      auto cur = it++;
+      auto r = cur->second.lock();
+      if (r == nullptr || r->gone.load()) {
+        inline_live.erase(cur);
+        continue;
+      }
+      out.push_back(std::move(r));
+    }
+    return out;
+  }
   char* Slot(uint32_t i) const {
     return static_cast<char*>(mapping->base) + layout.slots_offset +
            uint64_t{layout.slot_bytes} * i;
@@ -190,6 +232,7 @@ struct ShmServer::Impl {
   std::vector<absl::StatusOr<ScoreResult>> results_;
   std::vector<std::shared_ptr<LiveRequest>> lives_;
   std::vector<absl::string_view> cancel_ids_;
+  std::vector<uint32_t> released_;
   // Stats.
   std::atomic<int64_t> n_attached{0}, n_attaches{0}, n_refused{0},
       n_detaches{0}, n_corrupt{0}, n_reclaimed{0}, n_bad_records{0};
@@ -209,6 +252,8 @@ struct ShmServer::Impl {
   void HandleProto(Attachment& a, const char* payload, size_t bytes);
   void HandleCancels(Attachment& a, const char* payload, size_t bytes);
   void Emit(Attachment& a, FrameKind kind, const std::string& bytes);
+  void EmitParts(Attachment& a, FrameKind kind,
+                 std::initializer_list<absl::string_view> parts);
   void EmitProto(Attachment& a, const pb::SidecarMessage& m);
   bool FlushPending(Attachment& a);
   void FlushReleases(Attachment& a);
@@ -344,6 +389,7 @@ ShmServerStats ShmServer::stats() const {
 // ------------------------------------------------------------- the loop
 
 void ShmServer::Impl::Loop() {
+  tls_shm_thread = true;
   const int64_t spin_ns = absl::ToInt64Nanoseconds(options.spin);
   int64_t last_busy = NowNs();
   uint32_t iterations = 0;
@@ -550,7 +596,7 @@ absl::Status ShmServer::Impl::Attach(Attachment& a, const std::string& packet) {
   void* base = mmap(nullptr, a.layout.total_bytes, PROT_READ | PROT_WRITE,
                     MAP_SHARED, fd, 0);
   if (base == MAP_FAILED) return fail("cannot map");
-  a.mapping = std::make_shared<Mapping>();
+  a.mapping = std::make_shared<Mapping>(a.layout.slot_count);
   a.mapping->base = base;
   a.mapping->bytes = a.layout.total_bytes;
   a.mapping->waker = waker;
@@ -562,6 +608,7 @@ absl::Status ShmServer::Impl::Attach(Attachment& a, const std::string& packet) {
   a.out = shm::Ring(&a.hdr->to_engine, b + a.layout.to_engine_offset,
                     a.layout.ring_bytes);
   a.held.assign(a.layout.slot_count, 0);
+  a.by_slot.assign(a.layout.slot_count, {});
   a.efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   if (a.efd < 0) return fail("no eventfd for");
 
@@ -631,12 +678,12 @@ void ShmServer::Impl::Detach(Attachment& a, const std::string& why,
   // The engine is gone: its live requests can never complete. Cancelling
   // them drops their slot leases; the mapping goes with the last one.
   int64_t reclaimed = 0;
-  for (auto& [id, weak] : a.live) {
-    auto r = weak.lock();
-    if (r == nullptr || r->gone.load() || r->session != a.session) continue;
-    if (core->Cancel(id).ok()) ++reclaimed;
+  for (const auto& r : a.Live()) {
+    if (r->session != a.session) continue;
+    if (core->Cancel(r->request_id).ok()) ++reclaimed;
   }
-  a.live.clear();
+  a.by_slot.clear();
+  a.inline_live.clear();
   n_reclaimed.fetch_add(reclaimed);
   a.hdr->sidecar_closed.store(1);
   a.hdr->to_engine.wake.fetch_add(1);
@@ -724,6 +771,27 @@ void ShmServer::Impl::Emit(Attachment& a, FrameKind kind, const std::string& byt
   a.pending.emplace_back(kind, bytes);
 }
 
+void ShmServer::Impl::EmitParts(Attachment& a, FrameKind kind,
+                                std::initializer_list<absl::string_view> parts) {
+  size_t n = 0;
+  for (absl::string_view p : parts) n += p.size();
+  if (a.pending.empty()) {
+    if (char* out = a.out.Reserve(n, kind)) {
+      for (absl::string_view p : parts) {
+        std::memcpy(out, p.data(), p.size());
+        out += p.size();
+      }
+      a.out.Commit();
+      a.out_dirty = true;
+      return;
+    }
+  }
+  std::string frame;
+  frame.reserve(n);
+  for (absl::string_view p : parts) frame.append(p.data(), p.size());
+  a.pending.emplace_back(kind, std::move(frame));
+}
+
 void ShmServer::Impl::EmitProto(Attachment& a, const pb::SidecarMessage& m) {
   Emit(a, FrameKind::kProto, m.SerializeAsString());
 }
@@ -771,11 +839,10 @@ void ShmServer::Impl::HandleFeatures(Attachment& a, const char* payload,
   preds.clear();
   errs.clear();
   auto flush = [&] {
-    shm::PredictionsHead head{seq, n_pred, n_err};
-    std::string frame(reinterpret_cast<const char*>(&head), sizeof(head));
-    frame += preds;
-    frame += errs;
-    Emit(a, FrameKind::kPredictions, frame);
+    const shm::PredictionsHead head{seq, n_pred, n_err};
+    EmitParts(a, FrameKind::kPredictions,
+              {absl::string_view(reinterpret_cast<const char*>(&head), sizeof(head)),
+               preds, errs});
     preds.clear();
     errs.clear();
     n_pred = n_err = 0;
@@ -802,8 +869,8 @@ void ShmServer::Impl::HandleFeatures(Attachment& a, const char* payload,
   for (uint32_t i = 0; i < count; ++i) {
     shm::FeatureRecordView rec;
     if (absl::Status s = reader.Next(&rec); !s.ok()) {
-      // Nothing of this frame is scored: dropping the leases taken so far
-      // releases their slots.
+      // Nothing of this frame is scored: give back the slots taken so far.
+      for (const ScoreRequest& r : reqs_) a.mapping->Release(r.external_slot);
       reqs_.clear();
       frame_error(s);
       return;
@@ -817,14 +884,15 @@ void ShmServer::Impl::HandleFeatures(Attachment& a, const char* payload,
       sr.features = absl::string_view(a.Slot(rec.slot), feature_bytes);
       sr.dtype = a.dtype;
       sr.request_max_tokens = rec.max_tokens;
-      sr.external_keepalive = std::make_shared<SlotLease>(a.mapping, rec.slot);
+      sr.external_owner = a.mapping;
+      sr.external_slot = rec.slot;
       req = static_cast<int>(reqs_.size());
       reqs_.push_back(std::move(sr));
     }
     records_.emplace_back(rec, req);
   }
   core->PredictBatch(reqs_, a.session, &results_, &lives_);
-  reqs_.clear();  // drops the leases of requests that failed: slots released
+  reqs_.clear();
   for (size_t k = 0; k < records_.size(); ++k) {
     const auto& [rec, req] = records_[k];
     if (req < 0) {
@@ -925,12 +993,10 @@ void ShmServer::Impl::HandleCancels(Attachment& a, const char* payload,
 }
 
 void ShmServer::Impl::FlushReleases(Attachment& a) {
-  std::vector<uint32_t> slots;
-  {
-    absl::MutexLock lock(&a.mapping->mu);
-    if (a.mapping->released.empty()) return;
-    slots.swap(a.mapping->released);
-  }
+  std::vector<uint32_t>& slots = released_;
+  slots.clear();
+  a.mapping->Drain(&slots);
+  if (slots.empty()) return;
   const size_t per_frame =
       (a.out.max_payload() - sizeof(shm::ReleaseHead)) / sizeof(uint32_t);
   for (size_t i = 0; i < slots.size(); i += per_frame) {
@@ -960,16 +1026,7 @@ void ShmServer::Impl::FlushPublishes(Attachment& a) {
     EmitProto(a, m);
   }
   for (const auto& [name, v] : rescore) {
-    std::vector<std::shared_ptr<LiveRequest>> mine;
-    for (auto it = a.live.begin(); it != a.live.end();) {
-      auto cur = it++;
-      auto r = cur->second.lock();
-      if (r == nullptr || r->gone.load()) {
-        a.live.erase(cur);
-        continue;
-      }
-      mine.push_back(std::move(r));
-    }
+    std::vector<std::shared_ptr<LiveRequest>> mine = a.Live();
     std::vector<pb::Prediction> predictions;
     RescorePredictions(name, *v, mine, &predictions);
     mine.clear();
