@@ -364,6 +364,10 @@ void Core::PredictBatch(absl::Span<const ScoreRequest> reqs, uint64_t session,
   absl::InlinedVector<Serving, 2> versions;
   // A request that fails before it has a LiveRequest gives its slot back
   // here; afterwards the LiveRequest's destructor does.
+  const sidecar::Arm* last_arm = nullptr;
+  ReadoutMap::const_iterator last_it = map->end();
+  absl::string_view last_line;
+  absl::StatusOr<const Route*> last_route;
   auto fail = [&](size_t i, absl::Status s) {
     (*results)[i] = std::move(s);
     if (reqs[i].external_owner != nullptr) {
@@ -376,13 +380,23 @@ void Core::PredictBatch(absl::Span<const ScoreRequest> reqs, uint64_t session,
       fail(i, s);
       continue;
     }
-    absl::StatusOr<const Route*> route = table->Find(req.product_line);
+    // Consecutive requests mostly share their product line: one lookup.
+    if (i == 0 || req.product_line != last_line) {
+      last_line = req.product_line;
+      last_route = table->Find(req.product_line);
+    }
+    const absl::StatusOr<const Route*>& route = last_route;
     if (!route.ok()) {
       fail(i, route.status());
       continue;
     }
     ArmChoice choice = RoutingTable::Choose(**route, req.request_id);
-    auto it = map->find(choice.serving->readout);
+    // Consecutive requests mostly share their serving arm: one lookup.
+    if (choice.serving != last_arm) {
+      last_arm = choice.serving;
+      last_it = map->find(choice.serving->readout);
+    }
+    auto it = last_it;
     if (it == map->end()) {
       fail(i, absl::NotFoundError(absl::StrCat(
           "route of '", (*route)->product_line, "' names unknown readout '",
@@ -483,9 +497,9 @@ void Core::PredictBatch(absl::Span<const ScoreRequest> reqs, uint64_t session,
   std::vector<absl::Status> inserted;
   cache_.InsertBatch(*lives, t0, &inserted);
   // Counted only once the request is live (duplicates are errors).
-  const sidecar::Arm* last_arm = nullptr;
-  const Route* last_route = nullptr;
-  ArmState* last_state = nullptr;
+  const sidecar::Arm* counted_arm = nullptr;
+  const Route* counted_route = nullptr;
+  ArmState* counted_state = nullptr;
   const double seconds = (NowNs() - t0) * 1e-9;
   // Counter increments per readout, once per batch.
   absl::InlinedVector<std::pair<LiveReadout*, double>, 2> served;
@@ -501,12 +515,12 @@ void Core::PredictBatch(absl::Span<const ScoreRequest> reqs, uint64_t session,
       served.emplace_back(item.serving, 0.0);
     }
     served.back().second += 1;
-    if (item.choice.serving != last_arm || item.route != last_route) {
-      last_arm = item.choice.serving;
-      last_route = item.route;
-      last_state = Arm(item.route->product_line, *item.choice.serving);
+    if (item.choice.serving != counted_arm || item.route != counted_route) {
+      counted_arm = item.choice.serving;
+      counted_route = item.route;
+      counted_state = Arm(item.route->product_line, *item.choice.serving);
     }
-    last_state->predictions.fetch_add(1, std::memory_order_relaxed);
+    counted_state->predictions.fetch_add(1, std::memory_order_relaxed);
     for (const sidecar::Arm* shadow : item.scored_shadows) {
       map->find(shadow->readout)->second->metrics().predictions_shadow->Increment();
       Arm(item.route->product_line, *shadow)->predictions.fetch_add(1);

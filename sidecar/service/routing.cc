@@ -77,6 +77,10 @@ absl::StatusOr<const Route*> RoutingTable::Find(
 ArmChoice RoutingTable::Choose(const Route& route,
                                absl::string_view request_id) {
   ArmChoice choice;
+  if (route.arms.size() == 1 && !route.arms[0].shadow) {
+    choice.serving = &route.arms[0];  // one arm takes everything: no hash
+    return choice;
+  }
   // Position in [0, 100) with 1e-4 resolution.
   const double pos =
       static_cast<double>(StableRequestHash(request_id) % 1000000) / 1e4;
