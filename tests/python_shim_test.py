@@ -87,7 +87,7 @@ class Leapd:
     def __init__(self, sock, data_dir):
         self.sock = sock
         self.proc = subprocess.Popen(
-            [ARGS.leapd, "--listen=unix://" + sock,
+            [ARGS.leapd, "--listen=unix://" + sock, "--shm=" + sock + ".shm",
              "--metrics_listen=127.0.0.1:0", "--data_dir=" + data_dir,
              "--rls_batch=1", "--rls_flush=10ms"],
             stdout=subprocess.PIPE, text=True)
@@ -294,6 +294,31 @@ class LeapdFixture(unittest.TestCase):
 
 
 class EndToEndTest(LeapdFixture):
+
+    def test_shm_endpoint(self):
+        """The same binding over leapd's shared-memory data plane: captured
+        rows (fp32 and bf16 tensors) come back as predictions equal to
+        w . x + b, and a completion is learned."""
+        client = leap_shim.Client("shm://" + self.sock + ".shm", DIM,
+                                  dtype="float32", engine_id="py-shm",
+                                  min_backoff_s=0.02, max_backoff_s=0.2)
+        self.addCleanup(client.close)
+        self.assertTrue(client.wait_connected(DEADLINE_S), "no shm attach")
+        ev = Events(client)
+        v, w = self.weights()
+        f32 = self.rows([1.0, -0.4, 0.25])
+        bf16 = self.rows([0.6]).to(torch.bfloat16)
+        client.capture(f32, ["m0", "m1", "m2"])
+        client.capture(bf16, ["m3"])
+        expected = {"m0": f32[0], "m1": f32[1], "m2": f32[2], "m3": bf16[0].float()}
+        ids = set(expected)
+        self.assertTrue(ev.wait_for(
+            lambda a: len(latest(a, ids, ("prediction",))) == len(ids)),
+            "no predictions over shm")
+        got = latest(ev.all, ids, ("prediction",))
+        self.assert_scores({k: got[k] for k in ids}, expected, w, v.bias)
+        client.complete("m0", 321, reason="stop")
+        self.assertIsNotNone(self.wait_learned(1))
 
     def test_capture_learn_rescore_schedule_and_restart(self):
         client = self.client()
