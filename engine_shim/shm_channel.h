@@ -88,6 +88,8 @@ class ShmChannel {
     return size_t{layout_.slot_bytes} * layout_.slot_count;
   }
   uint64_t attach_id() const { return attach_id_; }
+  // Largest payload of one frame to leapd.
+  size_t max_frame_payload() const { return out_.max_payload(); }
 
   // A free slot, or -1 when every slot is submitted and not yet released.
   int64_t AcquireSlot();

@@ -235,7 +235,10 @@ class ShmTransport final : public Transport {
       std::memcpy(ch->slot(static_cast<uint32_t>(slot)), r.features().data(), want);
       const size_t rec = shm::FeatureRecordBytes(r.request_id().size(),
                                                  r.product_line().size());
-      if (frame_bytes + rec > ch_max_payload_ && !ship()) return false;
+      if (frame_bytes + rec > std::min(ch_max_payload_, ch->max_frame_payload()) &&
+          !ship()) {
+        return false;
+      }
       records.push_back({static_cast<uint32_t>(slot), r.request_id(),
                          r.product_line(), r.decoding().max_tokens()});
       frame_bytes += rec;

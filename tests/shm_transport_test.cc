@@ -14,6 +14,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cmath>
 #include <filesystem>
 #include <map>
@@ -478,6 +479,60 @@ double Metric(const std::string& body, const std::string& series) {
   const size_t at = body.find("\n" + series + " ");
   if (at == std::string::npos) return -1;
   return std::stod(body.substr(at + series.size() + 2));
+}
+
+// leapd keeps answering attach requests and hang-ups while another engine
+// keeps it busy without a pause.
+TEST(ShmTransport, AttachesWhileAnotherEngineStreams) {
+  Leapd l = StartLeapd("busy");
+  ASSERT_NE(l.proc, nullptr);
+  pb::SidecarMessage ack;
+  auto busy = shim::ShmChannel::Attach(ChannelOptions(l.shm, 64), &ack);
+  ASSERT_TRUE(busy.ok()) << busy.status();
+  for (uint32_t s = 0; s < 64; ++s) {
+    const std::string x = Features(static_cast<int>(s));
+    std::memcpy((*busy)->slot(s), x.data(), x.size());
+  }
+  std::atomic<bool> stop{false};
+  std::atomic<int64_t> predicted{0};
+  std::thread streamer([&] {
+    std::vector<uint32_t> free;
+    std::vector<std::string> ids(64);
+    for (int s = 0; s < 64; ++s) ids[s] = "busy-" + std::to_string(s);
+    std::vector<shim::ShmChannel::Record> recs;
+    std::vector<absl::string_view> done;
+    shim::ShmIncoming in;
+    uint64_t seq = 1;
+    while (!stop.load()) {
+      free.clear();
+      recs.clear();
+      (*busy)->AcquireSlots(16, &free);
+      for (uint32_t s : free) recs.push_back({s, ids[s], "", 0});
+      if (!recs.empty() && !(*busy)->SendFeatures(seq++, recs).ok()) return;
+      (*busy)->Flush();
+      if (!(*busy)->Receive(&in, absl::Milliseconds(100)).ok()) continue;
+      if (in.kind != shim::ShmIncoming::Kind::kPredictions) continue;
+      done.clear();
+      for (const auto& p : in.predictions) done.push_back(p.request_id);
+      predicted += static_cast<int64_t>(done.size());
+      if (!done.empty()) (*busy)->SendCancels(seq++, done).IgnoreError();
+      (*busy)->Flush();
+    }
+  });
+  // Wait until the stream is flowing, then attach a second engine.
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  while (predicted.load() < 1000 && absl::Now() < deadline) std::this_thread::yield();
+  ASSERT_GE(predicted.load(), 1000);
+  auto second = shim::ShmChannel::Attach(ChannelOptions(l.shm), &ack);
+  EXPECT_TRUE(second.ok()) << second.status();
+  if (second.ok()) ExpectServed(**second, "second", 99);
+  const int64_t before = predicted.load();
+  second->reset();  // hangs up: leapd reclaims it while still streaming
+  auto gone = l.proc->WaitForLine("shm: engine 'probe' detached", absl::Seconds(30));
+  EXPECT_TRUE(gone.ok()) << gone.status();
+  stop.store(true);
+  streamer.join();
+  EXPECT_GT(predicted.load(), before);
 }
 
 // An engine process dies by kill -9 with live requests holding slots: leapd

@@ -54,6 +54,9 @@ absl::Status ShmServerOptions::Validate() const {
 
 namespace {
 
+// Answers buffered for an engine whose ring is full before it is detached.
+constexpr size_t kMaxPendingBytes = size_t{64} << 20;
+
 int64_t NowNs() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
              std::chrono::steady_clock::now().time_since_epoch())
@@ -140,7 +143,9 @@ struct Attachment final : public PublishListener, public LiveTracker {
   pb::Hello hello;
   readout::DType dtype = readout::DType::kFloat32;
   std::vector<uint8_t> held;
+  // Frames waiting for room in the engine's ring (it reads too slowly).
   std::deque<std::pair<FrameKind, std::string>> pending;
+  size_t pending_bytes = 0;
   bool out_dirty = false;
   // Live requests to rescore: by slot for slot-backed ones (an entry is
   // overwritten when its slot is reused), by id for features sent inline.
@@ -413,8 +418,8 @@ void ShmServer::Impl::Loop() {
         if (a->attached && !a->dead && !a->in.PrepareSleep()) ready = true;
       }
       timeout = ready ? 0 : -1;
-    } else if (busy || (iterations & 63) != 0) {
-      continue;  // poll the sockets only now and then while spinning
+    } else if ((iterations & 63) != 0) {
+      continue;  // busy or spinning: look at the sockets every 64 rounds
     }
     const int n = epoll_wait(epfd, evs, 64, timeout);
     waker->sleeping.store(false);
@@ -744,6 +749,15 @@ bool ShmServer::Impl::Service(Attachment& a) {
   }
   FlushReleases(a);
   if (a.has_publish.load(std::memory_order_relaxed)) FlushPublishes(a);
+  if (a.pending_bytes > kMaxPendingBytes) {
+    // An engine that stopped reading (hung, or its ring's head is garbage):
+    // do not buffer for it without bound.
+    Detach(a,
+           absl::StrCat("the engine stopped reading its ring: ", a.pending_bytes,
+                        " bytes of answers pending"),
+           true);
+    return true;
+  }
   if (a.out_dirty) {
     Publish(a);
     busy = true;
@@ -769,6 +783,7 @@ void ShmServer::Impl::Emit(Attachment& a, FrameKind kind, const std::string& byt
     }
   }
   a.pending.emplace_back(kind, bytes);
+  a.pending_bytes += bytes.size();
 }
 
 void ShmServer::Impl::EmitParts(Attachment& a, FrameKind kind,
@@ -789,6 +804,7 @@ void ShmServer::Impl::EmitParts(Attachment& a, FrameKind kind,
   std::string frame;
   frame.reserve(n);
   for (absl::string_view p : parts) frame.append(p.data(), p.size());
+  a.pending_bytes += frame.size();
   a.pending.emplace_back(kind, std::move(frame));
 }
 
@@ -807,6 +823,7 @@ bool ShmServer::Impl::FlushPending(Attachment& a) {
     std::memcpy(p, bytes.data(), bytes.size());
     a.out.Commit();
     a.out_dirty = true;
+    a.pending_bytes -= bytes.size();
     a.pending.pop_front();
   }
   return true;
