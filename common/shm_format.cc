@@ -94,6 +94,7 @@ void InitHeader(void* base, const Layout& l, uint64_t attach_id) {
     c->head.store(0);
     c->tail.store(0);
     c->sleeping.store(0);
+    c->space_wanted.store(0);
     c->wake.store(0);
   }
 }
@@ -139,10 +140,9 @@ absl::Status CheckHeader(const void* base, size_t mapped_bytes,
 // ------------------------------------------------------------------ Ring
 
 void Ring::InitLocal() {
-  ptail_ = c_->tail.load(std::memory_order_relaxed);
-  cached_head_ = c_->head.load(std::memory_order_relaxed);
-  chead_ = cached_head_;
-  cached_tail_ = chead_;
+  // Every segment is fresh: both ends start at 0 (never from words the
+  // other side could have written first).
+  ptail_ = cached_head_ = chead_ = cached_tail_ = 0;
   initialized_ = true;
 }
 
@@ -233,8 +233,21 @@ void Ring::Pop() {
   peeked_frame_ = 0;
 }
 
-void Ring::ReleaseConsumed() {
+bool Ring::ReleaseConsumed() {
   c_->head.store(chead_, std::memory_order_release);
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  return c_->space_wanted.load(std::memory_order_relaxed) != 0 &&
+         c_->space_wanted.exchange(0) != 0;
+}
+
+bool Ring::PrepareWaitForSpace(size_t payload) {
+  c_->space_wanted.store(1, std::memory_order_relaxed);
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  if (Fits(payload)) {
+    c_->space_wanted.store(0, std::memory_order_relaxed);
+    return false;
+  }
+  return true;
 }
 
 bool Ring::Empty() const {
@@ -396,6 +409,9 @@ absl::Status ReceivePacket(int sock, std::string* bytes, std::vector<int>* fds,
     n = recvmsg(sock, &msg, MSG_CMSG_CLOEXEC);
   } while (n < 0 && errno == EINTR);
   if (n < 0) {
+    if (errno == EAGAIN || errno == EWOULDBLOCK) {
+      return absl::DeadlineExceededError("shm: no packet yet");
+    }
     return absl::UnavailableError(
         absl::StrCat("shm: recvmsg failed: ", std::strerror(errno)));
   }

@@ -52,6 +52,9 @@ struct RingControl {
   alignas(64) std::atomic<uint64_t> head;  // bytes ever consumed
   // Set by a consumer about to sleep; cleared by whoever wakes it.
   alignas(64) std::atomic<uint32_t> sleeping;
+  // Set by a producer that waits for room; the consumer that frees some
+  // clears it and wakes the producer.
+  std::atomic<uint32_t> space_wanted;
   // Futex word bumped on every wake-up (engine side).
   std::atomic<uint32_t> wake;
 };
@@ -158,6 +161,9 @@ class Ring {
   bool Publish();
   // Whether a `payload`-byte frame fits right now.
   bool Fits(size_t payload);
+  // About to wait for room for a `payload`-byte frame: announces it, then
+  // re-checks. False (announcement withdrawn) when it fits now.
+  bool PrepareWaitForSpace(size_t payload);
 
   // --- consumer
   enum class Peek { kFrame, kEmpty, kCorrupt };
@@ -167,7 +173,8 @@ class Ring {
   // Consumes the frame returned by Next (visible to the producer at
   // ReleaseConsumed()).
   void Pop();
-  void ReleaseConsumed();
+  // Returns true when the producer waits for room (the caller wakes it).
+  bool ReleaseConsumed();
   // Cheap emptiness check (acquire load of the producer's tail).
   bool Empty() const;
   // Marks this consumer sleeping; returns false (and clears it) when a
@@ -320,7 +327,8 @@ void FutexWakeAll(std::atomic<uint32_t>* word);
 // A seqpacket message with up to 4 file descriptors.
 absl::Status SendPacket(int sock, absl::string_view bytes,
                         const std::vector<int>& fds);
-// Receives one packet (EOF -> UNAVAILABLE); received fds go to `fds`.
+// Receives one packet (EOF -> UNAVAILABLE; nothing to read on a
+// non-blocking socket -> DEADLINE_EXCEEDED); received fds go to `fds`.
 absl::Status ReceivePacket(int sock, std::string* bytes,
                            std::vector<int>* fds, size_t max_bytes);
 

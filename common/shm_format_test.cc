@@ -19,6 +19,7 @@ struct RingMemory {
     control.head.store(0);
     control.tail.store(0);
     control.sleeping.store(0);
+    control.space_wanted.store(0);
     control.wake.store(0);
   }
   RingControl control;
@@ -147,9 +148,32 @@ TEST(ShmRing, CorruptIndicesAndLengthsAreReportedNotFollowed) {
     // producer sees no room, never overwrites.
     RingMemory m(1 << 16);
     Ring producer(&m.control, m.data.data(), 1 << 16);
+    int frames = 0;
+    while (producer.Reserve(1000, FrameKind::kProto) != nullptr) {
+      producer.Commit();
+      ++frames;
+    }
+    EXPECT_EQ(frames, 65);  // 1008-byte frames in 64 KiB
     m.control.head.store(uint64_t{1} << 40);
     EXPECT_EQ(producer.Reserve(16, FrameKind::kProto), nullptr);
   }
+}
+
+TEST(ShmRing, AWaitForSpaceIsSeenByTheConsumer) {
+  RingMemory m(1 << 16);
+  Ring producer(&m.control, m.data.data(), 1 << 16);
+  Ring consumer(&m.control, m.data.data(), 1 << 16);
+  while (producer.Reserve(4000, FrameKind::kProto) != nullptr) producer.Commit();
+  producer.Publish();
+  EXPECT_TRUE(producer.PrepareWaitForSpace(4000));  // full: may wait
+  FrameHeader h;
+  const char* p;
+  std::string error;
+  ASSERT_EQ(consumer.Next(&h, &p, &error), Ring::Peek::kFrame);
+  consumer.Pop();
+  EXPECT_TRUE(consumer.ReleaseConsumed());   // saw the waiter: must wake it
+  EXPECT_FALSE(consumer.ReleaseConsumed());  // and only once
+  EXPECT_FALSE(producer.PrepareWaitForSpace(4000));  // room now: no wait
 }
 
 TEST(ShmRing, SleepAnnouncementIsSeenByThePublisher) {

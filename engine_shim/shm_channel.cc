@@ -356,16 +356,18 @@ void ShmChannel::CorruptRingForTesting() {
 void ShmChannel::Flush() {
   if (!dirty_) return;
   dirty_ = false;
-  if (out_.Publish()) {
-    const uint64_t one = 1;
-    (void)!write(wake_fd_, &one, sizeof(one));
-  }
+  if (out_.Publish()) WakeLeapd();
+}
+
+void ShmChannel::WakeLeapd() {
+  const uint64_t one = 1;
+  (void)!write(wake_fd_, &one, sizeof(one));
 }
 
 absl::Status ShmChannel::Receive(ShmIncoming* in, absl::Duration timeout) {
   if (popped_) {
     in_.Pop();
-    in_.ReleaseConsumed();
+    if (in_.ReleaseConsumed()) WakeLeapd();
     popped_ = false;
   }
   const int64_t start = NowNs();
@@ -399,7 +401,7 @@ absl::Status ShmChannel::Receive(ShmIncoming* in, absl::Duration timeout) {
             }
           }
           in_.Pop();
-          in_.ReleaseConsumed();
+          if (in_.ReleaseConsumed()) WakeLeapd();
           in->kind = ShmIncoming::Kind::kReleased;
           in->released = static_cast<uint32_t>(count);
           return absl::OkStatus();
@@ -457,11 +459,13 @@ absl::Status ShmChannel::Receive(ShmIncoming* in, absl::Duration timeout) {
         }
         default:
           in_.Pop();
-          in_.ReleaseConsumed();
+          if (in_.ReleaseConsumed()) WakeLeapd();
           continue;  // a kind from a newer leapd: skipped
       }
     }
-    // Empty.
+    // Empty. The futex word is read before the checks below, so an
+    // Interrupt or a close after them changes it and the wait returns.
+    const uint32_t w = hdr_->to_engine.wake.load();
     if (!closed_.load() && hdr_->sidecar_closed.load()) {
       // leapd sends its reason on the socket before it marks the segment:
       // give the monitor thread a moment to record it.
@@ -482,7 +486,6 @@ absl::Status ShmChannel::Receive(ShmIncoming* in, absl::Duration timeout) {
     const int64_t waited = NowNs() - start;
     if (waited >= limit) return absl::DeadlineExceededError("no frame yet");
     if (waited < spin_ns_) continue;
-    const uint32_t w = hdr_->to_engine.wake.load();
     if (in_.PrepareSleep()) {
       if (!closed_.load()) {
         shm::FutexWait(&hdr_->to_engine.wake, w,

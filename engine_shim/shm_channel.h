@@ -139,6 +139,7 @@ class ShmChannel {
  private:
   ShmChannel() = default;
   void MonitorLoop();
+  void WakeLeapd();
   absl::Status Reserve(size_t bytes, shm::FrameKind kind, char** out);
 
   int sock_ = -1;

@@ -217,7 +217,7 @@ class ShmTransport final : public Transport {
       while (slot < 0 && absl::Now() < deadline && !ch->closed()) {
         // Every slot holds a live request: ship what we have, then wait
         // for leapd to release slots (the reader thread frees them).
-        if (!ship()) return false;
+        if (!ship()) return false;  // (no slot of ours outside `records`)
         ch->Flush();
         sched_yield();
         slot = ch->AcquireSlot();
@@ -237,6 +237,7 @@ class ShmTransport final : public Transport {
                                                  r.product_line().size());
       if (frame_bytes + rec > std::min(ch_max_payload_, ch->max_frame_payload()) &&
           !ship()) {
+        ch->ReturnSlot(static_cast<uint32_t>(slot));
         return false;
       }
       records.push_back({static_cast<uint32_t>(slot), r.request_id(),

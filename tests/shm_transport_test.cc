@@ -481,6 +481,52 @@ double Metric(const std::string& body, const std::string& series) {
   return std::stod(body.substr(at + series.size() + 2));
 }
 
+// The engine stops reading until leapd's answers fill its ring and leapd
+// sleeps waiting for room (it announces that in the segment); when the
+// engine reads again, freeing room wakes leapd and every answer arrives.
+TEST(ShmTransport, FullAnswerRingResumesWhenTheEngineReads) {
+  Leapd l = StartLeapd("full-ring");
+  ASSERT_NE(l.proc, nullptr);
+  pb::SidecarMessage ack;
+  auto o = ChannelOptions(l.shm, 2048);
+  o.ring_bytes = 1 << 16;
+  auto ch = shim::ShmChannel::Attach(o, &ack);
+  ASSERT_TRUE(ch.ok()) << ch.status();
+  const int kRecords = 2000;
+  std::vector<std::string> ids;
+  for (int i = 0; i < kRecords; ++i) ids.push_back("full-" + std::to_string(i));
+  for (int i = 0; i < kRecords; i += 16) {
+    std::vector<shim::ShmChannel::Record> recs;
+    for (int k = i; k < std::min(kRecords, i + 16); ++k) {
+      const int64_t slot = (*ch)->AcquireSlot();
+      ASSERT_GE(slot, 0);
+      const std::string x = Features(k);
+      std::memcpy((*ch)->slot(static_cast<uint32_t>(slot)), x.data(), x.size());
+      recs.push_back({static_cast<uint32_t>(slot), ids[k], "", 0});
+    }
+    ASSERT_TRUE((*ch)->SendFeatures(1 + i / 16, recs).ok());
+    (*ch)->Flush();
+  }
+  // leapd's answers (~50 bytes each) overflow the 64 KiB ring: it waits.
+  shm::SegmentHeader* h = (*ch)->header_for_testing();
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  while (h->to_engine.space_wanted.load() == 0 && absl::Now() < deadline) {
+    std::this_thread::yield();
+  }
+  ASSERT_EQ(h->to_engine.space_wanted.load(), 1u) << "leapd never waited for room";
+  std::set<std::string> predicted;
+  shim::ShmIncoming in;
+  while (predicted.size() < static_cast<size_t>(kRecords) && absl::Now() < deadline) {
+    absl::Status s = (*ch)->Receive(&in, absl::Seconds(1));
+    if (absl::IsDeadlineExceeded(s)) continue;
+    ASSERT_TRUE(s.ok()) << s;
+    if (in.kind != shim::ShmIncoming::Kind::kPredictions) continue;
+    EXPECT_TRUE(in.errors.empty());
+    for (const auto& p : in.predictions) predicted.insert(std::string(p.request_id));
+  }
+  EXPECT_EQ(predicted.size(), static_cast<size_t>(kRecords));
+}
+
 // leapd keeps answering attach requests and hang-ups while another engine
 // keeps it busy without a pause.
 TEST(ShmTransport, AttachesWhileAnotherEngineStreams) {

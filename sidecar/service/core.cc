@@ -663,6 +663,14 @@ absl::StatusOr<CompletionOutcome> Core::Complete(absl::string_view request_id,
   return outcome;
 }
 
+bool Core::CancelExact(const LiveRequest& r) {
+  std::shared_ptr<LiveRequest> taken = cache_.TakeIf(r.request_id, &r);
+  if (taken == nullptr) return false;
+  metrics_->cache_bytes().Set(static_cast<double>(cache_.bytes()));
+  metrics_->cache_entries().Set(static_cast<double>(cache_.size()));
+  return true;
+}
+
 void Core::CancelBatch(absl::Span<const absl::string_view> ids,
                        std::vector<absl::Status>* status) {
   std::vector<std::shared_ptr<LiveRequest>> taken;

@@ -139,6 +139,9 @@ class Core {
                                              readout::FinishReason reason);
   // Drops a live request without learning. NOT_FOUND (counted) if unknown.
   absl::Status Cancel(absl::string_view request_id);
+  // Drops exactly this live request (not another one that took its id
+  // since); false when it is no longer live.
+  bool CancelExact(const LiveRequest& r);
   // Cancel for each id, under one cache lock; status[i] for ids[i].
   void CancelBatch(absl::Span<const absl::string_view> ids,
                    std::vector<absl::Status>* status);

@@ -101,6 +101,16 @@ absl::StatusOr<std::shared_ptr<LiveRequest>> FeatureCache::Take(
   return r;
 }
 
+std::shared_ptr<LiveRequest> FeatureCache::TakeIf(absl::string_view id,
+                                                  const LiveRequest* expected) {
+  absl::MutexLock lock(&mu_);
+  auto it = index_.find(id);
+  if (it == index_.end() || it->second.get() != expected) return nullptr;
+  std::shared_ptr<LiveRequest> r = EraseLocked(it);
+  PublishSizesLocked();
+  return r;
+}
+
 void FeatureCache::TakeBatch(absl::Span<const absl::string_view> ids,
                              std::vector<std::shared_ptr<LiveRequest>>* taken,
                              std::vector<absl::Status>* status) {

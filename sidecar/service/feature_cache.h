@@ -121,6 +121,9 @@ class FeatureCache {
                    int64_t now_ns, std::vector<absl::Status>* status);
   // Removes and returns the request; NOT_FOUND when unknown.
   absl::StatusOr<std::shared_ptr<LiveRequest>> Take(absl::string_view id);
+  // Removes the entry of `id` only when it is `expected`; null otherwise.
+  std::shared_ptr<LiveRequest> TakeIf(absl::string_view id,
+                                      const LiveRequest* expected);
   // Take for each id under one lock: taken[i] (null when unknown) and
   // status[i] (NOT_FOUND as Take's).
   void TakeBatch(absl::Span<const absl::string_view> ids,

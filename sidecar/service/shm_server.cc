@@ -223,6 +223,7 @@ struct ShmServer::Impl {
   std::string sidecar_id;
   ShmServerOptions options;
   int listen_fd = -1;
+  bool bound = false;
   int epfd = -1;
   std::shared_ptr<Waker> waker = std::make_shared<Waker>();
   std::atomic<bool> stop{false};
@@ -331,6 +332,7 @@ absl::StatusOr<std::unique_ptr<ShmServer>> ShmServer::Start(
     return absl::UnavailableError(absl::StrCat(
         "shm: cannot listen on '", path, "': ", std::strerror(errno)));
   }
+  im.bound = true;  // from here on the socket file is ours to remove
   // Engines in another container of the pod connect as the pod's fsGroup:
   // owner and group may connect, others not.
   chmod(path.c_str(), 0660);
@@ -362,19 +364,14 @@ void ShmServer::Stop() {
     (void)!write(im.waker->efd, &one, sizeof(one));
   }
   if (im.thread.joinable()) im.thread.join();
+  // The thread is gone: detach every engine from here (its requests are
+  // cancelled, it sees leapd leave, its segment is removed).
   for (auto& [key, a] : im.attachments) {
-    if (a->hdr != nullptr) {
-      a->hdr->sidecar_closed.store(1);
-      a->hdr->to_engine.wake.fetch_add(1);
-      shm::FutexWakeAll(&a->hdr->to_engine.wake);
-    }
-    if (!a->seg_path.empty()) unlink(a->seg_path.c_str());
+    if (a->attached && !a->dead) im.Detach(*a, "leapd is stopping", false);
   }
   im.attachments.clear();
-  if (im.listen_fd >= 0) {
-    close(im.listen_fd);
-    unlink(options_.path.c_str());
-  }
+  if (im.listen_fd >= 0) close(im.listen_fd);
+  if (im.bound) unlink(options_.path.c_str());
   if (im.epfd >= 0) close(im.epfd);
 }
 
@@ -401,7 +398,9 @@ void ShmServer::Impl::Loop() {
   epoll_event evs[64];
   while (!stop.load(std::memory_order_relaxed)) {
     bool busy = false;
-    waker->pending.store(false, std::memory_order_relaxed);
+    // A full barrier before the flags Service reads (has_publish, the
+    // release bitmap): a Notify after this point is never lost.
+    waker->pending.exchange(false, std::memory_order_seq_cst);
     for (auto& [key, a] : attachments) {
       if (a->attached && !a->dead) busy |= Service(*a);
     }
@@ -415,7 +414,16 @@ void ShmServer::Impl::Loop() {
       std::atomic_thread_fence(std::memory_order_seq_cst);
       bool ready = waker->pending.load();
       for (auto& [key, a] : attachments) {
-        if (a->attached && !a->dead && !a->in.PrepareSleep()) ready = true;
+        if (!a->attached || a->dead) continue;
+        if (!a->pending.empty()) {
+          // Input waits for room in the engine's ring: sleep until the
+          // engine frees some (it wakes us), not until more input comes.
+          if (!a->out.PrepareWaitForSpace(a->pending.front().second.size())) {
+            ready = true;
+          }
+        } else if (!a->in.PrepareSleep()) {
+          ready = true;
+        }
       }
       timeout = ready ? 0 : -1;
     } else if ((iterations & 63) != 0) {
@@ -424,7 +432,10 @@ void ShmServer::Impl::Loop() {
     const int n = epoll_wait(epfd, evs, 64, timeout);
     waker->sleeping.store(false);
     for (auto& [key, a] : attachments) {
-      if (a->attached && !a->dead) a->in.CancelSleep();
+      if (a->attached && !a->dead) {
+        a->in.CancelSleep();
+        a->out.control()->space_wanted.store(0, std::memory_order_relaxed);
+      }
     }
     if (timeout != 0) last_busy = NowNs();
     for (int i = 0; i < n; ++i) {
@@ -457,6 +468,13 @@ void ShmServer::Impl::Accept() {
     const int fd = accept4(listen_fd, nullptr, nullptr,
                            SOCK_NONBLOCK | SOCK_CLOEXEC);
     if (fd < 0) return;
+    int waiting = 0;
+    for (const auto& [k, other] : attachments) waiting += !other->attached;
+    if (waiting >= options.max_engines) {
+      close(fd);  // too many connections that have not attached: refuse
+      n_refused.fetch_add(1);
+      continue;
+    }
     auto a = std::make_shared<Attachment>();
     a->sock = fd;
     a->waker = waker;
@@ -503,9 +521,9 @@ void ShmServer::Impl::HandleAttach(const std::shared_ptr<Attachment>& a) {
   std::vector<int> fds;
   absl::Status s = shm::ReceivePacket(a->sock, &packet, &fds, shm::kMaxAttachPacket);
   for (int fd : fds) close(fd);  // an engine never sends fds
+  if (absl::IsDeadlineExceeded(s)) return;  // nothing to read yet
   if (!s.ok()) {
-    if (errno == EAGAIN) return;
-    a->dead = true;
+    a->dead = true;  // hung up (or failed) before attaching
     return;
   }
   s = Attach(*a, packet);
@@ -685,7 +703,7 @@ void ShmServer::Impl::Detach(Attachment& a, const std::string& why,
   int64_t reclaimed = 0;
   for (const auto& r : a.Live()) {
     if (r->session != a.session) continue;
-    if (core->Cancel(r->request_id).ok()) ++reclaimed;
+    if (core->CancelExact(*r)) ++reclaimed;
   }
   a.by_slot.clear();
   a.inline_live.clear();
@@ -774,6 +792,23 @@ void ShmServer::Impl::Publish(Attachment& a) {
 }
 
 void ShmServer::Impl::Emit(Attachment& a, FrameKind kind, const std::string& bytes) {
+  if (bytes.size() > a.out.max_payload()) {
+    // Never queue what the ring can never take (it would stall the engine):
+    // answer with a short message-level error instead.
+    pb::SidecarMessage m;
+    if (kind == FrameKind::kProto) {
+      pb::SidecarMessage big;
+      if (big.ParseFromString(bytes)) m.set_seq(big.seq());
+    }
+    m.mutable_error()->set_code(static_cast<int>(absl::StatusCode::kResourceExhausted));
+    m.mutable_error()->set_message(absl::StrCat(
+        "the answer (", bytes.size(), " bytes) does not fit this engine's ring (",
+        a.out.max_payload(), " bytes per frame): send fewer records per message "
+        "or attach with larger rings"));
+    core->metrics().RequestErrors("RESOURCE_EXHAUSTED").Increment();
+    Emit(a, FrameKind::kProto, m.SerializeAsString());
+    return;
+  }
   if (a.pending.empty()) {
     if (char* p = a.out.Reserve(bytes.size(), kind)) {
       std::memcpy(p, bytes.data(), bytes.size());
@@ -866,6 +901,10 @@ void ShmServer::Impl::HandleFeatures(Attachment& a, const char* payload,
   };
   auto add_error = [&](uint32_t slot, absl::string_view id,
                        const absl::Status& s) {
+    // Bounded echo (as gRPC's up to 4 KiB ids; longer ones name no live
+    // request anyway), the message too, so a record always fits a frame of
+    // the smallest ring.
+    id = id.substr(0, 4096);
     const std::string msg(s.message().substr(0, 1024));
     const size_t need = shm::ErrorRecordBytes(id.size(), msg.size());
     if (sizeof(shm::PredictionsHead) + preds.size() + errs.size() + need >
