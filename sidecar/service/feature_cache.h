@@ -68,7 +68,9 @@ struct LiveRequest {
   LiveRequest* cache_older = nullptr;
   LiveRequest* cache_newer = nullptr;
 
-  LiveRequest() = default;
+  // User-provided (not "= default"): make_shared would value-initialize,
+  // zero-filling the whole object before the members' own initializers.
+  LiveRequest() {}
   LiveRequest(const LiveRequest&) = delete;
   LiveRequest& operator=(const LiveRequest&) = delete;
   ~LiveRequest() {

@@ -761,6 +761,11 @@ bool ShmServer::Impl::Service(Attachment& a) {
       }
       a.in.Pop();
       busy = true;
+      // Hand answers and freed slots over after every frame: the engine
+      // refills while leapd works on the next frames (no idle gap waiting
+      // for the engine's reaction at the end of a long round).
+      FlushReleases(a);
+      if (a.out_dirty) Publish(a);
       if (!a.pending.empty()) break;  // the engine is not reading: wait
     }
     if (busy) a.in.ReleaseConsumed();
