@@ -117,9 +117,29 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
            .Add({});
   connected_engines_ = &BuildGauge()
                             .Name("leap_connected_engines")
-                            .Help("Open Connect streams")
+                            .Help("Open Connect streams and attached shm engines")
                             .Register(r)
                             .Add({});
+  shm_refused_ = &BuildCounter()
+                      .Name("leap_shm_attach_refused_total")
+                      .Help("Shared-memory attach requests refused")
+                      .Register(r)
+                      .Add({});
+  shm_detached_ = &BuildCounter()
+                       .Name("leap_shm_detached_total")
+                       .Help("Engines detached from the shared-memory data plane, "
+                             "by reason (hangup, corrupt, stalled, stopping)")
+                       .Register(r);
+  shm_reclaimed_ = &BuildCounter()
+                        .Name("leap_shm_reclaimed_requests_total")
+                        .Help("Live requests cancelled because their shm engine "
+                              "went away")
+                        .Register(r)
+                        .Add({});
+}
+
+prometheus::Counter& Metrics::ShmDetached(const std::string& reason) {
+  return shm_detached_->Add({{"reason", reason}});
 }
 
 ReadoutMetrics Metrics::ForReadout(const std::string& name) {

@@ -65,6 +65,12 @@ class Metrics {
   prometheus::Counter& evicted_ttl() { return *evicted_ttl_; }
   prometheus::Counter& unknown_completions() { return *unknown_completions_; }
   prometheus::Gauge& connected_engines() { return *connected_engines_; }
+  // Shared-memory data plane: attach requests refused, engines detached by
+  // reason ("hangup", "corrupt", "stalled", "stopping"), live requests
+  // cancelled because their engine went away.
+  prometheus::Counter& shm_refused() { return *shm_refused_; }
+  prometheus::Counter& ShmDetached(const std::string& reason);
+  prometheus::Counter& shm_reclaimed() { return *shm_reclaimed_; }
 
  private:
   std::shared_ptr<prometheus::Registry> registry_;
@@ -92,6 +98,9 @@ class Metrics {
   prometheus::Counter* evicted_ttl_;
   prometheus::Counter* unknown_completions_;
   prometheus::Gauge* connected_engines_;
+  prometheus::Counter* shm_refused_;
+  prometheus::Family<prometheus::Counter>* shm_detached_;
+  prometheus::Counter* shm_reclaimed_;
 };
 
 }  // namespace leap::sidecar

@@ -264,7 +264,9 @@ struct ShmServer::Impl {
   bool FlushPending(Attachment& a);
   void FlushReleases(Attachment& a);
   void FlushPublishes(Attachment& a);
-  void Detach(Attachment& a, const std::string& why, bool corrupt);
+  // `label`: the leap_shm_detached_total reason.
+  void Detach(Attachment& a, const std::string& why, bool corrupt,
+              const char* label);
   void Publish(Attachment& a);
 };
 
@@ -367,7 +369,7 @@ void ShmServer::Stop() {
   // The thread is gone: detach every engine from here (its requests are
   // cancelled, it sees leapd leave, its segment is removed).
   for (auto& [key, a] : im.attachments) {
-    if (a->attached && !a->dead) im.Detach(*a, "leapd is stopping", false);
+    if (a->attached && !a->dead) im.Detach(*a, "leapd is stopping", false, "stopping");
   }
   im.attachments.clear();
   if (im.listen_fd >= 0) close(im.listen_fd);
@@ -497,12 +499,13 @@ void ShmServer::Impl::OnSocket(const std::shared_ptr<Attachment>& a) {
   char buf[256];
   const ssize_t n = recv(a->sock, buf, sizeof(buf), MSG_DONTWAIT);
   if (n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK)) {
-    Detach(*a, "engine hung up", false);
+    Detach(*a, "engine hung up", false, "hangup");
   }
 }
 
 void ShmServer::Impl::Refuse(Attachment& a, const absl::Status& s) {
   n_refused.fetch_add(1);
+  core->metrics().shm_refused().Increment();
   shm::AttachReply reply{};
   reply.magic = shm::kMagic;
   reply.format_version = shm::kFormatVersion;
@@ -681,7 +684,7 @@ absl::Status ShmServer::Impl::Attach(Attachment& a, const std::string& packet) {
 }
 
 void ShmServer::Impl::Detach(Attachment& a, const std::string& why,
-                             bool corrupt) {
+                             bool corrupt, const char* label) {
   if (a.dead) return;
   a.dead = true;
   if (!a.attached) return;
@@ -708,6 +711,8 @@ void ShmServer::Impl::Detach(Attachment& a, const std::string& why,
   a.by_slot.clear();
   a.inline_live.clear();
   n_reclaimed.fetch_add(reclaimed);
+  core->metrics().shm_reclaimed().Increment(static_cast<double>(reclaimed));
+  core->metrics().ShmDetached(label).Increment();
   a.hdr->sidecar_closed.store(1);
   a.hdr->to_engine.wake.fetch_add(1);
   shm::FutexWakeAll(&a.hdr->to_engine.wake);
@@ -737,7 +742,7 @@ bool ShmServer::Impl::Service(Attachment& a) {
       const shm::Ring::Peek p = a.in.Next(&h, &payload, &error);
       if (p == shm::Ring::Peek::kEmpty) break;
       if (p == shm::Ring::Peek::kCorrupt) {
-        Detach(a, "corrupt engine->sidecar ring: " + error, true);
+        Detach(a, "corrupt engine->sidecar ring: " + error, true, "corrupt");
         return true;
       }
       switch (static_cast<FrameKind>(h.kind)) {
@@ -778,7 +783,7 @@ bool ShmServer::Impl::Service(Attachment& a) {
     Detach(a,
            absl::StrCat("the engine stopped reading its ring: ", a.pending_bytes,
                         " bytes of answers pending"),
-           true);
+           true, "stalled");
     return true;
   }
   if (a.out_dirty) {
