@@ -16,13 +16,6 @@ namespace {
 
 constexpr uint64_t Align(uint64_t n, uint64_t a) { return (n + a - 1) / a * a; }
 
-template <typename T>
-T Load(const char* p) {
-  T v;
-  std::memcpy(&v, p, sizeof(T));
-  return v;
-}
-
 }  // namespace
 
 uint32_t DTypeSize(uint32_t dtype) {
@@ -209,7 +202,7 @@ Ring::Peek Ring::Next(FrameHeader* header, const char** payload,
       return Peek::kCorrupt;
     }
     const uint64_t pos = chead_ & (bytes_ - 1);
-    const FrameHeader h = Load<FrameHeader>(data_ + pos);
+    const FrameHeader h = LoadUnaligned<FrameHeader>(data_ + pos);
     const uint64_t frame = AlignFrame(sizeof(FrameHeader) + uint64_t{h.bytes});
     if (uint64_t{h.bytes} > bytes_ || pos + frame > bytes_ || frame > avail) {
       *error = absl::StrCat("frame of ", h.bytes, " bytes at ring offset ", pos,
@@ -276,7 +269,7 @@ absl::Status FeaturesReader::Init(uint64_t* seq, uint32_t* count) {
     return absl::InvalidArgumentError(absl::StrCat(
         "features frame of ", bytes_, " bytes is shorter than its head"));
   }
-  const auto h = Load<FeaturesHead>(p_);
+  const auto h = LoadUnaligned<FeaturesHead>(p_);
   *seq = h.seq;
   *count = h.count;
   pos_ = sizeof(FeaturesHead);
@@ -291,7 +284,7 @@ absl::Status FeaturesReader::Next(FeatureRecordView* out) {
   if (bytes_ - pos_ < sizeof(FeatureRecordHead)) {
     return absl::InvalidArgumentError("features frame ends inside a record");
   }
-  const auto h = Load<FeatureRecordHead>(p_ + pos_);
+  const auto h = LoadUnaligned<FeatureRecordHead>(p_ + pos_);
   const size_t n = FeatureRecordBytes(h.id_len, h.product_line_len);
   if (n > bytes_ - pos_) {
     return absl::InvalidArgumentError(absl::StrCat(

@@ -136,6 +136,15 @@ struct FrameHeader {
 };
 static_assert(sizeof(FrameHeader) == 8);
 
+// Reads a T from possibly unaligned memory another process may be writing:
+// one copy, taken once (fields are then checked on the copy).
+template <typename T>
+T LoadUnaligned(const char* p) {
+  T v;
+  std::memcpy(&v, p, sizeof(T));
+  return v;
+}
+
 inline constexpr size_t AlignFrame(size_t n) {
   return (n + kFrameAlign - 1) & ~(kFrameAlign - 1);
 }

@@ -24,13 +24,6 @@ int64_t NowNs() {
       .count();
 }
 
-template <typename T>
-T Load(const char* p) {
-  T v;
-  std::memcpy(&v, p, sizeof(T));
-  return v;
-}
-
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<ShmChannel>> ShmChannel::Attach(
@@ -386,14 +379,14 @@ absl::Status ShmChannel::Receive(ShmIncoming* in, absl::Duration timeout) {
       switch (static_cast<FrameKind>(h.kind)) {
         case FrameKind::kRelease: {
           shm::ReleaseHead rh{};
-          if (n >= sizeof(rh)) rh = Load<shm::ReleaseHead>(p);
+          if (n >= sizeof(rh)) rh = shm::LoadUnaligned<shm::ReleaseHead>(p);
           const uint64_t count =
               n >= sizeof(rh) ? std::min<uint64_t>(rh.count, (n - sizeof(rh)) / 4)
                               : 0;
           {
             absl::MutexLock lock(&free_mu_);
             for (uint64_t i = 0; i < count; ++i) {
-              const uint32_t s = Load<uint32_t>(p + sizeof(rh) + 4 * i);
+              const uint32_t s = shm::LoadUnaligned<uint32_t>(p + sizeof(rh) + 4 * i);
               if (s < busy_.size() && busy_[s]) {
                 busy_[s] = 0;
                 free_.push_back(s);
@@ -414,14 +407,14 @@ absl::Status ShmChannel::Receive(ShmIncoming* in, absl::Duration timeout) {
           if (n < sizeof(shm::PredictionsHead)) {
             return absl::DataLossError("short predictions frame from leapd");
           }
-          const auto head = Load<shm::PredictionsHead>(p);
+          const auto head = shm::LoadUnaligned<shm::PredictionsHead>(p);
           in->seq = head.seq;
           size_t at = sizeof(head);
           for (uint32_t i = 0; i < head.predictions; ++i) {
             if (n - at < sizeof(shm::PredictionRecordHead)) {
               return absl::DataLossError("truncated prediction record");
             }
-            const auto ph = Load<shm::PredictionRecordHead>(p + at);
+            const auto ph = shm::LoadUnaligned<shm::PredictionRecordHead>(p + at);
             const size_t len =
                 shm::PredictionRecordBytes(ph.id_len, ph.readout_len, ph.arm_len);
             if (len > n - at) return absl::DataLossError("prediction overruns frame");
@@ -437,7 +430,7 @@ absl::Status ShmChannel::Receive(ShmIncoming* in, absl::Duration timeout) {
             if (n - at < sizeof(shm::ErrorRecordHead)) {
               return absl::DataLossError("truncated error record");
             }
-            const auto eh = Load<shm::ErrorRecordHead>(p + at);
+            const auto eh = shm::LoadUnaligned<shm::ErrorRecordHead>(p + at);
             const size_t len = shm::ErrorRecordBytes(eh.id_len, eh.message_len);
             if (len > n - at) return absl::DataLossError("error overruns frame");
             const char* s = p + at + sizeof(eh);

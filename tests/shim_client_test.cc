@@ -84,20 +84,8 @@ TEST_P(ShimClient, PredictsLearnsRescoresAndSurvivesSidecarRestart) {
   auto leapd = testing::StartLeapd(LEAPD_PATH, args, &addr);
   ASSERT_TRUE(leapd.ok()) << leapd.status();
   {
-    auto admin = pb::Admin::NewStub(testing::MakeChannel(sock));
-    grpc::ClientContext ctx;
-    pb::CreateReadoutRequest req;
-    req.set_name("r");
-    req.mutable_cold_start()->set_dim(kDim);
-    req.mutable_cold_start()->set_lambda(1.0);
-    pb::ReadoutInfo info;
-    ASSERT_TRUE(admin->CreateReadout(&ctx, req, &info).ok());
-    grpc::ClientContext rctx;
-    pb::SetRouteRequest route;
-    route.mutable_route()->add_arms()->set_readout("r");
-    route.mutable_route()->mutable_arms(0)->set_percent(100);
-    pb::Route out;
-    ASSERT_TRUE(admin->SetRoute(&rctx, route, &out).ok());
+    const grpc::Status s = testing::CreateDefaultReadout(sock, "r", kDim);
+    ASSERT_TRUE(s.ok()) << s.error_message();
   }
 
   shim::ClientOptions o;

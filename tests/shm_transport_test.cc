@@ -161,20 +161,8 @@ Leapd StartLeapd(const std::string& name) {
   EXPECT_TRUE(p.ok()) << p.status();
   if (!p.ok()) return l;
   l.proc = *std::move(p);
-  auto admin = pb::Admin::NewStub(testing::MakeChannel(l.sock));
-  grpc::ClientContext ctx;
-  pb::CreateReadoutRequest req;
-  req.set_name("r");
-  req.mutable_cold_start()->set_dim(kDim);
-  req.mutable_cold_start()->set_lambda(1.0);
-  pb::ReadoutInfo info;
-  EXPECT_TRUE(admin->CreateReadout(&ctx, req, &info).ok());
-  grpc::ClientContext rctx;
-  pb::SetRouteRequest route;
-  route.mutable_route()->add_arms()->set_readout("r");
-  route.mutable_route()->mutable_arms(0)->set_percent(100);
-  pb::Route out;
-  EXPECT_TRUE(admin->SetRoute(&rctx, route, &out).ok());
+  const grpc::Status s = testing::CreateDefaultReadout(l.sock, "r", kDim);
+  EXPECT_TRUE(s.ok()) << s.error_message();
   return l;
 }
 

@@ -4,6 +4,25 @@ namespace leap::testing {
 
 namespace pb = ::leap::v1;
 
+grpc::Status CreateDefaultReadout(const std::string& address,
+                                  const std::string& name, int64_t dim) {
+  auto admin = leap::v1::Admin::NewStub(MakeChannel(address));
+  grpc::ClientContext ctx;
+  leap::v1::CreateReadoutRequest req;
+  req.set_name(name);
+  req.mutable_cold_start()->set_dim(dim);
+  req.mutable_cold_start()->set_lambda(1.0);
+  leap::v1::ReadoutInfo info;
+  grpc::Status s = admin->CreateReadout(&ctx, req, &info);
+  if (!s.ok()) return s;
+  grpc::ClientContext rctx;
+  leap::v1::SetRouteRequest route;
+  route.mutable_route()->add_arms()->set_readout(name);
+  route.mutable_route()->mutable_arms(0)->set_percent(100);
+  leap::v1::Route out;
+  return admin->SetRoute(&rctx, route, &out);
+}
+
 std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(512 << 20);

@@ -23,6 +23,11 @@ namespace leap::testing {
 
 std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address);
 
+// Creates a cold-start readout `name` of width `dim` (lambda 1) over Admin
+// at `address` and routes the default product line to it.
+grpc::Status CreateDefaultReadout(const std::string& address,
+                                  const std::string& name, int64_t dim);
+
 class EngineStream {
  public:
   EngineStream(std::shared_ptr<grpc::Channel> channel, int64_t dim,
