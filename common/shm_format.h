@@ -41,7 +41,7 @@
 namespace leap::shm {
 
 inline constexpr uint64_t kMagic = 0x314d48535041454cULL;  // "LEAPSHM1"
-inline constexpr uint32_t kFormatVersion = 1;
+inline constexpr uint32_t kFormatVersion = 2;  // 2: RingControl::space_wanted
 inline constexpr size_t kHeaderBytes = 4096;
 inline constexpr size_t kFrameAlign = 8;
 

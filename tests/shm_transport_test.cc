@@ -515,6 +515,39 @@ TEST(ShmTransport, FullAnswerRingResumesWhenTheEngineReads) {
   EXPECT_EQ(predicted.size(), static_cast<size_t>(kRecords));
 }
 
+// An answer with more per-request errors than one frame of the engine's
+// ring holds keeps its counts (work done is reported as done) and says how
+// many errors it left out.
+TEST(ShmTransport, OversizedAnswersKeepTheirCounts) {
+  Leapd l = StartLeapd("oversized");
+  ASSERT_NE(l.proc, nullptr);
+  pb::SidecarMessage ack;
+  auto o = ChannelOptions(l.shm);
+  o.ring_bytes = 1 << 16;  // frames of at most 16 KiB
+  auto ch = shim::ShmChannel::Attach(o, &ack);
+  ASSERT_TRUE(ch.ok()) << ch.status();
+  ExpectServed(**ch, "known", 1);
+  std::vector<std::string> ids = {"known"};
+  for (int i = 0; i < 60; ++i) ids.push_back(std::string(200, 'a' + i % 26) + std::to_string(i));
+  std::vector<absl::string_view> views(ids.begin(), ids.end());
+  ASSERT_TRUE((*ch)->SendCancels(2, views).ok());
+  (*ch)->Flush();
+  shim::ShmIncoming in = AwaitAnswer(**ch, 2);
+  ASSERT_EQ(in.kind, shim::ShmIncoming::Kind::kProto);
+  ASSERT_TRUE(in.proto.has_ack()) << in.proto.DebugString();
+  EXPECT_EQ(in.proto.ack().accepted(), 1);
+  const auto& errors = in.proto.ack().errors();
+  ASSERT_GT(errors.size(), 1);
+  ASSERT_LT(errors.size(), 61);
+  EXPECT_EQ(errors[0].code(), 5);  // NOT_FOUND, with its id
+  EXPECT_EQ(errors[0].request_id(), ids[1]);
+  const auto& summary = errors[errors.size() - 1];
+  EXPECT_EQ(summary.code(), 8);
+  EXPECT_NE(summary.message().find(std::to_string(61 - errors.size()) + " more"),
+            std::string::npos)
+      << summary.message();
+}
+
 // leapd keeps answering attach requests and hang-ups while another engine
 // keeps it busy without a pause.
 TEST(ShmTransport, AttachesWhileAnotherEngineStreams) {

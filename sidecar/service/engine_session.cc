@@ -53,7 +53,8 @@ void AddRequestError(const std::string& id, const absl::Status& s,
                      google::protobuf::RepeatedPtrField<pb::RequestError>* out,
                      Metrics& metrics) {
   pb::RequestError* e = out->Add();
-  e->set_request_id(id);
+  // Bounded echo: ids beyond 4 KiB name no live request anyway.
+  e->set_request_id(id.substr(0, 4096));
   e->set_code(static_cast<int>(s.code()));
   e->set_message(std::string(s.message()));
   metrics.RequestErrors(absl::StatusCodeToString(s.code())).Increment();

@@ -56,6 +56,37 @@ namespace {
 
 // Answers buffered for an engine whose ring is full before it is detached.
 constexpr size_t kMaxPendingBytes = size_t{64} << 20;
+// A connection that has not attached within this long is closed.
+constexpr int64_t kAttachTimeoutNs = int64_t{5} * 1'000'000'000;
+
+// Trims per-request errors off an answer that would not fit one frame of
+// the engine's ring, keeping every count and adding one summary error: the
+// work done is still reported as done.
+void FitAnswer(pb::SidecarMessage* m, size_t limit) {
+  size_t total = m->ByteSizeLong();
+  if (total <= limit) return;
+  google::protobuf::RepeatedPtrField<pb::RequestError>* errors = nullptr;
+  if (m->has_ack()) {
+    errors = m->mutable_ack()->mutable_errors();
+  } else if (m->has_predictions()) {
+    errors = m->mutable_predictions()->mutable_errors();
+  }
+  if (errors == nullptr) return;
+  int keep = errors->size();
+  constexpr size_t kSummary = 256;  // the summary error, with room to spare
+  while (keep > 0 && total + kSummary > limit) {
+    --keep;
+    total -= (*errors)[keep].ByteSizeLong() + 5;  // tag + length prefix
+  }
+  const int omitted = errors->size() - keep;
+  if (omitted == 0) return;
+  errors->DeleteSubrange(keep, omitted);
+  pb::RequestError* e = errors->Add();
+  e->set_code(static_cast<int>(absl::StatusCode::kResourceExhausted));
+  e->set_message(absl::StrCat(omitted,
+                              " more per-request errors omitted: they do not "
+                              "fit one frame of this engine's ring"));
+}
 
 int64_t NowNs() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -72,7 +103,9 @@ struct Waker {
     if (efd >= 0) close(efd);
   }
   void Notify() {
-    pending.store(true, std::memory_order_relaxed);
+    // Release: the caller's earlier stores (a released slot, a publish) are
+    // visible to whoever sees `pending`.
+    pending.store(true, std::memory_order_release);
     std::atomic_thread_fence(std::memory_order_seq_cst);
     if (sleeping.load(std::memory_order_relaxed)) {
       const uint64_t one = 1;
@@ -131,6 +164,8 @@ struct Mapping final : public ExternalFeatures {
 struct Attachment final : public PublishListener, public LiveTracker {
   uint64_t attach_id = 0;
   uint64_t session = 0;
+  int64_t accepted_ns = 0;
+  bool waiting_space = false;  // this round's sleep waits for ring room
   int sock = -1;
   int efd = -1;  // the engine writes it to wake the server
   bool attached = false;
@@ -420,6 +455,7 @@ void ShmServer::Impl::Loop() {
         if (!a->pending.empty()) {
           // Input waits for room in the engine's ring: sleep until the
           // engine frees some (it wakes us), not until more input comes.
+          a->waiting_space = true;
           if (!a->out.PrepareWaitForSpace(a->pending.front().second.size())) {
             ready = true;
           }
@@ -427,7 +463,10 @@ void ShmServer::Impl::Loop() {
           ready = true;
         }
       }
-      timeout = ready ? 0 : -1;
+      bool unattached = false;
+      for (const auto& [key, a] : attachments) unattached |= !a->attached && !a->dead;
+      // With connections still to attach, wake up to time them out.
+      timeout = ready ? 0 : (unattached ? 1000 : -1);
     } else if ((iterations & 63) != 0) {
       continue;  // busy or spinning: look at the sockets every 64 rounds
     }
@@ -436,7 +475,10 @@ void ShmServer::Impl::Loop() {
     for (auto& [key, a] : attachments) {
       if (a->attached && !a->dead) {
         a->in.CancelSleep();
-        a->out.control()->space_wanted.store(0, std::memory_order_relaxed);
+        if (a->waiting_space) {  // only where set: the engine shares the line
+          a->out.control()->space_wanted.store(0, std::memory_order_relaxed);
+          a->waiting_space = false;
+        }
       }
     }
     if (timeout != 0) last_busy = NowNs();
@@ -458,9 +500,16 @@ void ShmServer::Impl::Loop() {
         }
       }
     }
+    const int64_t now_ns = NowNs();
     for (auto it = attachments.begin(); it != attachments.end();) {
       auto cur = it++;
-      if (cur->second->dead) attachments.erase(cur);
+      Attachment& a = *cur->second;
+      if (!a.attached && !a.dead && now_ns - a.accepted_ns > kAttachTimeoutNs) {
+        a.dead = true;  // connected but never said hello
+        n_refused.fetch_add(1);
+        core->metrics().shm_refused().Increment();
+      }
+      if (a.dead) attachments.erase(cur);
     }
   }
 }
@@ -471,13 +520,17 @@ void ShmServer::Impl::Accept() {
                            SOCK_NONBLOCK | SOCK_CLOEXEC);
     if (fd < 0) return;
     int waiting = 0;
-    for (const auto& [k, other] : attachments) waiting += !other->attached;
+    for (const auto& [k, other] : attachments) {
+      waiting += !other->attached && !other->dead;
+    }
     if (waiting >= options.max_engines) {
       close(fd);  // too many connections that have not attached: refuse
       n_refused.fetch_add(1);
+      core->metrics().shm_refused().Increment();
       continue;
     }
     auto a = std::make_shared<Attachment>();
+    a->accepted_ns = NowNs();
     a->sock = fd;
     a->waker = waker;
     const uint64_t key = next_key++;
@@ -1014,6 +1067,7 @@ void ShmServer::Impl::HandleProto(Attachment& a, const char* payload,
     core->metrics().RequestErrors("INVALID_ARGUMENT").Increment();
   } else {
     HandleEngineMessage(core, a.session, a.hello, a.dtype, &in, &out, &a);
+    FitAnswer(&out, a.out.max_payload());
   }
   EmitProto(a, out);
 }
@@ -1054,6 +1108,7 @@ void ShmServer::Impl::HandleCancels(Attachment& a, const char* payload,
     core->metrics().RequestErrors("INVALID_ARGUMENT").Increment();
   } else {
     CancelRequests(core, ids, out.mutable_ack(), &a);
+    FitAnswer(&out, a.out.max_payload());
   }
   EmitProto(a, out);
 }
