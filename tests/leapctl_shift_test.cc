@@ -55,17 +55,9 @@ class ShiftTest : public ::testing::Test {
 
   void Synth(const std::string& name, int n, int seed,
              const std::vector<std::string>& domain) {
-    std::vector<std::string> args = {"synth",
-                                     "--out-features",
-                                     dir_.File(name + ".npy"),
-                                     "--out-lengths",
-                                     dir_.File(name + "_len.npy"),
-                                     "--n",
-                                     std::to_string(n),
-                                     "--seed",
-                                     std::to_string(seed)};
-    args.insert(args.end(), kModel.begin(), kModel.end());
-    args.insert(args.end(), domain.begin(), domain.end());
+    std::vector<std::string> extra = kModel;
+    extra.insert(extra.end(), domain.begin(), domain.end());
+    const std::vector<std::string> args = SynthArgs(dir_, name, n, seed, extra);
     Run(args);
   }
 

@@ -123,6 +123,25 @@ inline RunResult RunLeapctl(const ScratchDir& scratch,
 }
 
 // For failure messages.
+// `leapctl synth` arguments writing NAME.npy and NAME_len.npy in `dir`,
+// followed by `extra` (model and domain flags).
+inline std::vector<std::string> SynthArgs(const ScratchDir& dir,
+                                          const std::string& name, int n,
+                                          int seed,
+                                          const std::vector<std::string>& extra) {
+  std::vector<std::string> args = {"synth",
+                                   "--out-features",
+                                   dir.File(name + ".npy"),
+                                   "--out-lengths",
+                                   dir.File(name + "_len.npy"),
+                                   "--n",
+                                   std::to_string(n),
+                                   "--seed",
+                                   std::to_string(seed)};
+  args.insert(args.end(), extra.begin(), extra.end());
+  return args;
+}
+
 inline std::string Describe(const RunResult& r) {
   return "exit " + std::to_string(r.exit_code) + "\n--- stdout:\n" + r.out +
          "--- stderr:\n" + r.err;

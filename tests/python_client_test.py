@@ -17,7 +17,6 @@ Run: /usr/bin/python3 tests/python_client_test.py --leapd PATH --proto-dir DIR
 """
 
 import argparse
-import importlib
 import math
 import os
 import random
@@ -26,7 +25,6 @@ import signal
 import struct
 import subprocess
 import sys
-import tempfile
 import threading
 import unittest
 
@@ -35,6 +33,7 @@ import grpc
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                 "support"))
 import leapd_lines  # noqa: E402  (tests/support/leapd_lines.py)
+import proto_stubs  # noqa: E402  (tests/support/proto_stubs.py)
 
 ARGS = None  # parsed command line (set in main)
 PB = {}  # generated modules: predictor_pb2, predictor_pb2_grpc, admin_...
@@ -50,16 +49,8 @@ DEADLINE_S = 30.0
 def setUpModule():
     """Generates the Python stubs from proto/ into a temporary directory."""
     global STUB_DIR
-    STUB_DIR = tempfile.mkdtemp(prefix="leap_py_stubs_")
-    protos = ["leap/v1/predictor.proto", "leap/v1/admin.proto"]
-    subprocess.run(
-        [sys.executable, "-m", "grpc_tools.protoc", "-I" + ARGS.proto_dir,
-         "--python_out=" + STUB_DIR, "--grpc_python_out=" + STUB_DIR] + protos,
-        check=True)
-    sys.path.insert(0, STUB_DIR)
-    for name in ("predictor_pb2", "predictor_pb2_grpc", "admin_pb2",
-                 "admin_pb2_grpc"):
-        PB[name] = importlib.import_module("leap.v1." + name)
+    STUB_DIR, stubs = proto_stubs.generate(ARGS.proto_dir, "leap_py_stubs_")
+    PB.update(stubs)
 
 
 def tearDownModule():

@@ -44,6 +44,7 @@ import grpc
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                 "support"))
 import leapd_lines  # noqa: E402  (tests/support/leapd_lines.py)
+import proto_stubs  # noqa: E402  (tests/support/proto_stubs.py)
 import numpy as np
 import torch
 
@@ -63,16 +64,8 @@ def setUpModule():
     global STUB_DIR, leap_shim
     sys.path.insert(0, ARGS.module_dir)
     leap_shim = importlib.import_module("leap_shim")
-    STUB_DIR = tempfile.mkdtemp(prefix="leap_shim_stubs_")
-    protos = ["leap/v1/predictor.proto", "leap/v1/admin.proto"]
-    subprocess.run(
-        [sys.executable, "-m", "grpc_tools.protoc", "-I" + ARGS.proto_dir,
-         "--python_out=" + STUB_DIR, "--grpc_python_out=" + STUB_DIR] + protos,
-        check=True)
-    sys.path.insert(0, STUB_DIR)
-    for name in ("predictor_pb2", "predictor_pb2_grpc", "admin_pb2",
-                 "admin_pb2_grpc"):
-        PB[name] = importlib.import_module("leap.v1." + name)
+    STUB_DIR, stubs = proto_stubs.generate(ARGS.proto_dir, "leap_shim_stubs_")
+    PB.update(stubs)
 
 
 def tearDownModule():

@@ -687,15 +687,9 @@ void Core::CancelBatch(absl::Span<const absl::string_view> ids,
 }
 
 absl::Status Core::Cancel(absl::string_view request_id) {
-  absl::StatusOr<std::shared_ptr<LiveRequest>> taken = cache_.Take(request_id);
-  if (!taken.ok()) {
-    unknown_.fetch_add(1);
-    metrics_->unknown_completions().Increment();
-    return taken.status();
-  }
-  metrics_->cache_bytes().Set(static_cast<double>(cache_.bytes()));
-  metrics_->cache_entries().Set(static_cast<double>(cache_.size()));
-  return absl::OkStatus();
+  std::vector<absl::Status> status;
+  CancelBatch({&request_id, 1}, &status);
+  return status[0];
 }
 
 std::vector<ArmStat> Core::ArmStats() const {

@@ -121,7 +121,7 @@ class ConnectSession final : public PublishListener, public LiveTracker {
           live_.erase(it++);
           continue;
         }
-        if (it->second->scores[0].readout == name) mine.push_back(it->second);
+        mine.push_back(it->second);  // RescorePredictions picks `name`'s
         ++it;
       }
     }

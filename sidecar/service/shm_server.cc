@@ -274,9 +274,6 @@ struct ShmServer::Impl {
   std::vector<std::shared_ptr<LiveRequest>> lives_;
   std::vector<absl::string_view> cancel_ids_;
   std::vector<uint32_t> released_;
-  // Stats.
-  std::atomic<int64_t> n_attached{0}, n_attaches{0}, n_refused{0},
-      n_detaches{0}, n_corrupt{0}, n_reclaimed{0}, n_bad_records{0};
   std::atomic<uint64_t>* next_session;
 
   static constexpr uint64_t kListenTag = 0;
@@ -412,19 +409,6 @@ void ShmServer::Stop() {
   if (im.epfd >= 0) close(im.epfd);
 }
 
-ShmServerStats ShmServer::stats() const {
-  const Impl& im = *impl_;
-  ShmServerStats s;
-  s.attached = im.n_attached.load();
-  s.attaches = im.n_attaches.load();
-  s.refused = im.n_refused.load();
-  s.detaches = im.n_detaches.load();
-  s.corrupt = im.n_corrupt.load();
-  s.reclaimed = im.n_reclaimed.load();
-  s.bad_records = im.n_bad_records.load();
-  return s;
-}
-
 // ------------------------------------------------------------- the loop
 
 void ShmServer::Impl::Loop() {
@@ -506,7 +490,6 @@ void ShmServer::Impl::Loop() {
       Attachment& a = *cur->second;
       if (!a.attached && !a.dead && now_ns - a.accepted_ns > kAttachTimeoutNs) {
         a.dead = true;  // connected but never said hello
-        n_refused.fetch_add(1);
         core->metrics().shm_refused().Increment();
       }
       if (a.dead) attachments.erase(cur);
@@ -525,7 +508,6 @@ void ShmServer::Impl::Accept() {
     }
     if (waiting >= options.max_engines) {
       close(fd);  // too many connections that have not attached: refuse
-      n_refused.fetch_add(1);
       core->metrics().shm_refused().Increment();
       continue;
     }
@@ -557,7 +539,6 @@ void ShmServer::Impl::OnSocket(const std::shared_ptr<Attachment>& a) {
 }
 
 void ShmServer::Impl::Refuse(Attachment& a, const absl::Status& s) {
-  n_refused.fetch_add(1);
   core->metrics().shm_refused().Increment();
   shm::AttachReply reply{};
   reply.magic = shm::kMagic;
@@ -726,8 +707,6 @@ absl::Status ShmServer::Impl::Attach(Attachment& a, const std::string& packet) {
   a.attached = true;
   core->hub().Subscribe(attachments[key]);
   core->metrics().connected_engines().Increment();
-  n_attached.fetch_add(1);
-  n_attaches.fetch_add(1);
   std::printf("shm: engine '%s' attached: %lld slots, dim %lld %s, segment %s\n",
               a.hello.engine_id().c_str(), static_cast<long long>(a.layout.slot_count),
               static_cast<long long>(a.layout.dim),
@@ -742,7 +721,6 @@ void ShmServer::Impl::Detach(Attachment& a, const std::string& why,
   a.dead = true;
   if (!a.attached) return;
   if (corrupt) {
-    n_corrupt.fetch_add(1);
     std::fprintf(stderr, "leapd: shm engine '%s' detached: %s\n",
                  a.hello.engine_id().c_str(), why.c_str());
     shm::AttachReply reply{};
@@ -763,7 +741,6 @@ void ShmServer::Impl::Detach(Attachment& a, const std::string& why,
   }
   a.by_slot.clear();
   a.inline_live.clear();
-  n_reclaimed.fetch_add(reclaimed);
   core->metrics().shm_reclaimed().Increment(static_cast<double>(reclaimed));
   core->metrics().ShmDetached(label).Increment();
   a.hdr->sidecar_closed.store(1);
@@ -773,8 +750,6 @@ void ShmServer::Impl::Detach(Attachment& a, const std::string& why,
   epoll_ctl(epfd, EPOLL_CTL_DEL, a.sock, nullptr);
   epoll_ctl(epfd, EPOLL_CTL_DEL, a.efd, nullptr);
   core->metrics().connected_engines().Decrement();
-  n_attached.fetch_sub(1);
-  n_detaches.fetch_add(1);
   // Lifecycle lines go to stdout beside "listening on" (tests and operators
   // wait on them).
   std::printf("shm: engine '%s' detached (%s); %lld live requests reclaimed\n",
@@ -872,16 +847,7 @@ void ShmServer::Impl::Emit(Attachment& a, FrameKind kind, const std::string& byt
     Emit(a, FrameKind::kProto, m.SerializeAsString());
     return;
   }
-  if (a.pending.empty()) {
-    if (char* p = a.out.Reserve(bytes.size(), kind)) {
-      std::memcpy(p, bytes.data(), bytes.size());
-      a.out.Commit();
-      a.out_dirty = true;
-      return;
-    }
-  }
-  a.pending.emplace_back(kind, bytes);
-  a.pending_bytes += bytes.size();
+  EmitParts(a, kind, {bytes});
 }
 
 void ShmServer::Impl::EmitParts(Attachment& a, FrameKind kind,
@@ -1015,7 +981,6 @@ void ShmServer::Impl::HandleFeatures(Attachment& a, const char* payload,
   for (size_t k = 0; k < records_.size(); ++k) {
     const auto& [rec, req] = records_[k];
     if (req < 0) {
-      n_bad_records.fetch_add(1);
       add_error(rec.slot, rec.request_id,
                 rec.slot >= a.layout.slot_count
                     ? absl::InvalidArgumentError(absl::StrCat(

@@ -47,17 +47,6 @@ struct ShmServerOptions {
   absl::Status Validate() const;
 };
 
-// Counters since Start (any thread).
-struct ShmServerStats {
-  int64_t attached = 0;       // engines attached now
-  int64_t attaches = 0;       // successful attaches
-  int64_t refused = 0;        // attach requests refused
-  int64_t detaches = 0;       // engines gone (hang-up or corrupt ring)
-  int64_t corrupt = 0;        // of those: detached for a corrupt ring
-  int64_t reclaimed = 0;      // live requests cancelled on engine death
-  int64_t bad_records = 0;    // records refused for a bad slot index
-};
-
 class ShmServer {
  public:
   // Binds the attach socket (a stale socket file from a dead leapd is
@@ -72,7 +61,6 @@ class ShmServer {
   void Stop();
 
   const std::string& path() const { return options_.path; }
-  ShmServerStats stats() const;
 
   struct Impl;
 
