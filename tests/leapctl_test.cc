@@ -40,15 +40,7 @@ std::vector<std::string> Cat(std::vector<std::string> a,
 // Runs synth (d = kDim unless `extra` sets --dim) and expects success.
 void Synth(const ScratchDir& dir, const std::string& name, int n, int seed,
            const std::vector<std::string>& extra = {}) {
-  std::vector<std::string> args = {"synth",
-                                   "--out-features",
-                                   dir.File(name + ".npy"),
-                                   "--out-lengths",
-                                   dir.File(name + "_len.npy"),
-                                   "--n",
-                                   std::to_string(n),
-                                   "--seed",
-                                   std::to_string(seed)};
+  std::vector<std::string> args = SynthArgs(dir, name, n, seed, {});
   if (std::find(extra.begin(), extra.end(), "--dim") == extra.end()) {
     args = Cat(args, {"--dim", std::to_string(kDim)});
   }
