@@ -16,8 +16,8 @@
 // A truncated, padded or corrupted file is refused with a message naming
 // what is wrong (which array failed its checksum, how many bytes are
 // missing).
-#ifndef LEAP_SIDECAR_READOUT_ARTIFACT_H_
-#define LEAP_SIDECAR_READOUT_ARTIFACT_H_
+#ifndef LEAP_READOUT_ARTIFACT_H_
+#define LEAP_READOUT_ARTIFACT_H_
 
 #include <cstdint>
 #include <optional>
@@ -26,8 +26,8 @@
 
 #include "Eigen/Core"
 #include "absl/status/statusor.h"
-#include "sidecar/readout/readout.h"
-#include "sidecar/readout/rls.h"
+#include "readout/readout.h"
+#include "readout/rls.h"
 
 namespace leap::readout {
 
@@ -64,4 +64,4 @@ absl::StatusOr<ReadoutState> ReadArtifact(const std::string& path);
 
 }  // namespace leap::readout
 
-#endif  // LEAP_SIDECAR_READOUT_ARTIFACT_H_
+#endif  // LEAP_READOUT_ARTIFACT_H_

@@ -1,4 +1,4 @@
-#include "sidecar/readout/artifact.h"
+#include "readout/artifact.h"
 
 #include <cstdio>
 #include <fstream>

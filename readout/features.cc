@@ -1,4 +1,4 @@
-#include "sidecar/readout/features.h"
+#include "readout/features.h"
 
 #include <cmath>
 #include <cstring>

@@ -1,7 +1,7 @@
 // Feature vectors as they arrive from an engine: the hidden state of the last
 // prompt token at one layer, in fp32, bf16 or fp16, read in place.
-#ifndef LEAP_SIDECAR_READOUT_FEATURES_H_
-#define LEAP_SIDECAR_READOUT_FEATURES_H_
+#ifndef LEAP_READOUT_FEATURES_H_
+#define LEAP_READOUT_FEATURES_H_
 
 #include <cstddef>
 #include <cstdint>
@@ -56,4 +56,4 @@ void ToFloat(const FeatureView& x, float* out);
 
 }  // namespace leap::readout
 
-#endif  // LEAP_SIDECAR_READOUT_FEATURES_H_
+#endif  // LEAP_READOUT_FEATURES_H_

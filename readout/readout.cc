@@ -1,9 +1,9 @@
-#include "sidecar/readout/readout.h"
+#include "readout/readout.h"
 
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
-#include "sidecar/readout/internal/kernels.h"
+#include "readout/internal/kernels.h"
 
 namespace leap::readout {
 

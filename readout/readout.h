@@ -5,8 +5,8 @@
 // standardization is folded into w = theta[0..d) / sigma and
 // b = theta[d] - sum_i theta_i mu_i / sigma_i, so a prediction is ONE dot
 // product on the raw features plus a bias, read in place in any dtype.
-#ifndef LEAP_SIDECAR_READOUT_READOUT_H_
-#define LEAP_SIDECAR_READOUT_READOUT_H_
+#ifndef LEAP_READOUT_READOUT_H_
+#define LEAP_READOUT_READOUT_H_
 
 #include <cstdint>
 #include <memory>
@@ -16,8 +16,8 @@
 #include "Eigen/Core"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "sidecar/readout/features.h"
-#include "sidecar/readout/target.h"
+#include "readout/features.h"
+#include "readout/target.h"
 
 namespace leap::readout {
 
@@ -94,4 +94,4 @@ class FoldedReadout {
 
 }  // namespace leap::readout
 
-#endif  // LEAP_SIDECAR_READOUT_READOUT_H_
+#endif  // LEAP_READOUT_READOUT_H_

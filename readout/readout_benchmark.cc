@@ -7,9 +7,9 @@
 
 #include "benchmark/benchmark.h"
 #include "common/half.h"
-#include "sidecar/readout/internal/kernels.h"
-#include "sidecar/readout/internal/machine_probe.h"
-#include "sidecar/readout/readout.h"
+#include "readout/internal/kernels.h"
+#include "readout/internal/machine_probe.h"
+#include "readout/readout.h"
 
 namespace leap::readout {
 namespace {

@@ -1,4 +1,4 @@
-#include "sidecar/readout/readout.h"
+#include "readout/readout.h"
 
 #include <cmath>
 #include <random>
@@ -7,7 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/half.h"
 #include "gtest/gtest.h"
-#include "sidecar/readout/internal/kernels.h"
+#include "readout/internal/kernels.h"
 
 namespace leap::readout {
 namespace {

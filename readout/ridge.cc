@@ -1,4 +1,4 @@
-#include "sidecar/readout/ridge.h"
+#include "readout/ridge.h"
 
 #include <algorithm>
 #include <cmath>
@@ -8,7 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/status_macros.h"
-#include "sidecar/readout/internal/blas.h"
+#include "readout/internal/blas.h"
 
 namespace leap::readout {
 namespace {

@@ -3,8 +3,8 @@
 // with u = [z; 1], D = diag(1, ..., 1, 0) (the bias is not penalized),
 // y = sqrt(min(tokens, M)). lambda comes from k-fold cross-validation over a
 // grid when not given. All sums and solves are FP64; P0 is stored in FP32.
-#ifndef LEAP_SIDECAR_READOUT_RIDGE_H_
-#define LEAP_SIDECAR_READOUT_RIDGE_H_
+#ifndef LEAP_READOUT_RIDGE_H_
+#define LEAP_READOUT_RIDGE_H_
 
 #include <cstdint>
 #include <functional>
@@ -15,9 +15,9 @@
 
 #include "Eigen/Core"
 #include "absl/status/statusor.h"
-#include "sidecar/readout/features.h"
-#include "sidecar/readout/readout.h"
-#include "sidecar/readout/rls.h"
+#include "readout/features.h"
+#include "readout/readout.h"
+#include "readout/rls.h"
 
 namespace leap::readout {
 
@@ -87,4 +87,4 @@ absl::StatusOr<Standardizer> FitStandardizer(const FeatureMatrix& x,
 
 }  // namespace leap::readout
 
-#endif  // LEAP_SIDECAR_READOUT_RIDGE_H_
+#endif  // LEAP_READOUT_RIDGE_H_

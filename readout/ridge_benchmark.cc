@@ -10,9 +10,9 @@
 #include <vector>
 
 #include "benchmark/benchmark.h"
-#include "sidecar/readout/internal/machine_probe.h"
-#include "sidecar/readout/ridge.h"
-#include "sidecar/readout/synth.h"
+#include "readout/internal/machine_probe.h"
+#include "readout/ridge.h"
+#include "readout/synth.h"
 
 namespace leap::readout {
 namespace {

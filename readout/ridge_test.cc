@@ -1,7 +1,7 @@
 // Ridge fit against an independent FP64 reference: the penalized least
 // squares solved by Householder QR of the stacked system [U; sqrt(lambda) D],
 // with the standardization computed here from its definition.
-#include "sidecar/readout/ridge.h"
+#include "readout/ridge.h"
 
 #include <algorithm>
 #include <cmath>

@@ -1,4 +1,4 @@
-#include "sidecar/readout/rls.h"
+#include "readout/rls.h"
 
 #include <algorithm>
 #include <cmath>
@@ -10,8 +10,8 @@
 #include "Eigen/Cholesky"
 #include "common/check.h"
 #include "absl/strings/str_cat.h"
-#include "sidecar/readout/internal/blas.h"
-#include "sidecar/readout/internal/kernels.h"
+#include "readout/internal/blas.h"
+#include "readout/internal/kernels.h"
 
 namespace leap::readout {
 namespace {

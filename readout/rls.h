@@ -15,8 +15,8 @@
 // (the fold updates one triangle and mirrors it), and its loss of positive
 // definiteness is detected: S = I + U P U' has all Cholesky pivots >= 1 in
 // exact arithmetic, so a pivot below 1/2 rejects the batch, state unchanged.
-#ifndef LEAP_SIDECAR_READOUT_RLS_H_
-#define LEAP_SIDECAR_READOUT_RLS_H_
+#ifndef LEAP_READOUT_RLS_H_
+#define LEAP_READOUT_RLS_H_
 
 #include <cstdint>
 #include <memory>
@@ -121,4 +121,4 @@ class RlsState {
 
 }  // namespace leap::readout
 
-#endif  // LEAP_SIDECAR_READOUT_RLS_H_
+#endif  // LEAP_READOUT_RLS_H_

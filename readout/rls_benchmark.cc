@@ -11,8 +11,8 @@
 #include "Eigen/Cholesky"
 #include "Eigen/Core"
 #include "benchmark/benchmark.h"
-#include "sidecar/readout/internal/machine_probe.h"
-#include "sidecar/readout/rls.h"
+#include "readout/internal/machine_probe.h"
+#include "readout/rls.h"
 
 namespace leap::readout {
 namespace {

@@ -2,7 +2,7 @@
 //   theta* = (A0 + sum U_i'U_i)^-1 (A0 theta0 + sum U_i'y_i),  P* = (...)^-1
 // computed here from first principles with Eigen's FP64 LDLT, never through
 // the code under test.
-#include "sidecar/readout/rls.h"
+#include "readout/rls.h"
 
 #include <cmath>
 #include <cstdio>
@@ -11,7 +11,7 @@
 
 #include "Eigen/Cholesky"
 #include "gtest/gtest.h"
-#include "sidecar/readout/internal/kernels.h"
+#include "readout/internal/kernels.h"
 
 namespace leap::readout {
 namespace {

@@ -1,4 +1,4 @@
-#include "sidecar/readout/stats.h"
+#include "readout/stats.h"
 
 #include <algorithm>
 #include <cmath>

@@ -4,8 +4,8 @@
 //
 // All functions are pure and thread-safe. Passing spans of different sizes
 // is a programming error and aborts.
-#ifndef LEAP_SIDECAR_READOUT_STATS_H_
-#define LEAP_SIDECAR_READOUT_STATS_H_
+#ifndef LEAP_READOUT_STATS_H_
+#define LEAP_READOUT_STATS_H_
 
 #include <cstdint>
 #include <span>
@@ -55,4 +55,4 @@ LengthErrorReport LengthErrors(std::span<const double> predicted_tokens,
 
 }  // namespace leap::readout
 
-#endif  // LEAP_SIDECAR_READOUT_STATS_H_
+#endif  // LEAP_READOUT_STATS_H_

@@ -1,4 +1,4 @@
-#include "sidecar/readout/synth.h"
+#include "readout/synth.h"
 
 #include <algorithm>
 #include <cmath>

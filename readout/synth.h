@@ -14,8 +14,8 @@
 // [1, max_tokens]. A readout fitted on one domain sees the length signal of
 // another through cos(angle): the angle controls how badly a frozen readout
 // transfers, and RLS can learn the new direction from feedback.
-#ifndef LEAP_SIDECAR_READOUT_SYNTH_H_
-#define LEAP_SIDECAR_READOUT_SYNTH_H_
+#ifndef LEAP_READOUT_SYNTH_H_
+#define LEAP_READOUT_SYNTH_H_
 
 #include <cstdint>
 #include <random>
@@ -94,4 +94,4 @@ class SynthGenerator {
 
 }  // namespace leap::readout
 
-#endif  // LEAP_SIDECAR_READOUT_SYNTH_H_
+#endif  // LEAP_READOUT_SYNTH_H_

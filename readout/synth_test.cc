@@ -1,10 +1,10 @@
-#include "sidecar/readout/synth.h"
+#include "readout/synth.h"
 
 #include <cmath>
 #include <vector>
 
 #include "gtest/gtest.h"
-#include "sidecar/readout/stats.h"
+#include "readout/stats.h"
 
 namespace leap::readout {
 namespace {

@@ -1,4 +1,4 @@
-#include "sidecar/readout/target.h"
+#include "readout/target.h"
 
 #include "absl/strings/str_cat.h"
 

@@ -6,8 +6,8 @@
 // are clipped to sqrt(M) from above for the same reason: a request that ran to
 // the budget or beyond is "at least M", and sqrt(M) is exactly what the
 // clipped prediction can express.
-#ifndef LEAP_SIDECAR_READOUT_TARGET_H_
-#define LEAP_SIDECAR_READOUT_TARGET_H_
+#ifndef LEAP_READOUT_TARGET_H_
+#define LEAP_READOUT_TARGET_H_
 
 #include <algorithm>
 #include <cmath>
@@ -70,4 +70,4 @@ absl::StatusOr<FeedbackAction> ClassifyFeedback(int64_t output_tokens,
 
 }  // namespace leap::readout
 
-#endif  // LEAP_SIDECAR_READOUT_TARGET_H_
+#endif  // LEAP_READOUT_TARGET_H_

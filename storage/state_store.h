@@ -24,9 +24,9 @@
 #include "Eigen/Core"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "sidecar/readout/features.h"
-#include "sidecar/readout/readout.h"
-#include "sidecar/readout/rls.h"
+#include "readout/features.h"
+#include "readout/readout.h"
+#include "readout/rls.h"
 
 namespace leap::storage {
 

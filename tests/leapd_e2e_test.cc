@@ -19,9 +19,9 @@
 #include "Eigen/Cholesky"
 #include "Eigen/Core"
 #include "gtest/gtest.h"
-#include "sidecar/readout/artifact.h"
-#include "sidecar/readout/ridge.h"
-#include "sidecar/readout/synth.h"
+#include "readout/artifact.h"
+#include "readout/ridge.h"
+#include "readout/synth.h"
 #include "tests/support/engine_client.h"
 #include "tests/support/process.h"
 

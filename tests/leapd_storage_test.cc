@@ -27,7 +27,7 @@
 #include "Eigen/Cholesky"
 #include "Eigen/Core"
 #include "gtest/gtest.h"
-#include "sidecar/readout/artifact.h"
+#include "readout/artifact.h"
 #include "storage/rocksdb_store.h"
 #include "tests/support/engine_client.h"
 #include "tests/support/process.h"

@@ -1,8 +1,8 @@
 // The few BLAS/LAPACK routines the readout uses, from OpenBLAS (Debian's
 // libopenblas-dev ships both, with CBLAS). Fortran LAPACK symbols are
 // declared here because Debian ships no LAPACKE header with OpenBLAS.
-#ifndef LEAP_SIDECAR_READOUT_INTERNAL_BLAS_H_
-#define LEAP_SIDECAR_READOUT_INTERNAL_BLAS_H_
+#ifndef LEAP_READOUT_INTERNAL_BLAS_H_
+#define LEAP_READOUT_INTERNAL_BLAS_H_
 
 #include <cblas.h>
 
@@ -15,4 +15,4 @@ void dpotrs_(const char* uplo, const int* n, const int* nrhs, const double* a,
              const int* lda, double* b, const int* ldb, int* info);
 }
 
-#endif  // LEAP_SIDECAR_READOUT_INTERNAL_BLAS_H_
+#endif  // LEAP_READOUT_INTERNAL_BLAS_H_

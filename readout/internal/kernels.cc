@@ -1,4 +1,4 @@
-#include "sidecar/readout/internal/kernels.h"
+#include "readout/internal/kernels.h"
 
 #include <algorithm>
 #include <cstring>

@@ -1,8 +1,8 @@
 // Hot loops of the readout: the prediction dot product and the RLS panel
 // product. Each has a portable version and an AVX2+FMA+F16C version; Best()
 // picks one from CPUID once. Internal to leap::readout.
-#ifndef LEAP_SIDECAR_READOUT_INTERNAL_KERNELS_H_
-#define LEAP_SIDECAR_READOUT_INTERNAL_KERNELS_H_
+#ifndef LEAP_READOUT_INTERNAL_KERNELS_H_
+#define LEAP_READOUT_INTERNAL_KERNELS_H_
 
 #include <cstdint>
 #include <vector>
@@ -54,4 +54,4 @@ std::vector<const Kernels*> SupportedKernels();
 
 }  // namespace leap::readout::internal
 
-#endif  // LEAP_SIDECAR_READOUT_INTERNAL_KERNELS_H_
+#endif  // LEAP_READOUT_INTERNAL_KERNELS_H_

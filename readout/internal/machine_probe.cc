@@ -1,4 +1,4 @@
-#include "sidecar/readout/internal/machine_probe.h"
+#include "readout/internal/machine_probe.h"
 
 #include <chrono>
 #include <cstdlib>
@@ -6,7 +6,7 @@
 #include <fstream>
 #include <vector>
 
-#include "sidecar/readout/internal/kernels.h"
+#include "readout/internal/kernels.h"
 
 #if defined(__x86_64__)
 #include <immintrin.h>

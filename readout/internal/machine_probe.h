@@ -1,8 +1,8 @@
 // Measures this core's limits, so benchmarks can state their figures as a
 // fraction of what the machine allows (this project's machines are noisy and
 // differ: compare ratios measured in one run). Benchmark-only.
-#ifndef LEAP_SIDECAR_READOUT_INTERNAL_MACHINE_PROBE_H_
-#define LEAP_SIDECAR_READOUT_INTERNAL_MACHINE_PROBE_H_
+#ifndef LEAP_READOUT_INTERNAL_MACHINE_PROBE_H_
+#define LEAP_READOUT_INTERNAL_MACHINE_PROBE_H_
 
 #include <string>
 
@@ -18,4 +18,4 @@ std::string CpuDescription();
 
 }  // namespace leap::readout::internal
 
-#endif  // LEAP_SIDECAR_READOUT_INTERNAL_MACHINE_PROBE_H_
+#endif  // LEAP_READOUT_INTERNAL_MACHINE_PROBE_H_

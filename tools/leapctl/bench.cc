@@ -18,7 +18,7 @@
 #include "common/status_macros.h"
 #include "leap/v1/predictor.grpc.pb.h"
 #include "nlohmann/json.hpp"
-#include "sidecar/readout/features.h"
+#include "readout/features.h"
 #include "tools/leapctl/engine_connection.h"
 
 namespace leap::leapctl {

@@ -8,7 +8,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_replace.h"
-#include "sidecar/readout/synth.h"
+#include "readout/synth.h"
 #include "tools/leapctl/commands.h"
 #include "tools/leapctl/flags.h"
 #include "tools/leapctl/internal/command.h"

@@ -14,10 +14,10 @@
 #include "common/npy.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
-#include "sidecar/readout/artifact.h"
-#include "sidecar/readout/features.h"
-#include "sidecar/readout/readout.h"
-#include "sidecar/readout/rls.h"
+#include "readout/artifact.h"
+#include "readout/features.h"
+#include "readout/readout.h"
+#include "readout/rls.h"
 #include "tools/leapctl/data.h"
 
 namespace leap::leapctl {

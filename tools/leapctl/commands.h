@@ -18,10 +18,10 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "sidecar/readout/ridge.h"
-#include "sidecar/readout/stats.h"
-#include "sidecar/readout/synth.h"
-#include "sidecar/readout/target.h"
+#include "readout/ridge.h"
+#include "readout/stats.h"
+#include "readout/synth.h"
+#include "readout/target.h"
 
 namespace leap::leapctl {
 

@@ -15,8 +15,8 @@
 #include "absl/strings/str_join.h"
 #include "common/half.h"
 #include "common/status_macros.h"
-#include "sidecar/readout/features.h"
-#include "sidecar/readout/target.h"
+#include "readout/features.h"
+#include "readout/target.h"
 
 namespace leap::leapctl {
 namespace {

@@ -12,7 +12,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "common/npy.h"
-#include "sidecar/readout/ridge.h"
+#include "readout/ridge.h"
 
 namespace leap::leapctl {
 

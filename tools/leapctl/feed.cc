@@ -16,7 +16,7 @@
 #include "common/npy.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
-#include "sidecar/readout/stats.h"
+#include "readout/stats.h"
 #include "tools/leapctl/data.h"
 #include "tools/leapctl/engine_connection.h"
 

@@ -18,7 +18,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "common/status_macros.h"
-#include "sidecar/readout/ridge.h"
+#include "readout/ridge.h"
 
 namespace leap::leapctl::replay {
 namespace {

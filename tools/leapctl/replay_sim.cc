@@ -11,7 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
-#include "sidecar/readout/stats.h"
+#include "readout/stats.h"
 
 namespace leap::leapctl::replay {
 namespace {

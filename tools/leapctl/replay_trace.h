@@ -21,7 +21,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "sidecar/readout/synth.h"
+#include "readout/synth.h"
 
 namespace leap::leapctl::replay {
 

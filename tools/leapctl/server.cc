@@ -15,9 +15,9 @@
 #include "absl/time/time.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
-#include "sidecar/readout/artifact.h"
-#include "sidecar/readout/features.h"
-#include "sidecar/readout/target.h"
+#include "readout/artifact.h"
+#include "readout/features.h"
+#include "readout/target.h"
 #include "tools/leapctl/data.h"
 
 namespace leap::leapctl {
