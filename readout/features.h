@@ -9,23 +9,15 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "common/wire.h"
 
 namespace leap::readout {
 
-// Element type of a feature vector. Values are part of the wire and file
-// formats: never renumber.
-enum class DType : uint8_t {
-  kFloat32 = 1,
-  kBFloat16 = 2,
-  kFloat16 = 3,
-};
-
-// "float32", "bfloat16", "float16".
-absl::string_view DTypeName(DType dtype);
-// Bytes per element: 4 or 2.
-size_t DTypeSize(DType dtype);
-// Parses "float32"/"fp32"/"f32", "bfloat16"/"bf16", "float16"/"fp16"/"f16".
-absl::StatusOr<DType> ParseDType(absl::string_view name);
+// Element type of a feature vector (common/wire.h).
+using ::leap::DType;
+using ::leap::DTypeName;
+using ::leap::DTypeSize;
+using ::leap::ParseDType;
 
 // Smallest and largest feature width a readout accepts.
 inline constexpr int64_t kMinDim = 1;

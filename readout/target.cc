@@ -4,20 +4,6 @@
 
 namespace leap::readout {
 
-absl::string_view FinishReasonName(FinishReason reason) {
-  switch (reason) {
-    case FinishReason::kStop:
-      return "stop";
-    case FinishReason::kLength:
-      return "length";
-    case FinishReason::kCancelled:
-      return "cancelled";
-    case FinishReason::kAborted:
-      return "aborted";
-  }
-  return "unknown";
-}
-
 absl::string_view FeedbackActionName(FeedbackAction action) {
   switch (action) {
     case FeedbackAction::kLearn:

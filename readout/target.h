@@ -36,15 +36,9 @@ inline double TokensFromScore(double score, int64_t max_tokens) {
   return s * s;
 }
 
-// Why a request ended, as reported by the engine.
-enum class FinishReason : uint8_t {
-  kStop = 1,       // natural end: EOS token or a stop string
-  kLength = 2,     // hit its max_tokens limit
-  kCancelled = 3,  // cancelled by the client
-  kAborted = 4,    // aborted by the engine (error, preemption without resume)
-};
-
-absl::string_view FinishReasonName(FinishReason reason);
+// Why a request ended, as reported by the engine (common/wire.h).
+using ::leap::FinishReason;
+using ::leap::FinishReasonName;
 
 // What to do with one finished request's feedback.
 enum class FeedbackAction : uint8_t {

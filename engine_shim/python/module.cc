@@ -67,17 +67,6 @@ DType ParseDType(std::string name) {
       "dtype must be 'float32', 'bfloat16' or 'float16', got '", name, "'"));
 }
 
-const char* DTypeName(DType d) {
-  switch (d) {
-    case DType::kFloat32:
-      return "float32";
-    case DType::kBFloat16:
-      return "bfloat16";
-    case DType::kFloat16:
-      return "float16";
-  }
-  return "unknown";
-}
 
 FinishReason ParseReason(const std::string& reason) {
   if (reason == "stop") return FinishReason::kStop;
@@ -382,7 +371,7 @@ class PyClient {
   }
 
   int64_t dim() const { return options_.dim; }
-  std::string dtype() const { return DTypeName(options_.dtype); }
+  std::string dtype() const { return std::string(DTypeName(options_.dtype)); }
   const std::string& endpoint() const { return options_.endpoint; }
   bool closed() const { return client_ == nullptr; }
 
