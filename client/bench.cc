@@ -1,4 +1,4 @@
-#include "tools/leapctl/bench.h"
+#include "client/bench.h"
 
 #include <sys/resource.h>
 
@@ -19,9 +19,9 @@
 #include "leap/v1/predictor.grpc.pb.h"
 #include "nlohmann/json.hpp"
 #include "readout/features.h"
-#include "tools/leapctl/engine_connection.h"
+#include "client/engine_connection.h"
 
-namespace leap::leapctl {
+namespace leap::client {
 namespace {
 
 namespace pb = ::leap::v1;
@@ -458,4 +458,4 @@ std::string FormatBenchJson(const BenchReport& r) {
   return j.dump() + "\n";
 }
 
-}  // namespace leap::leapctl
+}  // namespace leap::client

@@ -4,18 +4,18 @@
 // two batches in flight) for --seconds; phase 2 the round trip of single
 // requests, one at a time, on an otherwise idle server. Requests are
 // cancelled in bulk, never completed, so no readout learns from them.
-#ifndef LEAP_TOOLS_LEAPCTL_BENCH_H_
-#define LEAP_TOOLS_LEAPCTL_BENCH_H_
+#ifndef LEAP_CLIENT_BENCH_H_
+#define LEAP_CLIENT_BENCH_H_
 
 #include <cstdint>
 #include <string>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "tools/leapctl/commands.h"
-#include "tools/leapctl/server.h"
+#include "client/admin_client.h"
+#include "common/progress.h"
 
-namespace leap::leapctl {
+namespace leap::client {
 
 // Inputs of `leapctl bench`.
 struct BenchOptions {
@@ -85,6 +85,6 @@ std::string FormatBenchReport(const BenchReport& report);
 // "latency_p50_us", "latency_p99_us", "latency_max_us"}.
 std::string FormatBenchJson(const BenchReport& report);
 
-}  // namespace leap::leapctl
+}  // namespace leap::client
 
-#endif  // LEAP_TOOLS_LEAPCTL_BENCH_H_
+#endif  // LEAP_CLIENT_BENCH_H_

@@ -1,12 +1,12 @@
-#include "tools/leapctl/engine_connection.h"
+#include "client/engine_connection.h"
 
 #include <random>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "tools/leapctl/server.h"
+#include "client/admin_client.h"
 
-namespace leap::leapctl {
+namespace leap::client {
 
 namespace pb = ::leap::v1;
 
@@ -102,4 +102,4 @@ std::string RandomRunId(absl::string_view prefix) {
   return absl::StrCat(prefix, "-", absl::Hex(rd(), absl::kZeroPad8), "-");
 }
 
-}  // namespace leap::leapctl
+}  // namespace leap::client

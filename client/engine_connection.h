@@ -1,8 +1,8 @@
 // The engine side of one leapd Connect stream (proto/leap/v1/predictor.proto),
 // shared by `leapctl bench` and `leapctl feed`: Open sends Hello and waits
 // for HelloAck; then messages are written and read as they are.
-#ifndef LEAP_TOOLS_LEAPCTL_ENGINE_CONNECTION_H_
-#define LEAP_TOOLS_LEAPCTL_ENGINE_CONNECTION_H_
+#ifndef LEAP_CLIENT_ENGINE_CONNECTION_H_
+#define LEAP_CLIENT_ENGINE_CONNECTION_H_
 
 #include <cstdint>
 #include <memory>
@@ -14,7 +14,7 @@
 #include "grpcpp/grpcpp.h"
 #include "leap/v1/predictor.grpc.pb.h"
 
-namespace leap::leapctl {
+namespace leap::client {
 
 // One Connect stream. Write may run on one thread while Read runs on
 // another (gRPC's contract for a synchronous stream); never two writers or
@@ -71,6 +71,6 @@ absl::Status FromRequestError(const v1::RequestError& error);
 // may still hold live ids of an earlier run).
 std::string RandomRunId(absl::string_view prefix);
 
-}  // namespace leap::leapctl
+}  // namespace leap::client
 
-#endif  // LEAP_TOOLS_LEAPCTL_ENGINE_CONNECTION_H_
+#endif  // LEAP_CLIENT_ENGINE_CONNECTION_H_

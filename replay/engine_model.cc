@@ -1,4 +1,4 @@
-#include "tools/leapctl/replay_sim.h"
+#include "replay/engine_model.h"
 
 #include <algorithm>
 #include <charconv>
@@ -13,7 +13,7 @@
 #include "common/status_macros.h"
 #include "readout/stats.h"
 
-namespace leap::leapctl::replay {
+namespace leap::replay {
 namespace {
 
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
@@ -432,4 +432,4 @@ std::vector<double> CopulaPredictions(std::span<const int64_t> lengths,
   return out;
 }
 
-}  // namespace leap::leapctl::replay
+}  // namespace leap::replay

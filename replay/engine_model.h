@@ -22,8 +22,8 @@
 // hands over the predictions known by then. Until a request's prediction is
 // known the scheduler ranks it by its UnpredictedPolicy. Each new prediction
 // goes through SetPrediction (or Rescore after a readout publish).
-#ifndef LEAP_TOOLS_LEAPCTL_REPLAY_SIM_H_
-#define LEAP_TOOLS_LEAPCTL_REPLAY_SIM_H_
+#ifndef LEAP_REPLAY_ENGINE_MODEL_H_
+#define LEAP_REPLAY_ENGINE_MODEL_H_
 
 #include <cstdint>
 #include <functional>
@@ -36,7 +36,7 @@
 #include "absl/status/statusor.h"
 #include "engine_shim/scheduler.h"
 
-namespace leap::leapctl::replay {
+namespace leap::replay {
 
 // One request as the engine sees it.
 struct SimRequest {
@@ -250,6 +250,6 @@ Metrics ComputeMetrics(
 std::vector<double> CopulaPredictions(std::span<const int64_t> lengths,
                                       double rho, uint64_t seed);
 
-}  // namespace leap::leapctl::replay
+}  // namespace leap::replay
 
-#endif  // LEAP_TOOLS_LEAPCTL_REPLAY_SIM_H_
+#endif  // LEAP_REPLAY_ENGINE_MODEL_H_

@@ -1,4 +1,4 @@
-#include "tools/leapctl/replay_leap.h"
+#include "replay/leap_driver.h"
 
 #include <fcntl.h>
 #include <signal.h>
@@ -14,13 +14,14 @@
 #include <filesystem>
 #include <random>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "common/status_macros.h"
 #include "readout/ridge.h"
 
-namespace leap::leapctl::replay {
+namespace leap::replay {
 namespace {
 
 namespace pb = ::leap::v1;
@@ -38,60 +39,33 @@ absl::StatusOr<std::unique_ptr<LeapdProcess>> LeapdProcess::Start(
     return absl::NotFoundError(
         absl::StrCat("cannot run leapd at ", path, ": ", std::strerror(errno)));
   }
-  int fds[2];
-  if (pipe2(fds, O_CLOEXEC) != 0) {
-    return absl::InternalError(absl::StrCat("pipe: ", std::strerror(errno)));
-  }
   std::vector<std::string> argv = {path, "--listen=127.0.0.1:0",
                                    "--metrics_listen="};
   if (!data_dir.empty()) argv.push_back("--data_dir=" + data_dir);
-  std::vector<char*> args;
-  for (const std::string& a : argv)
-    args.push_back(const_cast<char*>(a.c_str()));
-  args.push_back(nullptr);
-  const pid_t parent = getpid();
-  const pid_t pid = fork();
-  if (pid < 0) {
-    close(fds[0]);
-    close(fds[1]);
-    return absl::InternalError(absl::StrCat("fork: ", std::strerror(errno)));
-  }
-  if (pid == 0) {
-    prctl(PR_SET_PDEATHSIG, SIGTERM);
-    if (getppid() != parent) _exit(1);  // the parent died before prctl
-    dup2(fds[1], STDOUT_FILENO);
-    dup2(fds[1], STDERR_FILENO);
-    execv(args[0], args.data());
-    _exit(127);
-  }
-  close(fds[1]);
+  client::ProcessOptions options;
+  options.merge_stderr = true;
+  options.die_with_parent = true;
+  options.kept_lines = kKeptLines;
+  options.stop_grace = absl::Seconds(10);
   std::unique_ptr<LeapdProcess> p(new LeapdProcess());
-  p->pid_ = pid;
-  p->fd_ = fds[0];
-  p->reader_ = std::thread([raw = p.get()] { raw->ReadLoop(); });
+  ASSIGN_OR_RETURN(p->process_, client::Process::Start(argv, options));
 
   // Wait for "listening on ADDR" and then "leapd ID ready".
-  std::string address;
-  bool ready = false, exited = false;
-  {
-    absl::MutexLock lock(&p->mu_);
-    const auto scan = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(p->mu_) {
-      for (const std::string& l : p->lines_) {
-        if (l.rfind("listening on ", 0) == 0 && address.empty()) {
-          address = l.substr(13);
-        }
-        if (l.rfind("leapd ", 0) == 0 &&
-            l.find(" ready") != std::string::npos) {
-          ready = true;
-        }
-      }
-      return (ready && !address.empty()) || p->eof_;
-    };
-    p->mu_.AwaitWithTimeout(absl::Condition(&scan), timeout);
-    exited = p->eof_;
+  const absl::Time deadline = absl::Now() + timeout;
+  absl::StatusOr<std::string> address =
+      p->process_->WaitForLine("listening on ", timeout);
+  absl::StatusOr<std::string> ready = absl::UnavailableError("not ready");
+  while (address.ok()) {
+    ready = p->process_->WaitForLine("leapd ", deadline - absl::Now());
+    if (!ready.ok() ||
+        absl::StrContains(absl::StrCat(" ", *ready), " ready")) {
+      break;
+    }
   }
-  if (!ready || address.empty()) {
-    const std::string tail = p->Tail();
+  if (!address.ok() || !ready.ok()) {
+    const absl::Status why = !address.ok() ? address.status() : ready.status();
+    const bool exited = absl::IsNotFound(why);
+    const std::string tail = p->process_->Tail();
     return absl::UnavailableError(
         absl::StrCat("leapd at ", path,
                      exited ? " exited before it was ready"
@@ -99,52 +73,8 @@ absl::StatusOr<std::unique_ptr<LeapdProcess>> LeapdProcess::Start(
                                            absl::FormatDuration(timeout)),
                      tail.empty() ? "" : absl::StrCat("; its output: ", tail)));
   }
-  p->address_ = address;
+  p->address_ = *address;
   return p;
-}
-
-void LeapdProcess::ReadLoop() {
-  std::string buffer;
-  char buf[4096];
-  for (;;) {
-    const ssize_t n = read(fd_, buf, sizeof(buf));
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) break;
-    buffer.append(buf, static_cast<size_t>(n));
-    size_t nl;
-    absl::MutexLock lock(&mu_);
-    while ((nl = buffer.find('\n')) != std::string::npos) {
-      lines_.push_back(buffer.substr(0, nl));
-      buffer.erase(0, nl + 1);
-      if (lines_.size() > kKeptLines) lines_.pop_front();
-    }
-  }
-  absl::MutexLock lock(&mu_);
-  if (!buffer.empty()) lines_.push_back(buffer);
-  eof_ = true;
-}
-
-std::string LeapdProcess::Tail() const {
-  absl::MutexLock lock(&mu_);
-  return absl::StrJoin(lines_, " | ");
-}
-
-LeapdProcess::~LeapdProcess() {
-  if (pid_ > 0) {
-    kill(pid_, SIGTERM);
-    // Its output pipe closes when it exits: wait on that, then reap.
-    bool exited;
-    {
-      absl::MutexLock lock(&mu_);
-      exited = mu_.AwaitWithTimeout(absl::Condition(&eof_), absl::Seconds(10));
-    }
-    if (!exited) kill(pid_, SIGKILL);
-    int status = 0;
-    while (waitpid(pid_, &status, 0) < 0 && errno == EINTR) {
-    }
-  }
-  if (reader_.joinable()) reader_.join();
-  if (fd_ >= 0) close(fd_);
 }
 
 absl::StatusOr<std::string> FindLeapd() {
@@ -245,7 +175,7 @@ absl::StatusOr<readout::ReadoutState> TrainSourceReadout(
 // ---- arms ------------------------------------------------------------------
 
 absl::StatusOr<std::unique_ptr<LeapArm>> LeapArm::Create(
-    const ServerOptions& server, const std::string& name,
+    const client::ServerOptions& server, const std::string& name,
     const std::string& artifact, bool frozen) {
   std::unique_ptr<LeapArm> arm(new LeapArm(server, name));
   pb::CreateReadoutRequest create;
@@ -483,4 +413,4 @@ int64_t LeapPredictor::rescores() const {
   return rescores_;
 }
 
-}  // namespace leap::leapctl::replay
+}  // namespace leap::replay

@@ -3,8 +3,8 @@
 // and the Predictor that gets its predictions from leapd through the engine
 // shim's Client (the product's own path: Submit features, predictions and
 // rescores as events, Complete with the true length so RLS learns).
-#ifndef LEAP_TOOLS_LEAPCTL_REPLAY_LEAP_H_
-#define LEAP_TOOLS_LEAPCTL_REPLAY_LEAP_H_
+#ifndef LEAP_REPLAY_LEAP_DRIVER_H_
+#define LEAP_REPLAY_LEAP_DRIVER_H_
 
 #include <sys/types.h>
 
@@ -24,15 +24,17 @@
 #include "engine_shim/client.h"
 #include "readout/artifact.h"
 #include "readout/synth.h"
-#include "tools/leapctl/commands.h"
-#include "tools/leapctl/replay_sim.h"
-#include "tools/leapctl/server.h"
+#include "common/progress.h"
+#include "replay/engine_model.h"
+#include "client/admin_client.h"
+#include "client/process.h"
 
-namespace leap::leapctl::replay {
+namespace leap::replay {
 
 // leapd started as a child process: in memory (or on an embedded RocksDB in
 // `data_dir` when given), gRPC on a free loopback port, no metrics listener. Its stdout and stderr are kept
-// (the last lines appear in error messages). Destruction sends SIGTERM and
+// (the last lines appear in error messages; client/process.h launches it).
+// Destruction sends SIGTERM and
 // waits up to 10 s for the exit, then SIGKILL. The child also gets SIGTERM
 // when this process dies (PR_SET_PDEATHSIG). Thread-compatible.
 class LeapdProcess {
@@ -40,7 +42,7 @@ class LeapdProcess {
   static absl::StatusOr<std::unique_ptr<LeapdProcess>> Start(
       const std::string& path, absl::Duration timeout,
       const std::string& data_dir = "");
-  ~LeapdProcess();
+  ~LeapdProcess() = default;
   LeapdProcess(const LeapdProcess&) = delete;
   LeapdProcess& operator=(const LeapdProcess&) = delete;
 
@@ -49,16 +51,9 @@ class LeapdProcess {
 
  private:
   LeapdProcess() = default;
-  void ReadLoop();
-  std::string Tail() const;
 
-  pid_t pid_ = -1;
-  int fd_ = -1;
+  std::unique_ptr<client::Process> process_;
   std::string address_;
-  std::thread reader_;
-  mutable absl::Mutex mu_;
-  std::deque<std::string> lines_ ABSL_GUARDED_BY(mu_);
-  bool eof_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 // The leapd binary beside this leapctl: "leapd" in the same directory (an
@@ -91,16 +86,16 @@ absl::StatusOr<readout::ReadoutState> TrainSourceReadout(
 class LeapArm {
  public:
   static absl::StatusOr<std::unique_ptr<LeapArm>> Create(
-      const ServerOptions& server, const std::string& name,
+      const client::ServerOptions& server, const std::string& name,
       const std::string& artifact, bool frozen);
   ~LeapArm();
   absl::Status Remove();
   const std::string& name() const { return name_; }
 
  private:
-  LeapArm(const ServerOptions& server, std::string name)
+  LeapArm(const client::ServerOptions& server, std::string name)
       : admin_(server), name_(std::move(name)) {}
-  AdminClient admin_;
+  client::AdminClient admin_;
   std::string name_;
   bool removed_ = false;
 };
@@ -180,6 +175,6 @@ class LeapPredictor : public Predictor {
   int64_t rescores_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
-}  // namespace leap::leapctl::replay
+}  // namespace leap::replay
 
-#endif  // LEAP_TOOLS_LEAPCTL_REPLAY_LEAP_H_
+#endif  // LEAP_REPLAY_LEAP_DRIVER_H_

@@ -1,4 +1,4 @@
-#include "tools/leapctl/replay.h"
+#include "replay/replay.h"
 
 #include <fcntl.h>
 #include <sys/wait.h>
@@ -22,15 +22,16 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "client/process.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
 #include "readout/artifact.h"
 #include "readout/synth.h"
-#include "tools/leapctl/data.h"
-#include "tools/leapctl/engine_connection.h"
-#include "tools/leapctl/replay_leap.h"
+#include "common/file.h"
+#include "client/engine_connection.h"
+#include "replay/leap_driver.h"
 
-namespace leap::leapctl::replay {
+namespace leap::replay {
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -415,7 +416,7 @@ absl::StatusOr<ReplayReport> RunReplay(const ReplayOptions& o,
   std::vector<float> features;
   std::string artifact;
   std::unique_ptr<LeapdProcess> leapd;
-  ServerOptions server;
+  client::ServerOptions server;
   server.timeout_s = o.timeout_s;
   if (need_leap) {
     readout::SynthOptions so;
@@ -490,7 +491,7 @@ absl::StatusOr<ReplayReport> RunReplay(const ReplayOptions& o,
   // ---- the runs
   ASSIGN_OR_RETURN(shim::UnpredictedPolicy unpredicted,
                    ParseUnpredicted(o.unpredicted));
-  const std::string run_id = RandomRunId("replay");
+  const std::string run_id = client::RandomRunId("replay");
   int run_no = 0;
   const int64_t metrics_first =
       static_cast<int64_t>(std::ceil(o.metrics_from * static_cast<double>(n)));
@@ -870,23 +871,11 @@ std::string Svg(const ReplayReport& r) {
   return s;
 }
 
-// Runs gnuplot on `script`; true when it exited 0.
+// Runs gnuplot on `script` (its output discarded); true when it exited 0.
 bool RunGnuplot(const std::string& script) {
-  const pid_t pid = fork();
-  if (pid < 0) return false;
-  if (pid == 0) {
-    const int null = open("/dev/null", O_WRONLY);
-    if (null >= 0) {
-      dup2(null, STDOUT_FILENO);
-      dup2(null, STDERR_FILENO);
-    }
-    execlp("gnuplot", "gnuplot", script.c_str(), static_cast<char*>(nullptr));
-    _exit(127);
-  }
-  int status = 0;
-  while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
-  }
-  return WIFEXITED(status) && WEXITSTATUS(status) == 0;
+  absl::StatusOr<client::ProcessResult> r =
+      client::RunProcess({"gnuplot", script});
+  return r.ok() && WIFEXITED(r->status) && WEXITSTATUS(r->status) == 0;
 }
 
 std::string GnuplotQuote(absl::string_view s) {
@@ -949,4 +938,4 @@ absl::StatusOr<std::string> WriteReplayPlot(const ReplayReport& r,
   return svg_path;
 }
 
-}  // namespace leap::leapctl::replay
+}  // namespace leap::replay

@@ -12,8 +12,8 @@
 // domain switching at --shift-at; the readout is a ridge fit on synthetic
 // source-domain requests (or --readout), served by leapd frozen ("leap") or
 // adapting from completions ("leap-rls"), each run on a fresh copy.
-#ifndef LEAP_TOOLS_LEAPCTL_REPLAY_H_
-#define LEAP_TOOLS_LEAPCTL_REPLAY_H_
+#ifndef LEAP_REPLAY_REPLAY_H_
+#define LEAP_REPLAY_REPLAY_H_
 
 #include <cstdint>
 #include <optional>
@@ -23,11 +23,11 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "tools/leapctl/commands.h"
-#include "tools/leapctl/replay_sim.h"
-#include "tools/leapctl/replay_trace.h"
+#include "common/progress.h"
+#include "replay/engine_model.h"
+#include "replay/trace.h"
 
-namespace leap::leapctl::replay {
+namespace leap::replay {
 
 // One scheduling policy of a replay.
 struct PolicySpec {
@@ -185,10 +185,6 @@ std::string FormatReplayJson(const ReplayReport& report);
 absl::StatusOr<std::string> WriteReplayPlot(const ReplayReport& report,
                                             const std::string& path);
 
-// The command line (flags, --help); `args` excludes "replay".
-int ReplayCommand(const std::vector<std::string>& args, std::ostream& out,
-                  std::ostream& err);
+}  // namespace leap::replay
 
-}  // namespace leap::leapctl::replay
-
-#endif  // LEAP_TOOLS_LEAPCTL_REPLAY_H_
+#endif  // LEAP_REPLAY_REPLAY_H_

@@ -1,4 +1,4 @@
-#include "tools/leapctl/replay_trace.h"
+#include "replay/trace.h"
 
 #include <algorithm>
 #include <charconv>
@@ -13,9 +13,9 @@
 #include "absl/time/civil_time.h"
 #include "absl/time/time.h"
 #include "nlohmann/json.hpp"
-#include "tools/leapctl/data.h"
+#include "common/file.h"
 
-namespace leap::leapctl::replay {
+namespace leap::replay {
 namespace {
 
 // Shortens a value quoted in an error message.
@@ -354,4 +354,4 @@ double TraceRate(const Trace& trace) {
   return span > 0 ? static_cast<double>(trace.rows.size() - 1) / span : 0;
 }
 
-}  // namespace leap::leapctl::replay
+}  // namespace leap::replay

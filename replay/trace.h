@@ -12,8 +12,8 @@
 //   jsonl    One JSON object per line: "timestamp" (milliseconds, number),
 //            "input_length" and "output_length" (non-negative integers).
 // Every malformed input is InvalidArgument "SOURCE:LINE: what is wrong".
-#ifndef LEAP_TOOLS_LEAPCTL_REPLAY_TRACE_H_
-#define LEAP_TOOLS_LEAPCTL_REPLAY_TRACE_H_
+#ifndef LEAP_REPLAY_TRACE_H_
+#define LEAP_REPLAY_TRACE_H_
 
 #include <cstdint>
 #include <string>
@@ -23,7 +23,7 @@
 #include "absl/strings/string_view.h"
 #include "readout/synth.h"
 
-namespace leap::leapctl::replay {
+namespace leap::replay {
 
 // A trace file's format (see the file comment); kAuto guesses it.
 enum class TraceFormat { kAuto, kAzure, kLengths, kJsonl };
@@ -87,6 +87,6 @@ std::vector<double> PoissonArrivals(int64_t n, int64_t shift_index,
 // (0 when n < 2 or the span is 0).
 double TraceRate(const Trace& trace);
 
-}  // namespace leap::leapctl::replay
+}  // namespace leap::replay
 
-#endif  // LEAP_TOOLS_LEAPCTL_REPLAY_TRACE_H_
+#endif  // LEAP_REPLAY_TRACE_H_

@@ -12,7 +12,7 @@
 #include "tools/leapctl/commands.h"
 #include "tools/leapctl/flags.h"
 #include "tools/leapctl/internal/command.h"
-#include "tools/leapctl/replay.h"
+#include "replay/replay.h"
 
 namespace leap::leapctl {
 namespace {
@@ -350,7 +350,7 @@ int RunLeapctl(const std::vector<std::string>& all, std::ostream& out,
   if (command == "snapshot") return internal::SnapshotCommand(args, out, err);
   if (command == "rollback") return internal::RollbackCommand(args, out, err);
   if (command == "import") return internal::ImportCommand(args, out, err);
-  if (command == "replay") return replay::ReplayCommand(args, out, err);
+  if (command == "replay") return internal::ReplayCommand(args, out, err);
   err << "leapctl: error: unknown command '" << OneLine(command)
       << "' (commands: train, eval, adapt, synth, readouts, versions, export, "
          "freeze, resume, route, stats, bench, feed, snapshot, rollback, import, "

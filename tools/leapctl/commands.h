@@ -18,6 +18,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "common/progress.h"
 #include "readout/ridge.h"
 #include "readout/stats.h"
 #include "readout/synth.h"
@@ -25,8 +26,7 @@
 
 namespace leap::leapctl {
 
-// Receives one human-readable progress line (no trailing newline).
-using ProgressFn = std::function<void(const std::string&)>;
+using ::leap::ProgressFn;  // common/progress.h
 
 // ---- train -----------------------------------------------------------------
 

@@ -18,9 +18,14 @@
 #include "nlohmann/json.hpp"
 #include "readout/stats.h"
 #include "tools/leapctl/data.h"
-#include "tools/leapctl/engine_connection.h"
+#include "client/engine_connection.h"
 
 namespace leap::leapctl {
+
+using client::EngineConnection;
+using client::FromRequestError;
+using client::RandomRunId;
+
 namespace {
 
 namespace pb = ::leap::v1;
