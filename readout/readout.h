@@ -1,6 +1,6 @@
 // The LEAP readout: standardization, folded weights and prediction.
 //
-// Math (DESIGN §4): z = (x - mu) / sigma, u = [z; 1], score = u' theta,
+// Math (docs/MATH.md): z = (x - mu) / sigma, u = [z; 1], score = u' theta,
 // predicted tokens = clip(score, 1, sqrt(M))^2. At publish time the
 // standardization is folded into w = theta[0..d) / sigma and
 // b = theta[d] - sum_i theta_i mu_i / sigma_i, so a prediction is ONE dot

@@ -1,4 +1,4 @@
-// Offline Ridge fit of the readout and the RLS initial state (DESIGN §4):
+// Offline Ridge fit of the readout and the RLS initial state (docs/MATH.md):
 //   theta0 = (U'U + lambda D)^-1 U'y,   P0 = (U'U + lambda D)^-1,
 // with u = [z; 1], D = diag(1, ..., 1, 0) (the bias is not penalized),
 // y = sqrt(min(tokens, M)). lambda comes from k-fold cross-validation over a

@@ -1,4 +1,4 @@
-// Recursive least squares on the readout, exact and batched (DESIGN §4).
+// Recursive least squares on the readout, exact and batched (docs/MATH.md).
 //
 // For a finished batch U (k x (d+1), rows u = [z; 1]) with targets y:
 //   V = P U';  S = I + U V;  G = V S^-1;  theta += G (y - U theta);

@@ -49,7 +49,7 @@ enum class FeedbackAction : uint8_t {
 
 absl::string_view FeedbackActionName(FeedbackAction action);
 
-// The feedback rule of DESIGN §4. `output_tokens` is the number generated;
+// The feedback rule (docs/MATH.md). `output_tokens` is the number generated;
 // `request_max_tokens` is the request's own cap (0 = none, i.e. M applies);
 // `max_tokens` is the readout's M. Natural stops are learned. A length stop
 // (true length >= output_tokens) is learned only when output_tokens >= M,

@@ -69,7 +69,7 @@ std::vector<float> RequestFeatures(const readout::SynthGenerator& generator,
                                    const readout::SynthDomain domains[2],
                                    uint64_t seed);
 
-// A ridge readout (DESIGN §4, cross-validated lambda, with P0 so RLS can
+// A ridge readout (docs/MATH.md, cross-validated lambda, with P0 so RLS can
 // adapt it) fitted on `rows` synthetic requests of `domain` whose output
 // lengths are drawn with replacement from `length_pool` (the source
 // segment's true lengths), clipped to [1, max_tokens].

@@ -88,7 +88,7 @@ const std::vector<LearnedPreset>& LearnedPresets() {
        "strongest baseline, so the best ranking of the presets"},
       {"tie", 0.60, 0.40, 2.0,
        "separate text encoder (110-185M) with an uncertainty head; ranks below "
-       "frozen LEAP after a shift (the summary: frozen LEAP at 0.498 on Aya "
+       "frozen LEAP after a shift (the paper: frozen LEAP at 0.498 on Aya "
        "still schedules better than TIE)"},
       {"ssjf", 0.55, 0.40, 1.5,
        "small proxy model (BERT-base class, ~110M) on the prompt"},

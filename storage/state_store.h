@@ -1,4 +1,4 @@
-// Durable state of leapd, behind an interface (DESIGN §7): the sidecar is
+// Durable state of leapd, behind an interface (docs/STORAGE.md): the sidecar is
 // written against StateStore, and the RocksDB code stays in storage/.
 //
 // What is kept, per readout (identified by an incarnation number, so a

@@ -376,7 +376,7 @@ TEST(LeapdEndToEnd, TenThousandRequestsMatchAnchoredClosedForm) {
   EXPECT_TRUE(a.Finish().ok());
   EXPECT_TRUE(b.Finish().ok());
 
-  // Prometheus /metrics carries the DESIGN §9 series with these figures.
+  // Prometheus /metrics carries the series README.md lists, with these figures.
   std::string metrics_addr;
   for (const std::string& line : s.proc->lines()) {
     if (line.rfind("metrics on http://", 0) == 0) {

@@ -1,4 +1,4 @@
-// Durable state with real processes (DESIGN §7):
+// Durable state with real processes (docs/STORAGE.md):
 //  - crash: a client streams completions into a real leapd while the test
 //    kill -9s it at random moments (>= 20 times, during RLS batches and
 //    checkpoints: checkpoints every 2 batches of a d = 1024 readout, i.e. a

@@ -1,4 +1,5 @@
-// leap_shim: the engine shim for Python engines (DESIGN §8). A thin layer
+// leap_shim: the engine shim for Python engines (docs/ARCHITECTURE.md).
+// A thin layer
 // over leap::shim's Client, capture functions and CountdownScheduler; tensors
 // come in through DLPack (dlpack_import.h), so no torch is linked and one
 // build serves engines pinned to any torch version.

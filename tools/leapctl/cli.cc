@@ -92,7 +92,7 @@ int Train(const std::vector<std::string>& args,
   FlagSet flags(
       "train",
       "leapctl train --features F.npy --lengths L.npy --out R.leapr [flags]",
-      "Fits the LEAP readout by ridge regression (DESIGN §4): standardizes "
+      "Fits the LEAP readout by ridge regression (docs/MATH.md): standardizes "
       "the\n"
       "features, regresses y = sqrt(min(length, M)) on [z; 1] with the bias\n"
       "unpenalized, picks lambda by k-fold cross-validation unless --lambda "
@@ -182,7 +182,7 @@ int Adapt(const std::vector<std::string>& args,
       "leapctl adapt --readout R.leapr --features F.npy --lengths L.npy "
       "--out R2.leapr [flags]",
       "Adapts a readout to new traffic with exact batched recursive least\n"
-      "squares, anchored at the offline fit by the artifact's P (DESIGN §4).\n"
+      "squares, anchored at the offline fit by the artifact's P (docs/MATH.md).\n"
       "Rows are learned in file order, --batch completions per update, each\n"
       "standardized with the readout's own mean and scale and with target\n"
       "sqrt(min(length, M)). Writes the adapted state as the next version\n"
