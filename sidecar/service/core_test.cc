@@ -38,10 +38,12 @@ using testing::ScoreTolerance;
 constexpr int64_t kDim = 24;
 constexpr int64_t kBudget = readout::kDefaultMaxTokens;
 
-CoreOptions Options(int rls_batch = 4) {
+// Partial RLS batches are applied after `flush_after_ns` (1 ms by default:
+// they go quickly).
+CoreOptions Options(int rls_batch = 4, int64_t flush_after_ns = 1'000'000) {
   CoreOptions o;
   o.readout.rls_batch = rls_batch;
-  o.readout.flush_after_ns = 1'000'000;  // 1 ms: partial batches go quickly
+  o.readout.flush_after_ns = flush_after_ns;
   o.cache.max_bytes = 64 << 20;
   return o;
 }
@@ -353,7 +355,8 @@ TEST_F(CoreTest, PublishesRescoreLiveRequestsAndSkipEndedOnes) {
       RescorePredictions(readout, *v, live, &rescored[v->version]);
     }
   };
-  Make(Options(/*rls_batch=*/8));
+  // Exactly one batch of 8, however slowly they come.
+  Make(Options(/*rls_batch=*/8, /*flush_after_ns=*/int64_t{3600} * 1'000'000'000));
   auto rescorer = std::make_shared<Rescorer>();
   core_->hub().Subscribe(rescorer);
   CreateDefault();
