@@ -374,8 +374,10 @@ constexpr Kernels kAvx2 = {"avx2",         DotF32Avx2,      DotBf16Avx2,
 
 bool CpuHasAvx2Fma() {
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-         __builtin_cpu_supports("f16c");
+  // F16C from CPUID leaf 1 (clang's __builtin_cpu_supports has no "f16c").
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  const bool f16c = __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & bit_F16C);
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c;
 }
 #endif
 
