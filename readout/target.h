@@ -15,6 +15,7 @@
 #include "absl/strings/string_view.h"
 
 #include "absl/status/statusor.h"
+#include "common/wire.h"
 
 namespace leap::readout {
 
