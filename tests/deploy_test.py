@@ -448,6 +448,8 @@ class ManifestTest(unittest.TestCase):
             ARGS.source_dir, "deploy", "docker", "Dockerfile"))
         user = [i for i in stages[-1][1] if i.startswith("USER ")][0]
         cls.image_uid = int(user.split()[1].split(":")[0])
+        entry = [i for i in stages[-1][1] if i.startswith("ENTRYPOINT ")][0]
+        cls.image_entrypoint = json.loads(entry[len("ENTRYPOINT "):])
 
     def objects(self, name, kind):
         return [o for o in self.rendered[name] if o["kind"] == kind]
@@ -470,7 +472,8 @@ class ManifestTest(unittest.TestCase):
         for name in self.overlays:
             sts, spec, leapd, engine = self.pod(name)
             self.assertEqual(leapd.get("restartPolicy"), "Always", name)
-            self.assertEqual(leapd["command"], ["/usr/local/bin/leapd"])
+            # The image's leapd (its ENTRYPOINT), whatever path it has.
+            self.assertEqual(leapd["command"], self.image_entrypoint)
             for arg in leapd["args"]:
                 m = re.fullmatch(r"--(\w+)=.*", arg)
                 self.assertTrue(m, arg)
