@@ -90,6 +90,8 @@ struct LiveReadoutInit {
   std::string name;
   readout::ReadoutState state;  // spec, standardizer, theta, P, version...
   bool frozen = false;
+  // Why it is frozen when an RLS failure froze it ("" otherwise).
+  std::string frozen_reason;
   // Cause recorded for the first published version ("create", "recovered").
   std::string cause = "create";
   // Durable state; null keeps everything in memory.
@@ -106,6 +108,8 @@ struct Learnable {
   absl::string_view request_id;
   readout::FeatureView x;  // contiguous
   double target = 0;
+  // Recorded in the store's dedup index with the log record.
+  std::vector<std::string> dedup_keys;
 };
 
 // Thread-safe unless stated: gRPC handlers, the shm loop and admin calls may
@@ -132,8 +136,14 @@ class LiveReadout {
   // True when the readout has P (can learn).
   bool adaptive() const { return adaptive_; }
   bool frozen() const { return frozen_.load(); }
-  // FailedPrecondition when unfreezing a readout without P or after an RLS
-  // failure that left P unusable.
+  // Why learning is frozen when an RLS failure froze it; "" when it is not
+  // frozen or an operator froze it.
+  std::string frozen_reason() const;
+  // FailedPrecondition when unfreezing a readout without P. Resuming after
+  // an RLS failure retries the completions that were kept queued (a failure
+  // that recurs freezes it again, with its reason). Serialized with the RLS
+  // thread's own freezes: the flag in memory and in the store always end in
+  // the state of whichever happened last.
   absl::Status SetFrozen(bool frozen);
 
   // Records one completion durably in the feedback log (when there is a
@@ -142,12 +152,25 @@ class LiveReadout {
   absl::Status Learn(const Learnable& item);
   // Queues a record recovered from the log (already durable).
   void Replay(const storage::LogRecord& record);
+  // Recovery, before the readout serves: replays `log` (the records after
+  // the checkpoint it was built from, in seq order) in exactly the batches
+  // recorded with the versions in `history`, publishing nothing, and resumes
+  // at the newest version so reached with that version's stored theta, so
+  // the version number names the same state as before the crash. Records
+  // never applied before the crash are queued for the RLS thread; versions
+  // published for them are numbered after `max_version`, so no number is
+  // reused. Anything it could not replay faithfully goes to `problems`.
+  void RecoverLog(std::vector<storage::LogRecord> log,
+                  const std::vector<storage::VersionEntry>& history,
+                  int64_t max_version, std::vector<std::string>* problems);
 
   // Labels the current state (theta, P, version, quality) for rollback.
   absl::StatusOr<storage::SnapshotInfo> Snapshot(const std::string& label);
   absl::StatusOr<std::vector<storage::SnapshotInfo>> ListSnapshots();
   // Restores a snapshot's theta and P exactly, drops completions not yet
-  // applied, checkpoints, and publishes it as a new version.
+  // applied (unless learning is frozen: then they stay queued and are
+  // applied on top of the snapshot once resumed), checkpoints, and publishes
+  // it as a new version.
   absl::StatusOr<int64_t> Rollback(const std::string& label);
   const storage::ReadoutMeta& meta() const { return meta_; }
   // Adds a (predicted, true) pair to the windows of `version` and overall.
@@ -208,7 +231,10 @@ class LiveReadout {
   bool in_flight_ ABSL_GUARDED_BY(mu_) = false;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   bool drain_ ABSL_GUARDED_BY(mu_) = false;
-  bool broken_ ABSL_GUARDED_BY(mu_) = false;
+  std::string frozen_reason_ ABSL_GUARDED_BY(mu_);
+  // Orders freeze/resume by the operator with freezes by RLS failures
+  // (taken before mu_; never held while waiting for the RLS thread).
+  absl::Mutex freeze_mu_ ABSL_ACQUIRED_BEFORE(mu_);
 
   std::atomic<int64_t> learned_;
   std::atomic<int64_t> version_;

@@ -32,8 +32,10 @@ grpc::Status CreateDefaultReadout(const std::string& address,
 // from one thread, after the others); the reader thread is its own.
 class EngineStream {
  public:
+  // `instance_id` goes in the hello (Hello.instance_id; "" = none).
   EngineStream(std::shared_ptr<grpc::Channel> channel, int64_t dim,
-               leap::v1::FeatureDType dtype = leap::v1::FEATURE_DTYPE_FLOAT32);
+               leap::v1::FeatureDType dtype = leap::v1::FEATURE_DTYPE_FLOAT32,
+               const std::string& instance_id = "");
   ~EngineStream();
 
   // Sends `m` with a fresh seq; returns the seq.
