@@ -143,7 +143,7 @@ class ConnectSession final : public PublishListener, public LiveTracker {
     }
   }
 
-  Core* const core_;
+  [[maybe_unused]] Core* const core_;
   const uint64_t id_;
   grpc::ServerReaderWriter<pb::SidecarMessage, pb::EngineMessage>* const
       stream_;
