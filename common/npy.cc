@@ -94,13 +94,13 @@ struct PyValue {
   bool boolean = false;
   int64_t integer = 0;
   std::vector<PyValue> items;                            // kTuple, kList
-  std::vector<PyEntry> entries;  // kDict
+  // kDict. A named struct, not std::pair: a pair of the incomplete PyValue is
+  // ill-formed, and clang with libstdc++ rejects it.
+  std::vector<PyEntry> entries;
 };
-// A dict item. (Not std::pair: clang rejects a pair of a type still being
-// defined as a vector element.)
 struct PyEntry {
-  std::string first;
-  PyValue second;
+  std::string first;  // key
+  PyValue second;     // value
 };
 
 // Recursive-descent parser for the subset of Python literal syntax numpy
@@ -213,7 +213,7 @@ class LiteralParser {
         }
         if (!Consume(':')) return Error("expected ':'");
         ASSIGN_OR_RETURN(PyValue value, ParseValue(depth + 1));
-        v.entries.push_back({std::move(key.str), std::move(value)});
+        v.entries.push_back(PyEntry{std::move(key.str), std::move(value)});
         saw_comma = Consume(',');
       }
       return v;

@@ -21,7 +21,7 @@
 #include "common/crc32c.h"
 #include "fuzz/fuzz_common.h"
 #include "nlohmann/json.hpp"
-#include "sidecar/readout/artifact.h"
+#include "readout/artifact.h"
 
 namespace {
 

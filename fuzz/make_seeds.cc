@@ -14,7 +14,7 @@
 #include "common/npy.h"
 #include "common/shm_format.h"
 #include "leap/v1/predictor.pb.h"
-#include "sidecar/readout/artifact.h"
+#include "readout/artifact.h"
 
 namespace {
 
