@@ -143,7 +143,7 @@ class ConnectSession final : public PublishListener, public LiveTracker {
     }
   }
 
-  [[maybe_unused]] Core* const core_;
+  Core* const core_;
   const uint64_t id_;
   grpc::ServerReaderWriter<pb::SidecarMessage, pb::EngineMessage>* const
       stream_;
