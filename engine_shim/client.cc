@@ -9,7 +9,6 @@ namespace {
 
 namespace pb = ::leap::v1;
 
-constexpr int32_t kNotFound = 5;
 constexpr int32_t kAlreadyExists = 6;
 constexpr int32_t kInvalidArgument = 3;
 

@@ -95,6 +95,8 @@ absl::Status RocksStoreOptions::Validate() const {
   return absl::OkStatus();
 }
 
+// Thread-safe (any thread: admin handlers, RLS workers, checkpointers); mu_
+// guards the id counters, RocksDB does its own locking for the rest.
 class RocksStore final : public StateStore {
  public:
   RocksStore(RocksStoreOptions o, rocksdb::DB* db,
@@ -109,6 +111,7 @@ class RocksStore final : public StateStore {
   }
 
   absl::Status Init() {
+    absl::MutexLock lock(&mu_);
     std::string v;
     auto s = db_->Get(rocksdb::ReadOptions(), h_[kMeta], "next_incarnation", &v);
     if (s.ok() && v.size() == 8) {
@@ -619,9 +622,9 @@ class RocksStore final : public StateStore {
   rocksdb::DB* db_;
   std::vector<rocksdb::ColumnFamilyHandle*> h_;
   absl::Mutex mu_;
-  uint64_t next_inc_ = 1;
-  std::map<uint64_t, uint64_t> next_ckpt_;
-  int64_t last_dedup_prune_ms_ = 0;
+  uint64_t next_inc_ ABSL_GUARDED_BY(mu_) = 1;
+  std::map<uint64_t, uint64_t> next_ckpt_ ABSL_GUARDED_BY(mu_);
+  int64_t last_dedup_prune_ms_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 absl::StatusOr<std::unique_ptr<StateStore>> OpenRocksStore(

@@ -94,7 +94,8 @@ struct RecoveredState {
   std::vector<std::string> problems;
 };
 
-// Thread-safe.
+// Thread-safe: leapd calls it from admin handlers, the RLS worker and the
+// checkpoint thread of each readout, concurrently.
 class StateStore {
  public:
   virtual ~StateStore() = default;

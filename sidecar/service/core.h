@@ -85,7 +85,10 @@ struct ArmStat {
   int64_t spearman_n = 0;
 };
 
-// Thread-safe.
+// Thread-safe: gRPC handlers (Predictor, Admin) and the shm loop call it
+// from their own threads; admin calls are serialized by admin_mu_, the request
+// path (Predict, Complete, Cancel) takes no lock but arms_mu_ and the
+// FeatureCache's. Shutdown from one thread, after the servers stopped.
 class Core {
  public:
   // `store` (may be null: state in memory only) must outlive the Core.
@@ -191,7 +194,7 @@ class Core {
   std::atomic<std::shared_ptr<const ReadoutMap>> readouts_;
   std::atomic<std::shared_ptr<const RoutingTable>> routes_;
 
-  mutable absl::Mutex arms_mu_;
+  mutable absl::Mutex arms_mu_ ABSL_ACQUIRED_AFTER(admin_mu_);
   std::map<std::pair<std::string, std::string>, std::unique_ptr<ArmState>>
       arms_ ABSL_GUARDED_BY(arms_mu_);
 

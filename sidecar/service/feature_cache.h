@@ -105,7 +105,8 @@ struct FeatureCacheOptions {
   absl::Status Validate() const;
 };
 
-// Thread-safe.
+// Thread-safe: gRPC handlers and the shm loop insert and take concurrently;
+// one mutex, held for each call (never while calling out, except on_evict).
 class FeatureCache {
  public:
   // `on_evict(ttl)` runs (under the cache lock; keep it trivial) for every

@@ -49,10 +49,10 @@ void FillVersion(const VersionRecord& v, pb::VersionInfo* out) {
 // publish never waits on a slow engine and answers keep their order.
 class ConnectSession final : public PublishListener, public LiveTracker {
  public:
-  ConnectSession(Core* core, uint64_t id,
+  ConnectSession(uint64_t id,
                  grpc::ServerReaderWriter<pb::SidecarMessage,
                                           pb::EngineMessage>* stream)
-      : core_(core), id_(id), stream_(stream) {}
+      : id_(id), stream_(stream) {}
 
   uint64_t id() const { return id_; }
 
@@ -143,7 +143,6 @@ class ConnectSession final : public PublishListener, public LiveTracker {
     }
   }
 
-  Core* const core_;
   const uint64_t id_;
   grpc::ServerReaderWriter<pb::SidecarMessage, pb::EngineMessage>* const
       stream_;
@@ -153,7 +152,7 @@ class ConnectSession final : public PublishListener, public LiveTracker {
       rescore_ ABSL_GUARDED_BY(mu_);
   bool closed_ ABSL_GUARDED_BY(mu_) = false;
   bool broken_ = false;  // writer thread only
-  absl::Mutex live_mu_;
+  absl::Mutex live_mu_;  // never held with mu_
   absl::flat_hash_map<std::string, std::shared_ptr<LiveRequest>> live_
       ABSL_GUARDED_BY(live_mu_);
 };
@@ -224,7 +223,7 @@ grpc::Status PredictorService::Connect(
   absl::StatusOr<readout::DType> dtype = CheckHello(hello);
   if (!dtype.ok()) return ToGrpc(dtype.status());
   auto session = std::make_shared<ConnectSession>(
-      core_, next_session_.fetch_add(1), stream);
+      next_session_.fetch_add(1), stream);
   core_->hub().Subscribe(session);
   core_->metrics().connected_engines().Increment();
   {

@@ -108,7 +108,11 @@ struct Learnable {
   double target = 0;
 };
 
-// Thread-safe unless stated.
+// Thread-safe unless stated: gRPC handlers, the shm loop and admin calls may
+// call any public method from any thread. It owns two threads: the RLS worker
+// (WorkerLoop: applies queued completions, publishes) and the checkpointer
+// (CheckpointLoop: writes captured state); Stop and the destructor join them
+// and must not be called from them.
 class LiveReadout {
  public:
   // Starts the RLS thread when the state has a P matrix (and the checkpoint
@@ -196,8 +200,10 @@ class LiveReadout {
   std::atomic<std::shared_ptr<const PublishedVersion>> current_;
   std::atomic<bool> frozen_;
 
+  // Lock order: log_mu_, then any one of mu_, ckpt_mu_, state_mu_; then
+  // quality_mu_ (taken under state_mu_ when publishing).
   // Queue, worker control.
-  mutable absl::Mutex mu_;
+  mutable absl::Mutex mu_ ABSL_ACQUIRED_AFTER(log_mu_);
   std::deque<Pending> queue_ ABSL_GUARDED_BY(mu_);
   bool in_flight_ ABSL_GUARDED_BY(mu_) = false;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
@@ -215,7 +221,7 @@ class LiveReadout {
 
   // RLS state: the worker updates it; Export/Snapshot/Rollback read or
   // replace it. Publishing happens under it, so versions are ordered.
-  absl::Mutex state_mu_;
+  absl::Mutex state_mu_ ABSL_ACQUIRED_AFTER(log_mu_);
   std::optional<readout::RlsState> rls_ ABSL_GUARDED_BY(state_mu_);
   Eigen::VectorXd theta_ ABSL_GUARDED_BY(state_mu_);
   uint64_t applied_seq_ ABSL_GUARDED_BY(state_mu_) = 0;
@@ -227,7 +233,7 @@ class LiveReadout {
       ABSL_GUARDED_BY(state_mu_);
 
   // Checkpoint hand-off (one slot: a newer capture replaces a waiting one).
-  absl::Mutex ckpt_mu_;
+  absl::Mutex ckpt_mu_ ABSL_ACQUIRED_AFTER(log_mu_);
   std::optional<storage::ReadoutCheckpoint> ckpt_pending_
       ABSL_GUARDED_BY(ckpt_mu_);
   bool ckpt_stop_ ABSL_GUARDED_BY(ckpt_mu_) = false;
@@ -235,7 +241,7 @@ class LiveReadout {
   std::thread checkpointer_;
 
   // Versions and quality.
-  mutable absl::Mutex quality_mu_;
+  mutable absl::Mutex quality_mu_ ABSL_ACQUIRED_AFTER(state_mu_);
   std::deque<VersionRecord> versions_ ABSL_GUARDED_BY(quality_mu_);
   std::map<int64_t, RollingSpearman> per_version_ ABSL_GUARDED_BY(quality_mu_);
   RollingSpearman overall_ ABSL_GUARDED_BY(quality_mu_);

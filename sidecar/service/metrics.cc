@@ -143,10 +143,8 @@ prometheus::Counter& Metrics::ShmDetached(const std::string& reason) {
 }
 
 ReadoutMetrics Metrics::ForReadout(const std::string& name) {
-  {
-    std::lock_guard<std::mutex> lock(users_mu_);
-    ++users_[name];
-  }
+  absl::MutexLock lock(&users_mu_);
+  ++users_[name];
   ReadoutMetrics m;
   m.predictions_serving =
       &predictions_->Add({{"readout", name}, {"arm_kind", "serving"}});
@@ -179,11 +177,9 @@ ReadoutMetrics Metrics::ForReadout(const std::string& name) {
 }
 
 void Metrics::RemoveReadout(const std::string& name, const ReadoutMetrics& m) {
-  {
-    std::lock_guard<std::mutex> lock(users_mu_);
-    if (--users_[name] > 0) return;
-    users_.erase(name);
-  }
+  absl::MutexLock lock(&users_mu_);
+  if (--users_[name] > 0) return;
+  users_.erase(name);
   predictions_->Remove(m.predictions_serving);
   predictions_->Remove(m.predictions_shadow);
   completions_->Remove(m.learned);

@@ -7,9 +7,10 @@
 
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
 #include "prometheus/counter.h"
 #include "prometheus/family.h"
 #include "prometheus/gauge.h"
@@ -38,6 +39,8 @@ struct ReadoutMetrics {
   prometheus::Counter* checkpoint_errors;
 };
 
+// Thread-safe: any thread (gRPC handlers, shm loop, RLS workers) may call
+// any method; the prometheus objects returned are themselves thread-safe.
 class Metrics {
  public:
   Metrics();
@@ -75,8 +78,10 @@ class Metrics {
 
  private:
   std::shared_ptr<prometheus::Registry> registry_;
-  std::mutex users_mu_;
-  std::map<std::string, int> users_;  // readout name -> live users
+  // Held across the count and the series' Add/Remove, so a readout created
+  // while the last user of its name goes away never keeps removed series.
+  absl::Mutex users_mu_;
+  std::map<std::string, int> users_ ABSL_GUARDED_BY(users_mu_);  // name -> users
   prometheus::Family<prometheus::Counter>* predictions_;
   prometheus::Family<prometheus::Counter>* completions_;
   prometheus::Family<prometheus::Counter>* rls_errors_;
