@@ -47,11 +47,12 @@ absl::Status FeatureCache::InsertLocked(std::shared_ptr<LiveRequest> r,
         absl::StrCat("request needs ", need, " bytes of feature cache, "
                      "capacity is ", options_.max_bytes));
   }
+  // Expired first: an id whose entry outlived the TTL is no longer live.
+  ExpireLocked(now_ns);
   if (index_.count(r->request_id) != 0) {
     return absl::AlreadyExistsError(
         absl::StrCat("request id '", r->request_id, "' is already live"));
   }
-  ExpireLocked(now_ns);
   while (bytes_ + need > options_.max_bytes && oldest_ != nullptr) {
     EraseLocked(index_.find(absl::string_view(oldest_->request_id)));
     evicted_capacity_.fetch_add(1);
