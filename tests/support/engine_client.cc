@@ -32,12 +32,14 @@ std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address) {
 }
 
 EngineStream::EngineStream(std::shared_ptr<grpc::Channel> channel, int64_t dim,
-                           pb::FeatureDType dtype) {
+                           pb::FeatureDType dtype,
+                           const std::string& instance_id) {
   auto stub = pb::Predictor::NewStub(channel);
   stream_ = stub->Connect(&ctx_);
   pb::EngineMessage hello;
   hello.set_seq(0);
   hello.mutable_hello()->set_engine_id("test-engine");
+  hello.mutable_hello()->set_instance_id(instance_id);
   hello.mutable_hello()->set_dim(dim);
   hello.mutable_hello()->set_dtype(dtype);
   stream_->Write(hello);
