@@ -62,13 +62,14 @@ absl::Status FeatureCache::InsertLocked(std::shared_ptr<LiveRequest> r,
                      "capacity is ", options_.max_bytes));
   }
   if (r->key.empty()) r->key = r->request_id;
+  // Expired first: an id whose entry outlived the TTL is no longer live.
+  ExpireLocked(now_ns);
   if (index_.count(r->key) != 0) {
     return absl::AlreadyExistsError(
         absl::StrCat("request id '", r->request_id,
                      "' is already live for this engine instance (ids must be "
                      "unique among an engine's live requests)"));
   }
-  ExpireLocked(now_ns);
   while (bytes_ + need > options_.max_bytes && oldest_ != nullptr) {
     EraseLocked(index_.find(absl::string_view(oldest_->key)));
     evicted_capacity_.fetch_add(1);
