@@ -17,11 +17,11 @@
 #include "Eigen/Cholesky"
 #include "Eigen/Core"
 #include "Eigen/LU"
-#include "sidecar/readout/artifact.h"
-#include "sidecar/readout/features.h"
-#include "sidecar/readout/readout.h"
-#include "sidecar/readout/rls.h"
-#include "sidecar/readout/target.h"
+#include "readout/artifact.h"
+#include "readout/features.h"
+#include "readout/readout.h"
+#include "readout/rls.h"
+#include "readout/target.h"
 
 namespace leap::testing {
 
