@@ -1,6 +1,6 @@
-#include "sidecar/service/grpc_service.h"
+#include "sidecar/grpc/grpc_service.h"
 
-#include "sidecar/service/engine_session.h"
+#include "sidecar/core/engine_messages.h"
 
 #include <chrono>
 #include <deque>

@@ -1,4 +1,4 @@
-#include "sidecar/service/shm_server.h"
+#include "sidecar/shm/shm_server.h"
 
 #include <dirent.h>
 #include <errno.h>
@@ -23,7 +23,7 @@
 #include "common/clock.h"
 #include "common/shm_format.h"
 #include "common/status_macros.h"
-#include "sidecar/service/engine_session.h"
+#include "sidecar/core/engine_messages.h"
 
 namespace leap::sidecar {
 

@@ -5,7 +5,7 @@
 // online quality per version, and durability through a real RocksDB store
 // (checkpoints bit for bit; a completion whose log write fails is neither
 // acknowledged nor learned).
-#include "sidecar/service/live_readout.h"
+#include "sidecar/core/live_readout.h"
 
 #include <unistd.h>
 

@@ -3,8 +3,8 @@
 // publish can rescore live requests. Bounded by bytes; the oldest request is
 // evicted first (a request that has waited longest is the likeliest to have
 // been dropped without a cancel), and entries older than a TTL expire.
-#ifndef LEAP_SIDECAR_SERVICE_FEATURE_CACHE_H_
-#define LEAP_SIDECAR_SERVICE_FEATURE_CACHE_H_
+#ifndef LEAP_SIDECAR_CORE_FEATURE_CACHE_H_
+#define LEAP_SIDECAR_CORE_FEATURE_CACHE_H_
 
 #include <atomic>
 #include <cstdint>
@@ -180,4 +180,4 @@ class FeatureCache {
 
 }  // namespace leap::sidecar
 
-#endif  // LEAP_SIDECAR_SERVICE_FEATURE_CACHE_H_
+#endif  // LEAP_SIDECAR_CORE_FEATURE_CACHE_H_

@@ -3,8 +3,8 @@
 // their EngineMessages here, so predictions, acks and errors are the same
 // on both (the shm server's slot path calls the same Core::Predict and
 // ToPrediction for the records whose features sit in slots).
-#ifndef LEAP_SIDECAR_SERVICE_ENGINE_SESSION_H_
-#define LEAP_SIDECAR_SERVICE_ENGINE_SESSION_H_
+#ifndef LEAP_SIDECAR_CORE_ENGINE_MESSAGES_H_
+#define LEAP_SIDECAR_CORE_ENGINE_MESSAGES_H_
 
 #include <memory>
 #include <string>
@@ -12,7 +12,7 @@
 
 #include "absl/status/statusor.h"
 #include "leap/v1/predictor.pb.h"
-#include "sidecar/service/core.h"
+#include "sidecar/core/core.h"
 
 namespace leap::sidecar {
 
@@ -61,4 +61,4 @@ void RescorePredictions(const std::string& name, const PublishedVersion& v,
 
 }  // namespace leap::sidecar
 
-#endif  // LEAP_SIDECAR_SERVICE_ENGINE_SESSION_H_
+#endif  // LEAP_SIDECAR_CORE_ENGINE_MESSAGES_H_

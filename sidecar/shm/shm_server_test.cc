@@ -5,7 +5,7 @@
 // reaches the engine as a notice and a rescore of its live requests at the
 // new theta; an engine hanging up has its live requests reclaimed (and the
 // others keep being served); Stop detaches every engine.
-#include "sidecar/service/shm_server.h"
+#include "sidecar/shm/shm_server.h"
 
 #include <unistd.h>
 

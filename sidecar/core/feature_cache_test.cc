@@ -2,7 +2,7 @@
 // and take; duplicate and oversized requests; eviction of the oldest
 // requests by bytes and by TTL (time is the caller's now_ns: no clock is
 // read); exact takes; slots of external features released exactly once.
-#include "sidecar/service/feature_cache.h"
+#include "sidecar/core/feature_cache.h"
 
 #include <atomic>
 #include <map>

@@ -1,4 +1,4 @@
-#include "sidecar/service/live_readout.h"
+#include "sidecar/core/live_readout.h"
 
 #include <chrono>
 #include <cmath>

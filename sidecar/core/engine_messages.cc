@@ -1,4 +1,4 @@
-#include "sidecar/service/engine_session.h"
+#include "sidecar/core/engine_messages.h"
 
 #include "absl/strings/str_cat.h"
 

@@ -1,4 +1,4 @@
-#include "sidecar/service/metrics.h"
+#include "sidecar/core/metrics.h"
 
 namespace leap::sidecar {
 namespace {

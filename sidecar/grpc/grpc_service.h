@@ -1,8 +1,8 @@
 // gRPC front of the sidecar: leap.v1.Predictor and leap.v1.Admin over Core.
 // Handlers convert between protos and Core types and map absl::Status codes
 // one to one onto grpc::Status codes.
-#ifndef LEAP_SIDECAR_SERVICE_GRPC_SERVICE_H_
-#define LEAP_SIDECAR_SERVICE_GRPC_SERVICE_H_
+#ifndef LEAP_SIDECAR_GRPC_GRPC_SERVICE_H_
+#define LEAP_SIDECAR_GRPC_GRPC_SERVICE_H_
 
 #include <atomic>
 #include <map>
@@ -11,8 +11,8 @@
 
 #include "leap/v1/admin.grpc.pb.h"
 #include "leap/v1/predictor.grpc.pb.h"
-#include "sidecar/service/admin_auth.h"
-#include "sidecar/service/core.h"
+#include "sidecar/grpc/admin_auth.h"
+#include "sidecar/core/core.h"
 
 namespace leap::sidecar {
 
@@ -111,4 +111,4 @@ class AdminService final : public leap::v1::Admin::Service {
 
 }  // namespace leap::sidecar
 
-#endif  // LEAP_SIDECAR_SERVICE_GRPC_SERVICE_H_
+#endif  // LEAP_SIDECAR_GRPC_GRPC_SERVICE_H_

@@ -1,8 +1,8 @@
 // The sidecar's state and logic, independent of the transport: readouts,
 // routing, the live-request cache, learning and online quality. The gRPC
 // services (and later the shared-memory server) are thin layers over it.
-#ifndef LEAP_SIDECAR_SERVICE_CORE_H_
-#define LEAP_SIDECAR_SERVICE_CORE_H_
+#ifndef LEAP_SIDECAR_CORE_CORE_H_
+#define LEAP_SIDECAR_CORE_CORE_H_
 
 #include <atomic>
 #include <cstdint>
@@ -18,11 +18,11 @@
 #include "absl/synchronization/mutex.h"
 #include "readout/artifact.h"
 #include "readout/target.h"
-#include "sidecar/service/feature_cache.h"
-#include "sidecar/service/live_readout.h"
-#include "sidecar/service/metrics.h"
-#include "sidecar/service/quality.h"
-#include "sidecar/service/routing.h"
+#include "sidecar/core/feature_cache.h"
+#include "sidecar/core/live_readout.h"
+#include "sidecar/core/metrics.h"
+#include "sidecar/core/quality.h"
+#include "sidecar/core/routing.h"
 #include "storage/state_store.h"
 
 namespace leap::sidecar {
@@ -238,4 +238,4 @@ absl::Status ValidateReadoutName(absl::string_view name);
 
 }  // namespace leap::sidecar
 
-#endif  // LEAP_SIDECAR_SERVICE_CORE_H_
+#endif  // LEAP_SIDECAR_CORE_CORE_H_

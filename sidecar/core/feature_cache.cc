@@ -1,4 +1,4 @@
-#include "sidecar/service/feature_cache.h"
+#include "sidecar/core/feature_cache.h"
 
 #include "absl/strings/str_cat.h"
 

@@ -2,8 +2,8 @@
 // per process;
 // families are created once, per-label series are resolved once by their
 // owners (Family::Add locks and hashes) and then updated lock-free.
-#ifndef LEAP_SIDECAR_SERVICE_METRICS_H_
-#define LEAP_SIDECAR_SERVICE_METRICS_H_
+#ifndef LEAP_SIDECAR_CORE_METRICS_H_
+#define LEAP_SIDECAR_CORE_METRICS_H_
 
 #include <map>
 #include <memory>
@@ -117,4 +117,4 @@ class Metrics {
 
 }  // namespace leap::sidecar
 
-#endif  // LEAP_SIDECAR_SERVICE_METRICS_H_
+#endif  // LEAP_SIDECAR_CORE_METRICS_H_

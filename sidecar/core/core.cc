@@ -1,4 +1,4 @@
-#include "sidecar/service/core.h"
+#include "sidecar/core/core.h"
 
 #include <chrono>
 #include <algorithm>

@@ -1,8 +1,8 @@
 // A readout being served: its published version (read lock-free by the
 // predicting threads), its RLS state and the RLS worker thread that learns
 // from completions and publishes new versions.
-#ifndef LEAP_SIDECAR_SERVICE_LIVE_READOUT_H_
-#define LEAP_SIDECAR_SERVICE_LIVE_READOUT_H_
+#ifndef LEAP_SIDECAR_CORE_LIVE_READOUT_H_
+#define LEAP_SIDECAR_CORE_LIVE_READOUT_H_
 
 #include <atomic>
 #include <cstdint>
@@ -20,8 +20,8 @@
 #include "readout/artifact.h"
 #include "readout/readout.h"
 #include "readout/rls.h"
-#include "sidecar/service/metrics.h"
-#include "sidecar/service/quality.h"
+#include "sidecar/core/metrics.h"
+#include "sidecar/core/quality.h"
 #include "storage/state_store.h"
 
 namespace leap::sidecar {
@@ -277,4 +277,4 @@ class LiveReadout {
 
 }  // namespace leap::sidecar
 
-#endif  // LEAP_SIDECAR_SERVICE_LIVE_READOUT_H_
+#endif  // LEAP_SIDECAR_CORE_LIVE_READOUT_H_
