@@ -36,7 +36,9 @@ struct PublishedVersion {
 };
 
 // Receives every publish of every readout. OnPublish runs on the publishing
-// thread (an RLS worker or an admin handler) and must not block.
+// thread (an RLS worker or an admin handler), with that readout's state_mu_
+// held (PublishHub's own lock released): it must not block and must not call
+// into a LiveReadout.
 class PublishListener {
  public:
   virtual ~PublishListener() = default;
@@ -44,7 +46,8 @@ class PublishListener {
                          const std::shared_ptr<const PublishedVersion>& v) = 0;
 };
 
-// Fans publishes out to listeners that are still alive. Thread-safe.
+// Fans publishes out to listeners that are still alive. Thread-safe: any
+// thread subscribes; Notify calls the listeners after releasing mu_.
 class PublishHub {
  public:
   void Subscribe(std::weak_ptr<PublishListener> l);
