@@ -10,13 +10,10 @@ namespace {
 
 namespace pb = ::leap::v1;
 
-constexpr int32_t kNotFound = 5;
 constexpr int32_t kAlreadyExists = 6;
 constexpr int32_t kInvalidArgument = 3;
 
 }  // namespace
-
-size_t DTypeSize(DType dtype) { return dtype == DType::kFloat32 ? 4 : 2; }
 
 absl::Status ClientOptions::Validate() const {
   if (endpoint.empty()) return absl::InvalidArgumentError("endpoint is empty");

@@ -21,21 +21,17 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/wire.h"
 #include "engine_shim/transport.h"
 
 namespace leap::shim {
 
-// Element type of the features an engine ships (values match the wire).
-enum class DType : uint8_t { kFloat32 = 1, kBFloat16 = 2, kFloat16 = 3 };
-size_t DTypeSize(DType dtype);
-
-// How a request ended (values match the wire).
-enum class FinishReason : uint8_t {
-  kStop = 1,       // EOS or stop string: learned
-  kLength = 2,     // hit max_tokens: learned only when it reached the budget
-  kCancelled = 3,  // never learned
-  kAborted = 4,    // never learned
-};
+// Element type of the features an engine ships and how a request ended
+// (common/wire.h). kStop is learned, kLength only when it reached the
+// budget, kCancelled and kAborted never.
+using ::leap::DType;
+using ::leap::DTypeSize;
+using ::leap::FinishReason;
 
 // The captured hidden state of one request, ready to ship.
 struct CapturedFeatures {
@@ -110,6 +106,10 @@ struct ClientStats {
   int64_t live = 0;          // requests kept for resubmission
 };
 
+// Threads: the engine's threads may call any public method; the manager
+// thread (ManagerLoop: connects, ships the outbox) and a reader thread per
+// connection (ReaderLoop) are the client's own, and emit the events. The destructor
+// joins them and must not be called from a callback.
 class Client {
  public:
   // Starts the background threads; connecting happens there.
@@ -130,8 +130,9 @@ class Client {
 
   // Takes up to `max` queued events (when no callback is set).
   std::vector<Event> Poll(size_t max = SIZE_MAX);
-  // Delivers events to `cb` on the client's reader thread instead of the
-  // queue; `cb` must not block. Pass nullptr to go back to Poll.
+  // Delivers events to `cb` on the client's threads instead of the
+  // queue; `cb` must not block, and may call Submit, Complete and Cancel but
+  // not Poll or SetCallback. Pass nullptr to go back to Poll.
   void SetCallback(std::function<void(const Event&)> cb);
 
   bool connected() const { return connected_.load(); }
@@ -156,7 +157,8 @@ class Client {
   };
   void ManagerLoop();
   void ReaderLoop(Transport* t, uint64_t generation);
-  void Emit(Event e);
+  // Called without mu_: the callback may call Submit, Complete, Cancel.
+  void Emit(Event e) ABSL_LOCKS_EXCLUDED(mu_, events_mu_);
   bool Session(Transport* t);
 
   const ClientOptions options_;
@@ -174,7 +176,7 @@ class Client {
   uint64_t generation_ ABSL_GUARDED_BY(mu_) = 0;
   ClientStats stats_ ABSL_GUARDED_BY(mu_);
 
-  absl::Mutex events_mu_;
+  absl::Mutex events_mu_;  // never held with mu_
   std::deque<Event> events_ ABSL_GUARDED_BY(events_mu_);
   std::function<void(const Event&)> callback_ ABSL_GUARDED_BY(events_mu_);
 

@@ -25,11 +25,11 @@
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "prometheus/exposer.h"
-#include "sidecar/readout/artifact.h"
-#include "sidecar/service/admin_auth.h"
-#include "sidecar/service/core.h"
-#include "sidecar/service/grpc_service.h"
-#include "sidecar/service/shm_server.h"
+#include "readout/artifact.h"
+#include "sidecar/grpc/admin_auth.h"
+#include "sidecar/core/core.h"
+#include "sidecar/grpc/grpc_service.h"
+#include "sidecar/shm/shm_server.h"
 #include "storage/rocksdb_store.h"
 
 ABSL_FLAG(std::vector<std::string>, listen, {"127.0.0.1:7070"},

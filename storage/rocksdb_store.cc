@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "common/clock.h"
 #include "common/crc32c.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
@@ -22,12 +23,6 @@ constexpr const char* kFamilies[] = {"default",  "meta",      "checkpoints",
                                      "log",      "versions",  "snapshots",
                                      "dedup"};
 enum Cf { kDefault = 0, kMeta, kCheckpoints, kLog, kVersions, kSnapshots, kDedup };
-
-int64_t UnixMs() {
-  return std::chrono::duration_cast<std::chrono::milliseconds>(
-             std::chrono::system_clock::now().time_since_epoch())
-      .count();
-}
 
 void PutU64(std::string& s, uint64_t v) {
   for (int i = 7; i >= 0; --i) s.push_back(static_cast<char>((v >> (8 * i)) & 0xFF));
@@ -100,6 +95,8 @@ absl::Status RocksStoreOptions::Validate() const {
   return absl::OkStatus();
 }
 
+// Thread-safe (any thread: admin handlers, RLS workers, checkpointers); mu_
+// guards the id counters, RocksDB does its own locking for the rest.
 class RocksStore final : public StateStore {
  public:
   RocksStore(RocksStoreOptions o, rocksdb::DB* db,
@@ -114,6 +111,7 @@ class RocksStore final : public StateStore {
   }
 
   absl::Status Init() {
+    absl::MutexLock lock(&mu_);
     std::string v;
     auto s = db_->Get(rocksdb::ReadOptions(), h_[kMeta], "next_incarnation", &v);
     if (s.ok() && v.size() == 8) {
@@ -657,9 +655,9 @@ class RocksStore final : public StateStore {
   rocksdb::DB* db_;
   std::vector<rocksdb::ColumnFamilyHandle*> h_;
   absl::Mutex mu_;
-  uint64_t next_inc_ = 1;
-  std::map<uint64_t, uint64_t> next_ckpt_;
-  int64_t last_dedup_prune_ms_ = 0;
+  uint64_t next_inc_ ABSL_GUARDED_BY(mu_) = 1;
+  std::map<uint64_t, uint64_t> next_ckpt_ ABSL_GUARDED_BY(mu_);
+  int64_t last_dedup_prune_ms_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 absl::StatusOr<std::unique_ptr<StateStore>> OpenRocksStore(

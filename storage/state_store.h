@@ -1,4 +1,4 @@
-// Durable state of leapd, behind an interface (DESIGN §7): the sidecar is
+// Durable state of leapd, behind an interface (docs/STORAGE.md): the sidecar is
 // written against StateStore, and the RocksDB code stays in storage/.
 //
 // What is kept, per readout (identified by an incarnation number, so a
@@ -24,9 +24,9 @@
 #include "Eigen/Core"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "sidecar/readout/features.h"
-#include "sidecar/readout/readout.h"
-#include "sidecar/readout/rls.h"
+#include "readout/features.h"
+#include "readout/readout.h"
+#include "readout/rls.h"
 
 namespace leap::storage {
 
@@ -106,7 +106,8 @@ struct RecoveredState {
   std::vector<std::string> problems;
 };
 
-// Thread-safe.
+// Thread-safe: leapd calls it from admin handlers, the RLS worker and the
+// checkpoint thread of each readout, concurrently.
 class StateStore {
  public:
   virtual ~StateStore() = default;
