@@ -314,8 +314,16 @@ void LiveReadout::RecoverLog(std::vector<storage::LogRecord> log,
       ++batches_since_ckpt_;
     }
   }
-  // New versions never reuse a number that was published before.
+  // New versions never reuse a number that was published before, and new
+  // log records never reuse a sequence number (the records replayed above
+  // did not pass through Replay, which advances it for the rest).
   if (version_.load() < max_version) version_.store(max_version);
+  {
+    absl::MutexLock lock(&log_mu_);
+    if (!log.empty()) next_seq_ = std::max(next_seq_, log.back().seq + 1);
+    absl::MutexLock state_lock(&state_mu_);
+    next_seq_ = std::max(next_seq_, applied_seq_ + 1);
+  }
   metrics_.version->Set(static_cast<double>(current()->version));
   for (; pos < log.size(); ++pos) Replay(log[pos]);
 }

@@ -81,7 +81,7 @@ class LiveReadoutTest : public ::testing::Test {
     std::vector<float> x = testing::RandomFeatures(state_, rng_);
     if (nan) x[2] = std::nanf("");
     const double y = 5.0 + 20.0 * std::abs(std::sin(++n_));
-    ASSERT_TRUE(r.Learn({absl::StrCat("c", n_), readout::FeatureView::F32(x.data(), kDim), y})
+    ASSERT_TRUE(r.Learn({absl::StrCat("c", n_), readout::FeatureView::F32(x.data(), kDim), y, {}})
                     .ok());
     if (reference != nullptr) reference->Learn(x, y);
   }
@@ -316,7 +316,7 @@ TEST_F(LiveReadoutTest, ACompletionNotLoggedIsNeitherAcknowledgedNorLearned) {
   LogFailsStore store;
   auto r = Make(Options(1), &store);
   std::vector<float> x = testing::RandomFeatures(state_, rng_);
-  absl::Status s = r->Learn({"c", readout::FeatureView::F32(x.data(), kDim), 10.0});
+  absl::Status s = r->Learn({"c", readout::FeatureView::F32(x.data(), kDim), 10.0, {}});
   EXPECT_TRUE(absl::IsUnavailable(s)) << s;
   EXPECT_NE(s.message().find("disk full"), std::string::npos) << s;
   r->WaitIdle();
