@@ -35,7 +35,8 @@ void AddRequestError(const std::string& id, const absl::Status& s,
                      google::protobuf::RepeatedPtrField<leap::v1::RequestError>* out,
                      Metrics& metrics);
 
-// Checks a Hello: the dtype and dim ranges. INVALID_ARGUMENT otherwise.
+// Checks a Hello: the dtype and dim ranges and the instance id.
+// INVALID_ARGUMENT otherwise.
 absl::StatusOr<readout::DType> CheckHello(const leap::v1::Hello& hello);
 
 // Answers one EngineMessage after the hello (features carried inline,
@@ -48,7 +49,8 @@ void HandleEngineMessage(Core* core, uint64_t session,
 
 // Cancels each id (answering into `ack` as a CancelBatch would be).
 void CancelRequests(Core* core, absl::Span<const absl::string_view> ids,
-                    leap::v1::Ack* ack, LiveTracker* tracker);
+                    leap::v1::Ack* ack, LiveTracker* tracker,
+                    absl::string_view instance = "");
 
 // The rescored predictions of `live` requests served by readout `name`
 // under version `v` (requests that are gone or served by another readout

@@ -51,6 +51,9 @@ class ExternalFeatures {
 // A live request. Immutable after insertion except `gone`.
 struct LiveRequest {
   std::string request_id;
+  // Identity in the cache: the owning engine instance and the request id
+  // (LiveRequestKey); two engines' requests with one id are two entries.
+  std::string key;
   std::string product_line;
   // Product line of the route that served it ("" for the default route).
   std::string route_key;
@@ -90,10 +93,16 @@ struct LiveRequest {
   }
   int64_t bytes() const {
     return static_cast<int64_t>(features.size() + request_id.size() +
-                                product_line.size()) +
+                                key.size() + product_line.size()) +
            256;
   }
 };
+
+// The cache key of request `request_id` of engine instance `instance` ("" for
+// engines that do not say theirs: they share one namespace, and the key is
+// the id itself). A request inserted with an empty key is keyed by its id.
+std::string LiveRequestKey(absl::string_view instance,
+                           absl::string_view request_id);
 
 struct FeatureCacheOptions {
   // Bytes of cached requests (features + bookkeeping) before eviction.
@@ -105,7 +114,8 @@ struct FeatureCacheOptions {
   absl::Status Validate() const;
 };
 
-// Thread-safe.
+// Thread-safe: gRPC handlers and the shm loop insert and take concurrently;
+// one mutex, held for each call (never while calling out, except on_evict).
 class FeatureCache {
  public:
   // `on_evict(ttl)` runs (under the cache lock; keep it trivial) for every
@@ -114,7 +124,8 @@ class FeatureCache {
                         std::function<void(bool)> on_evict = nullptr)
       : options_(options), on_evict_(std::move(on_evict)) {}
 
-  // Adds `r` (ALREADY_EXISTS when its id is live; RESOURCE_EXHAUSTED when it
+  // Ids below are LiveRequest keys (LiveRequestKey).
+  // Adds `r` (ALREADY_EXISTS when its key is live; RESOURCE_EXHAUSTED when it
   // alone exceeds the capacity). Expires and evicts to make room.
   absl::Status Insert(std::shared_ptr<LiveRequest> r, int64_t now_ns);
   // Insert for each of `rs` in order under one lock; status[i] says how

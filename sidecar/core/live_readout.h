@@ -36,7 +36,9 @@ struct PublishedVersion {
 };
 
 // Receives every publish of every readout. OnPublish runs on the publishing
-// thread (an RLS worker or an admin handler) and must not block.
+// thread (an RLS worker or an admin handler), with that readout's state_mu_
+// held (PublishHub's own lock released): it must not block and must not call
+// into a LiveReadout.
 class PublishListener {
  public:
   virtual ~PublishListener() = default;
@@ -44,7 +46,8 @@ class PublishListener {
                          const std::shared_ptr<const PublishedVersion>& v) = 0;
 };
 
-// Fans publishes out to listeners that are still alive. Thread-safe.
+// Fans publishes out to listeners that are still alive. Thread-safe: any
+// thread subscribes; Notify calls the listeners after releasing mu_.
 class PublishHub {
  public:
   void Subscribe(std::weak_ptr<PublishListener> l);
@@ -90,6 +93,8 @@ struct LiveReadoutInit {
   std::string name;
   readout::ReadoutState state;  // spec, standardizer, theta, P, version...
   bool frozen = false;
+  // Why it is frozen when an RLS failure froze it ("" otherwise).
+  std::string frozen_reason;
   // Cause recorded for the first published version ("create", "recovered").
   std::string cause = "create";
   // Durable state; null keeps everything in memory.
@@ -106,9 +111,15 @@ struct Learnable {
   absl::string_view request_id;
   readout::FeatureView x;  // contiguous
   double target = 0;
+  // Recorded in the store's dedup index with the log record.
+  std::vector<std::string> dedup_keys;
 };
 
-// Thread-safe unless stated.
+// Thread-safe unless stated: gRPC handlers, the shm loop and admin calls may
+// call any public method from any thread. It owns two threads: the RLS worker
+// (WorkerLoop: applies queued completions, publishes) and the checkpointer
+// (CheckpointLoop: writes captured state); Stop and the destructor join them
+// and must not be called from them.
 class LiveReadout {
  public:
   // Starts the RLS thread when the state has a P matrix (and the checkpoint
@@ -128,8 +139,14 @@ class LiveReadout {
   // True when the readout has P (can learn).
   bool adaptive() const { return adaptive_; }
   bool frozen() const { return frozen_.load(); }
-  // FailedPrecondition when unfreezing a readout without P or after an RLS
-  // failure that left P unusable.
+  // Why learning is frozen when an RLS failure froze it; "" when it is not
+  // frozen or an operator froze it.
+  std::string frozen_reason() const;
+  // FailedPrecondition when unfreezing a readout without P. Resuming after
+  // an RLS failure retries the completions that were kept queued (a failure
+  // that recurs freezes it again, with its reason). Serialized with the RLS
+  // thread's own freezes: the flag in memory and in the store always end in
+  // the state of whichever happened last.
   absl::Status SetFrozen(bool frozen);
 
   // Records one completion durably in the feedback log (when there is a
@@ -138,12 +155,25 @@ class LiveReadout {
   absl::Status Learn(const Learnable& item);
   // Queues a record recovered from the log (already durable).
   void Replay(const storage::LogRecord& record);
+  // Recovery, before the readout serves: replays `log` (the records after
+  // the checkpoint it was built from, in seq order) in exactly the batches
+  // recorded with the versions in `history`, publishing nothing, and resumes
+  // at the newest version so reached with that version's stored theta, so
+  // the version number names the same state as before the crash. Records
+  // never applied before the crash are queued for the RLS thread; versions
+  // published for them are numbered after `max_version`, so no number is
+  // reused. Anything it could not replay faithfully goes to `problems`.
+  void RecoverLog(std::vector<storage::LogRecord> log,
+                  const std::vector<storage::VersionEntry>& history,
+                  int64_t max_version, std::vector<std::string>* problems);
 
   // Labels the current state (theta, P, version, quality) for rollback.
   absl::StatusOr<storage::SnapshotInfo> Snapshot(const std::string& label);
   absl::StatusOr<std::vector<storage::SnapshotInfo>> ListSnapshots();
   // Restores a snapshot's theta and P exactly, drops completions not yet
-  // applied, checkpoints, and publishes it as a new version.
+  // applied (unless learning is frozen: then they stay queued and are
+  // applied on top of the snapshot once resumed), checkpoints, and publishes
+  // it as a new version.
   absl::StatusOr<int64_t> Rollback(const std::string& label);
   const storage::ReadoutMeta& meta() const { return meta_; }
   // Adds a (predicted, true) pair to the windows of `version` and overall.
@@ -196,13 +226,18 @@ class LiveReadout {
   std::atomic<std::shared_ptr<const PublishedVersion>> current_;
   std::atomic<bool> frozen_;
 
+  // Lock order: log_mu_, then any one of mu_, ckpt_mu_, state_mu_; then
+  // quality_mu_ (taken under state_mu_ when publishing).
   // Queue, worker control.
-  mutable absl::Mutex mu_;
+  mutable absl::Mutex mu_ ABSL_ACQUIRED_AFTER(log_mu_);
   std::deque<Pending> queue_ ABSL_GUARDED_BY(mu_);
   bool in_flight_ ABSL_GUARDED_BY(mu_) = false;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   bool drain_ ABSL_GUARDED_BY(mu_) = false;
-  bool broken_ ABSL_GUARDED_BY(mu_) = false;
+  std::string frozen_reason_ ABSL_GUARDED_BY(mu_);
+  // Orders freeze/resume by the operator with freezes by RLS failures
+  // (taken before mu_; never held while waiting for the RLS thread).
+  absl::Mutex freeze_mu_ ABSL_ACQUIRED_BEFORE(mu_);
 
   std::atomic<int64_t> learned_;
   std::atomic<int64_t> version_;
@@ -215,7 +250,7 @@ class LiveReadout {
 
   // RLS state: the worker updates it; Export/Snapshot/Rollback read or
   // replace it. Publishing happens under it, so versions are ordered.
-  absl::Mutex state_mu_;
+  absl::Mutex state_mu_ ABSL_ACQUIRED_AFTER(log_mu_);
   std::optional<readout::RlsState> rls_ ABSL_GUARDED_BY(state_mu_);
   Eigen::VectorXd theta_ ABSL_GUARDED_BY(state_mu_);
   uint64_t applied_seq_ ABSL_GUARDED_BY(state_mu_) = 0;
@@ -227,7 +262,7 @@ class LiveReadout {
       ABSL_GUARDED_BY(state_mu_);
 
   // Checkpoint hand-off (one slot: a newer capture replaces a waiting one).
-  absl::Mutex ckpt_mu_;
+  absl::Mutex ckpt_mu_ ABSL_ACQUIRED_AFTER(log_mu_);
   std::optional<storage::ReadoutCheckpoint> ckpt_pending_
       ABSL_GUARDED_BY(ckpt_mu_);
   bool ckpt_stop_ ABSL_GUARDED_BY(ckpt_mu_) = false;
@@ -235,7 +270,7 @@ class LiveReadout {
   std::thread checkpointer_;
 
   // Versions and quality.
-  mutable absl::Mutex quality_mu_;
+  mutable absl::Mutex quality_mu_ ABSL_ACQUIRED_AFTER(state_mu_);
   std::deque<VersionRecord> versions_ ABSL_GUARDED_BY(quality_mu_);
   std::map<int64_t, RollingSpearman> per_version_ ABSL_GUARDED_BY(quality_mu_);
   RollingSpearman overall_ ABSL_GUARDED_BY(quality_mu_);

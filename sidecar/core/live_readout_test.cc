@@ -216,6 +216,19 @@ TEST_F(LiveReadoutTest, QualityIsKeptPerVersion) {
   EXPECT_EQ(n, 15);
 }
 
+TEST_F(LiveReadoutTest, KeepsTheNewestVersionRecords) {
+  LiveReadoutOptions o = Options(1);
+  o.versions_kept = 3;
+  auto r = Make(o);
+  for (int i = 0; i < 5; ++i) Learn(*r);
+  ASSERT_TRUE(watch_->AwaitVersion(6));
+  const auto versions = r->Versions();
+  ASSERT_EQ(versions.size(), 3u);
+  EXPECT_EQ(versions[0].version, 4);
+  EXPECT_EQ(versions[2].version, 6);
+  EXPECT_EQ(versions[2].completions_learned, 5);
+}
+
 TEST_F(LiveReadoutTest, NonAdaptiveReadoutServesAndNeverLearns) {
   state_ = testing::RandomState(kDim, 22, /*with_p=*/false);
   auto r = Make(Options(1));

@@ -49,6 +49,11 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
                          .Name("leap_request_errors_total")
                          .Help("Per-request errors returned, by status code")
                          .Register(r);
+  duplicates_ = &BuildCounter()
+                     .Name("leap_duplicate_completions_total")
+                     .Help("Completions acknowledged as duplicates of a "
+                           "recorded one (not learned again), by reason")
+                     .Register(r);
   rls_batch_ = &BuildHistogram()
                     .Name("leap_rls_batch_seconds")
                     .Help("Time of one RLS batch update")
@@ -143,10 +148,8 @@ prometheus::Counter& Metrics::ShmDetached(const std::string& reason) {
 }
 
 ReadoutMetrics Metrics::ForReadout(const std::string& name) {
-  {
-    std::lock_guard<std::mutex> lock(users_mu_);
-    ++users_[name];
-  }
+  absl::MutexLock lock(&users_mu_);
+  ++users_[name];
   ReadoutMetrics m;
   m.predictions_serving =
       &predictions_->Add({{"readout", name}, {"arm_kind", "serving"}});
@@ -179,11 +182,9 @@ ReadoutMetrics Metrics::ForReadout(const std::string& name) {
 }
 
 void Metrics::RemoveReadout(const std::string& name, const ReadoutMetrics& m) {
-  {
-    std::lock_guard<std::mutex> lock(users_mu_);
-    if (--users_[name] > 0) return;
-    users_.erase(name);
-  }
+  absl::MutexLock lock(&users_mu_);
+  if (--users_[name] > 0) return;
+  users_.erase(name);
   predictions_->Remove(m.predictions_serving);
   predictions_->Remove(m.predictions_shadow);
   completions_->Remove(m.learned);
@@ -213,6 +214,10 @@ prometheus::Gauge& Metrics::ArmSpearman(const std::string& product_line,
 
 prometheus::Counter& Metrics::RequestErrors(const std::string& code) {
   return request_errors_->Add({{"code", code}});
+}
+
+prometheus::Counter& Metrics::DuplicateCompletions(const std::string& reason) {
+  return duplicates_->Add({{"reason", reason}});
 }
 
 }  // namespace leap::sidecar

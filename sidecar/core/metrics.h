@@ -7,9 +7,10 @@
 
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
 #include "prometheus/counter.h"
 #include "prometheus/family.h"
 #include "prometheus/gauge.h"
@@ -38,6 +39,8 @@ struct ReadoutMetrics {
   prometheus::Counter* checkpoint_errors;
 };
 
+// Thread-safe: any thread (gRPC handlers, shm loop, RLS workers) may call
+// any method; the prometheus objects returned are themselves thread-safe.
 class Metrics {
  public:
   Metrics();
@@ -53,6 +56,11 @@ class Metrics {
   prometheus::Gauge& ArmSpearman(const std::string& product_line,
                                  const std::string& arm);
   prometheus::Counter& RequestErrors(const std::string& code);
+  // Completions acknowledged as duplicates (not learned again), by reason:
+  // "resent" (the same engine instance, request id, features and outcome
+  // as a recorded completion), "resent_not_live" (a completion for a request
+  // that is not live, recorded for this engine instance and id).
+  prometheus::Counter& DuplicateCompletions(const std::string& reason);
   // Bytes on disk of one storage column family.
   prometheus::Gauge& StorageBytes(const std::string& family);
 
@@ -75,13 +83,16 @@ class Metrics {
 
  private:
   std::shared_ptr<prometheus::Registry> registry_;
-  std::mutex users_mu_;
-  std::map<std::string, int> users_;  // readout name -> live users
+  // Held across the count and the series' Add/Remove, so a readout created
+  // while the last user of its name goes away never keeps removed series.
+  absl::Mutex users_mu_;
+  std::map<std::string, int> users_ ABSL_GUARDED_BY(users_mu_);  // name -> users
   prometheus::Family<prometheus::Counter>* predictions_;
   prometheus::Family<prometheus::Counter>* completions_;
   prometheus::Family<prometheus::Counter>* rls_errors_;
   prometheus::Family<prometheus::Counter>* publishes_;
   prometheus::Family<prometheus::Counter>* request_errors_;
+  prometheus::Family<prometheus::Counter>* duplicates_;
   prometheus::Family<prometheus::Histogram>* rls_batch_;
   prometheus::Family<prometheus::Gauge>* rls_backlog_;
   prometheus::Family<prometheus::Gauge>* version_;

@@ -5,6 +5,8 @@
 #define LEAP_SIDECAR_GRPC_GRPC_SERVICE_H_
 
 #include <atomic>
+#include <map>
+#include <memory>
 #include <string>
 
 #include "leap/v1/admin.grpc.pb.h"
@@ -22,8 +24,10 @@ class PredictorService final : public leap::v1::Predictor::Service {
   PredictorService(Core* core, std::string sidecar_id)
       : core_(core), sidecar_id_(std::move(sidecar_id)) {}
 
-  // Ends open streams and watches promptly (call before Server::Shutdown).
-  void BeginShutdown() { shutting_down_.store(true); }
+  // Ends open streams and watches promptly (call before Server::Shutdown):
+  // each Connect stream gets a message-level UNAVAILABLE "leapd is shutting
+  // down" error and is then cancelled, idle or not.
+  void BeginShutdown();
 
   grpc::Status Connect(
       grpc::ServerContext* ctx,
@@ -44,6 +48,10 @@ class PredictorService final : public leap::v1::Predictor::Service {
   const std::string sidecar_id_;
   std::atomic<uint64_t> next_session_{1};
   std::atomic<bool> shutting_down_{false};
+  absl::Mutex sessions_mu_;
+  // Open Connect streams (the session is a ConnectSession).
+  std::map<grpc::ServerContext*, std::shared_ptr<PublishListener>> sessions_
+      ABSL_GUARDED_BY(sessions_mu_);
 };
 
 // Every handler first runs the AdminAuth check (a refused call gets

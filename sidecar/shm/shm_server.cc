@@ -578,6 +578,11 @@ absl::Status ShmServer::Impl::Attach(Attachment& a, const std::string& packet) {
         "shm format version mismatch: leapd speaks ", shm::kFormatVersion,
         ", the engine ", req.format_version));
   }
+  if (!core->serving()) {
+    return absl::UnavailableError(
+        "leapd is recovering (replaying its feedback log); attach again "
+        "shortly");
+  }
   if (req.hello_bytes != packet.size() - sizeof(req)) {
     return absl::InvalidArgumentError("attach request: hello length mismatch");
   }
@@ -960,6 +965,7 @@ void ShmServer::Impl::HandleFeatures(Attachment& a, const char* payload,
       a.held[rec.slot] = 1;
       ScoreRequest sr;
       sr.request_id = rec.request_id;
+      sr.instance = a.hello.instance_id();
       sr.product_line = rec.product_line;
       sr.features = absl::string_view(a.Slot(rec.slot), feature_bytes);
       sr.dtype = a.dtype;
@@ -1067,7 +1073,7 @@ void ShmServer::Impl::HandleCancels(Attachment& a, const char* payload,
         " ids claimed); nothing cancelled"));
     core->metrics().RequestErrors("INVALID_ARGUMENT").Increment();
   } else {
-    CancelRequests(core, ids, out.mutable_ack(), &a);
+    CancelRequests(core, ids, out.mutable_ack(), &a, a.hello.instance_id());
     FitAnswer(&out, a.out.max_payload());
   }
   EmitProto(a, out);
