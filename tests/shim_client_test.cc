@@ -16,7 +16,7 @@
 #include "absl/synchronization/mutex.h"
 #include "engine_shim/client.h"
 #include "gtest/gtest.h"
-#include "sidecar/readout/artifact.h"
+#include "readout/artifact.h"
 #include "tests/support/engine_client.h"
 #include "tests/support/process.h"
 
