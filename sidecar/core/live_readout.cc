@@ -11,6 +11,15 @@
 namespace leap::sidecar {
 namespace {
 
+// True when an augmented row and its target can enter an RLS update.
+bool FiniteRow(const float* u, int64_t n, double y) {
+  if (!std::isfinite(y)) return false;
+  for (int64_t j = 0; j < n; ++j) {
+    if (!std::isfinite(u[j])) return false;
+  }
+  return true;
+}
+
 // Quality windows of this many recent versions are kept.
 constexpr size_t kVersionWindows = 64;
 
@@ -231,7 +240,7 @@ void LiveReadout::RecoverLog(std::vector<storage::LogRecord> log,
       size_t end = pos;
       while (end < log.size() && log[end].seq <= h.last_seq) ++end;
       const int64_t k = static_cast<int64_t>(end - pos);
-      if (k == 0 || learned + k != h.completions_learned) {
+      if (k == 0) {
         problem(absl::StrCat("the log does not hold version ", h.version,
                              "'s batch; the rest is learned as new versions"));
         break;
@@ -239,6 +248,7 @@ void LiveReadout::RecoverLog(std::vector<storage::LogRecord> log,
       u.assign(static_cast<size_t>(k * n), 0.0f);
       y.resize(k);
       bool bad = false;
+      int64_t rows = 0;  // the rows the RLS thread applied (finite ones)
       for (int64_t i = 0; i < k; ++i) {
         const storage::LogRecord& rec = log[pos + i];
         const int64_t dim = static_cast<int64_t>(
@@ -248,12 +258,19 @@ void LiveReadout::RecoverLog(std::vector<storage::LogRecord> log,
           break;
         }
         standardizer_.Augment({rec.features.data(), rec.dtype, dim, 1},
-                              u.data() + i * n);
-        y[i] = rec.target;
+                              u.data() + rows * n);
+        y[rows] = rec.target;
+        if (FiniteRow(u.data() + rows * n, n, rec.target)) ++rows;
       }
+      y.resize(rows);
       if (bad) {
         problem(absl::StrCat("a record of version ", h.version,
                              "'s batch has the wrong width"));
+        break;
+      }
+      if (learned + rows != h.completions_learned) {
+        problem(absl::StrCat("the log does not hold version ", h.version,
+                             "'s batch; the rest is learned as new versions"));
         break;
       }
       absl::Status s = rls_->Update(u.data(), n, y);
@@ -265,7 +282,7 @@ void LiveReadout::RecoverLog(std::vector<storage::LogRecord> log,
         break;
       }
       applied_seq_ = h.last_seq;
-      learned += k;
+      learned += rows;
       pos = end;
       reached = &h;
     }
@@ -606,6 +623,31 @@ void LiveReadout::WorkerLoop() {
       }
       in_flight_ = true;
       metrics_.rls_backlog->Set(static_cast<double>(queue_.size()));
+    }
+    // A completion whose standardized row or target is not finite can
+    // never be applied: it is dropped (logged, counted in rls_errors), so it
+    // neither freezes learning nor blocks the ones behind it. Recovery
+    // drops the same rows (RecoverLog).
+    {
+      size_t keep = 0;
+      for (size_t i = 0; i < batch.size(); ++i) {
+        if (FiniteRow(batch[i].u.data(), n, batch[i].y)) {
+          if (keep != i) batch[keep] = std::move(batch[i]);
+          ++keep;
+          continue;
+        }
+        std::fprintf(stderr,
+                     "leapd: readout '%s': completion (log seq %llu) dropped: "
+                     "its standardized features or target are not finite\n",
+                     name_.c_str(), static_cast<unsigned long long>(batch[i].seq));
+        metrics_.rls_errors->Increment();
+      }
+      batch.resize(keep);
+      if (batch.empty()) {
+        absl::MutexLock lock(&mu_);
+        in_flight_ = false;
+        continue;
+      }
     }
     const int64_t k = static_cast<int64_t>(batch.size());
     u.resize(k * n);
