@@ -302,6 +302,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   out_dir = argv[1];
+  fs::create_directories(out_dir);
   NpySeeds();
   ArtifactSeeds();
   ShmSeeds();
