@@ -50,6 +50,11 @@ struct ClientOptions {
   std::string endpoint = "127.0.0.1:7070";
   // Identity for leapd's logs and metrics (e.g. the pod name).
   std::string engine_id;
+  // This engine's instance id (Hello.instance_id): leapd scopes request ids
+  // to it, so engines that number requests alike never collide. Kept for
+  // the Client's life (reconnects find their requests again). Default: a
+  // random 128-bit hex id made by Start.
+  std::string instance_id;
   std::string model_id;
   int32_t layer = -1;
   // Feature width and dtype of every submission. Required.
@@ -83,6 +88,11 @@ struct Event {
   std::string readout;
   int64_t version = 0;
   // kError: google.rpc code and message. kConnected: the sidecar id.
+  // A submission that leapd refuses because the id is already live for this
+  // engine instance (another request of this instance, or of an engine with
+  // the same instance id) is a kError with code 6 (ALREADY_EXISTS), and the
+  // request is dropped from the client; a resubmission after a reconnect
+  // that leapd already holds is not an error (it is kept, no event).
   int32_t code = 0;
   std::string message;
 };
@@ -136,6 +146,7 @@ class Client {
   struct Live {
     CapturedFeatures features;
     std::string held_by;  // sidecar id that holds its features
+    int sends = 0;        // times its features were sent
     bool completing = false;
     int64_t output_tokens = 0;
     FinishReason reason = FinishReason::kStop;

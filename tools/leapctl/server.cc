@@ -59,6 +59,7 @@ nlohmann::json InfoJson(const pb::ReadoutInfo& i) {
   j["version"] = i.version();
   j["completions_learned"] = i.completions_learned();
   j["frozen"] = i.frozen();
+  j["frozen_reason"] = i.frozen_reason();
   j["rls_backlog"] = i.rls_backlog();
   j["created_unix_ms"] = i.created_unix_ms();
   return j;
@@ -380,6 +381,9 @@ std::string FormatReadoutInfo(const pb::ReadoutInfo& i) {
   absl::StrAppendFormat(&s, "completions_learned: %d\n",
                         i.completions_learned());
   absl::StrAppendFormat(&s, "frozen: %s\n", i.frozen() ? "yes" : "no");
+  if (!i.frozen_reason().empty()) {
+    absl::StrAppendFormat(&s, "frozen_reason: %s\n", i.frozen_reason());
+  }
   absl::StrAppendFormat(&s, "rls_backlog: %d\n", i.rls_backlog());
   absl::StrAppendFormat(&s, "dim: %d\n", i.dim());
   absl::StrAppendFormat(&s, "max_tokens: %d\n", i.max_tokens());
@@ -473,9 +477,14 @@ std::string FormatStats(const pb::StatsResponse& st) {
   std::string s;
   for (const pb::ReadoutStats& r : st.readouts()) {
     const pb::ReadoutInfo& i = r.info();
-    absl::StrAppendFormat(&s, "readout %s: version %d%s, rls backlog %d\n",
-                          i.name(), i.version(), i.frozen() ? " (frozen)" : "",
-                          i.rls_backlog());
+    absl::StrAppendFormat(
+        &s, "readout %s: version %d%s, rls backlog %d\n", i.name(),
+        i.version(),
+        !i.frozen()                    ? ""
+        : i.frozen_reason().empty()    ? " (frozen)"
+                                       : absl::StrCat(" (frozen: ",
+                                                      i.frozen_reason(), ")"),
+        i.rls_backlog());
     absl::StrAppendFormat(
         &s,
         "  predictions %d, learned %d, skipped %d (cancelled %d, censored %d, "
@@ -531,6 +540,7 @@ std::string FormatStatsJson(const pb::StatsResponse& st) {
     o["name"] = r.info().name();
     o["version"] = r.info().version();
     o["frozen"] = r.info().frozen();
+    o["frozen_reason"] = r.info().frozen_reason();
     o["rls_backlog"] = r.info().rls_backlog();
     o["predictions"] = r.predictions();
     o["completions_learned"] = r.completions_learned();

@@ -1,6 +1,6 @@
-#include "sidecar/service/grpc_service.h"
+#include "sidecar/grpc/grpc_service.h"
 
-#include "sidecar/service/engine_session.h"
+#include "sidecar/core/engine_messages.h"
 
 #include <chrono>
 #include <deque>
@@ -31,6 +31,7 @@ void FillInfo(LiveReadout& r, pb::ReadoutInfo* info) {
   info->set_version(r.current()->version);
   info->set_completions_learned(r.completions_learned());
   info->set_frozen(r.frozen());
+  info->set_frozen_reason(r.frozen_reason());
   info->set_rls_backlog(r.backlog());
   info->set_created_unix_ms(r.created_unix_ms());
 }
@@ -89,18 +90,25 @@ class ConnectSession final : public PublishListener, public LiveTracker {
       std::deque<pb::SidecarMessage> batch;
       std::unordered_map<std::string, std::shared_ptr<const PublishedVersion>>
           rescore;
+      grpc::ServerContext* cancel = nullptr;
       {
         absl::MutexLock lock(&mu_);
         auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-          return closed_ || !outbox_.empty() || !rescore_.empty();
+          return closed_ || !outbox_.empty() || !rescore_.empty() ||
+                 cancel_ != nullptr;
         };
         mu_.Await(absl::Condition(&ready));
         if (closed_ && outbox_.empty()) return;
         batch.swap(outbox_);
         rescore.swap(rescore_);
+        cancel = cancel_;
       }
       for (auto& m : batch) {
         if (!broken_ && !stream_->Write(m)) broken_ = true;
+      }
+      if (cancel != nullptr) {
+        cancel->TryCancel();
+        return;
       }
       for (auto& [name, v] : rescore) Rescore(name, *v);
     }
@@ -109,6 +117,18 @@ class ConnectSession final : public PublishListener, public LiveTracker {
   void Close() {
     absl::MutexLock lock(&mu_);
     closed_ = true;
+  }
+
+  // leapd is stopping: tell the engine (a message-level UNAVAILABLE error),
+  // then cancel the call once that is written, so a handler blocked reading
+  // an idle stream returns at once instead of at the drain deadline.
+  void ShutDown(grpc::ServerContext* ctx) {
+    pb::SidecarMessage m;
+    m.mutable_error()->set_code(static_cast<int>(absl::StatusCode::kUnavailable));
+    m.mutable_error()->set_message("leapd is shutting down");
+    absl::MutexLock lock(&mu_);
+    outbox_.push_back(std::move(m));
+    cancel_ = ctx;
   }
 
  private:
@@ -151,6 +171,7 @@ class ConnectSession final : public PublishListener, public LiveTracker {
   std::unordered_map<std::string, std::shared_ptr<const PublishedVersion>>
       rescore_ ABSL_GUARDED_BY(mu_);
   bool closed_ ABSL_GUARDED_BY(mu_) = false;
+  grpc::ServerContext* cancel_ ABSL_GUARDED_BY(mu_) = nullptr;
   bool broken_ = false;  // writer thread only
   absl::Mutex live_mu_;  // never held with mu_
   absl::flat_hash_map<std::string, std::shared_ptr<LiveRequest>> live_
@@ -219,6 +240,11 @@ grpc::Status PredictorService::Connect(
     return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
                         "the first message of a Connect stream must be hello");
   }
+  if (!core_->serving()) {
+    return grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                        "leapd is recovering (replaying its feedback log); "
+                        "retry shortly");
+  }
   const pb::Hello hello = in.hello();
   absl::StatusOr<readout::DType> dtype = CheckHello(hello);
   if (!dtype.ok()) return ToGrpc(dtype.status());
@@ -234,6 +260,11 @@ grpc::Status PredictorService::Connect(
     session->Send(std::move(ack));
   }
   std::thread writer([&session] { session->WriterLoop(); });
+  {
+    absl::MutexLock lock(&sessions_mu_);
+    sessions_[ctx] = session;
+    if (shutting_down_.load()) session->ShutDown(ctx);
+  }
 
   while (!shutting_down_.load() && stream->Read(&in)) {
     pb::SidecarMessage out;
@@ -241,10 +272,22 @@ grpc::Status PredictorService::Connect(
                         session.get());
     session->Send(std::move(out));
   }
+  {
+    absl::MutexLock lock(&sessions_mu_);
+    sessions_.erase(ctx);
+  }
   session->Close();
   writer.join();
   core_->metrics().connected_engines().Decrement();
   return grpc::Status::OK;
+}
+
+void PredictorService::BeginShutdown() {
+  absl::MutexLock lock(&sessions_mu_);
+  shutting_down_.store(true);
+  for (auto& [ctx, session] : sessions_) {
+    static_cast<ConnectSession*>(session.get())->ShutDown(ctx);
+  }
 }
 
 grpc::Status PredictorService::Predict(grpc::ServerContext*,
@@ -261,6 +304,7 @@ grpc::Status PredictorService::Predict(grpc::ServerContext*,
   if (!dtype.ok()) return ToGrpc(dtype.status());
   ScoreRequest r;
   r.request_id = req->record().request_id();
+  r.instance = req->instance_id();
   r.product_line = req->record().product_line();
   r.features = req->record().features();
   r.dtype = *dtype;
@@ -283,11 +327,12 @@ grpc::Status PredictorService::Complete(grpc::ServerContext*,
   if (!reason.ok()) return ToGrpc(reason.status());
   absl::StatusOr<CompletionOutcome> o = core_->Complete(
       req->completion().request_id(), req->completion().output_tokens(),
-      *reason);
+      *reason, req->instance_id());
   if (!o.ok()) return ToGrpc(o.status());
   resp->set_learned(o->learned);
   resp->set_skip_reason(o->skip_reason);
   resp->set_duplicate(o->duplicate);
+  resp->set_duplicate_reason(o->duplicate_reason);
   return grpc::Status::OK;
 }
 

@@ -1,4 +1,4 @@
-#include "sidecar/service/shm_server.h"
+#include "sidecar/shm/shm_server.h"
 
 #include <dirent.h>
 #include <errno.h>
@@ -23,7 +23,7 @@
 #include "common/clock.h"
 #include "common/shm_format.h"
 #include "common/status_macros.h"
-#include "sidecar/service/engine_session.h"
+#include "sidecar/core/engine_messages.h"
 
 namespace leap::sidecar {
 
@@ -578,6 +578,11 @@ absl::Status ShmServer::Impl::Attach(Attachment& a, const std::string& packet) {
         "shm format version mismatch: leapd speaks ", shm::kFormatVersion,
         ", the engine ", req.format_version));
   }
+  if (!core->serving()) {
+    return absl::UnavailableError(
+        "leapd is recovering (replaying its feedback log); attach again "
+        "shortly");
+  }
   if (req.hello_bytes != packet.size() - sizeof(req)) {
     return absl::InvalidArgumentError("attach request: hello length mismatch");
   }
@@ -960,6 +965,7 @@ void ShmServer::Impl::HandleFeatures(Attachment& a, const char* payload,
       a.held[rec.slot] = 1;
       ScoreRequest sr;
       sr.request_id = rec.request_id;
+      sr.instance = a.hello.instance_id();
       sr.product_line = rec.product_line;
       sr.features = absl::string_view(a.Slot(rec.slot), feature_bytes);
       sr.dtype = a.dtype;
@@ -1067,7 +1073,7 @@ void ShmServer::Impl::HandleCancels(Attachment& a, const char* payload,
         " ids claimed); nothing cancelled"));
     core->metrics().RequestErrors("INVALID_ARGUMENT").Increment();
   } else {
-    CancelRequests(core, ids, out.mutable_ack(), &a);
+    CancelRequests(core, ids, out.mutable_ack(), &a, a.hello.instance_id());
     FitAnswer(&out, a.out.max_payload());
   }
   EmitProto(a, out);

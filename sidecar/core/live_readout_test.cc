@@ -5,7 +5,7 @@
 // online quality per version, and durability through a real RocksDB store
 // (checkpoints bit for bit; a completion whose log write fails is neither
 // acknowledged nor learned).
-#include "sidecar/service/live_readout.h"
+#include "sidecar/core/live_readout.h"
 
 #include <unistd.h>
 
@@ -214,6 +214,19 @@ TEST_F(LiveReadoutTest, QualityIsKeptPerVersion) {
   EXPECT_EQ(versions[1].spearman_n, 5);
   EXPECT_EQ(r->spearman(&n) < 1.0, true);
   EXPECT_EQ(n, 15);
+}
+
+TEST_F(LiveReadoutTest, KeepsTheNewestVersionRecords) {
+  LiveReadoutOptions o = Options(1);
+  o.versions_kept = 3;
+  auto r = Make(o);
+  for (int i = 0; i < 5; ++i) Learn(*r);
+  ASSERT_TRUE(watch_->AwaitVersion(6));
+  const auto versions = r->Versions();
+  ASSERT_EQ(versions.size(), 3u);
+  EXPECT_EQ(versions[0].version, 4);
+  EXPECT_EQ(versions[2].version, 6);
+  EXPECT_EQ(versions[2].completions_learned, 5);
 }
 
 TEST_F(LiveReadoutTest, NonAdaptiveReadoutServesAndNeverLearns) {

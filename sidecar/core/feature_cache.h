@@ -3,8 +3,8 @@
 // publish can rescore live requests. Bounded by bytes; the oldest request is
 // evicted first (a request that has waited longest is the likeliest to have
 // been dropped without a cancel), and entries older than a TTL expire.
-#ifndef LEAP_SIDECAR_SERVICE_FEATURE_CACHE_H_
-#define LEAP_SIDECAR_SERVICE_FEATURE_CACHE_H_
+#ifndef LEAP_SIDECAR_CORE_FEATURE_CACHE_H_
+#define LEAP_SIDECAR_CORE_FEATURE_CACHE_H_
 
 #include <atomic>
 #include <cstdint>
@@ -51,6 +51,9 @@ class ExternalFeatures {
 // A live request. Immutable after insertion except `gone`.
 struct LiveRequest {
   std::string request_id;
+  // Identity in the cache: the owning engine instance and the request id
+  // (LiveRequestKey); two engines' requests with one id are two entries.
+  std::string key;
   std::string product_line;
   // Product line of the route that served it ("" for the default route).
   std::string route_key;
@@ -90,10 +93,16 @@ struct LiveRequest {
   }
   int64_t bytes() const {
     return static_cast<int64_t>(features.size() + request_id.size() +
-                                product_line.size()) +
+                                key.size() + product_line.size()) +
            256;
   }
 };
+
+// The cache key of request `request_id` of engine instance `instance` ("" for
+// engines that do not say theirs: they share one namespace, and the key is
+// the id itself). A request inserted with an empty key is keyed by its id.
+std::string LiveRequestKey(absl::string_view instance,
+                           absl::string_view request_id);
 
 struct FeatureCacheOptions {
   // Bytes of cached requests (features + bookkeeping) before eviction.
@@ -115,7 +124,8 @@ class FeatureCache {
                         std::function<void(bool)> on_evict = nullptr)
       : options_(options), on_evict_(std::move(on_evict)) {}
 
-  // Adds `r` (ALREADY_EXISTS when its id is live; RESOURCE_EXHAUSTED when it
+  // Ids below are LiveRequest keys (LiveRequestKey).
+  // Adds `r` (ALREADY_EXISTS when its key is live; RESOURCE_EXHAUSTED when it
   // alone exceeds the capacity). Expires and evicts to make room.
   absl::Status Insert(std::shared_ptr<LiveRequest> r, int64_t now_ns);
   // Insert for each of `rs` in order under one lock; status[i] says how
@@ -170,4 +180,4 @@ class FeatureCache {
 
 }  // namespace leap::sidecar
 
-#endif  // LEAP_SIDECAR_SERVICE_FEATURE_CACHE_H_
+#endif  // LEAP_SIDECAR_CORE_FEATURE_CACHE_H_

@@ -1,8 +1,8 @@
 // A readout being served: its published version (read lock-free by the
 // predicting threads), its RLS state and the RLS worker thread that learns
 // from completions and publishes new versions.
-#ifndef LEAP_SIDECAR_SERVICE_LIVE_READOUT_H_
-#define LEAP_SIDECAR_SERVICE_LIVE_READOUT_H_
+#ifndef LEAP_SIDECAR_CORE_LIVE_READOUT_H_
+#define LEAP_SIDECAR_CORE_LIVE_READOUT_H_
 
 #include <atomic>
 #include <cstdint>
@@ -20,8 +20,8 @@
 #include "readout/artifact.h"
 #include "readout/readout.h"
 #include "readout/rls.h"
-#include "sidecar/service/metrics.h"
-#include "sidecar/service/quality.h"
+#include "sidecar/core/metrics.h"
+#include "sidecar/core/quality.h"
 #include "storage/state_store.h"
 
 namespace leap::sidecar {
@@ -36,7 +36,9 @@ struct PublishedVersion {
 };
 
 // Receives every publish of every readout. OnPublish runs on the publishing
-// thread (an RLS worker or an admin handler) and must not block.
+// thread (an RLS worker or an admin handler), with that readout's state_mu_
+// held (PublishHub's own lock released): it must not block and must not call
+// into a LiveReadout.
 class PublishListener {
  public:
   virtual ~PublishListener() = default;
@@ -44,7 +46,8 @@ class PublishListener {
                          const std::shared_ptr<const PublishedVersion>& v) = 0;
 };
 
-// Fans publishes out to listeners that are still alive. Thread-safe.
+// Fans publishes out to listeners that are still alive. Thread-safe: any
+// thread subscribes; Notify calls the listeners after releasing mu_.
 class PublishHub {
  public:
   void Subscribe(std::weak_ptr<PublishListener> l);
@@ -90,6 +93,8 @@ struct LiveReadoutInit {
   std::string name;
   readout::ReadoutState state;  // spec, standardizer, theta, P, version...
   bool frozen = false;
+  // Why it is frozen when an RLS failure froze it ("" otherwise).
+  std::string frozen_reason;
   // Cause recorded for the first published version ("create", "recovered").
   std::string cause = "create";
   // Durable state; null keeps everything in memory.
@@ -106,6 +111,8 @@ struct Learnable {
   absl::string_view request_id;
   readout::FeatureView x;  // contiguous
   double target = 0;
+  // Recorded in the store's dedup index with the log record.
+  std::vector<std::string> dedup_keys;
 };
 
 // Thread-safe unless stated: gRPC handlers, the shm loop and admin calls may
@@ -132,8 +139,14 @@ class LiveReadout {
   // True when the readout has P (can learn).
   bool adaptive() const { return adaptive_; }
   bool frozen() const { return frozen_.load(); }
-  // FailedPrecondition when unfreezing a readout without P or after an RLS
-  // failure that left P unusable.
+  // Why learning is frozen when an RLS failure froze it; "" when it is not
+  // frozen or an operator froze it.
+  std::string frozen_reason() const;
+  // FailedPrecondition when unfreezing a readout without P. Resuming after
+  // an RLS failure retries the completions that were kept queued (a failure
+  // that recurs freezes it again, with its reason). Serialized with the RLS
+  // thread's own freezes: the flag in memory and in the store always end in
+  // the state of whichever happened last.
   absl::Status SetFrozen(bool frozen);
 
   // Records one completion durably in the feedback log (when there is a
@@ -142,12 +155,25 @@ class LiveReadout {
   absl::Status Learn(const Learnable& item);
   // Queues a record recovered from the log (already durable).
   void Replay(const storage::LogRecord& record);
+  // Recovery, before the readout serves: replays `log` (the records after
+  // the checkpoint it was built from, in seq order) in exactly the batches
+  // recorded with the versions in `history`, publishing nothing, and resumes
+  // at the newest version so reached with that version's stored theta, so
+  // the version number names the same state as before the crash. Records
+  // never applied before the crash are queued for the RLS thread; versions
+  // published for them are numbered after `max_version`, so no number is
+  // reused. Anything it could not replay faithfully goes to `problems`.
+  void RecoverLog(std::vector<storage::LogRecord> log,
+                  const std::vector<storage::VersionEntry>& history,
+                  int64_t max_version, std::vector<std::string>* problems);
 
   // Labels the current state (theta, P, version, quality) for rollback.
   absl::StatusOr<storage::SnapshotInfo> Snapshot(const std::string& label);
   absl::StatusOr<std::vector<storage::SnapshotInfo>> ListSnapshots();
   // Restores a snapshot's theta and P exactly, drops completions not yet
-  // applied, checkpoints, and publishes it as a new version.
+  // applied (unless learning is frozen: then they stay queued and are
+  // applied on top of the snapshot once resumed), checkpoints, and publishes
+  // it as a new version.
   absl::StatusOr<int64_t> Rollback(const std::string& label);
   const storage::ReadoutMeta& meta() const { return meta_; }
   // Adds a (predicted, true) pair to the windows of `version` and overall.
@@ -208,7 +234,10 @@ class LiveReadout {
   bool in_flight_ ABSL_GUARDED_BY(mu_) = false;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   bool drain_ ABSL_GUARDED_BY(mu_) = false;
-  bool broken_ ABSL_GUARDED_BY(mu_) = false;
+  std::string frozen_reason_ ABSL_GUARDED_BY(mu_);
+  // Orders freeze/resume by the operator with freezes by RLS failures
+  // (taken before mu_; never held while waiting for the RLS thread).
+  absl::Mutex freeze_mu_ ABSL_ACQUIRED_BEFORE(mu_);
 
   std::atomic<int64_t> learned_;
   std::atomic<int64_t> version_;
@@ -251,4 +280,4 @@ class LiveReadout {
 
 }  // namespace leap::sidecar
 
-#endif  // LEAP_SIDECAR_SERVICE_LIVE_READOUT_H_
+#endif  // LEAP_SIDECAR_CORE_LIVE_READOUT_H_

@@ -3,8 +3,8 @@
 // their EngineMessages here, so predictions, acks and errors are the same
 // on both (the shm server's slot path calls the same Core::Predict and
 // ToPrediction for the records whose features sit in slots).
-#ifndef LEAP_SIDECAR_SERVICE_ENGINE_SESSION_H_
-#define LEAP_SIDECAR_SERVICE_ENGINE_SESSION_H_
+#ifndef LEAP_SIDECAR_CORE_ENGINE_MESSAGES_H_
+#define LEAP_SIDECAR_CORE_ENGINE_MESSAGES_H_
 
 #include <memory>
 #include <string>
@@ -12,7 +12,7 @@
 
 #include "absl/status/statusor.h"
 #include "leap/v1/predictor.pb.h"
-#include "sidecar/service/core.h"
+#include "sidecar/core/core.h"
 
 namespace leap::sidecar {
 
@@ -35,7 +35,8 @@ void AddRequestError(const std::string& id, const absl::Status& s,
                      google::protobuf::RepeatedPtrField<leap::v1::RequestError>* out,
                      Metrics& metrics);
 
-// Checks a Hello: the dtype and dim ranges. INVALID_ARGUMENT otherwise.
+// Checks a Hello: the dtype and dim ranges and the instance id.
+// INVALID_ARGUMENT otherwise.
 absl::StatusOr<readout::DType> CheckHello(const leap::v1::Hello& hello);
 
 // Answers one EngineMessage after the hello (features carried inline,
@@ -48,7 +49,8 @@ void HandleEngineMessage(Core* core, uint64_t session,
 
 // Cancels each id (answering into `ack` as a CancelBatch would be).
 void CancelRequests(Core* core, absl::Span<const absl::string_view> ids,
-                    leap::v1::Ack* ack, LiveTracker* tracker);
+                    leap::v1::Ack* ack, LiveTracker* tracker,
+                    absl::string_view instance = "");
 
 // The rescored predictions of `live` requests served by readout `name`
 // under version `v` (requests that are gone or served by another readout
@@ -59,4 +61,4 @@ void RescorePredictions(const std::string& name, const PublishedVersion& v,
 
 }  // namespace leap::sidecar
 
-#endif  // LEAP_SIDECAR_SERVICE_ENGINE_SESSION_H_
+#endif  // LEAP_SIDECAR_CORE_ENGINE_MESSAGES_H_

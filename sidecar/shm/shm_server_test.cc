@@ -5,7 +5,7 @@
 // reaches the engine as a notice and a rescore of its live requests at the
 // new theta; an engine hanging up has its live requests reclaimed (and the
 // others keep being served); Stop detaches every engine.
-#include "sidecar/service/shm_server.h"
+#include "sidecar/shm/shm_server.h"
 
 #include <unistd.h>
 
@@ -245,9 +245,11 @@ TEST_F(ShmServerTest, PredictsLearnsRescoresAndReclaimsOnHangUp) {
   const double reclaimed_before = metrics_.shm_reclaimed().Value();
   ch->Close();
   ch.reset();
-  EXPECT_TRUE(Eventually([&] { return core_->cache().size() == 2; }))
-      << core_->cache().size();
-  EXPECT_EQ(metrics_.shm_reclaimed().Value() - reclaimed_before, 4);
+  EXPECT_TRUE(Eventually([&] {
+    return core_->cache().size() == 2 &&
+           metrics_.shm_reclaimed().Value() - reclaimed_before == 4;
+  })) << core_->cache().size() << " live, "
+      << metrics_.shm_reclaimed().Value() - reclaimed_before << " reclaimed";
   for (const Sent& s : kept) EXPECT_NE(core_->cache().Find(s.id), nullptr);
   for (const Sent& s : sent) EXPECT_EQ(core_->cache().Find(s.id), nullptr);
   std::vector<Sent> more = Submit(*other, 2, 1, "c");

@@ -16,8 +16,8 @@
 // the others. A malformed frame, or an index or length out of range, is
 // never followed: a bad record gets a RequestError, a corrupt ring detaches
 // that engine with an error.
-#ifndef LEAP_SIDECAR_SERVICE_SHM_SERVER_H_
-#define LEAP_SIDECAR_SERVICE_SHM_SERVER_H_
+#ifndef LEAP_SIDECAR_SHM_SHM_SERVER_H_
+#define LEAP_SIDECAR_SHM_SHM_SERVER_H_
 
 #include <atomic>
 #include <cstdint>
@@ -27,7 +27,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "sidecar/service/core.h"
+#include "sidecar/core/core.h"
 
 namespace leap::sidecar {
 
@@ -72,4 +72,4 @@ class ShmServer {
 
 }  // namespace leap::sidecar
 
-#endif  // LEAP_SIDECAR_SERVICE_SHM_SERVER_H_
+#endif  // LEAP_SIDECAR_SHM_SHM_SERVER_H_

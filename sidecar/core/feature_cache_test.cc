@@ -2,7 +2,7 @@
 // and take; duplicate and oversized requests; eviction of the oldest
 // requests by bytes and by TTL (time is the caller's now_ns: no clock is
 // read); exact takes; slots of external features released exactly once.
-#include "sidecar/service/feature_cache.h"
+#include "sidecar/core/feature_cache.h"
 
 #include <atomic>
 #include <map>
@@ -139,6 +139,20 @@ TEST(FeatureCache, ExpiresByTtlOnTheCallersClock) {
   EXPECT_EQ(cache.evicted_capacity(), 0);
   EXPECT_EQ(evictions, std::vector<bool>(2, true));
   EXPECT_EQ(cache.bytes(), c->bytes() + Request("d")->bytes());
+}
+
+TEST(FeatureCache, AnExpiredIdIsNoLongerLive) {
+  FeatureCache cache(Options(kMiB, /*ttl_ns=*/1000));
+  auto old = Request("id");
+  ASSERT_TRUE(cache.Insert(old, 0).ok());
+  // Past its TTL the old entry is gone: the id may be used again.
+  auto again = Request("id");
+  absl::Status s = cache.Insert(again, 2000);
+  EXPECT_TRUE(s.ok()) << s;
+  EXPECT_TRUE(old->gone.load());
+  EXPECT_EQ(cache.Find("id"), again);
+  EXPECT_EQ(cache.evicted_ttl(), 1);
+  EXPECT_EQ(cache.size(), 1);
 }
 
 TEST(FeatureCache, TakeIfTakesOnlyTheExpectedObject) {

@@ -1,4 +1,4 @@
-#include "sidecar/service/live_readout.h"
+#include "sidecar/core/live_readout.h"
 
 #include <chrono>
 #include <cmath>
@@ -71,6 +71,7 @@ LiveReadout::LiveReadout(LiveReadoutInit init, LiveReadoutOptions options,
       meta_(init.meta),
       next_seq_(init.last_seq + 1),
       overall_(options.quality_window) {
+  if (frozen_.load()) frozen_reason_ = init.frozen_reason;
   {
     absl::MutexLock lock(&state_mu_);
     theta_ = init.state.theta;
@@ -85,16 +86,26 @@ LiveReadout::LiveReadout(LiveReadoutInit init, LiveReadoutOptions options,
         learned_.load(), UnixMs(), init.cause});
     current_.store(v);
     absl::MutexLock qlock(&quality_mu_);
+    // The recorded history as it was (a recovered readout starts at one of
+    // its versions and publishes nothing new for it).
+    bool listed = false;
     for (const storage::VersionEntry& h : init.history) {
-      if (h.version >= v->version) continue;
+      if (!listed && h.version > v->version) {
+        versions_.push_back({v->version, v->completions_learned,
+                             v->published_unix_ms, v->cause, NAN, 0});
+        listed = true;
+      }
+      if (h.version == v->version) listed = true;
       versions_.push_back({h.version, h.completions_learned, h.unix_ms, h.cause,
                            NAN, 0});
     }
-    while (static_cast<int64_t>(versions_.size()) >= options_.versions_kept) {
+    if (!listed) {
+      versions_.push_back({v->version, v->completions_learned,
+                           v->published_unix_ms, v->cause, NAN, 0});
+    }
+    while (static_cast<int64_t>(versions_.size()) > options_.versions_kept) {
       versions_.pop_front();
     }
-    versions_.push_back({v->version, v->completions_learned,
-                         v->published_unix_ms, v->cause, NAN, 0});
   }
   metrics_.version->Set(static_cast<double>(version_.load()));
   metrics_.frozen->Set(frozen_.load() ? 1 : 0);
@@ -110,28 +121,29 @@ LiveReadout::~LiveReadout() {
   metrics_owner_->RemoveReadout(name_, metrics_);
 }
 
+std::string LiveReadout::frozen_reason() const {
+  absl::MutexLock lock(&mu_);
+  return frozen_.load() ? frozen_reason_ : std::string();
+}
+
 absl::Status LiveReadout::SetFrozen(bool frozen) {
-  if (!frozen) {
-    if (!adaptive_) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "readout '", name_,
-          "' has no P matrix and cannot adapt; import an artifact with P"));
+  if (!frozen && !adaptive_) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "readout '", name_,
+        "' has no P matrix and cannot adapt; import an artifact with P"));
+  }
+  {
+    absl::MutexLock order(&freeze_mu_);
+    if (store_ != nullptr) {
+      absl::Status s = store_->SetFrozen(meta_, frozen);
+      if (!s.ok()) return s;
     }
     absl::MutexLock lock(&mu_);
-    if (broken_) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "readout '", name_,
-          "' stopped adapting after an RLS failure; roll back to a snapshot "
-          "first"));
-    }
-  }
-  if (store_ != nullptr) {
-    absl::Status s = store_->SetFrozen(meta_, frozen);
-    if (!s.ok()) return s;
+    frozen_.store(frozen);
+    frozen_reason_.clear();
+    metrics_.frozen->Set(frozen ? 1 : 0);
   }
   absl::MutexLock lock(&mu_);
-  frozen_.store(frozen);
-  metrics_.frozen->Set(frozen ? 1 : 0);
   if (frozen) {
     // Immediate: once this returns no batch is applied (and no version
     // published) until resumed; queued completions wait, they are not lost.
@@ -167,6 +179,7 @@ absl::Status LiveReadout::Learn(const Learnable& item) {
     rec.features.assign(static_cast<const char*>(item.x.data),
                         item.x.dim * readout::DTypeSize(item.x.dtype));
     rec.target = item.target;
+    rec.dedup_keys = item.dedup_keys;
     absl::Status s = store_->AppendLog(meta_, {&rec, 1});
     if (!s.ok()) {
       return absl::UnavailableError(absl::StrCat(
@@ -185,6 +198,109 @@ void LiveReadout::Replay(const storage::LogRecord& rec) {
   absl::MutexLock lock(&log_mu_);
   next_seq_ = std::max(next_seq_, rec.seq + 1);
   Enqueue({rec.features.data(), rec.dtype, dim, 1}, rec.target, rec.seq);
+}
+
+void LiveReadout::RecoverLog(std::vector<storage::LogRecord> log,
+                             const std::vector<storage::VersionEntry>& history,
+                             int64_t max_version,
+                             std::vector<std::string>* problems) {
+  const int64_t n = spec_.dim + 1;
+  size_t pos = 0;
+  auto problem = [&](std::string text) {
+    problems->push_back(absl::StrCat("readout '", name_, "': ", text));
+  };
+  if (rls_.has_value()) {
+    absl::MutexLock lock(&state_mu_);
+    const int64_t start = current()->version;
+    const storage::VersionEntry* reached = nullptr;
+    int64_t learned = learned_.load();
+    std::vector<float> u;
+    std::vector<double> y;
+    for (const storage::VersionEntry& h : history) {
+      if (h.version <= start) continue;
+      if (h.cause != "rls" || !h.has_last_seq || h.last_seq <= applied_seq_) {
+        if (pos < log.size()) {
+          problem(absl::StrCat("version ", h.version, " (", h.cause,
+                               ") has no replayable batch; the log after "
+                               "version ",
+                               reached != nullptr ? reached->version : start,
+                               " is learned as new versions"));
+        }
+        break;
+      }
+      size_t end = pos;
+      while (end < log.size() && log[end].seq <= h.last_seq) ++end;
+      const int64_t k = static_cast<int64_t>(end - pos);
+      if (k == 0 || learned + k != h.completions_learned) {
+        problem(absl::StrCat("the log does not hold version ", h.version,
+                             "'s batch; the rest is learned as new versions"));
+        break;
+      }
+      u.assign(static_cast<size_t>(k * n), 0.0f);
+      y.resize(k);
+      bool bad = false;
+      for (int64_t i = 0; i < k; ++i) {
+        const storage::LogRecord& rec = log[pos + i];
+        const int64_t dim = static_cast<int64_t>(
+            rec.features.size() / readout::DTypeSize(rec.dtype));
+        if (dim != spec_.dim) {
+          bad = true;
+          break;
+        }
+        standardizer_.Augment({rec.features.data(), rec.dtype, dim, 1},
+                              u.data() + i * n);
+        y[i] = rec.target;
+      }
+      if (bad) {
+        problem(absl::StrCat("a record of version ", h.version,
+                             "'s batch has the wrong width"));
+        break;
+      }
+      absl::Status s = rls_->Update(u.data(), n, y);
+      if (!s.ok()) {
+        // Update leaves the state as it was unless it applied pieces; the
+        // version reached so far is still exact.
+        problem(absl::StrCat("replaying version ", h.version, ": ",
+                             s.message()));
+        break;
+      }
+      applied_seq_ = h.last_seq;
+      learned += k;
+      pos = end;
+      reached = &h;
+    }
+    if (reached != nullptr) {
+      // Serve exactly the state that had this number: the theta it was
+      // published with (replay reproduces P; theta is taken as stored).
+      absl::StatusOr<Eigen::VectorXd> stored =
+          store_ != nullptr ? store_->GetVersionTheta(meta_, reached->version)
+                            : absl::NotFoundError("no store");
+      Eigen::VectorXd theta = rls_->theta();
+      if (stored.ok() && stored->size() == n) {
+        theta = *std::move(stored);
+        readout::SymMatrix p = rls_->P();
+        rls_.emplace(theta, std::move(p));
+      } else {
+        problem(absl::StrCat("version ", reached->version,
+                             "'s theta not readable (",
+                             stored.status().message(),
+                             "); serving the replayed theta"));
+      }
+      theta_ = theta;
+      learned_.store(learned);
+      version_.store(reached->version);
+      auto v = std::make_shared<PublishedVersion>(PublishedVersion{
+          reached->version,
+          readout::FoldedReadout::Fold(standardizer_, theta_, spec_.max_tokens),
+          learned, reached->unix_ms, reached->cause});
+      current_.store(v, std::memory_order_release);
+      ++batches_since_ckpt_;
+    }
+  }
+  // New versions never reuse a number that was published before.
+  if (version_.load() < max_version) version_.store(max_version);
+  metrics_.version->Set(static_cast<double>(current()->version));
+  for (; pos < log.size(); ++pos) Replay(log[pos]);
 }
 
 void LiveReadout::RecordQuality(int64_t version, double predicted_tokens,
@@ -356,11 +472,17 @@ absl::StatusOr<int64_t> LiveReadout::Rollback(const std::string& label) {
   // No new completion may be logged while the state is swapped.
   absl::MutexLock log_lock(&log_mu_);
   int64_t dropped = 0;
+  uint64_t first_kept = 0;  // seq of the oldest completion kept queued
   {
     absl::MutexLock lock(&mu_);
-    dropped = static_cast<int64_t>(queue_.size());
-    queue_.clear();
-    broken_ = false;
+    if (frozen_.load()) {
+      // Frozen (e.g. after an RLS failure): the acknowledged completions
+      // stay queued and are applied on top of the snapshot once resumed.
+      if (!queue_.empty()) first_kept = queue_.front().seq;
+    } else {
+      dropped = static_cast<int64_t>(queue_.size());
+      queue_.clear();
+    }
     metrics_.rls_backlog->Set(0);
     // A batch the worker already took is applied (and published) before
     // the snapshot replaces the state, never on top of it.
@@ -385,7 +507,8 @@ absl::StatusOr<int64_t> LiveReadout::Rollback(const std::string& label) {
     rls_.emplace(snap.theta, std::move(*snap.p));
   }
   learned_.store(snap.completions_learned);
-  applied_seq_ = next_seq_ - 1;  // the dropped records are not in it
+  // The dropped records are not in it; kept ones are replayed after it.
+  applied_seq_ = first_kept > 0 ? first_kept - 1 : next_seq_ - 1;
   PublishLocked(theta_, snap.completions_learned, "rollback:" + label);
   if (store_ != nullptr) {
     // Durable at once: recovery must not replay pre-rollback feedback.
@@ -450,7 +573,7 @@ void LiveReadout::WorkerLoop() {
     {
       absl::MutexLock lock(&mu_);
       for (;;) {
-        const bool paused = broken_ || frozen_.load();
+        const bool paused = frozen_.load();
         if (stop_ && (!drain_ || queue_.empty() || paused)) return;
         if (!paused &&
             (static_cast<int>(queue_.size()) >= options_.rls_batch ||
@@ -460,7 +583,7 @@ void LiveReadout::WorkerLoop() {
         }
         if (queue_.empty() || paused) {
           auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-            return stop_ || (!broken_ && !frozen_.load() && !queue_.empty());
+            return stop_ || (!frozen_.load() && !queue_.empty());
           };
           mu_.Await(absl::Condition(&ready));
         } else {
@@ -494,17 +617,22 @@ void LiveReadout::WorkerLoop() {
     const auto t0 = std::chrono::steady_clock::now();
     absl::Status s;
     std::optional<storage::ReadoutCheckpoint> ckpt;
+    int64_t applied = k;
     {
       absl::MutexLock lock(&state_mu_);
+      const int64_t before = rls_->updates();
       s = rls_->Update(u.data(), n, y);
-      if (s.ok()) {
+      // A batch wider than RLS's fold buffer is applied in pieces: those
+      // applied before a failure stay applied (and are published).
+      if (!s.ok()) applied = rls_->updates() - before;
+      if (applied > 0) {
         theta_ = rls_->theta();
-        applied_seq_ = batch.back().seq;
-        const int64_t learned = learned_.fetch_add(k) + k;
+        applied_seq_ = batch[applied - 1].seq;
+        const int64_t learned = learned_.fetch_add(applied) + applied;
         metrics_.rls_batch_seconds->Observe(
             std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
                 .count());
-        metrics_.learned->Increment(static_cast<double>(k));
+        metrics_.learned->Increment(static_cast<double>(applied));
         PublishLocked(theta_, learned, "rls");
         ++batches_since_ckpt_;
         if (store_ != nullptr &&
@@ -519,16 +647,37 @@ void LiveReadout::WorkerLoop() {
       ckpt_pending_ = std::move(ckpt);  // replaces a capture not yet written
     }
     if (!s.ok()) {
-      // Never publish a state that failed: stop adapting, keep serving the
-      // last good version, and say so.
-      std::fprintf(stderr, "leapd: readout '%s': %s; adaptation frozen\n",
-                   name_.c_str(), std::string(s.message()).c_str());
+      // Never publish a state that failed: stop adapting (durably, with the
+      // reason), keep serving the last good version, and keep the
+      // completions not applied at the head of the queue (they are in the
+      // log, acknowledged): a resume retries them.
+      const std::string reason = absl::StrCat("rls: ", s.message());
+      std::fprintf(stderr,
+                   "leapd: readout '%s': %s; learning frozen, %lld completions "
+                   "kept for when it is resumed\n",
+                   name_.c_str(), std::string(s.message()).c_str(),
+                   static_cast<long long>(k - applied));
       metrics_.rls_errors->Increment();
-      metrics_.frozen->Set(1);
+      absl::MutexLock order(&freeze_mu_);
+      if (store_ != nullptr) {
+        absl::Status persisted = store_->SetFrozen(meta_, true, reason);
+        if (!persisted.ok()) {
+          std::fprintf(stderr,
+                       "leapd: readout '%s': freeze not stored (a restart "
+                       "retries the batch): %s\n",
+                       name_.c_str(), std::string(persisted.message()).c_str());
+        }
+      }
       absl::MutexLock lock(&mu_);
       frozen_.store(true);
-      broken_ = true;
-      queue_.clear();
+      frozen_reason_ = reason;
+      metrics_.frozen->Set(1);
+      for (int64_t i = k - 1; i >= applied; --i) {
+        queue_.push_front(std::move(batch[i]));
+      }
+      metrics_.rls_backlog->Set(static_cast<double>(queue_.size()));
+      in_flight_ = false;
+      continue;
     }
     absl::MutexLock lock(&mu_);
     in_flight_ = false;
@@ -541,6 +690,21 @@ void LiveReadout::PublishLocked(const Eigen::VectorXd& theta, int64_t learned,
       version_.fetch_add(1) + 1,
       readout::FoldedReadout::Fold(standardizer_, theta, spec_.max_tokens),
       learned, UnixMs(), cause});
+  if (store_ != nullptr) {
+    // Recorded before anyone can see it, with the log position its state
+    // includes: recovery replays the same batches and resumes at a version
+    // under the number it had (see RecoverLog).
+    storage::VersionEntry entry{v->version, learned, v->published_unix_ms,
+                                cause};
+    entry.has_last_seq = true;
+    entry.last_seq = applied_seq_;
+    absl::Status s = store_->PutVersion(meta_, entry, theta);
+    if (!s.ok()) {
+      std::fprintf(stderr, "leapd: readout '%s': version %lld not stored: %s\n",
+                   name_.c_str(), static_cast<long long>(v->version),
+                   std::string(s.message()).c_str());
+    }
+  }
   current_.store(v, std::memory_order_release);
   {
     absl::MutexLock lock(&quality_mu_);
@@ -548,15 +712,6 @@ void LiveReadout::PublishLocked(const Eigen::VectorXd& theta, int64_t learned,
                          v->published_unix_ms, v->cause, NAN, 0});
     while (static_cast<int64_t>(versions_.size()) > options_.versions_kept) {
       versions_.pop_front();
-    }
-  }
-  if (store_ != nullptr) {
-    absl::Status s = store_->PutVersion(
-        meta_, {v->version, learned, v->published_unix_ms, cause}, theta);
-    if (!s.ok()) {
-      std::fprintf(stderr, "leapd: readout '%s': version %lld not stored: %s\n",
-                   name_.c_str(), static_cast<long long>(v->version),
-                   std::string(s.message()).c_str());
     }
   }
   metrics_.version->Set(static_cast<double>(v->version));

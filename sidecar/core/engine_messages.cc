@@ -1,4 +1,4 @@
-#include "sidecar/service/engine_session.h"
+#include "sidecar/core/engine_messages.h"
 
 #include "absl/strings/str_cat.h"
 
@@ -61,6 +61,9 @@ void AddRequestError(const std::string& id, const absl::Status& s,
 }
 
 absl::StatusOr<readout::DType> CheckHello(const pb::Hello& hello) {
+  if (absl::Status s = ValidateInstanceId(hello.instance_id()); !s.ok()) {
+    return s;
+  }
   absl::StatusOr<readout::DType> dtype = DTypeFromProto(hello.dtype());
   if (!dtype.ok()) return dtype.status();
   if (hello.dim() < readout::kMinDim || hello.dim() > readout::kMaxDim) {
@@ -110,6 +113,7 @@ void HandleEngineMessage(Core* core, uint64_t session, const pb::Hello& hello,
         }
         ScoreRequest req;
         req.request_id = r.request_id();
+        req.instance = hello.instance_id();
         req.product_line = r.product_line();
         req.features = r.features();
         req.owned_features = r.mutable_features();
@@ -150,7 +154,8 @@ void HandleEngineMessage(Core* core, uint64_t session, const pb::Hello& hello,
             ReasonFromProto(c.reason());
         absl::StatusOr<CompletionOutcome> o =
             reason.ok()
-                ? core->Complete(c.request_id(), c.output_tokens(), *reason)
+                ? core->Complete(c.request_id(), c.output_tokens(), *reason,
+                                 hello.instance_id())
                 : absl::StatusOr<CompletionOutcome>(reason.status());
         if (!o.ok()) {
           AddRequestError(c.request_id(), o.status(), ack->mutable_errors(),
@@ -170,7 +175,8 @@ void HandleEngineMessage(Core* core, uint64_t session, const pb::Hello& hello,
     case pb::EngineMessage::kCancels: {
       const auto& ids = in->cancels().request_ids();
       std::vector<absl::string_view> views(ids.begin(), ids.end());
-      CancelRequests(core, views, out->mutable_ack(), tracker);
+      CancelRequests(core, views, out->mutable_ack(), tracker,
+                     hello.instance_id());
       break;
     }
     case pb::EngineMessage::kHello:
@@ -187,9 +193,10 @@ void HandleEngineMessage(Core* core, uint64_t session, const pb::Hello& hello,
 }
 
 void CancelRequests(Core* core, absl::Span<const absl::string_view> ids,
-                    pb::Ack* ack, LiveTracker* tracker) {
+                    pb::Ack* ack, LiveTracker* tracker,
+                    absl::string_view instance) {
   std::vector<absl::Status> status;
-  core->CancelBatch(ids, &status);
+  core->CancelBatch(ids, &status, instance);
   for (size_t i = 0; i < ids.size(); ++i) {
     if (!status[i].ok()) {
       AddRequestError(std::string(ids[i]), status[i], ack->mutable_errors(),

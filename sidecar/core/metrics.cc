@@ -1,4 +1,4 @@
-#include "sidecar/service/metrics.h"
+#include "sidecar/core/metrics.h"
 
 namespace leap::sidecar {
 namespace {
@@ -49,6 +49,11 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
                          .Name("leap_request_errors_total")
                          .Help("Per-request errors returned, by status code")
                          .Register(r);
+  duplicates_ = &BuildCounter()
+                     .Name("leap_duplicate_completions_total")
+                     .Help("Completions acknowledged as duplicates of a "
+                           "recorded one (not learned again), by reason")
+                     .Register(r);
   rls_batch_ = &BuildHistogram()
                     .Name("leap_rls_batch_seconds")
                     .Help("Time of one RLS batch update")
@@ -209,6 +214,10 @@ prometheus::Gauge& Metrics::ArmSpearman(const std::string& product_line,
 
 prometheus::Counter& Metrics::RequestErrors(const std::string& code) {
   return request_errors_->Add({{"code", code}});
+}
+
+prometheus::Counter& Metrics::DuplicateCompletions(const std::string& reason) {
+  return duplicates_->Add({{"reason", reason}});
 }
 
 }  // namespace leap::sidecar

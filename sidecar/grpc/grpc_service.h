@@ -1,16 +1,18 @@
 // gRPC front of the sidecar: leap.v1.Predictor and leap.v1.Admin over Core.
 // Handlers convert between protos and Core types and map absl::Status codes
 // one to one onto grpc::Status codes.
-#ifndef LEAP_SIDECAR_SERVICE_GRPC_SERVICE_H_
-#define LEAP_SIDECAR_SERVICE_GRPC_SERVICE_H_
+#ifndef LEAP_SIDECAR_GRPC_GRPC_SERVICE_H_
+#define LEAP_SIDECAR_GRPC_GRPC_SERVICE_H_
 
 #include <atomic>
+#include <map>
+#include <memory>
 #include <string>
 
 #include "leap/v1/admin.grpc.pb.h"
 #include "leap/v1/predictor.grpc.pb.h"
-#include "sidecar/service/admin_auth.h"
-#include "sidecar/service/core.h"
+#include "sidecar/grpc/admin_auth.h"
+#include "sidecar/core/core.h"
 
 namespace leap::sidecar {
 
@@ -22,8 +24,10 @@ class PredictorService final : public leap::v1::Predictor::Service {
   PredictorService(Core* core, std::string sidecar_id)
       : core_(core), sidecar_id_(std::move(sidecar_id)) {}
 
-  // Ends open streams and watches promptly (call before Server::Shutdown).
-  void BeginShutdown() { shutting_down_.store(true); }
+  // Ends open streams and watches promptly (call before Server::Shutdown):
+  // each Connect stream gets a message-level UNAVAILABLE "leapd is shutting
+  // down" error and is then cancelled, idle or not.
+  void BeginShutdown();
 
   grpc::Status Connect(
       grpc::ServerContext* ctx,
@@ -44,6 +48,10 @@ class PredictorService final : public leap::v1::Predictor::Service {
   const std::string sidecar_id_;
   std::atomic<uint64_t> next_session_{1};
   std::atomic<bool> shutting_down_{false};
+  absl::Mutex sessions_mu_;
+  // Open Connect streams (the session is a ConnectSession).
+  std::map<grpc::ServerContext*, std::shared_ptr<PublishListener>> sessions_
+      ABSL_GUARDED_BY(sessions_mu_);
 };
 
 // Every handler first runs the AdminAuth check (a refused call gets
@@ -103,4 +111,4 @@ class AdminService final : public leap::v1::Admin::Service {
 
 }  // namespace leap::sidecar
 
-#endif  // LEAP_SIDECAR_SERVICE_GRPC_SERVICE_H_
+#endif  // LEAP_SIDECAR_GRPC_GRPC_SERVICE_H_

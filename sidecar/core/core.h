@@ -1,8 +1,8 @@
 // The sidecar's state and logic, independent of the transport: readouts,
 // routing, the live-request cache, learning and online quality. The gRPC
 // services (and later the shared-memory server) are thin layers over it.
-#ifndef LEAP_SIDECAR_SERVICE_CORE_H_
-#define LEAP_SIDECAR_SERVICE_CORE_H_
+#ifndef LEAP_SIDECAR_CORE_CORE_H_
+#define LEAP_SIDECAR_CORE_CORE_H_
 
 #include <atomic>
 #include <cstdint>
@@ -18,11 +18,11 @@
 #include "absl/synchronization/mutex.h"
 #include "readout/artifact.h"
 #include "readout/target.h"
-#include "sidecar/service/feature_cache.h"
-#include "sidecar/service/live_readout.h"
-#include "sidecar/service/metrics.h"
-#include "sidecar/service/quality.h"
-#include "sidecar/service/routing.h"
+#include "sidecar/core/feature_cache.h"
+#include "sidecar/core/live_readout.h"
+#include "sidecar/core/metrics.h"
+#include "sidecar/core/quality.h"
+#include "sidecar/core/routing.h"
 #include "storage/state_store.h"
 
 namespace leap::sidecar {
@@ -41,6 +41,10 @@ struct CoreOptions {
 // One request to score.
 struct ScoreRequest {
   absl::string_view request_id;
+  // The engine instance that owns it (Hello.instance_id); "" = the shared
+  // namespace of engines that do not set one. Live requests and dedup are
+  // scoped by (instance, request_id).
+  absl::string_view instance;
   absl::string_view product_line;
   absl::string_view features;  // little-endian values of dtype
   // When set, holds the same bytes as `features` and Predict takes them by
@@ -73,6 +77,9 @@ struct CompletionOutcome {
   // The request was already recorded (a completion resent after a
   // reconnect): acknowledged again, not learned twice.
   bool duplicate = false;
+  // Why it counts as a duplicate: "resent" or "resent_not_live" (see
+  // Metrics::DuplicateCompletions).
+  std::string duplicate_reason;
 };
 
 // Online quality of one (product line, arm).
@@ -96,9 +103,17 @@ class Core {
        storage::StateStore* store = nullptr);
 
   // Resumes from durable state: readouts from their newest valid
-  // checkpoint, with the feedback log after it queued for the RLS threads
-  // (predictions are served from the checkpoint meanwhile), and routes.
+  // checkpoint and the feedback log after it, replayed in the batches
+  // recorded with their versions (publishing nothing: each readout resumes
+  // at the version its state had), then the completions acknowledged but
+  // not yet applied before the crash (published as new versions); returns
+  // once all of it is applied (or a readout is frozen), then installs the
+  // routes. Problems are printed as "recovery: ..." lines.
   absl::Status Recover(storage::RecoveredState state);
+  // While false the data plane refuses work with UNAVAILABLE ("recovering"):
+  // leapd starts serving only after Recover. Default: true
+  void SetServing(bool serving) { serving_.store(serving); }
+  bool serving() const { return serving_.load(); }
   ~Core();
 
   PublishHub& hub() { return hub_; }
@@ -137,17 +152,26 @@ class Core {
   // How a live request ended: learned or skipped by rule. NOT_FOUND
   // (counted) for an unknown id; INVALID_ARGUMENT for bad counts, with the
   // request left live.
+  // `instance` is the owning engine instance (see ScoreRequest::instance).
+  // With a store, a completion is a duplicate (acknowledged, not learned,
+  // counted and logged with its reason) only when it repeats a recorded
+  // one within the dedup window: same instance, id, features and outcome
+  // ("resent"), or same instance and id while the request is not live
+  // ("resent_not_live"). A reused id with new features is learned.
   absl::StatusOr<CompletionOutcome> Complete(absl::string_view request_id,
                                              int64_t output_tokens,
-                                             readout::FinishReason reason);
+                                             readout::FinishReason reason,
+                                             absl::string_view instance = "");
   // Drops a live request without learning. NOT_FOUND (counted) if unknown.
-  absl::Status Cancel(absl::string_view request_id);
+  absl::Status Cancel(absl::string_view request_id,
+                      absl::string_view instance = "");
   // Drops exactly this live request (not another one that took its id
   // since); false when it is no longer live.
   bool CancelExact(const LiveRequest& r);
   // Cancel for each id, under one cache lock; status[i] for ids[i].
   void CancelBatch(absl::Span<const absl::string_view> ids,
-                   std::vector<absl::Status>* status);
+                   std::vector<absl::Status>* status,
+                   absl::string_view instance = "");
 
   // --- stats
   std::vector<ArmStat> ArmStats() const;
@@ -199,7 +223,11 @@ class Core {
       arms_ ABSL_GUARDED_BY(arms_mu_);
 
   std::atomic<int64_t> unknown_{0};
+  std::atomic<bool> serving_{true};
 };
+
+// Engine instance ids (Hello.instance_id): at most 128 bytes, no NUL.
+absl::Status ValidateInstanceId(absl::string_view instance);
 
 // A route as JSON (how the store keeps it) and back.
 std::string RouteToJson(const Route& r);
@@ -210,4 +238,4 @@ absl::Status ValidateReadoutName(absl::string_view name);
 
 }  // namespace leap::sidecar
 
-#endif  // LEAP_SIDECAR_SERVICE_CORE_H_
+#endif  // LEAP_SIDECAR_CORE_CORE_H_

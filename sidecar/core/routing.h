@@ -1,6 +1,6 @@
 // Routing: which readout (or A/B arms) serves a product line.
-#ifndef LEAP_SIDECAR_SERVICE_ROUTING_H_
-#define LEAP_SIDECAR_SERVICE_ROUTING_H_
+#ifndef LEAP_SIDECAR_CORE_ROUTING_H_
+#define LEAP_SIDECAR_CORE_ROUTING_H_
 
 #include <cstdint>
 #include <map>
@@ -65,4 +65,4 @@ class RoutingTable {
 
 }  // namespace leap::sidecar
 
-#endif  // LEAP_SIDECAR_SERVICE_ROUTING_H_
+#endif  // LEAP_SIDECAR_CORE_ROUTING_H_

@@ -4,7 +4,7 @@
 // and listeners, rescoring of live requests, the feedback rules and bad
 // input, routes and shadows, snapshots and rollback, and recovery from a
 // real RocksDB store.
-#include "sidecar/service/core.h"
+#include "sidecar/core/core.h"
 
 #include <unistd.h>
 
@@ -20,7 +20,7 @@
 #include "absl/synchronization/mutex.h"
 #include "common/half.h"
 #include "gtest/gtest.h"
-#include "sidecar/service/engine_session.h"
+#include "sidecar/core/engine_messages.h"
 #include "storage/rocksdb_store.h"
 #include "tests/support/readout_fixtures.h"
 

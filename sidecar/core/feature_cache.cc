@@ -1,4 +1,4 @@
-#include "sidecar/service/feature_cache.h"
+#include "sidecar/core/feature_cache.h"
 
 #include "absl/strings/str_cat.h"
 
@@ -11,6 +11,20 @@ absl::Status FeatureCacheOptions::Validate() const {
   }
   if (ttl_ns <= 0) return absl::InvalidArgumentError("cache TTL must be > 0");
   return absl::OkStatus();
+}
+
+std::string LiveRequestKey(absl::string_view instance,
+                           absl::string_view request_id) {
+  // Neither instance ids nor request ids hold a NUL (checked where they
+  // enter): an engine without an instance id keys by its id alone, others
+  // by instance NUL id, so keys of different (instance, id) pairs differ.
+  if (instance.empty()) return std::string(request_id);
+  std::string key;
+  key.reserve(instance.size() + 1 + request_id.size());
+  key.append(instance.data(), instance.size());
+  key.push_back('\0');
+  key.append(request_id.data(), request_id.size());
+  return key;
 }
 
 std::shared_ptr<LiveRequest> FeatureCache::EraseLocked(Index::iterator it) {
@@ -28,7 +42,7 @@ std::shared_ptr<LiveRequest> FeatureCache::EraseLocked(Index::iterator it) {
 
 void FeatureCache::ExpireLocked(int64_t now_ns) {
   while (oldest_ != nullptr && oldest_->inserted_ns < now_ns - options_.ttl_ns) {
-    EraseLocked(index_.find(absl::string_view(oldest_->request_id)));
+    EraseLocked(index_.find(absl::string_view(oldest_->key)));
     evicted_ttl_.fetch_add(1);
     if (on_evict_) on_evict_(true);
   }
@@ -47,19 +61,23 @@ absl::Status FeatureCache::InsertLocked(std::shared_ptr<LiveRequest> r,
         absl::StrCat("request needs ", need, " bytes of feature cache, "
                      "capacity is ", options_.max_bytes));
   }
-  if (index_.count(r->request_id) != 0) {
-    return absl::AlreadyExistsError(
-        absl::StrCat("request id '", r->request_id, "' is already live"));
-  }
+  if (r->key.empty()) r->key = r->request_id;
+  // Expired first: an id whose entry outlived the TTL is no longer live.
   ExpireLocked(now_ns);
+  if (index_.count(r->key) != 0) {
+    return absl::AlreadyExistsError(
+        absl::StrCat("request id '", r->request_id,
+                     "' is already live for this engine instance (ids must be "
+                     "unique among an engine's live requests)"));
+  }
   while (bytes_ + need > options_.max_bytes && oldest_ != nullptr) {
-    EraseLocked(index_.find(absl::string_view(oldest_->request_id)));
+    EraseLocked(index_.find(absl::string_view(oldest_->key)));
     evicted_capacity_.fetch_add(1);
     if (on_evict_) on_evict_(false);
   }
   r->inserted_ns = now_ns;
   LiveRequest* raw = r.get();
-  index_.emplace(absl::string_view(raw->request_id), std::move(r));
+  index_.emplace(absl::string_view(raw->key), std::move(r));
   raw->cache_older = newest_;
   raw->cache_newer = nullptr;
   (newest_ != nullptr ? newest_->cache_newer : oldest_) = raw;

@@ -1,4 +1,4 @@
-#include "sidecar/service/admin_auth.h"
+#include "sidecar/grpc/admin_auth.h"
 
 #include <unistd.h>
 

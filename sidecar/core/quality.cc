@@ -1,4 +1,4 @@
-#include "sidecar/service/quality.h"
+#include "sidecar/core/quality.h"
 
 #include "readout/stats.h"
 

@@ -2,8 +2,8 @@
 // per process;
 // families are created once, per-label series are resolved once by their
 // owners (Family::Add locks and hashes) and then updated lock-free.
-#ifndef LEAP_SIDECAR_SERVICE_METRICS_H_
-#define LEAP_SIDECAR_SERVICE_METRICS_H_
+#ifndef LEAP_SIDECAR_CORE_METRICS_H_
+#define LEAP_SIDECAR_CORE_METRICS_H_
 
 #include <map>
 #include <memory>
@@ -56,6 +56,11 @@ class Metrics {
   prometheus::Gauge& ArmSpearman(const std::string& product_line,
                                  const std::string& arm);
   prometheus::Counter& RequestErrors(const std::string& code);
+  // Completions acknowledged as duplicates (not learned again), by reason:
+  // "resent" (the same engine instance, request id, features and outcome
+  // as a recorded completion), "resent_not_live" (a completion for a request
+  // that is not live, recorded for this engine instance and id).
+  prometheus::Counter& DuplicateCompletions(const std::string& reason);
   // Bytes on disk of one storage column family.
   prometheus::Gauge& StorageBytes(const std::string& family);
 
@@ -87,6 +92,7 @@ class Metrics {
   prometheus::Family<prometheus::Counter>* rls_errors_;
   prometheus::Family<prometheus::Counter>* publishes_;
   prometheus::Family<prometheus::Counter>* request_errors_;
+  prometheus::Family<prometheus::Counter>* duplicates_;
   prometheus::Family<prometheus::Histogram>* rls_batch_;
   prometheus::Family<prometheus::Gauge>* rls_backlog_;
   prometheus::Family<prometheus::Gauge>* version_;
@@ -111,4 +117,4 @@ class Metrics {
 
 }  // namespace leap::sidecar
 
-#endif  // LEAP_SIDECAR_SERVICE_METRICS_H_
+#endif  // LEAP_SIDECAR_CORE_METRICS_H_

@@ -1,4 +1,4 @@
-#include "sidecar/service/core.h"
+#include "sidecar/core/core.h"
 
 #include <chrono>
 #include <algorithm>
@@ -12,6 +12,51 @@
 #include "nlohmann/json.hpp"
 
 namespace leap::sidecar {
+namespace {
+
+// FNV-1a, 64 bits: stable across processes (the dedup index outlives them).
+uint64_t Fnv1a(uint64_t h, const void* data, size_t n) {
+  const auto* p = static_cast<const unsigned char*>(data);
+  for (size_t i = 0; i < n; ++i) {
+    h ^= p[i];
+    h *= 0x100000001b3ull;
+  }
+  return h;
+}
+
+// Dedup keys. 0x01: one recorded completion (instance, id, features,
+// outcome); 0x02: the (instance, id) pair of a recorded completion.
+std::string CompletionKey(absl::string_view instance, absl::string_view id,
+                          absl::string_view features, int64_t tokens,
+                          readout::FinishReason reason) {
+  uint64_t h = Fnv1a(0xcbf29ce484222325ull, features.data(), features.size());
+  h = Fnv1a(h, &tokens, sizeof(tokens));
+  const uint8_t r = static_cast<uint8_t>(reason);
+  h = Fnv1a(h, &r, 1);
+  std::string key = absl::StrCat("\x01", LiveRequestKey(instance, id));
+  key.push_back('\0');
+  for (int i = 7; i >= 0; --i) key.push_back(static_cast<char>(h >> (8 * i)));
+  return key;
+}
+
+std::string IdKey(absl::string_view instance, absl::string_view id) {
+  return absl::StrCat("\x02", LiveRequestKey(instance, id));
+}
+
+absl::Status Recovering() {
+  return absl::UnavailableError(
+      "leapd is recovering (replaying its feedback log); retry shortly");
+}
+
+}  // namespace
+
+absl::Status ValidateInstanceId(absl::string_view instance) {
+  if (instance.size() > 128 || instance.find('\0') != absl::string_view::npos) {
+    return absl::InvalidArgumentError(
+        "instance_id must be at most 128 bytes without NUL");
+  }
+  return absl::OkStatus();
+}
 
 absl::Status ValidateReadoutName(absl::string_view name) {
   if (name.empty() || name.size() > 64) {
@@ -96,26 +141,39 @@ absl::Status Core::CreateReadout(const std::string& name,
 absl::Status Core::Recover(storage::RecoveredState state) {
   absl::MutexLock lock(&admin_mu_);
   auto next = std::make_shared<ReadoutMap>(*readouts_.load());
+  std::vector<std::string> problems;
   for (storage::RecoveredReadout& r : state.readouts) {
     LiveReadoutInit init;
     init.name = r.meta.name;
     init.store = store_;
     init.meta = r.meta;
     init.frozen = r.meta.frozen;
-    init.cause = "recovered";
+    init.frozen_reason = r.meta.frozen_reason;
+    init.cause = "checkpoint";
+    for (const storage::VersionEntry& h : r.versions) {
+      if (h.version == r.checkpoint.version) init.cause = h.cause;
+    }
     init.last_seq = r.checkpoint.last_seq;
-    init.history = std::move(r.versions);
+    init.history = r.versions;
     init.state.spec = r.meta.spec;
     init.state.standardizer = r.meta.standardizer;
     init.state.theta = std::move(r.checkpoint.theta);
     init.state.p = std::move(r.checkpoint.p);
     init.state.completions_learned = r.checkpoint.completions_learned;
-    // A version number never seen before: history stays append-only.
-    init.state.version = std::max(r.max_version, r.checkpoint.version) + 1;
+    // The checkpoint's own number: it names this state.
+    init.state.version = r.checkpoint.version;
     auto live = std::make_shared<LiveReadout>(std::move(init), options_.readout,
                                               metrics_, &hub_);
-    for (const storage::LogRecord& rec : r.log) live->Replay(rec);
+    live->RecoverLog(std::move(r.log), r.versions,
+                     std::max(r.max_version, r.checkpoint.version),
+                     &problems);
     (*next)[r.meta.name] = std::move(live);
+  }
+  // The completions acknowledged but never applied before the crash are
+  // applied (and published) before leapd serves.
+  for (const auto& [name, live] : *next) live->WaitIdle();
+  for (const std::string& p : problems) {
+    std::printf("recovery: %s\n", p.c_str());
   }
   readouts_.store(std::move(next));
   for (const auto& [pl, text] : state.routes) {
@@ -303,6 +361,10 @@ absl::Status Core::CheckRequest(const ScoreRequest& r) const {
   if (r.request_id.empty()) {
     return absl::InvalidArgumentError("request_id is empty");
   }
+  if (r.request_id.find('\0') != absl::string_view::npos) {
+    return absl::InvalidArgumentError("request_id must not contain NUL");
+  }
+  RETURN_IF_ERROR(ValidateInstanceId(r.instance));
   if (static_cast<int64_t>(r.request_id.size()) > options_.max_id_bytes ||
       static_cast<int64_t>(r.product_line.size()) > options_.max_id_bytes) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -335,6 +397,10 @@ void Core::PredictBatch(absl::Span<const ScoreRequest> reqs, uint64_t session,
   const size_t n = reqs.size();
   results->assign(n, absl::StatusOr<ScoreResult>());
   lives->assign(n, nullptr);
+  if (!serving()) {
+    results->assign(n, Recovering());
+    return;
+  }
   auto table = routes_.load();
   auto map = readouts_.load();
   struct Item {
@@ -406,6 +472,7 @@ void Core::PredictBatch(absl::Span<const ScoreRequest> reqs, uint64_t session,
     }
     auto r = std::make_shared<LiveRequest>();
     r->request_id = std::string(req.request_id);
+    r->key = LiveRequestKey(req.instance, req.request_id);
     r->product_line = std::string(req.product_line);
     r->route_key = (*route)->product_line;
     r->dtype = req.dtype;
@@ -528,27 +595,60 @@ void Core::PredictBatch(absl::Span<const ScoreRequest> reqs, uint64_t session,
 
 absl::StatusOr<CompletionOutcome> Core::Complete(absl::string_view request_id,
                                                  int64_t output_tokens,
-                                                 readout::FinishReason reason) {
+                                                 readout::FinishReason reason,
+                                                 absl::string_view instance) {
+  if (!serving()) return Recovering();
+  RETURN_IF_ERROR(ValidateInstanceId(instance));
   // Validate the counts before touching the live entry: a bad completion
   // must not lose the request.
   RETURN_IF_ERROR(
       readout::ClassifyFeedback(output_tokens, reason, 0,
                                 readout::kDefaultMaxTokens)
           .status());
-  std::shared_ptr<LiveRequest> peek = cache_.Find(request_id);
+  const std::string key = LiveRequestKey(instance, request_id);
+  std::shared_ptr<LiveRequest> peek = cache_.Find(key);
+  std::vector<std::string> dedup_keys;
   if (store_ != nullptr) {
-    // A completion resent after a reconnect: recorded before, so it is
+    // A completion resent after a reconnect was recorded before: it is
     // acknowledged again and not learned twice. Checked even when the
-    // request is live: an engine resubmits the features of requests whose
-    // completion it has not seen acknowledged.
-    absl::StatusOr<bool> seen = store_->WasRecorded(std::string(request_id));
-    if (seen.ok() && *seen) {
-      if (peek != nullptr) cache_.Take(request_id).IgnoreError();
+    // request is live (an engine resubmits the features of requests whose
+    // completion it has not seen acknowledged), then by the exact features
+    // and outcome, so an id reused for a new request is learned.
+    std::string dup_reason;
+    if (peek != nullptr) {
+      const readout::FeatureView v = peek->view();
+      dedup_keys.push_back(CompletionKey(
+          instance, request_id,
+          absl::string_view(static_cast<const char*>(v.data),
+                            static_cast<size_t>(v.dim) *
+                                readout::DTypeSize(v.dtype)),
+          output_tokens, reason));
+      absl::StatusOr<bool> seen = store_->WasRecorded(dedup_keys.back());
+      if (seen.ok() && *seen) dup_reason = "resent";
+    } else {
+      absl::StatusOr<bool> seen = store_->WasRecorded(IdKey(instance, request_id));
+      if (seen.ok() && *seen) dup_reason = "resent_not_live";
+    }
+    if (!dup_reason.empty()) {
+      if (peek != nullptr) cache_.TakeIf(key, peek.get());
+      metrics_->DuplicateCompletions(dup_reason).Increment();
+      std::fprintf(stderr,
+                   "leapd: completion of request '%s' (engine instance '%s') "
+                   "acknowledged as a duplicate, not learned again: %s\n",
+                   std::string(request_id).c_str(),
+                   std::string(instance).c_str(),
+                   dup_reason == "resent"
+                       ? "resent (same features and outcome as one recorded "
+                         "within the dedup window)"
+                       : "resent_not_live (not live; a completion with this "
+                         "id was recorded within the dedup window)");
       CompletionOutcome dup;
       dup.learned = true;
       dup.duplicate = true;
+      dup.duplicate_reason = dup_reason;
       return dup;
     }
+    dedup_keys.push_back(IdKey(instance, request_id));
   }
   if (peek == nullptr) {
     unknown_.fetch_add(1);
@@ -561,7 +661,13 @@ absl::StatusOr<CompletionOutcome> Core::Complete(absl::string_view request_id,
                                             peek->request_max_tokens,
                                             readout::kDefaultMaxTokens)
                       .status());
-  absl::StatusOr<std::shared_ptr<LiveRequest>> taken = cache_.Take(request_id);
+  std::shared_ptr<LiveRequest> taken_req = cache_.TakeIf(key, peek.get());
+  absl::StatusOr<std::shared_ptr<LiveRequest>> taken =
+      taken_req != nullptr
+          ? absl::StatusOr<std::shared_ptr<LiveRequest>>(std::move(taken_req))
+          : absl::NotFoundError(absl::StrCat(
+                "completion for unknown request id '", request_id,
+                "' (ended concurrently)"));
   if (!taken.ok()) {  // completed concurrently
     unknown_.fetch_add(1);
     metrics_->unknown_completions().Increment();
@@ -633,7 +739,8 @@ absl::StatusOr<CompletionOutcome> Core::Complete(absl::string_view request_id,
         learners.push_back(s.readout);
         absl::Status learned = ro.Learn(
             {r.request_id, x,
-             readout::TargetFromTokens(output_tokens, ro.spec().max_tokens)});
+             readout::TargetFromTokens(output_tokens, ro.spec().max_tokens),
+             dedup_keys});
         if (!learned.ok()) {
           if (i == 0) {
             // Not acknowledged: keep the request live so a retry can learn it.
@@ -663,9 +770,30 @@ bool Core::CancelExact(const LiveRequest& r) {
 }
 
 void Core::CancelBatch(absl::Span<const absl::string_view> ids,
-                       std::vector<absl::Status>* status) {
+                       std::vector<absl::Status>* status,
+                       absl::string_view instance) {
+  if (!serving() || !ValidateInstanceId(instance).ok()) {
+    status->assign(ids.size(), serving() ? ValidateInstanceId(instance)
+                                         : Recovering());
+    return;
+  }
   std::vector<std::shared_ptr<LiveRequest>> taken;
-  cache_.TakeBatch(ids, &taken, status);
+  if (instance.empty()) {
+    cache_.TakeBatch(ids, &taken, status);
+  } else {
+    std::vector<std::string> keys;
+    keys.reserve(ids.size());
+    for (absl::string_view id : ids) keys.push_back(LiveRequestKey(instance, id));
+    std::vector<absl::string_view> views(keys.begin(), keys.end());
+    cache_.TakeBatch(views, &taken, status);
+    for (size_t i = 0; i < ids.size(); ++i) {
+      if (!(*status)[i].ok()) {
+        (*status)[i] = absl::NotFoundError(
+            absl::StrCat("unknown request id '", ids[i],
+                         "' (never predicted, already ended, or evicted)"));
+      }
+    }
+  }
   int64_t unknown = 0;
   for (const absl::Status& s : *status) unknown += s.ok() ? 0 : 1;
   if (unknown > 0) {
@@ -677,9 +805,10 @@ void Core::CancelBatch(absl::Span<const absl::string_view> ids,
   // The requests (and the slots they hold) go here, outside the cache lock.
 }
 
-absl::Status Core::Cancel(absl::string_view request_id) {
+absl::Status Core::Cancel(absl::string_view request_id,
+                          absl::string_view instance) {
   std::vector<absl::Status> status;
-  CancelBatch({&request_id, 1}, &status);
+  CancelBatch({&request_id, 1}, &status, instance);
   return status[0];
 }
 

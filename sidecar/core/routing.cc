@@ -1,4 +1,4 @@
-#include "sidecar/service/routing.h"
+#include "sidecar/core/routing.h"
 
 #include <cmath>
 #include <set>

@@ -4,8 +4,8 @@
 // socket lives in the pod's own volume and its file permissions decide who
 // connects). Without a token every caller is allowed, as before.
 // Predictor, health and reflection never go through this check.
-#ifndef LEAP_SIDECAR_SERVICE_ADMIN_AUTH_H_
-#define LEAP_SIDECAR_SERVICE_ADMIN_AUTH_H_
+#ifndef LEAP_SIDECAR_GRPC_ADMIN_AUTH_H_
+#define LEAP_SIDECAR_GRPC_ADMIN_AUTH_H_
 
 #include <map>
 #include <string>
@@ -58,4 +58,4 @@ class AdminAuth {
 
 }  // namespace leap::sidecar
 
-#endif  // LEAP_SIDECAR_SERVICE_ADMIN_AUTH_H_
+#endif  // LEAP_SIDECAR_GRPC_ADMIN_AUTH_H_

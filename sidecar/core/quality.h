@@ -1,6 +1,6 @@
 // Online ranking quality: a rolling Spearman of predicted vs true length.
-#ifndef LEAP_SIDECAR_SERVICE_QUALITY_H_
-#define LEAP_SIDECAR_SERVICE_QUALITY_H_
+#ifndef LEAP_SIDECAR_CORE_QUALITY_H_
+#define LEAP_SIDECAR_CORE_QUALITY_H_
 
 #include <cstdint>
 #include <vector>
@@ -28,4 +28,4 @@ class RollingSpearman {
 
 }  // namespace leap::sidecar
 
-#endif  // LEAP_SIDECAR_SERVICE_QUALITY_H_
+#endif  // LEAP_SIDECAR_CORE_QUALITY_H_
