@@ -146,6 +146,7 @@ class RocksStore final : public StateStore {
             {"max_tokens", m.spec.max_tokens},
             {"lambda", m.spec.lambda},
             {"frozen", m.frozen},
+            {"frozen_reason", m.frozen_reason},
             {"has_p", m.has_p},
             {"created_unix_ms", m.created_unix_ms}};
   }
@@ -189,9 +190,11 @@ class RocksStore final : public StateStore {
     return FromRocks(db_->Write(wo, &b), "delete readout");
   }
 
-  absl::Status SetFrozen(const ReadoutMeta& meta, bool frozen) override {
+  absl::Status SetFrozen(const ReadoutMeta& meta, bool frozen,
+                         const std::string& reason) override {
     ReadoutMeta m = meta;
     m.frozen = frozen;
+    m.frozen_reason = frozen ? reason : "";
     rocksdb::WriteOptions wo;
     wo.sync = true;
     return FromRocks(db_->Put(wo, h_[kMeta], "readout:" + m.name, MetaJson(m).dump()),
@@ -446,6 +449,7 @@ class RocksStore final : public StateStore {
     AddState(b, h_[kSnapshots], base, state,
              {{"label", info.label},
               {"spearman", std::isfinite(info.spearman) ? json(info.spearman) : json()},
+              {"spearman_n", info.spearman_n},
               {"taken_unix_ms", info.unix_ms}});
     return WriteBulk(b, kSnapshots);
   }
@@ -476,6 +480,7 @@ class RocksStore final : public StateStore {
       s.version = m.value("version", int64_t{0});
       s.completions_learned = m.value("learned", int64_t{0});
       s.spearman = m["spearman"].is_number() ? m["spearman"].get<double>() : NAN;
+      s.spearman_n = m.value("spearman_n", int64_t{0});
       s.unix_ms = m.value("taken_unix_ms", int64_t{0});
       out.push_back(std::move(s));
     }
@@ -505,6 +510,7 @@ class RocksStore final : public StateStore {
         r.meta.spec.max_tokens = m.at("max_tokens").get<int64_t>();
         r.meta.spec.lambda = m.at("lambda").get<double>();
         r.meta.frozen = m.at("frozen").get<bool>();
+        r.meta.frozen_reason = m.value("frozen_reason", std::string());
         r.meta.has_p = m.at("has_p").get<bool>();
         r.meta.created_unix_ms = m.at("created_unix_ms").get<int64_t>();
       } catch (const json::exception& e) {

@@ -37,6 +37,8 @@ struct ReadoutMeta {
   readout::ReadoutSpec spec;
   readout::Standardizer standardizer;
   bool frozen = false;
+  // Why it is frozen ("" for an operator's freeze).
+  std::string frozen_reason;
   bool has_p = true;
   int64_t created_unix_ms = 0;
 };
@@ -74,6 +76,7 @@ struct SnapshotInfo {
   int64_t version = 0;
   int64_t completions_learned = 0;
   double spearman = 0;  // rolling Spearman when taken (NaN if unknown)
+  int64_t spearman_n = 0;  // completions it covered (0 if unknown)
   int64_t unix_ms = 0;
 };
 
@@ -103,7 +106,9 @@ class StateStore {
   virtual absl::Status CreateReadout(ReadoutMeta* meta,
                                      const ReadoutCheckpoint& initial) = 0;
   virtual absl::Status DeleteReadout(const ReadoutMeta& meta) = 0;
-  virtual absl::Status SetFrozen(const ReadoutMeta& meta, bool frozen) = 0;
+  // `reason` is kept with the flag ("" when unfrozen or not given).
+  virtual absl::Status SetFrozen(const ReadoutMeta& meta, bool frozen,
+                                 const std::string& reason) = 0;
   virtual absl::Status PutRoute(const std::string& product_line,
                                 const std::string& route_json) = 0;
   virtual absl::Status DeleteRoute(const std::string& product_line) = 0;

@@ -20,6 +20,7 @@
 #include "sidecar/readout/artifact.h"
 #include "sidecar/readout/readout.h"
 #include "sidecar/readout/rls.h"
+#include "sidecar/service/guardrail.h"
 #include "sidecar/service/metrics.h"
 #include "sidecar/service/quality.h"
 #include "storage/state_store.h"
@@ -71,6 +72,8 @@ struct LiveReadoutOptions {
   // Default: 256 batches, 60 s
   int64_t checkpoint_every_batches = 256;
   int64_t checkpoint_every_ns = int64_t{60} * 1'000'000'000;
+  // The online-quality guardrail (off unless a floor or margin is set).
+  GuardrailOptions guardrail;
 
   absl::Status Validate() const;
 };
@@ -89,7 +92,7 @@ struct VersionRecord {
 struct LiveReadoutInit {
   std::string name;
   readout::ReadoutState state;  // spec, standardizer, theta, P, version...
-  bool frozen = false;
+  bool frozen = false;  // why: meta.frozen_reason
   // Cause recorded for the first published version ("create", "recovered").
   std::string cause = "create";
   // Durable state; null keeps everything in memory.
@@ -130,7 +133,12 @@ class LiveReadout {
   bool frozen() const { return frozen_.load(); }
   // FailedPrecondition when unfreezing a readout without P or after an RLS
   // failure that left P unusable.
-  absl::Status SetFrozen(bool frozen);
+  absl::Status SetFrozen(bool frozen) { return SetFrozen(frozen, ""); }
+  // The same, recording (and persisting) why it is frozen.
+  absl::Status SetFrozen(bool frozen, const std::string& reason);
+  std::string frozen_reason() const;
+  // The guardrail's state ("off" when not configured).
+  GuardrailStatus guardrail() const;
 
   // Records one completion durably in the feedback log (when there is a
   // store), then queues it for the RLS thread (standardized here, off that
@@ -173,6 +181,7 @@ class LiveReadout {
     uint64_t seq;
   };
   void WorkerLoop();
+  absl::StatusOr<storage::SnapshotInfo> TakeSnapshot(const std::string& label);
   void CheckpointLoop();
   void Enqueue(const readout::FeatureView& x, double target, uint64_t seq);
   // Publishes theta as the next version. Caller holds state_mu_.
@@ -203,6 +212,7 @@ class LiveReadout {
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   bool drain_ ABSL_GUARDED_BY(mu_) = false;
   bool broken_ ABSL_GUARDED_BY(mu_) = false;
+  std::string frozen_reason_ ABSL_GUARDED_BY(mu_);
 
   std::atomic<int64_t> learned_;
   std::atomic<int64_t> version_;
@@ -239,6 +249,9 @@ class LiveReadout {
   std::deque<VersionRecord> versions_ ABSL_GUARDED_BY(quality_mu_);
   std::map<int64_t, RollingSpearman> per_version_ ABSL_GUARDED_BY(quality_mu_);
   RollingSpearman overall_ ABSL_GUARDED_BY(quality_mu_);
+
+  // Null unless configured and the readout can learn.
+  std::unique_ptr<ReadoutGuardrail> guardrail_;
 
   std::thread worker_;
 };
