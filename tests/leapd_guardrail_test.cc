@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "sidecar/readout/artifact.h"
 #include "tests/support/engine_client.h"
@@ -137,7 +138,7 @@ class Traffic {
         s += w_[k] * x[k];
       }
       s += 1.2 * n01_(rng_);
-      b.ids.push_back("q" + std::to_string(next_++));
+      b.ids.push_back(absl::StrCat("q", next_++));
       b.x.push_back(std::move(x));
       b.tokens.push_back(std::clamp<int64_t>(std::llround(s * s), 1, 2000));
     }
@@ -327,11 +328,11 @@ TEST(LeapdGuardrail, AdversarialFeedbackFreezesLearningNormalDoesNot) {
   // The operator resumes: re-armed with an empty window, learning again.
   {
     grpc::ClientContext ctx;
-    pb::SetFrozenRequest req;
+    pb::SetAdaptationRequest req;
     req.set_name("r");
     req.set_frozen(false);
     pb::ReadoutInfo info;
-    ASSERT_TRUE(again.admin->SetFrozen(&ctx, req, &info).ok());
+    ASSERT_TRUE(again.admin->SetAdaptation(&ctx, req, &info).ok());
     EXPECT_EQ(info.frozen_reason(), "");
   }
   st = again.Stats();

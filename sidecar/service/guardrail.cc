@@ -105,7 +105,10 @@ std::optional<GuardrailTrip> GuardrailMonitor::Observe(double predicted,
 
 ReadoutGuardrail::ReadoutGuardrail(GuardrailOptions options, int64_t window,
                                    Series series, bool tripped)
-    : series_(series), monitor_(options, window), tripped_(tripped) {
+    : action_(options.action),
+      series_(series),
+      monitor_(options, window),
+      tripped_(tripped) {
   if (tripped) monitor_.Disarm();
   if (series_.state != nullptr) series_.state->Set(tripped ? 1 : 0);
 }
@@ -122,7 +125,6 @@ void ReadoutGuardrail::Observe(LiveReadout& readout, double predicted,
   }
   // Only this thread acts on the trip: the monitor stays disarmed until
   // learning resumes.
-  const GuardrailOptions& o = monitor_.options();  // immutable
   std::string done;
   GuardrailAction applied = GuardrailAction::kFreeze;
   absl::Status frozen = readout.SetFrozen(true, trip->reason);
@@ -133,7 +135,7 @@ void ReadoutGuardrail::Observe(LiveReadout& readout, double predicted,
   } else {
     done = "learning frozen";
   }
-  if (o.action == GuardrailAction::kRollback) {
+  if (action_ == GuardrailAction::kRollback) {
     if (!trip->last_good.has_value()) {
       absl::StrAppend(&done, "; no good snapshot to roll back to");
     } else {

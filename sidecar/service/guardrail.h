@@ -150,6 +150,7 @@ class ReadoutGuardrail {
   GuardrailStatus Status(bool frozen) const;
 
  private:
+  const GuardrailAction action_;
   const Series series_;
   mutable absl::Mutex mu_;
   GuardrailMonitor monitor_ ABSL_GUARDED_BY(mu_);
