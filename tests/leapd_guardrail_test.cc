@@ -21,7 +21,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
 #include "sidecar/readout/artifact.h"
+#include "tests/leapctl_test_util.h"
 #include "tests/support/engine_client.h"
 #include "tests/support/process.h"
 
@@ -324,6 +326,31 @@ TEST(LeapdGuardrail, AdversarialFeedbackFreezesLearningNormalDoesNot) {
   EXPECT_TRUE(st.info().frozen());
   EXPECT_EQ(st.info().frozen_reason(), reason);
   EXPECT_EQ(st.guardrail().state(), "tripped");
+  // What an operator sees with leapctl.
+  {
+    leapctl_test::ScratchDir scratch;
+    leapctl_test::RunResult text = leapctl_test::RunLeapctl(
+        scratch, {"stats", "r", "--server", again.address});
+    ASSERT_EQ(text.exit_code, 0) << text.err;
+    EXPECT_NE(text.out.find("  frozen: " + reason + "\n"), std::string::npos)
+        << text.out;
+    EXPECT_NE(text.out.find("  guardrail tripped: spearman - (n 0), last good "
+                            "'good' (spearman 0."),
+              std::string::npos)
+        << text.out;
+    leapctl_test::RunResult json = leapctl_test::RunLeapctl(
+        scratch, {"stats", "r", "--json", "--server", again.address});
+    ASSERT_EQ(json.exit_code, 0) << json.err;
+    const nlohmann::json j = nlohmann::json::parse(json.out);
+    EXPECT_EQ(j["readouts"][0]["frozen_reason"], reason);
+    EXPECT_EQ(j["readouts"][0]["guardrail"]["state"], "tripped");
+    EXPECT_EQ(j["readouts"][0]["guardrail"]["last_good_label"], "good");
+    EXPECT_EQ(j["readouts"][0]["guardrail"]["last_good_spearman_n"], kWindow);
+    leapctl_test::RunResult snaps = leapctl_test::RunLeapctl(
+        scratch, {"snapshot", "list", "r", "--server", again.address});
+    ASSERT_EQ(snaps.exit_code, 0) << snaps.err;
+    EXPECT_NE(snaps.out.find("(n 500)"), std::string::npos) << snaps.out;
+  }
 
   // The operator resumes: re-armed with an empty window, learning again.
   {

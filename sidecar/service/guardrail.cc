@@ -63,9 +63,9 @@ std::optional<GoodSnapshot> LastGoodSnapshot(
 GuardrailMonitor::GuardrailMonitor(GuardrailOptions options, int64_t window)
     : options_(options), window_(window), pairs_(window) {}
 
-void GuardrailMonitor::Rearm() {
+void GuardrailMonitor::Restart(Phase phase) {
   pairs_ = RollingSpearman(window_);
-  armed_ = true;
+  phase_ = phase;
 }
 
 double GuardrailMonitor::spearman(int64_t* n) const {
@@ -75,7 +75,7 @@ double GuardrailMonitor::spearman(int64_t* n) const {
 
 std::optional<GuardrailTrip> GuardrailMonitor::Observe(double predicted,
                                                        double truth) {
-  if (!armed_) return std::nullopt;
+  if (phase_ == Phase::kDisarmed) return std::nullopt;
   pairs_.Add(predicted, truth);
   const int64_t n = pairs_.size();
   if (n < options_.min_samples) return std::nullopt;
@@ -97,9 +97,11 @@ std::optional<GuardrailTrip> GuardrailMonitor::Observe(double predicted,
         rho, last_good_->spearman - rho, last_good_->spearman,
         last_good_->label, options_.margin, n);
   } else {
+    phase_ = Phase::kArmed;  // a passing window arms a warming guardrail
     return std::nullopt;
   }
-  armed_ = false;
+  if (phase_ == Phase::kWarming) return std::nullopt;
+  phase_ = Phase::kDisarmed;
   return trip;
 }
 
@@ -180,7 +182,8 @@ void ReadoutGuardrail::OnSnapshots(
 
 void ReadoutGuardrail::Rearm() {
   absl::MutexLock lock(&mu_);
-  monitor_.Rearm();
+  monitor_.Restart(tripped_ ? GuardrailMonitor::Phase::kArmed
+                            : GuardrailMonitor::Phase::kWarming);
   tripped_ = false;
   if (series_.state != nullptr) series_.state->Set(0);
 }
@@ -188,7 +191,11 @@ void ReadoutGuardrail::Rearm() {
 GuardrailStatus ReadoutGuardrail::Status(bool frozen) const {
   absl::MutexLock lock(&mu_);
   GuardrailStatus s;
-  s.state = tripped_ ? "tripped" : (frozen ? "paused" : "watching");
+  s.state = tripped_ ? "tripped"
+             : frozen ? "paused"
+             : monitor_.phase() == GuardrailMonitor::Phase::kWarming
+                 ? "warming"
+                 : "watching";
   s.spearman = monitor_.spearman(&s.spearman_n);
   s.trips = trips_;
   s.last_trip = last_trip_;

@@ -82,22 +82,31 @@ struct GuardrailTrip {
 };
 
 // The trip logic over a rolling window. Not thread-safe.
+//
+// A window "fails" when it holds at least min_samples pairs, its Spearman
+// is defined, and it is below the floor or more than the margin below the
+// last good snapshot's. The guardrail trips when the quality *falls*: it
+// starts warming (a cold-start readout predicts badly until it has
+// learned) and is armed by the first judged window that does not fail;
+// from then on the first failing window trips it and disarms it.
 class GuardrailMonitor {
  public:
+  enum class Phase { kWarming, kArmed, kDisarmed };
   GuardrailMonitor(GuardrailOptions options, int64_t window);
-  // Adds a (predicted, true) pair. While armed, judges the window once it
-  // holds at least min_samples pairs; on a failure disarms and returns the
-  // trip. Pairs are not recorded while disarmed.
+  // Adds a (predicted, true) pair and judges the window (see above);
+  // returns the trip, if this pair caused one. Pairs are not recorded while
+  // disarmed.
   std::optional<GuardrailTrip> Observe(double predicted, double truth);
   // The reference for the margin check and the rollback target.
   void SetLastGood(std::optional<GoodSnapshot> good) {
     last_good_ = std::move(good);
   }
   const std::optional<GoodSnapshot>& last_good() const { return last_good_; }
-  // Empties the window and arms the guardrail.
-  void Rearm();
-  void Disarm() { armed_ = false; }
-  bool armed() const { return armed_; }
+  // Empties the window and enters `phase` (warming or armed).
+  void Restart(Phase phase);
+  void Disarm() { phase_ = Phase::kDisarmed; }
+  Phase phase() const { return phase_; }
+  bool armed() const { return phase_ == Phase::kArmed; }
   // The window's Spearman (NaN when undefined) and size.
   double spearman(int64_t* n) const;
   const GuardrailOptions& options() const { return options_; }
@@ -106,15 +115,16 @@ class GuardrailMonitor {
   const GuardrailOptions options_;
   const int64_t window_;
   RollingSpearman pairs_;
-  bool armed_ = true;
+  Phase phase_ = Phase::kWarming;
   std::optional<GoodSnapshot> last_good_;
 };
 
 // What GetStats and `leapctl stats` show.
 struct GuardrailStatus {
-  // "off" (not configured or the readout cannot learn), "watching"
-  // (learning, judged), "paused" (frozen for another reason: not judged),
-  // "tripped" (learning frozen by the guardrail until resumed).
+  // "off" (not configured or the readout cannot learn), "warming"
+  // (learning; armed once a judged window passes), "watching" (learning,
+  // armed), "paused" (frozen for another reason: not judged), "tripped"
+  // (learning frozen by the guardrail until resumed).
   std::string state = "off";
   double spearman = NAN;
   int64_t spearman_n = 0;
@@ -145,7 +155,8 @@ class ReadoutGuardrail {
   // good one.
   void OnSnapshots(const std::vector<storage::SnapshotInfo>& snapshots);
   // Learning resumed (or the served state replaced by an operator
-  // rollback): judge afresh from an empty window.
+  // rollback): judge afresh from an empty window; armed at once after a
+  // guardrail trip (still bad after a resume trips again), else warming.
   void Rearm();
   GuardrailStatus Status(bool frozen) const;
 

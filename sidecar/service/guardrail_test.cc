@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <deque>
 #include <numeric>
 #include <random>
@@ -57,9 +58,10 @@ GuardrailOptions Floor(double floor, int64_t min_samples) {
 }
 
 // A good stream (truth follows the prediction up to noise) that turns
-// adversarial (truth independent of the prediction): the monitor trips at
-// exactly the first pair where the reference Spearman of the window (once
-// it holds min_samples pairs) falls below the floor, and only once.
+// adversarial (truth independent of the prediction): the monitor is armed
+// by the first window (of at least min_samples pairs) whose reference
+// Spearman passes the floor, then trips at exactly the first pair where the
+// reference falls below it, and only once.
 TEST(GuardrailMonitor, TripsExactlyWhereTheReferenceFallsBelowTheFloor) {
   constexpr int64_t kWindow = 200, kMin = 100;
   constexpr double kFloor = 0.3;
@@ -67,7 +69,7 @@ TEST(GuardrailMonitor, TripsExactlyWhereTheReferenceFallsBelowTheFloor) {
   std::mt19937_64 rng(3);
   std::normal_distribution<double> n01;
   std::deque<std::pair<double, double>> window;
-  int64_t tripped_at = -1, trips = 0;
+  int64_t tripped_at = -1, trips = 0, armed_at = -1;
   for (int64_t i = 0; i < 3000; ++i) {
     const bool adversarial = i >= 2000;
     const double pred = 100 + 30 * n01(rng);
@@ -75,10 +77,11 @@ TEST(GuardrailMonitor, TripsExactlyWhereTheReferenceFallsBelowTheFloor) {
     window.emplace_back(pred, truth);
     if (static_cast<int64_t>(window.size()) > kWindow) window.pop_front();
     const double ref = ReferenceSpearman(window);
-    const bool should = tripped_at < 0 &&
-                        static_cast<int64_t>(window.size()) >= kMin &&
-                        ref < kFloor;
+    const bool judged = static_cast<int64_t>(window.size()) >= kMin;
+    const bool should = tripped_at < 0 && armed_at >= 0 && judged && ref < kFloor;
+    if (armed_at < 0 && judged && ref >= kFloor) armed_at = i;
     std::optional<GuardrailTrip> trip = m.Observe(pred, truth);
+    ASSERT_EQ(m.armed(), armed_at >= 0 && tripped_at < 0 && !should) << i;
     ASSERT_EQ(trip.has_value(), should) << "pair " << i << " reference " << ref;
     if (trip.has_value()) {
       ++trips;
@@ -93,10 +96,11 @@ TEST(GuardrailMonitor, TripsExactlyWhereTheReferenceFallsBelowTheFloor) {
     }
   }
   ASSERT_EQ(trips, 1);
-  EXPECT_GE(tripped_at, 2000);  // no false trip on the good stream
+  EXPECT_EQ(armed_at, kMin - 1);  // the good stream passes at once
+  EXPECT_GE(tripped_at, 2000);    // no false trip on the good stream
   EXPECT_LT(tripped_at - 2000, kWindow);
   // Rearmed: judged afresh only after min_samples new pairs.
-  m.Rearm();
+  m.Restart(GuardrailMonitor::Phase::kArmed);
   int64_t n = -1;
   m.spearman(&n);
   EXPECT_EQ(n, 0);
@@ -105,8 +109,34 @@ TEST(GuardrailMonitor, TripsExactlyWhereTheReferenceFallsBelowTheFloor) {
   }
 }
 
+// A cold start predicts badly until it has learned: no trip until the
+// quality has once passed, then a fall trips it.
+TEST(GuardrailMonitor, ColdStartWarmsUpBeforeItIsArmed) {
+  GuardrailMonitor m(Floor(0.5, 20), 50);
+  for (int i = 0; i < 200; ++i) {
+    ASSERT_FALSE(m.Observe(i, -i).has_value()) << i;  // Spearman -1
+  }
+  EXPECT_EQ(m.phase(), GuardrailMonitor::Phase::kWarming);
+  // Ordered pairs replace the anti-ordered ones: armed on the first
+  // window that passes the floor.
+  int armed_after = -1;
+  for (int i = 0; i < 50 && armed_after < 0; ++i) {
+    ASSERT_FALSE(m.Observe(1000 + i, 1000 + i).has_value());
+    if (m.armed()) armed_after = i + 1;
+  }
+  ASSERT_GT(armed_after, 0);
+  std::printf("armed after %d ordered pairs\n", armed_after);
+  int tripped_after = -1;
+  for (int i = 0; i < 50 && tripped_after < 0; ++i) {
+    if (m.Observe(-i, i).has_value()) tripped_after = i + 1;
+  }
+  EXPECT_GT(tripped_after, 0);
+  EXPECT_EQ(m.phase(), GuardrailMonitor::Phase::kDisarmed);
+}
+
 TEST(GuardrailMonitor, NotJudgedBeforeMinSamplesNorWhenUndefined) {
   GuardrailMonitor m(Floor(0.5, 20), 50);
+  m.Restart(GuardrailMonitor::Phase::kArmed);
   // Perfectly anti-ordered pairs: Spearman -1, but only after 20 pairs.
   for (int i = 0; i < 19; ++i) ASSERT_FALSE(m.Observe(i, -i).has_value()) << i;
   std::optional<GuardrailTrip> trip = m.Observe(19, -19);
@@ -115,6 +145,7 @@ TEST(GuardrailMonitor, NotJudgedBeforeMinSamplesNorWhenUndefined) {
   EXPECT_EQ(trip->n, 20);
   // Constant predictions: Spearman undefined, never a trip.
   GuardrailMonitor c(Floor(0.5, 20), 50);
+  c.Restart(GuardrailMonitor::Phase::kArmed);
   for (int i = 0; i < 200; ++i) ASSERT_FALSE(c.Observe(7, i % 13).has_value());
   int64_t n = 0;
   EXPECT_TRUE(std::isnan(c.spearman(&n)));
@@ -138,11 +169,14 @@ TEST(GuardrailMonitor, MarginAgainstTheLastGoodSnapshot) {
     return std::nullopt;
   };
   GuardrailMonitor none(o, 200);
+  none.Restart(GuardrailMonitor::Phase::kArmed);
   EXPECT_FALSE(stream(none, 2000).has_value()) << "no reference, no margin trip";
   GuardrailMonitor low(o, 200);
+  low.Restart(GuardrailMonitor::Phase::kArmed);
   low.SetLastGood(GoodSnapshot{"meh", 0.45, 500, 3, 1});
   EXPECT_FALSE(stream(low, 2000).has_value());
   GuardrailMonitor high(o, 200);
+  high.Restart(GuardrailMonitor::Phase::kArmed);
   high.SetLastGood(GoodSnapshot{"good", 0.95, 500, 7, 1});
   std::optional<GuardrailTrip> trip = stream(high, 2000);
   ASSERT_TRUE(trip.has_value());
