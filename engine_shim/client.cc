@@ -15,8 +15,6 @@ constexpr int32_t kInvalidArgument = 3;
 
 }  // namespace
 
-size_t DTypeSize(DType dtype) { return dtype == DType::kFloat32 ? 4 : 2; }
-
 absl::Status ClientOptions::Validate() const {
   if (endpoint.empty()) return absl::InvalidArgumentError("endpoint is empty");
   if (dim < 1 || dim > 16384) {

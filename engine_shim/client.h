@@ -21,21 +21,17 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/wire.h"
 #include "engine_shim/transport.h"
 
 namespace leap::shim {
 
-// Element type of the features an engine ships (values match the wire).
-enum class DType : uint8_t { kFloat32 = 1, kBFloat16 = 2, kFloat16 = 3 };
-size_t DTypeSize(DType dtype);
-
-// How a request ended (values match the wire).
-enum class FinishReason : uint8_t {
-  kStop = 1,       // EOS or stop string: learned
-  kLength = 2,     // hit max_tokens: learned only when it reached the budget
-  kCancelled = 3,  // never learned
-  kAborted = 4,    // never learned
-};
+// Element type of the features an engine ships and how a request ended
+// (common/wire.h). kStop is learned, kLength only when it reached the
+// budget, kCancelled and kAborted never.
+using ::leap::DType;
+using ::leap::DTypeSize;
+using ::leap::FinishReason;
 
 // The captured hidden state of one request, ready to ship.
 struct CapturedFeatures {

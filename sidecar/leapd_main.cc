@@ -27,7 +27,7 @@
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "prometheus/exposer.h"
-#include "sidecar/readout/artifact.h"
+#include "readout/artifact.h"
 #include "sidecar/service/admin_auth.h"
 #include "sidecar/service/core.h"
 #include "sidecar/service/grpc_service.h"

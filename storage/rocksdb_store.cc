@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "common/clock.h"
 #include "common/crc32c.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
@@ -22,12 +23,6 @@ constexpr const char* kFamilies[] = {"default",  "meta",      "checkpoints",
                                      "log",      "versions",  "snapshots",
                                      "dedup"};
 enum Cf { kDefault = 0, kMeta, kCheckpoints, kLog, kVersions, kSnapshots, kDedup };
-
-int64_t UnixMs() {
-  return std::chrono::duration_cast<std::chrono::milliseconds>(
-             std::chrono::system_clock::now().time_since_epoch())
-      .count();
-}
 
 void PutU64(std::string& s, uint64_t v) {
   for (int i = 7; i >= 0; --i) s.push_back(static_cast<char>((v >> (8 * i)) & 0xFF));
@@ -190,8 +185,12 @@ class RocksStore final : public StateStore {
     return FromRocks(db_->Write(wo, &b), "delete readout");
   }
 
-  absl::Status SetFrozen(const ReadoutMeta& meta, bool frozen,
-                         const std::string& reason) override {
+  absl::Status SetFrozen(const ReadoutMeta& meta, bool frozen) override {
+    return SetFrozenWithReason(meta, frozen, "");
+  }
+
+  absl::Status SetFrozenWithReason(const ReadoutMeta& meta, bool frozen,
+                                   const std::string& reason) override {
     ReadoutMeta m = meta;
     m.frozen = frozen;
     m.frozen_reason = frozen ? reason : "";

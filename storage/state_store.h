@@ -1,4 +1,4 @@
-// Durable state of leapd, behind an interface (DESIGN §7): the sidecar is
+// Durable state of leapd, behind an interface (docs/STORAGE.md): the sidecar is
 // written against StateStore, and the RocksDB code stays in storage/.
 //
 // What is kept, per readout (identified by an incarnation number, so a
@@ -24,9 +24,9 @@
 #include "Eigen/Core"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "sidecar/readout/features.h"
-#include "sidecar/readout/readout.h"
-#include "sidecar/readout/rls.h"
+#include "readout/features.h"
+#include "readout/readout.h"
+#include "readout/rls.h"
 
 namespace leap::storage {
 
@@ -106,9 +106,13 @@ class StateStore {
   virtual absl::Status CreateReadout(ReadoutMeta* meta,
                                      const ReadoutCheckpoint& initial) = 0;
   virtual absl::Status DeleteReadout(const ReadoutMeta& meta) = 0;
-  // `reason` is kept with the flag ("" when unfrozen or not given).
-  virtual absl::Status SetFrozen(const ReadoutMeta& meta, bool frozen,
-                                 const std::string& reason) = 0;
+  virtual absl::Status SetFrozen(const ReadoutMeta& meta, bool frozen) = 0;
+  // The same, keeping `reason` with the flag ("" when unfrozen). A store
+  // that cannot keep a reason drops it.
+  virtual absl::Status SetFrozenWithReason(const ReadoutMeta& meta, bool frozen,
+                                           const std::string& reason) {
+    return SetFrozen(meta, frozen);
+  }
   virtual absl::Status PutRoute(const std::string& product_line,
                                 const std::string& route_json) = 0;
   virtual absl::Status DeleteRoute(const std::string& product_line) = 0;

@@ -22,7 +22,7 @@
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
-#include "sidecar/readout/artifact.h"
+#include "readout/artifact.h"
 #include "tests/leapctl_test_util.h"
 #include "tests/support/engine_client.h"
 #include "tests/support/process.h"

@@ -1,4 +1,4 @@
-// Durable state with real processes (DESIGN §7):
+// Durable state with real processes (docs/STORAGE.md):
 //  - crash: a client streams completions into a real leapd while the test
 //    kill -9s it at random moments (>= 20 times, during RLS batches and
 //    checkpoints: checkpoints every 2 batches of a d = 1024 readout, i.e. a
@@ -27,7 +27,7 @@
 #include "Eigen/Cholesky"
 #include "Eigen/Core"
 #include "gtest/gtest.h"
-#include "sidecar/readout/artifact.h"
+#include "readout/artifact.h"
 #include "storage/rocksdb_store.h"
 #include "tests/support/engine_client.h"
 #include "tests/support/process.h"

@@ -1,4 +1,5 @@
-// leap_shim: the engine shim for Python engines (DESIGN §8). A thin layer
+// leap_shim: the engine shim for Python engines (docs/ARCHITECTURE.md).
+// A thin layer
 // over leap::shim's Client, capture functions and CountdownScheduler; tensors
 // come in through DLPack (dlpack_import.h), so no torch is linked and one
 // build serves engines pinned to any torch version.
@@ -67,17 +68,6 @@ DType ParseDType(std::string name) {
       "dtype must be 'float32', 'bfloat16' or 'float16', got '", name, "'"));
 }
 
-const char* DTypeName(DType d) {
-  switch (d) {
-    case DType::kFloat32:
-      return "float32";
-    case DType::kBFloat16:
-      return "bfloat16";
-    case DType::kFloat16:
-      return "float16";
-  }
-  return "unknown";
-}
 
 FinishReason ParseReason(const std::string& reason) {
   if (reason == "stop") return FinishReason::kStop;
@@ -382,7 +372,7 @@ class PyClient {
   }
 
   int64_t dim() const { return options_.dim; }
-  std::string dtype() const { return DTypeName(options_.dtype); }
+  std::string dtype() const { return std::string(DTypeName(options_.dtype)); }
   const std::string& endpoint() const { return options_.endpoint; }
   bool closed() const { return client_ == nullptr; }
 

@@ -7,19 +7,11 @@
 
 #include "absl/container/inlined_vector.h"
 #include "absl/strings/str_cat.h"
+#include "common/clock.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
 
 namespace leap::sidecar {
-namespace {
-
-int64_t NowNs() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(
-             std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
-
-}  // namespace
 
 absl::Status ValidateReadoutName(absl::string_view name) {
   if (name.empty() || name.size() > 64) {
@@ -78,8 +70,7 @@ absl::Status Core::CreateReadout(const std::string& name,
   init.meta.standardizer = state.standardizer;
   init.meta.has_p = state.p.has_value();
   init.meta.frozen = !state.p.has_value();
-  init.meta.created_unix_ms = std::chrono::duration_cast<std::chrono::milliseconds>(
-      std::chrono::system_clock::now().time_since_epoch()).count();
+  init.meta.created_unix_ms = UnixMs();
   if (state.version < 1) state.version = 1;
   if (store_ != nullptr) {
     storage::ReadoutCheckpoint initial;

@@ -20,7 +20,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "absl/synchronization/mutex.h"
-#include "sidecar/readout/features.h"
+#include "readout/features.h"
 
 namespace leap::sidecar {
 

@@ -1,10 +1,10 @@
 #include "sidecar/service/guardrail.h"
 
-#include <chrono>
 #include <cstdio>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/clock.h"
 #include "prometheus/counter.h"
 #include "prometheus/gauge.h"
 #include "sidecar/service/live_readout.h"
@@ -162,10 +162,7 @@ void ReadoutGuardrail::Observe(LiveReadout& readout, double predicted,
   {
     absl::MutexLock lock(&mu_);
     last_trip_ = absl::StrCat(trip->reason, "; ", done);
-    last_trip_unix_ms_ =
-        std::chrono::duration_cast<std::chrono::milliseconds>(
-            std::chrono::system_clock::now().time_since_epoch())
-            .count();
+    last_trip_unix_ms_ = UnixMs();
   }
   if (series_.state != nullptr) series_.state->Set(1);
   prometheus::Counter* c = applied == GuardrailAction::kRollback

@@ -6,21 +6,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
+#include "common/clock.h"
 
 namespace leap::sidecar {
 namespace {
-
-int64_t NowNs() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(
-             std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
-
-int64_t UnixMs() {
-  return std::chrono::duration_cast<std::chrono::milliseconds>(
-             std::chrono::system_clock::now().time_since_epoch())
-      .count();
-}
 
 // Quality windows of this many recent versions are kept.
 constexpr size_t kVersionWindows = 64;
@@ -151,7 +140,7 @@ absl::Status LiveReadout::SetFrozen(bool frozen, const std::string& reason) {
     }
   }
   if (store_ != nullptr) {
-    absl::Status s = store_->SetFrozen(meta_, frozen, reason);
+    absl::Status s = store_->SetFrozenWithReason(meta_, frozen, reason);
     if (!s.ok()) return s;
   }
   if (!frozen && guardrail_ != nullptr) guardrail_->Rearm();

@@ -1,4 +1,5 @@
-// Prometheus metrics of leapd (DESIGN §9). One Metrics object per process;
+// Prometheus metrics of leapd (listed in README.md). One Metrics object
+// per process;
 // families are created once, per-label series are resolved once by their
 // owners (Family::Add locks and hashes) and then updated lock-free.
 #ifndef LEAP_SIDECAR_SERVICE_METRICS_H_

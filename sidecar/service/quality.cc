@@ -1,6 +1,6 @@
 #include "sidecar/service/quality.h"
 
-#include "sidecar/readout/stats.h"
+#include "readout/stats.h"
 
 namespace leap::sidecar {
 

@@ -20,6 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
+#include "common/clock.h"
 #include "common/shm_format.h"
 #include "common/status_macros.h"
 #include "sidecar/service/engine_session.h"
@@ -86,12 +87,6 @@ void FitAnswer(pb::SidecarMessage* m, size_t limit) {
   e->set_message(absl::StrCat(omitted,
                               " more per-request errors omitted: they do not "
                               "fit one frame of this engine's ring"));
-}
-
-int64_t NowNs() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(
-             std::chrono::steady_clock::now().time_since_epoch())
-      .count();
 }
 
 // Wakes the server thread from any thread (slot releases, publishes).
