@@ -6,7 +6,7 @@
 // A run: read (or synthesize) the trace; measure the engine's capacity
 // under FCFS; for each load factor place the arrivals (Poisson at load x
 // capacity, or the trace's timestamps rescaled to it); for each policy
-// simulate the engine (replay_sim.h) and compute the paper's metrics. LEAP
+// simulate the engine (engine_model.h) and compute the paper's metrics. LEAP
 // policies need features: every request gets synthetic hidden states
 // conditioned on its true output length and its domain (SynthGenerator), the
 // domain switching at --shift-at; the readout is a ridge fit on synthetic

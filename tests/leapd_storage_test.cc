@@ -212,8 +212,8 @@ TEST(LeapdStorage, KillNineTwentyTimesLosesNothingAcknowledged) {
     if (round == 0) CreateCold(s, dim);
     for (const std::string& line : s.proc->lines()) {
       ASSERT_EQ(line.rfind("recovery:", 0), std::string::npos) << line;
-      if (line.find("replaying") != std::string::npos &&
-          line.find("replaying 0 ") == std::string::npos) {
+      if (line.find("replayed") != std::string::npos &&
+          line.find("replayed 0 ") == std::string::npos) {
         ++replayed_starts;
       }
     }

@@ -17,7 +17,6 @@
 #include <limits>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <utility>
@@ -339,7 +338,7 @@ class PyClient {
     absl::Status first;
     {
       py::gil_scoped_release nogil;
-      std::lock_guard<std::mutex> lock(cuda_mu_);
+      absl::MutexLock lock(&cuda_mu_);
       for (auto& [device, capturer] : capturers_) {
         absl::Status s = capturer->Flush();
         if (first.ok()) first = s;
@@ -358,7 +357,7 @@ class PyClient {
     {
       py::gil_scoped_release nogil;
       {
-        std::lock_guard<std::mutex> lock(cuda_mu_);
+        absl::MutexLock lock(&cuda_mu_);
         capturers.swap(capturers_);
       }
       // Each destructor drains its side stream: every sink has run and
@@ -431,7 +430,7 @@ class PyClient {
     auto landed = std::make_shared<std::atomic<bool>>(false);
     absl::Status s;
     {
-      std::lock_guard<std::mutex> lock(cuda_mu_);
+      absl::MutexLock lock(&cuda_mu_);
       std::unique_ptr<CudaCapturer>& capturer =
           capturers_[in.view.device_index];
       if (capturer == nullptr) {
@@ -464,8 +463,8 @@ class PyClient {
   size_t cuda_staging_bytes_ = 0;
   std::shared_ptr<Client> client_;
   std::shared_ptr<EventQueue> events_;
-  std::mutex cuda_mu_;
-  std::map<int, std::unique_ptr<CudaCapturer>> capturers_;
+  absl::Mutex cuda_mu_;
+  std::map<int, std::unique_ptr<CudaCapturer>> capturers_ ABSL_GUARDED_BY(cuda_mu_);
   std::deque<Pending> pending_;
 };
 

@@ -188,18 +188,6 @@ LEAP_AVX2 float DotF16Avx2(const float* w, const uint16_t* x, int64_t n) {
       [x](int64_t i) { return Fp16ToFloat(x[i]); });
 }
 
-// Sums each of a[0..7] horizontally into lane c of the result.
-LEAP_AVX2 inline __m256 ReduceEight(const __m256* a) {
-  const __m256 t0 = _mm256_hadd_ps(a[0], a[1]);
-  const __m256 t1 = _mm256_hadd_ps(a[2], a[3]);
-  const __m256 t2 = _mm256_hadd_ps(a[4], a[5]);
-  const __m256 t3 = _mm256_hadd_ps(a[6], a[7]);
-  const __m256 u0 = _mm256_hadd_ps(t0, t1);
-  const __m256 u1 = _mm256_hadd_ps(t2, t3);
-  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
-                       _mm256_permute2f128_ps(u0, u1, 0x31));
-}
-
 // Sums a[0..3] horizontally into the 4 lanes of the result.
 LEAP_AVX2 inline __m128 ReduceFour(const __m256* a) {
   const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]),
@@ -374,8 +362,10 @@ constexpr Kernels kAvx2 = {"avx2",         DotF32Avx2,      DotBf16Avx2,
 
 bool CpuHasAvx2Fma() {
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-         __builtin_cpu_supports("f16c");
+  // F16C from CPUID leaf 1 (clang's __builtin_cpu_supports has no "f16c").
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  const bool f16c = __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & bit_F16C);
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c;
 }
 #endif
 

@@ -396,10 +396,10 @@ std::string FormatReadoutInfo(const pb::ReadoutInfo& i) {
   absl::StrAppendFormat(&s, "version: %d\n", i.version());
   absl::StrAppendFormat(&s, "completions_learned: %d\n",
                         i.completions_learned());
-  absl::StrAppendFormat(&s, "frozen: %s\n",
-                        !i.frozen()                   ? "no"
-                        : i.frozen_reason().empty() ? "yes"
-                                                    : "yes (" + i.frozen_reason() + ")");
+  absl::StrAppendFormat(&s, "frozen: %s\n", i.frozen() ? "yes" : "no");
+  if (!i.frozen_reason().empty()) {
+    absl::StrAppendFormat(&s, "frozen_reason: %s\n", i.frozen_reason());
+  }
   absl::StrAppendFormat(&s, "rls_backlog: %d\n", i.rls_backlog());
   absl::StrAppendFormat(&s, "dim: %d\n", i.dim());
   absl::StrAppendFormat(&s, "max_tokens: %d\n", i.max_tokens());
@@ -493,9 +493,14 @@ std::string FormatStats(const pb::StatsResponse& st) {
   std::string s;
   for (const pb::ReadoutStats& r : st.readouts()) {
     const pb::ReadoutInfo& i = r.info();
-    absl::StrAppendFormat(&s, "readout %s: version %d%s, rls backlog %d\n",
-                          i.name(), i.version(), i.frozen() ? " (frozen)" : "",
-                          i.rls_backlog());
+    absl::StrAppendFormat(
+        &s, "readout %s: version %d%s, rls backlog %d\n", i.name(),
+        i.version(),
+        !i.frozen()                    ? ""
+        : i.frozen_reason().empty()    ? " (frozen)"
+                                       : absl::StrCat(" (frozen: ",
+                                                      i.frozen_reason(), ")"),
+        i.rls_backlog());
     absl::StrAppendFormat(
         &s,
         "  predictions %d, learned %d, skipped %d (cancelled %d, censored %d, "
