@@ -81,7 +81,7 @@ class LiveReadoutTest : public ::testing::Test {
     std::vector<float> x = testing::RandomFeatures(state_, rng_);
     if (nan) x[2] = std::nanf("");
     const double y = 5.0 + 20.0 * std::abs(std::sin(++n_));
-    ASSERT_TRUE(r.Learn({absl::StrCat("c", n_), readout::FeatureView::F32(x.data(), kDim), y})
+    ASSERT_TRUE(r.Learn({absl::StrCat("c", n_), readout::FeatureView::F32(x.data(), kDim), y, {}})
                     .ok());
     if (reference != nullptr) reference->Learn(x, y);
   }
