@@ -76,6 +76,7 @@ class RocksStoreTest : public ::testing::Test {
     LogRecord r;
     r.seq = seq;
     r.request_id = absl::StrCat("req-", seq);
+    r.dedup_keys = {r.request_id};
     std::mt19937_64 rng(seq);
     r.features = testing::Bytes(testing::RandomFeatures(state_, rng));
     r.target = std::sqrt(static_cast<double>(seq * 10));

@@ -11,6 +11,15 @@
 namespace leap::sidecar {
 namespace {
 
+// True when an augmented row and its target can enter an RLS update.
+bool FiniteRow(const float* u, int64_t n, double y) {
+  if (!std::isfinite(y)) return false;
+  for (int64_t j = 0; j < n; ++j) {
+    if (!std::isfinite(u[j])) return false;
+  }
+  return true;
+}
+
 // Quality windows of this many recent versions are kept.
 constexpr size_t kVersionWindows = 64;
 
@@ -49,7 +58,7 @@ absl::Status LiveReadoutOptions::Validate() const {
   if (quality_window < 2) {
     return absl::InvalidArgumentError("quality_window must be >= 2");
   }
-  return absl::OkStatus();
+  return guardrail.Validate(quality_window);
 }
 
 LiveReadout::LiveReadout(LiveReadoutInit init, LiveReadoutOptions options,
@@ -110,6 +119,19 @@ LiveReadout::LiveReadout(LiveReadoutInit init, LiveReadoutOptions options,
   metrics_.version->Set(static_cast<double>(version_.load()));
   metrics_.frozen->Set(frozen_.load() ? 1 : 0);
   metrics_.spearman->Set(NAN);
+  if (options_.guardrail.enabled() && adaptive_) {
+    guardrail_ = std::make_unique<ReadoutGuardrail>(
+        options_.guardrail, options_.quality_window,
+        ReadoutGuardrail::Series{metrics_.guardrail_state,
+                                 metrics_.guardrail_trips_freeze,
+                                 metrics_.guardrail_trips_rollback},
+        frozen_.load() && frozen_reason_.rfind("guardrail:", 0) == 0);
+    if (absl::StatusOr<std::vector<storage::SnapshotInfo>> snaps =
+            ListSnapshots();
+        snaps.ok()) {
+      guardrail_->OnSnapshots(*snaps);
+    }
+  }
   if (adaptive_) worker_ = std::thread([this] { WorkerLoop(); });
   if (store_ != nullptr && adaptive_) {
     checkpointer_ = std::thread([this] { CheckpointLoop(); });
@@ -126,7 +148,7 @@ std::string LiveReadout::frozen_reason() const {
   return frozen_.load() ? frozen_reason_ : std::string();
 }
 
-absl::Status LiveReadout::SetFrozen(bool frozen) {
+absl::Status LiveReadout::SetFrozen(bool frozen, const std::string& reason) {
   if (!frozen && !adaptive_) {
     return absl::FailedPreconditionError(absl::StrCat(
         "readout '", name_,
@@ -135,14 +157,15 @@ absl::Status LiveReadout::SetFrozen(bool frozen) {
   {
     absl::MutexLock order(&freeze_mu_);
     if (store_ != nullptr) {
-      absl::Status s = store_->SetFrozen(meta_, frozen);
+      absl::Status s = store_->SetFrozen(meta_, frozen, reason);
       if (!s.ok()) return s;
     }
     absl::MutexLock lock(&mu_);
     frozen_.store(frozen);
-    frozen_reason_.clear();
+    frozen_reason_ = frozen ? reason : "";
     metrics_.frozen->Set(frozen ? 1 : 0);
   }
+  if (!frozen && guardrail_ != nullptr) guardrail_->Rearm();
   absl::MutexLock lock(&mu_);
   if (frozen) {
     // Immediate: once this returns no batch is applied (and no version
@@ -231,7 +254,7 @@ void LiveReadout::RecoverLog(std::vector<storage::LogRecord> log,
       size_t end = pos;
       while (end < log.size() && log[end].seq <= h.last_seq) ++end;
       const int64_t k = static_cast<int64_t>(end - pos);
-      if (k == 0 || learned + k != h.completions_learned) {
+      if (k == 0) {
         problem(absl::StrCat("the log does not hold version ", h.version,
                              "'s batch; the rest is learned as new versions"));
         break;
@@ -239,6 +262,7 @@ void LiveReadout::RecoverLog(std::vector<storage::LogRecord> log,
       u.assign(static_cast<size_t>(k * n), 0.0f);
       y.resize(k);
       bool bad = false;
+      int64_t rows = 0;  // the rows the RLS thread applied (finite ones)
       for (int64_t i = 0; i < k; ++i) {
         const storage::LogRecord& rec = log[pos + i];
         const int64_t dim = static_cast<int64_t>(
@@ -248,12 +272,19 @@ void LiveReadout::RecoverLog(std::vector<storage::LogRecord> log,
           break;
         }
         standardizer_.Augment({rec.features.data(), rec.dtype, dim, 1},
-                              u.data() + i * n);
-        y[i] = rec.target;
+                              u.data() + rows * n);
+        y[rows] = rec.target;
+        if (FiniteRow(u.data() + rows * n, n, rec.target)) ++rows;
       }
+      y.resize(rows);
       if (bad) {
         problem(absl::StrCat("a record of version ", h.version,
                              "'s batch has the wrong width"));
+        break;
+      }
+      if (learned + rows != h.completions_learned) {
+        problem(absl::StrCat("the log does not hold version ", h.version,
+                             "'s batch; the rest is learned as new versions"));
         break;
       }
       absl::Status s = rls_->Update(u.data(), n, y);
@@ -265,7 +296,7 @@ void LiveReadout::RecoverLog(std::vector<storage::LogRecord> log,
         break;
       }
       applied_seq_ = h.last_seq;
-      learned += k;
+      learned += rows;
       pos = end;
       reached = &h;
     }
@@ -305,18 +336,29 @@ void LiveReadout::RecoverLog(std::vector<storage::LogRecord> log,
 
 void LiveReadout::RecordQuality(int64_t version, double predicted_tokens,
                                 double true_tokens) {
-  absl::MutexLock lock(&quality_mu_);
-  auto it = per_version_.find(version);
-  if (it == per_version_.end()) {
-    it = per_version_.emplace(version, RollingSpearman(options_.quality_window))
-             .first;
-    while (per_version_.size() > kVersionWindows) {
-      per_version_.erase(per_version_.begin());
+  {
+    absl::MutexLock lock(&quality_mu_);
+    auto it = per_version_.find(version);
+    if (it == per_version_.end()) {
+      it = per_version_.emplace(version, RollingSpearman(options_.quality_window))
+               .first;
+      while (per_version_.size() > kVersionWindows) {
+        per_version_.erase(per_version_.begin());
+      }
     }
+    it->second.Add(predicted_tokens, true_tokens);
+    overall_.Add(predicted_tokens, true_tokens);
+    metrics_.spearman->Set(overall_.Value());
   }
-  it->second.Add(predicted_tokens, true_tokens);
-  overall_.Add(predicted_tokens, true_tokens);
-  metrics_.spearman->Set(overall_.Value());
+  // Judged only while learning: its actions stop and undo learning.
+  if (guardrail_ != nullptr && !frozen_.load()) {
+    guardrail_->Observe(*this, predicted_tokens, true_tokens);
+  }
+}
+
+GuardrailStatus LiveReadout::guardrail() const {
+  if (guardrail_ == nullptr) return GuardrailStatus{};
+  return guardrail_->Status(frozen_.load());
 }
 
 int64_t LiveReadout::backlog() const {
@@ -413,6 +455,20 @@ void LiveReadout::CheckpointLoop() {
 
 absl::StatusOr<storage::SnapshotInfo> LiveReadout::Snapshot(
     const std::string& label) {
+  absl::StatusOr<storage::SnapshotInfo> info = TakeSnapshot(label);
+  if (info.ok() && guardrail_ != nullptr) {
+    // Labels may be replaced: the last good one is recomputed from all.
+    if (absl::StatusOr<std::vector<storage::SnapshotInfo>> snaps =
+            ListSnapshots();
+        snaps.ok()) {
+      guardrail_->OnSnapshots(*snaps);
+    }
+  }
+  return info;
+}
+
+absl::StatusOr<storage::SnapshotInfo> LiveReadout::TakeSnapshot(
+    const std::string& label) {
   if (label.empty() || label.size() > 128 ||
       label.find('\0') != std::string::npos) {
     return absl::InvalidArgumentError("snapshot label must be 1-128 bytes, no NUL");
@@ -421,6 +477,7 @@ absl::StatusOr<storage::SnapshotInfo> LiveReadout::Snapshot(
   info.label = label;
   int64_t n = 0;
   info.spearman = spearman(&n);
+  info.spearman_n = n;
   info.unix_ms = UnixMs();
   absl::MutexLock lock(&state_mu_);
   storage::ReadoutCheckpoint c;
@@ -520,6 +577,8 @@ absl::StatusOr<int64_t> LiveReadout::Rollback(const std::string& label) {
           "undo it): ", written.message()));
     }
   }
+  // An operator's rollback while learning replaces the judged state.
+  if (guardrail_ != nullptr && !frozen_.load()) guardrail_->Rearm();
   if (dropped > 0) {
     std::fprintf(stderr,
                  "leapd: readout '%s': rollback to '%s' dropped %lld completions "
@@ -606,6 +665,31 @@ void LiveReadout::WorkerLoop() {
       }
       in_flight_ = true;
       metrics_.rls_backlog->Set(static_cast<double>(queue_.size()));
+    }
+    // A completion whose standardized row or target is not finite can
+    // never be applied: it is dropped (logged, counted in rls_errors), so it
+    // neither freezes learning nor blocks the ones behind it. Recovery
+    // drops the same rows (RecoverLog).
+    {
+      size_t keep = 0;
+      for (size_t i = 0; i < batch.size(); ++i) {
+        if (FiniteRow(batch[i].u.data(), n, batch[i].y)) {
+          if (keep != i) batch[keep] = std::move(batch[i]);
+          ++keep;
+          continue;
+        }
+        std::fprintf(stderr,
+                     "leapd: readout '%s': completion (log seq %llu) dropped: "
+                     "its standardized features or target are not finite\n",
+                     name_.c_str(), static_cast<unsigned long long>(batch[i].seq));
+        metrics_.rls_errors->Increment();
+      }
+      batch.resize(keep);
+      if (batch.empty()) {
+        absl::MutexLock lock(&mu_);
+        in_flight_ = false;
+        continue;
+      }
     }
     const int64_t k = static_cast<int64_t>(batch.size());
     u.resize(k * n);

@@ -81,7 +81,7 @@ class LiveReadoutTest : public ::testing::Test {
     std::vector<float> x = testing::RandomFeatures(state_, rng_);
     if (nan) x[2] = std::nanf("");
     const double y = 5.0 + 20.0 * std::abs(std::sin(++n_));
-    ASSERT_TRUE(r.Learn({absl::StrCat("c", n_), readout::FeatureView::F32(x.data(), kDim), y})
+    ASSERT_TRUE(r.Learn({absl::StrCat("c", n_), readout::FeatureView::F32(x.data(), kDim), y, {}})
                     .ok());
     if (reference != nullptr) reference->Learn(x, y);
   }
@@ -151,27 +151,47 @@ TEST_F(LiveReadoutTest, FrozenQueuesAndResumes) {
   EXPECT_LT(testing::RelErr(r->Export().theta, reference.Theta()), 1e-6);
 }
 
-TEST_F(LiveReadoutTest, AnRlsFailureStopsAdaptingAndKeepsTheLastGoodVersion) {
+TEST_F(LiveReadoutTest, ACompletionThatCannotBeAppliedIsDroppedWithoutFreezing) {
   auto r = Make(Options(1));
-  ASSERT_TRUE(r->Snapshot("before").ok());
   const int published = watch_->count();
   Learn(*r, nullptr, /*nan=*/true);
   r->WaitIdle();
-  EXPECT_TRUE(r->frozen());
+  EXPECT_FALSE(r->frozen());
+  EXPECT_EQ(r->frozen_reason(), "");
+  EXPECT_EQ(r->backlog(), 0);
   EXPECT_EQ(r->current()->version, 1);
   EXPECT_EQ(r->Export().theta, state_.theta);
   EXPECT_EQ(watch_->count(), published);
-  absl::Status resume = r->SetFrozen(false);
-  EXPECT_TRUE(absl::IsFailedPrecondition(resume)) << resume;
-  // Rolling back to a good state allows resuming, and learning works again.
-  auto v = r->Rollback("before");
-  ASSERT_TRUE(v.ok()) << v.status();
-  EXPECT_EQ(*v, 2);
-  ASSERT_TRUE(r->SetFrozen(false).ok());
+  // The ones after it are learned.
   testing::ClosedForm reference(state_);
   Learn(*r, &reference);
-  ASSERT_TRUE(watch_->AwaitVersion(3));
+  ASSERT_TRUE(watch_->AwaitVersion(2));
+  EXPECT_EQ(r->completions_learned(), 1);
   EXPECT_LT(testing::RelErr(r->Export().theta, reference.Theta()), 1e-6);
+}
+
+TEST_F(LiveReadoutTest, AnRlsFailureFreezesWithItsReasonAndKeepsTheCompletions) {
+  // An indefinite P: every update is rejected (loss of definiteness).
+  state_.p = readout::SymMatrix::ScaledIdentity(kDim + 1, -1.0f);
+  auto r = Make(Options(2));
+  const int published = watch_->count();
+  Learn(*r);
+  Learn(*r);
+  r->WaitIdle();
+  EXPECT_TRUE(r->frozen());
+  EXPECT_NE(r->frozen_reason().find("rls: RLS batch rejected"), std::string::npos)
+      << r->frozen_reason();
+  EXPECT_EQ(r->backlog(), 2);  // kept, not cleared
+  EXPECT_EQ(r->current()->version, 1);
+  EXPECT_EQ(watch_->count(), published);
+  // A resume retries them; the failure recurs and freezes it again, with
+  // the completions still kept.
+  ASSERT_TRUE(r->SetFrozen(false).ok());
+  r->WaitIdle();
+  EXPECT_TRUE(r->frozen());
+  EXPECT_FALSE(r->frozen_reason().empty());
+  EXPECT_EQ(r->backlog(), 2);
+  EXPECT_EQ(r->completions_learned(), 0);
 }
 
 TEST_F(LiveReadoutTest, RollbackDropsCompletionsNotYetApplied) {
@@ -250,7 +270,9 @@ class LogFailsStore : public storage::StateStore {
     return absl::OkStatus();
   }
   absl::Status DeleteReadout(const storage::ReadoutMeta&) override { return absl::OkStatus(); }
-  absl::Status SetFrozen(const storage::ReadoutMeta&, bool) override { return absl::OkStatus(); }
+  absl::Status SetFrozen(const storage::ReadoutMeta&, bool, const std::string&) override {
+    return absl::OkStatus();
+  }
   absl::Status PutRoute(const std::string&, const std::string&) override {
     return absl::OkStatus();
   }
@@ -267,6 +289,10 @@ class LogFailsStore : public storage::StateStore {
   absl::Status PutVersion(const storage::ReadoutMeta&, const storage::VersionEntry&,
                           const Eigen::VectorXd&) override {
     return absl::OkStatus();
+  }
+  absl::StatusOr<Eigen::VectorXd> GetVersionTheta(const storage::ReadoutMeta&,
+                                                  int64_t) override {
+    return absl::NotFoundError("none");
   }
   absl::Status PutSnapshot(const storage::ReadoutMeta&, const storage::SnapshotInfo&,
                            const storage::ReadoutCheckpoint&) override {

@@ -37,6 +37,9 @@ struct ReadoutMetrics {
   prometheus::Histogram* checkpoint_seconds;
   prometheus::Gauge* checkpoint_bytes;
   prometheus::Counter* checkpoint_errors;
+  prometheus::Gauge* guardrail_state;
+  prometheus::Counter* guardrail_trips_freeze;
+  prometheus::Counter* guardrail_trips_rollback;
 };
 
 // Thread-safe: any thread (gRPC handlers, shm loop, RLS workers) may call
@@ -103,6 +106,8 @@ class Metrics {
   prometheus::Family<prometheus::Gauge>* checkpoint_bytes_;
   prometheus::Family<prometheus::Counter>* checkpoint_errors_;
   prometheus::Family<prometheus::Gauge>* storage_bytes_;
+  prometheus::Family<prometheus::Gauge>* guardrail_state_;
+  prometheus::Family<prometheus::Counter>* guardrail_trips_;
   prometheus::Histogram* prediction_latency_;
   prometheus::Gauge* cache_bytes_;
   prometheus::Gauge* cache_entries_;

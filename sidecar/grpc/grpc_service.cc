@@ -45,6 +45,20 @@ void FillVersion(const VersionRecord& v, pb::VersionInfo* out) {
   out->set_spearman_n(v.spearman_n);
 }
 
+void FillGuardrail(const GuardrailStatus& g, pb::GuardrailStats* out) {
+  out->set_state(g.state);
+  out->set_spearman(g.spearman);
+  out->set_spearman_n(g.spearman_n);
+  out->set_trips(g.trips);
+  out->set_last_trip(g.last_trip);
+  out->set_last_trip_unix_ms(g.last_trip_unix_ms);
+  if (g.last_good.has_value()) {
+    out->set_last_good_label(g.last_good->label);
+    out->set_last_good_spearman(g.last_good->spearman);
+    out->set_last_good_spearman_n(g.last_good->spearman_n);
+  }
+}
+
 // One engine's Connect stream. The handler thread reads and answers; a
 // writer thread owns every Write (answers, publish notices, rescores), so a
 // publish never waits on a slow engine and answers keep their order.
@@ -552,6 +566,7 @@ grpc::Status AdminService::GetStats(grpc::ServerContext* ctx,
         FillVersion(v, s->add_versions());
       }
     }
+    FillGuardrail(r->guardrail(), s->mutable_guardrail());
   }
   for (const ArmStat& a : core_->ArmStats()) {
     if (!req->readout().empty() && a.readout != req->readout()) continue;
@@ -585,6 +600,7 @@ void FillSnapshot(const storage::SnapshotInfo& i, pb::SnapshotInfo* out) {
   out->set_completions_learned(i.completions_learned);
   out->set_spearman(i.spearman);
   out->set_unix_ms(i.unix_ms);
+  out->set_spearman_n(i.spearman_n);
 }
 }  // namespace
 
