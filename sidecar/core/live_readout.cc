@@ -232,7 +232,7 @@ void LiveReadout::RecoverLog(std::vector<storage::LogRecord> log,
   auto problem = [&](std::string text) {
     problems->push_back(absl::StrCat("readout '", name_, "': ", text));
   };
-  if (rls_.has_value()) {
+  if (adaptive_) {  // rls_ is set exactly when adaptive_ (read under state_mu_)
     absl::MutexLock lock(&state_mu_);
     const int64_t start = current()->version;
     const storage::VersionEntry* reached = nullptr;
