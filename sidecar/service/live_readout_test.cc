@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
@@ -81,7 +82,7 @@ class LiveReadoutTest : public ::testing::Test {
     std::vector<float> x = testing::RandomFeatures(state_, rng_);
     if (nan) x[2] = std::nanf("");
     const double y = 5.0 + 20.0 * std::abs(std::sin(++n_));
-    ASSERT_TRUE(r.Learn({absl::StrCat("c", n_), readout::FeatureView::F32(x.data(), kDim), y})
+    ASSERT_TRUE(r.Learn({absl::StrCat("c", n_), readout::FeatureView::F32(x.data(), kDim), y, {}})
                     .ok());
     if (reference != nullptr) reference->Learn(x, y);
   }
@@ -151,39 +152,41 @@ TEST_F(LiveReadoutTest, FrozenQueuesAndResumes) {
   EXPECT_LT(testing::RelErr(r->Export().theta, reference.Theta()), 1e-6);
 }
 
-TEST_F(LiveReadoutTest, AnRlsFailureStopsAdaptingAndKeepsTheLastGoodVersion) {
+TEST_F(LiveReadoutTest, AnRlsFailureFreezesLearningKeepsServingAndKeepsTheBatch) {
   auto r = Make(Options(1));
-  ASSERT_TRUE(r->Snapshot("before").ok());
   const int published = watch_->count();
   Learn(*r, nullptr, /*nan=*/true);
   r->WaitIdle();
   EXPECT_TRUE(r->frozen());
+  EXPECT_TRUE(absl::StartsWith(r->frozen_reason(), "rls: ")) << r->frozen_reason();
+  EXPECT_NE(r->frozen_reason().find("not finite"), std::string::npos)
+      << r->frozen_reason();
+  // The last good version is still served; the completion is kept queued.
   EXPECT_EQ(r->current()->version, 1);
   EXPECT_EQ(r->Export().theta, state_.theta);
   EXPECT_EQ(watch_->count(), published);
-  absl::Status resume = r->SetFrozen(false);
-  EXPECT_TRUE(absl::IsFailedPrecondition(resume)) << resume;
-  // Rolling back to a good state allows resuming, and learning works again.
-  auto v = r->Rollback("before");
-  ASSERT_TRUE(v.ok()) << v.status();
-  EXPECT_EQ(*v, 2);
+  EXPECT_EQ(r->backlog(), 1);
+  // Resuming retries it: the same failure freezes it again, with its reason.
   ASSERT_TRUE(r->SetFrozen(false).ok());
-  testing::ClosedForm reference(state_);
-  Learn(*r, &reference);
-  ASSERT_TRUE(watch_->AwaitVersion(3));
-  EXPECT_LT(testing::RelErr(r->Export().theta, reference.Theta()), 1e-6);
+  r->WaitIdle();
+  EXPECT_TRUE(r->frozen());
+  EXPECT_TRUE(absl::StartsWith(r->frozen_reason(), "rls: ")) << r->frozen_reason();
+  EXPECT_EQ(r->current()->version, 1);
+  EXPECT_EQ(r->backlog(), 1);
+  // An operator's freeze has no reason.
+  ASSERT_TRUE(r->SetFrozen(true).ok());
+  EXPECT_EQ(r->frozen_reason(), "");
 }
 
 TEST_F(LiveReadoutTest, RollbackDropsCompletionsNotYetApplied) {
-  auto r = Make(Options(2));
+  auto r = Make(Options(8));  // a partial batch waits (an hour)
   ASSERT_TRUE(r->Snapshot("s").ok());
-  ASSERT_TRUE(r->SetFrozen(true).ok());
   for (int i = 0; i < 3; ++i) Learn(*r);
   EXPECT_EQ(r->backlog(), 3);
   auto v = r->Rollback("s");
   ASSERT_TRUE(v.ok()) << v.status();
+  EXPECT_EQ(*v, 2);
   EXPECT_EQ(r->backlog(), 0);
-  ASSERT_TRUE(r->SetFrozen(false).ok());
   r->WaitIdle();
   EXPECT_EQ(r->completions_learned(), 0);
   EXPECT_EQ(r->Export().theta, state_.theta);
@@ -193,6 +196,24 @@ TEST_F(LiveReadoutTest, RollbackDropsCompletionsNotYetApplied) {
   ASSERT_EQ(list->size(), 1u);
   EXPECT_EQ((*list)[0].label, "s");
   EXPECT_TRUE(absl::IsInvalidArgument(r->Snapshot(std::string(129, 'x')).status()));
+  EXPECT_TRUE(absl::IsNotFound(r->Rollback("none").status()));
+}
+
+TEST_F(LiveReadoutTest, RollbackWhileFrozenKeepsTheQueueForAfterResuming) {
+  auto r = Make(Options(2));
+  testing::ClosedForm reference(state_);
+  for (int i = 0; i < 2; ++i) Learn(*r, &reference);
+  ASSERT_TRUE(watch_->AwaitVersion(2));
+  ASSERT_TRUE(r->Snapshot("s").ok());
+  ASSERT_TRUE(r->SetFrozen(true).ok());
+  for (int i = 0; i < 2; ++i) Learn(*r, &reference);
+  ASSERT_TRUE(r->Rollback("s").ok());
+  EXPECT_EQ(r->backlog(), 2);
+  ASSERT_TRUE(r->SetFrozen(false).ok());
+  r->WaitIdle();
+  // Applied on top of the snapshot, which here is the state they followed.
+  EXPECT_EQ(r->completions_learned(), 4);
+  EXPECT_LT(testing::RelErr(r->Export().theta, reference.Theta()), 1e-6);
 }
 
 TEST_F(LiveReadoutTest, QualityIsKeptPerVersion) {
@@ -250,7 +271,10 @@ class LogFailsStore : public storage::StateStore {
     return absl::OkStatus();
   }
   absl::Status DeleteReadout(const storage::ReadoutMeta&) override { return absl::OkStatus(); }
-  absl::Status SetFrozen(const storage::ReadoutMeta&, bool) override { return absl::OkStatus(); }
+  absl::Status SetFrozen(const storage::ReadoutMeta&, bool,
+                         const std::string&) override {
+    return absl::OkStatus();
+  }
   absl::Status PutRoute(const std::string&, const std::string&) override {
     return absl::OkStatus();
   }
@@ -267,6 +291,10 @@ class LogFailsStore : public storage::StateStore {
   absl::Status PutVersion(const storage::ReadoutMeta&, const storage::VersionEntry&,
                           const Eigen::VectorXd&) override {
     return absl::OkStatus();
+  }
+  absl::StatusOr<Eigen::VectorXd> GetVersionTheta(const storage::ReadoutMeta&,
+                                                  int64_t) override {
+    return absl::NotFoundError("none");
   }
   absl::Status PutSnapshot(const storage::ReadoutMeta&, const storage::SnapshotInfo&,
                            const storage::ReadoutCheckpoint&) override {
@@ -290,7 +318,7 @@ TEST_F(LiveReadoutTest, ACompletionNotLoggedIsNeitherAcknowledgedNorLearned) {
   LogFailsStore store;
   auto r = Make(Options(1), &store);
   std::vector<float> x = testing::RandomFeatures(state_, rng_);
-  absl::Status s = r->Learn({"c", readout::FeatureView::F32(x.data(), kDim), 10.0});
+  absl::Status s = r->Learn({"c", readout::FeatureView::F32(x.data(), kDim), 10.0, {}});
   EXPECT_TRUE(absl::IsUnavailable(s)) << s;
   EXPECT_NE(s.message().find("disk full"), std::string::npos) << s;
   r->WaitIdle();
@@ -343,6 +371,39 @@ TEST_F(LiveReadoutTest, CheckpointsInTheStoreHoldTheExactState) {
   }
   // Every published version is in the history.
   EXPECT_EQ(rec.max_version, 5);
+  store.reset();
+  std::filesystem::remove_all(dir);
+}
+
+TEST_F(LiveReadoutTest, AnRlsFailureFreezeIsDurable) {
+  const std::string dir = absl::StrCat(::testing::TempDir(), "/live_readout_freeze_",
+                                       ::getpid());
+  std::filesystem::remove_all(dir);
+  auto opened = storage::OpenRocksStore(dir);
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  std::unique_ptr<storage::StateStore> store = std::move(*opened);
+  storage::ReadoutMeta meta;
+  meta.name = "r";
+  meta.spec = state_.spec;
+  meta.standardizer = state_.standardizer;
+  storage::ReadoutCheckpoint initial;
+  initial.version = 1;
+  initial.theta = state_.theta;
+  initial.p = state_.p;
+  ASSERT_TRUE(store->CreateReadout(&meta, initial).ok());
+  auto r = Make(Options(1), store.get(), meta);
+  Learn(*r, nullptr, /*nan=*/true);
+  r->WaitIdle();
+  ASSERT_TRUE(r->frozen());
+  const std::string reason = r->frozen_reason();
+  r.reset();
+  auto loaded = store->Load();
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  ASSERT_EQ(loaded->readouts.size(), 1u);
+  EXPECT_TRUE(loaded->readouts[0].meta.frozen);
+  EXPECT_EQ(loaded->readouts[0].meta.frozen_reason, reason);
+  // The completion is still in the log (acknowledged, never lost).
+  EXPECT_EQ(loaded->readouts[0].log.size(), 1u);
   store.reset();
   std::filesystem::remove_all(dir);
 }
