@@ -229,8 +229,10 @@ std::string Stream(const std::vector<pb::EngineMessage>& msgs) {
   return out;
 }
 
-pb::EngineMessage Hello(pb::FeatureDType dtype, int64_t dim) {
+pb::EngineMessage Hello(pb::FeatureDType dtype, int64_t dim,
+                        const std::string& instance = "") {
   pb::EngineMessage m;
+  m.mutable_hello()->set_instance_id(instance);
   m.set_seq(1);
   m.mutable_hello()->set_dim(dim);
   m.mutable_hello()->set_dtype(dtype);
@@ -290,6 +292,10 @@ void EngineSeeds() {
         Stream({Hello(pb::FEATURE_DTYPE_FLOAT32, 4),
                 Hello(pb::FEATURE_DTYPE_FLOAT32, 4), empty,
                 Completions(10, 1, pb::FINISH_REASON_UNSPECIFIED)}));
+  Write("engine_session", "instance_predict_complete",
+        Stream({Hello(pb::FEATURE_DTYPE_FLOAT32, 4, "engine-a"),
+                Features(2, 2, 16, "pl"), Completions(3, 2, pb::FINISH_REASON_STOP),
+                Completions(4, 2, pb::FINISH_REASON_STOP)}));
   Write("engine_session", "dim_mismatch",
         Stream({Hello(pb::FEATURE_DTYPE_FLOAT32, 8), Features(2, 1, 32, "")}));
 }
@@ -302,6 +308,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   out_dir = argv[1];
+  fs::create_directories(out_dir);
   NpySeeds();
   ArtifactSeeds();
   ShmSeeds();

@@ -6,9 +6,11 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <memory>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -26,10 +28,10 @@
 #include "grpcpp/health_check_service_interface.h"
 #include "prometheus/exposer.h"
 #include "readout/artifact.h"
-#include "sidecar/service/admin_auth.h"
-#include "sidecar/service/core.h"
-#include "sidecar/service/grpc_service.h"
-#include "sidecar/service/shm_server.h"
+#include "sidecar/grpc/admin_auth.h"
+#include "sidecar/core/core.h"
+#include "sidecar/grpc/grpc_service.h"
+#include "sidecar/shm/shm_server.h"
 #include "storage/rocksdb_store.h"
 
 ABSL_FLAG(std::vector<std::string>, listen, {"127.0.0.1:7070"},
@@ -86,6 +88,28 @@ ABSL_FLAG(absl::Duration, feature_cache_ttl, absl::Minutes(30),
           "Live requests older than this are evicted.");
 ABSL_FLAG(int64_t, quality_window, 1000,
           "Completions in each rolling Spearman window.");
+ABSL_FLAG(std::optional<double>, guardrail_floor, std::nullopt,
+          "Quality guardrail: while a readout learns, when the rolling "
+          "Spearman of its predicted vs. true lengths (over its latest "
+          "--quality_window completions, judged once it holds "
+          "--guardrail_min_samples) falls below this value in [-1, 1], "
+          "leapd freezes its learning (persisted, with the reason) and "
+          "applies --guardrail_action. Unset: no floor.");
+ABSL_FLAG(std::optional<double>, guardrail_margin, std::nullopt,
+          "Quality guardrail: trip also when that Spearman is more than this "
+          "(in (0, 2]) below the one recorded with the last good snapshot "
+          "(the newest snapshot whose recorded Spearman covered at least "
+          "--guardrail_min_samples completions and met the floor). Unset: no "
+          "margin check. With neither floor nor margin the guardrail is off.");
+ABSL_FLAG(int64_t, guardrail_min_samples, 500,
+          "Quality guardrail: completions the window must hold before it is "
+          "judged (and that a snapshot's recorded Spearman must cover to "
+          "count as good); in [2, --quality_window].");
+ABSL_FLAG(std::string, guardrail_action, "freeze",
+          "Quality guardrail: what a trip does: 'freeze' (learning frozen "
+          "until 'leapctl resume') or 'rollback' (frozen, and the readout "
+          "rolled back to the last good snapshot, published as a new "
+          "version; frozen only when there is none).");
 ABSL_FLAG(int64_t, max_batch_bytes, int64_t{64} << 20,
           "Largest feature payload of one message; larger ones get "
           "RESOURCE_EXHAUSTED without ending the stream.");
@@ -223,6 +247,19 @@ int main(int argc, char** argv) {
   options.readout.checkpoint_every_ns =
       absl::ToInt64Nanoseconds(absl::GetFlag(FLAGS_checkpoint_every));
   options.readout.versions_kept = absl::GetFlag(FLAGS_versions_kept);
+  options.readout.guardrail.floor =
+      absl::GetFlag(FLAGS_guardrail_floor).value_or(NAN);
+  options.readout.guardrail.margin =
+      absl::GetFlag(FLAGS_guardrail_margin).value_or(NAN);
+  options.readout.guardrail.min_samples =
+      absl::GetFlag(FLAGS_guardrail_min_samples);
+  {
+    absl::StatusOr<leap::sidecar::GuardrailAction> action =
+        leap::sidecar::ParseGuardrailAction(
+            absl::GetFlag(FLAGS_guardrail_action));
+    if (!action.ok()) return Fail(std::string(action.status().message()));
+    options.readout.guardrail.action = *action;
+  }
   if (absl::Status s = options.Validate(); !s.ok()) {
     return Fail(std::string(s.message()));
   }

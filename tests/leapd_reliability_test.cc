@@ -30,7 +30,7 @@
 #include "absl/strings/str_cat.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "gtest/gtest.h"
-#include "sidecar/readout/artifact.h"
+#include "readout/artifact.h"
 #include "tests/support/engine_client.h"
 #include "tests/support/process.h"
 

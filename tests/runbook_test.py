@@ -250,11 +250,13 @@ class RunbookTest(unittest.TestCase):
         self.assertIsNotNone(m, snap)
         snap_version = int(m.group(1))
         self.assertGreater(snap_version, 1)  # the traffic was learned
-        # The restart kept the state (from the volume): the recovered
-        # version has every completion learned before it.
+        # The restart kept the state (from the volume): leapd resumed at the
+        # version it had, which holds every completion learned before it,
+        # and published nothing for the restart.
         restarted = output_of("rollout restart")
         self.assertIn("statefulset.apps/chat-leap restarted", restarted)
-        self.assertRegex(restarted, r"\s%d\s+\S+\s+recovered\s" % learned)
+        last = restarted.strip().splitlines()[-1]
+        self.assertRegex(last, r"\s%d\s+\S+\s+rls\s" % learned)
         self.assertRegex(output_of("leapctl rollback"),
                          r"rolled readout chat back to snapshot before-rollout"
                          r" as version \d+")

@@ -45,13 +45,15 @@ class EngineStream {
              absl::Duration timeout = absl::Seconds(30));
   // Sends and waits for the answer.
   leap::v1::SidecarMessage Call(leap::v1::EngineMessage m);
-  // Waits until `pred` (evaluated under the lock) holds.
+  // Waits until `pred` holds: evaluated without the lock, now and after each
+  // message the reader records.
   bool WaitUntil(const std::function<bool()>& pred,
                  absl::Duration timeout = absl::Seconds(60));
   // Closes the writing side and waits for the stream's status.
   grpc::Status Finish();
 
-  // Recorded pushes; read under WaitUntil or after Finish.
+  // Copies of the recorded pushes (under the lock; any thread, also inside a
+  // WaitUntil predicate).
   std::vector<int64_t> published(const std::string& readout);
   // request id -> latest rescored prediction, per readout version.
   std::map<int64_t, std::map<std::string, leap::v1::Prediction>> rescores(
@@ -78,6 +80,7 @@ class EngineStream {
            std::map<int64_t, std::map<std::string, leap::v1::Prediction>>>
       rescores_ ABSL_GUARDED_BY(mu_);
   bool closed_ ABSL_GUARDED_BY(mu_) = false;
+  uint64_t changes_ ABSL_GUARDED_BY(mu_) = 0;  // messages recorded, and close
   bool alive_ ABSL_GUARDED_BY(write_mu_) = true;
   std::thread reader_;
 };

@@ -461,10 +461,11 @@ namespace {
 std::string FormatSnapshot(const pb::SnapshotInfo& s) {
   const absl::Time t = absl::FromUnixMillis(s.unix_ms());
   return absl::StrFormat(
-      "%-24s version %-8d learned %-9d spearman %s  %s\n", s.label(),
+      "%-24s version %-8d learned %-9d spearman %s (n %d)  %s\n", s.label(),
       s.version(), s.completions_learned(),
       std::isfinite(s.spearman()) ? absl::StrFormat("%.4f", s.spearman())
                                   : std::string("-"),
+      s.spearman_n(),
       absl::FormatTime("%Y-%m-%d %H:%M:%S UTC", t, absl::UTCTimeZone()));
 }
 
@@ -675,7 +676,13 @@ int StatsCommand(const std::vector<std::string>& args, std::ostream& out,
       "true\n"
       "length over the latest completions, and per version. Per (product "
       "line,\n"
-      "arm): predictions, completions joined, rolling Spearman. Then the "
+      "arm): predictions, completions joined, rolling Spearman. With leapd's "
+      "quality\n"
+      "guardrail on (--guardrail_floor/--guardrail_margin): its state "
+      "(warming,\n"
+      "watching, paused, tripped), judged Spearman, last good snapshot, trips "
+      "and\n"
+      "the last trip's reason. Then the "
       "live\n"
       "requests, feature cache bytes, completions for unknown request ids "
       "and\n"
@@ -687,7 +694,11 @@ int StatsCommand(const std::vector<std::string>& args, std::ostream& out,
   ServerFlags(flags, &server);
   flags.Bool("json", &json,
              "Print one JSON object: {\"readouts\": [{\"name\", \"version\", "
-             "\"frozen\", \"rls_backlog\", \"predictions\", "
+             "\"frozen\", \"frozen_reason\", \"guardrail\": {\"state\", "
+             "\"spearman\", \"spearman_n\", \"trips\", \"last_trip\", "
+             "\"last_trip_unix_ms\", \"last_good_label\", "
+             "\"last_good_spearman\", \"last_good_spearman_n\"}, "
+             "\"rls_backlog\", \"predictions\", "
              "\"completions_learned\", \"skipped\": {\"cancelled\", "
              "\"censored\", \"frozen\"}, \"spearman\", \"spearman_n\", "
              "\"versions\": [...]}], \"arms\": [{\"product_line\", \"arm\", "
