@@ -78,6 +78,14 @@ ABSL_FLAG(int64_t, max_batch_bytes, int64_t{64} << 20,
           "RESOURCE_EXHAUSTED without ending the stream.");
 ABSL_FLAG(int64_t, max_message_bytes, int64_t{512} << 20,
           "gRPC transport limit on one message (admin artifacts included).");
+ABSL_FLAG(int64_t, outbox_bytes, int64_t{64} << 20,
+          "Bytes queued for one consumer (a WatchReadout or Connect stream) "
+          "that does not read fast enough. Over it, queued versions are "
+          "first coalesced to the newest (a WatchReadout keeps only the "
+          "newest version, a Connect stream only the newest publish notice "
+          "per readout; rescores always carry the newest version); if still "
+          "over, the consumer is dropped with RESOURCE_EXHAUSTED \"consumer "
+          "too slow: N bytes queued\". Others never wait on it.");
 ABSL_FLAG(absl::Duration, drain_timeout, absl::Seconds(5),
           "On SIGTERM/SIGINT: time given to open streams to finish.");
 ABSL_FLAG(std::string, admin_token_file, "",
@@ -321,7 +329,11 @@ int main(int argc, char** argv) {
   }
 
   const std::string sidecar_id = RandomId();
-  leap::sidecar::PredictorService predictor(&core, sidecar_id);
+  if (absl::GetFlag(FLAGS_outbox_bytes) < 1) {
+    return Fail("--outbox_bytes must be >= 1");
+  }
+  leap::sidecar::PredictorService predictor(&core, sidecar_id,
+                                            absl::GetFlag(FLAGS_outbox_bytes));
   leap::sidecar::AdminService admin(&core, auth);
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
