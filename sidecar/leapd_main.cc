@@ -5,8 +5,11 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <memory>
 #include <random>
@@ -24,6 +27,9 @@
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
+#include "grpcpp/security/server_credentials.h"
+#include "grpcpp/security/tls_certificate_provider.h"
+#include "grpcpp/security/tls_credentials_options.h"
 #include "prometheus/exposer.h"
 #include "sidecar/readout/artifact.h"
 #include "sidecar/service/admin_auth.h"
@@ -95,6 +101,19 @@ ABSL_FLAG(std::string, admin_token_file, "",
           "surrounding whitespace is ignored. Admin calls over a unix socket "
           "are trusted; Predictor, health and reflection are not affected. "
           "Empty: no token is required.");
+ABSL_FLAG(std::string, tls_cert, "",
+          "PEM certificate chain of this server. With --tls_key, every TCP "
+          "--listen serves TLS only (plaintext clients are refused); unix "
+          "sockets stay plaintext. The files are re-read every "
+          "--tls_reload_interval: new connections use the new certificate.");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert.");
+ABSL_FLAG(std::string, tls_client_ca, "",
+          "PEM CA bundle for mutual TLS: with it, TCP clients must present a "
+          "certificate signed by one of these CAs (others are refused in the "
+          "handshake). Re-read like --tls_cert. Needs --tls_cert.");
+ABSL_FLAG(absl::Duration, tls_reload_interval, absl::Seconds(60),
+          "How often the --tls_cert, --tls_key and --tls_client_ca files are "
+          "checked for changes (whole seconds, at least 1 s).");
 
 ABSL_FLAG(std::string, shm, "",
           "Serve the shared-memory data plane on this attach socket path "
@@ -168,6 +187,73 @@ bool IsLocalAddress(const std::string& listen) {
 int Fail(const std::string& msg) {
   std::fprintf(stderr, "leapd: error: %s\n", msg.c_str());
   return 1;
+}
+
+// A readable PEM file (checked at start; later changes are picked up by the
+// certificate watcher).
+absl::Status CheckPemFile(const std::string& flag, const std::string& path) {
+  std::FILE* f = std::fopen(path.c_str(), "rb");
+  if (f == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--", flag, "=", path, ": cannot read: ", std::strerror(errno)));
+  }
+  char buf[4096];
+  const size_t n = std::fread(buf, 1, sizeof(buf), f);
+  std::fclose(f);
+  if (std::string(buf, n).find("-----BEGIN ") == std::string::npos) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--", flag, "=", path, ": not a PEM file"));
+  }
+  return absl::OkStatus();
+}
+
+// Credentials of the TCP listeners: TLS (mutual with --tls_client_ca) from
+// files a watcher re-reads, else plaintext; with an admin token, the
+// processor that checks it before a call's body is read.
+absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> TcpCredentials(
+    std::shared_ptr<leap::sidecar::AdminAuthProcessor> processor) {
+  const std::string cert = absl::GetFlag(FLAGS_tls_cert);
+  const std::string key = absl::GetFlag(FLAGS_tls_key);
+  const std::string ca = absl::GetFlag(FLAGS_tls_client_ca);
+  if (cert.empty() != key.empty()) {
+    return absl::InvalidArgumentError("--tls_cert and --tls_key go together");
+  }
+  if (cert.empty()) {
+    if (!ca.empty()) {
+      return absl::InvalidArgumentError("--tls_client_ca needs --tls_cert");
+    }
+    if (processor != nullptr) {
+      return leap::sidecar::InsecureServerCredentialsWithAuth(processor);
+    }
+    return grpc::InsecureServerCredentials();
+  }
+  for (const auto& [flag, path] :
+       {std::pair<std::string, std::string>{"tls_cert", cert},
+        {"tls_key", key}, {"tls_client_ca", ca}}) {
+    if (path.empty()) continue;
+    if (absl::Status s = CheckPemFile(flag, path); !s.ok()) return s;
+  }
+  const int64_t interval = std::max<int64_t>(
+      1, absl::ToInt64Seconds(absl::GetFlag(FLAGS_tls_reload_interval)));
+  auto provider =
+      std::make_shared<grpc::experimental::FileWatcherCertificateProvider>(
+          key, cert, ca, static_cast<unsigned int>(interval));
+  grpc::experimental::TlsServerCredentialsOptions o(provider);
+  o.watch_identity_key_cert_pairs();
+  if (!ca.empty()) {
+    o.watch_root_certs();
+    o.set_cert_request_type(
+        GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
+  } else {
+    o.set_cert_request_type(GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
+  }
+  std::shared_ptr<grpc::ServerCredentials> creds =
+      grpc::experimental::TlsServerCredentials(o);
+  if (creds == nullptr) {
+    return absl::InvalidArgumentError("cannot make TLS server credentials");
+  }
+  if (processor != nullptr) creds->SetAuthMetadataProcessor(processor);
+  return creds;
 }
 
 }  // namespace
@@ -342,10 +428,22 @@ int main(int argc, char** argv) {
       static_cast<int>(absl::GetFlag(FLAGS_max_message_bytes)));
   builder.SetMaxSendMessageSize(
       static_cast<int>(absl::GetFlag(FLAGS_max_message_bytes)));
+  std::shared_ptr<leap::sidecar::AdminAuthProcessor> processor;
+  if (auth.enabled()) {
+    processor = std::make_shared<leap::sidecar::AdminAuthProcessor>(
+        auth, [&metrics] {
+          metrics.RequestErrors("UNAUTHENTICATED").Increment();
+        });
+  }
+  auto tcp_creds = TcpCredentials(processor);
+  if (!tcp_creds.ok()) return Fail(std::string(tcp_creds.status().message()));
   std::vector<int> ports(listens.size(), 0);
   for (size_t i = 0; i < listens.size(); ++i) {
-    builder.AddListeningPort(listens[i], grpc::InsecureServerCredentials(),
-                             &ports[i]);
+    const bool unix_socket = listens[i].rfind("unix", 0) == 0;
+    builder.AddListeningPort(
+        listens[i],
+        unix_socket ? grpc::InsecureServerCredentials() : *tcp_creds,
+        &ports[i]);
   }
   builder.RegisterService(&predictor);
   builder.RegisterService(&admin);
