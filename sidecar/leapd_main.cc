@@ -1,6 +1,7 @@
 // leapd: the LEAP sidecar daemon. Serves predictions, learns from
 // completions with RLS, pushes new readout versions to engines.
 // See `leapd --help` and the README.
+#include <grp.h>
 #include <malloc.h>
 #include <signal.h>
 #include <unistd.h>
@@ -19,6 +20,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
@@ -128,6 +130,11 @@ ABSL_FLAG(absl::Duration, shm_spin, absl::Microseconds(50),
           "load for more CPU).");
 ABSL_FLAG(int32_t, shm_max_slots, 65536,
           "Largest feature-slot count one engine may ask for.");
+ABSL_FLAG(std::string, shm_group, "",
+          "Group (name or numeric gid) given the --shm attach socket and "
+          "every segment, both mode 0660: only its members (and leapd's "
+          "user) may attach. leapd must be a member of it (or root). Empty: "
+          "leapd's own group, socket 0660, segments 0600.");
 ABSL_FLAG(int32_t, shm_max_engines, 64,
           "Engines attached over shm at once.");
 
@@ -304,8 +311,25 @@ int main(int argc, char** argv) {
   if (absl::Status s = options.Validate(); !s.ok()) {
     return Fail(std::string(s.message()));
   }
-  // The admin token first: a bad token file fails before any state is
-  // opened.
+  // The shm group and the admin token first: bad ones fail before any
+  // state is opened.
+  int64_t shm_gid = -1;
+  if (const std::string g = absl::GetFlag(FLAGS_shm_group); !g.empty()) {
+    if (int64_t n = -1; absl::SimpleAtoi(g, &n) && n >= 0) {
+      shm_gid = n;
+    } else {
+      std::vector<char> buf(16384);
+      group gr{};
+      group* found = nullptr;
+      if (getgrnam_r(g.c_str(), &gr, buf.data(), buf.size(), &found) == 0 &&
+          found != nullptr) {
+        shm_gid = found->gr_gid;
+      }
+    }
+    if (shm_gid < 0) {
+      return Fail(absl::StrCat("--shm_group=", g, ": no such group"));
+    }
+  }
   leap::sidecar::AdminAuth auth;
   if (!absl::GetFlag(FLAGS_admin_token_file).empty()) {
     auto token = leap::sidecar::ReadAdminTokenFile(
@@ -468,6 +492,7 @@ int main(int argc, char** argv) {
     so.spin = absl::GetFlag(FLAGS_shm_spin);
     so.max_slots = static_cast<uint32_t>(std::max(1, absl::GetFlag(FLAGS_shm_max_slots)));
     so.max_engines = absl::GetFlag(FLAGS_shm_max_engines);
+    so.group = shm_gid;
     auto started = leap::sidecar::ShmServer::Start(&core, sidecar_id, so);
     if (!started.ok()) return Fail(std::string(started.status().message()));
     shm_server = *std::move(started);

@@ -16,7 +16,16 @@
 //    and over plaintext TCP, and leapd's RSS does not grow by the message;
 //  - replacing the certificate files: new connections get the new
 //    certificate (verified against the new CA, refused by the old one).
+//  - --shm_group: the shm attach socket and an attached engine's segment
+//    belong to the group with mode 0660; (as root) a process of another
+//    user in that group may connect to the socket, one outside it may not;
+//    an unknown group stops leapd at start.
+#include <grp.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <cstdlib>
 #include <filesystem>
@@ -315,6 +324,81 @@ TEST_F(TlsTest, CertificateFilesReloaded) {
   EXPECT_TRUE(reloaded) << "new connections never saw the new certificate";
   grpc::Status old_ca = Health(TlsChannel(dir_, tcp_address_, "ca", "client"));
   EXPECT_EQ(old_ca.error_code(), grpc::StatusCode::UNAVAILABLE);
+}
+
+// connect() to the unix socket `path` from a child running as uid 65534
+// with primary group `gid` and no other groups; the child's errno (0: ok).
+int ConnectAs(const std::string& path, gid_t gid) {
+  const pid_t pid = fork();
+  if (pid == 0) {
+    if (setgroups(0, nullptr) != 0 || setgid(gid) != 0 || setuid(65534) != 0) {
+      _exit(100);
+    }
+    const int fd = socket(AF_UNIX, SOCK_SEQPACKET, 0);
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    std::snprintf(addr.sun_path, sizeof(addr.sun_path), "%s", path.c_str());
+    const int rc = connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+    _exit(rc == 0 ? 0 : (errno & 0x7f));
+  }
+  int status = 0;
+  waitpid(pid, &status, 0);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+TEST(ShmGroupTest, SocketAndSegmentsBelongToTheGroup) {
+  ScratchDir dir;
+  group* daemon_group = getgrnam("daemon");
+  ASSERT_NE(daemon_group, nullptr);
+  const gid_t gid = daemon_group->gr_gid;
+  chmod(dir.path().c_str(), 0711);  // others may reach the socket by name
+  const std::string shm = dir.File("leap.shm");
+  const std::string sock = "unix://" + dir.File("leapd.sock");
+  std::string address;
+  auto p = testing::StartLeapd(
+      LEAPD_PATH,
+      {"--listen=" + sock, "--metrics_listen=", "--shm=" + shm,
+       "--shm_group=daemon"},
+      &address);
+  ASSERT_TRUE(p.ok()) << p.status();
+  struct stat st;
+  ASSERT_EQ(stat(shm.c_str(), &st), 0);
+  EXPECT_EQ(st.st_gid, gid);
+  EXPECT_EQ(st.st_mode & 0777, 0660u);
+
+  ASSERT_TRUE(testing::CreateDefaultReadout(sock, "r", kDim).ok());
+  shim::ClientOptions o;
+  o.endpoint = "shm://" + shm;
+  o.dim = kDim;
+  auto c = shim::Client::Start(o);
+  ASSERT_TRUE(c.ok()) << c.status();
+  ASSERT_TRUE((*c)->WaitConnected(absl::Seconds(30)));
+  int segments = 0;
+  for (const auto& e : std::filesystem::directory_iterator(dir.path())) {
+    const std::string name = e.path().filename().string();
+    if (name.size() < 4 || name.substr(name.size() - 4) != ".seg") continue;
+    ++segments;
+    ASSERT_EQ(stat(e.path().c_str(), &st), 0);
+    EXPECT_EQ(st.st_gid, gid) << name;
+    EXPECT_EQ(st.st_mode & 0777, 0660u) << name;
+  }
+  EXPECT_EQ(segments, 1);
+
+  if (geteuid() == 0) {
+    EXPECT_EQ(ConnectAs(shm, gid), 0) << "a member of the group";
+    EXPECT_EQ(ConnectAs(shm, 65534), EACCES) << "a user outside the group";
+  }
+}
+
+TEST(ShmGroupTest, UnknownGroupRefused) {
+  ScratchDir dir;
+  auto p = testing::Process::Start(
+      {LEAPD_PATH, "--listen=unix://" + dir.File("s"), "--metrics_listen=",
+       "--shm=" + dir.File("leap.shm"), "--shm_group=no-such-group-leap"});
+  ASSERT_TRUE(p.ok()) << p.status();
+  const int status = (*p)->Wait();
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 1);
 }
 
 }  // namespace
