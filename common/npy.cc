@@ -86,6 +86,7 @@ int64_t ByteSize(std::span<const int64_t> shape, size_t elem_size) {
 // ---- Header literal parsing -------------------------------------------------
 
 // A Python literal as far as .npy headers use them.
+struct PyEntry;
 struct PyValue {
   enum class Kind { kString, kBool, kInt, kNone, kTuple, kList, kDict };
   Kind kind = Kind::kNone;
@@ -93,7 +94,13 @@ struct PyValue {
   bool boolean = false;
   int64_t integer = 0;
   std::vector<PyValue> items;                            // kTuple, kList
-  std::vector<std::pair<std::string, PyValue>> entries;  // kDict
+  // kDict. A named struct, not std::pair: a pair of the incomplete PyValue is
+  // ill-formed, and clang with libstdc++ rejects it.
+  std::vector<PyEntry> entries;
+};
+struct PyEntry {
+  std::string first;  // key
+  PyValue second;     // value
 };
 
 // Recursive-descent parser for the subset of Python literal syntax numpy
@@ -206,7 +213,7 @@ class LiteralParser {
         }
         if (!Consume(':')) return Error("expected ':'");
         ASSIGN_OR_RETURN(PyValue value, ParseValue(depth + 1));
-        v.entries.emplace_back(std::move(key.str), std::move(value));
+        v.entries.push_back(PyEntry{std::move(key.str), std::move(value)});
         saw_comma = Consume(',');
       }
       return v;

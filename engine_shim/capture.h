@@ -3,7 +3,8 @@
 // (a LibTorch adapter and the DLPack-based Python binding build the view).
 //
 // CPU tensors are read in place (any strides) straight into the outgoing
-// buffers. CUDA tensors (DESIGN §8): an event recorded on the compute stream
+// buffers. CUDA tensors (docs/ARCHITECTURE.md, "Feature capture"): an event
+// recorded on the compute stream
 // orders a cudaMemcpyAsync on a side stream into pinned memory, and a host
 // callback hands the rows over, so the rest of prefill keeps the GPU.
 #ifndef LEAP_ENGINE_SHIM_CAPTURE_H_

@@ -1,4 +1,5 @@
-// The CUDA capture path (DESIGN §8). Plain C++ against the CUDA runtime API:
+// The CUDA capture path (docs/ARCHITECTURE.md, "Feature capture").
+// Plain C++ against the CUDA runtime API:
 // no kernels, so no nvcc and no GPU-architecture setup. Built when
 // LEAP_WITH_CUDA resolves ON; capture.cc holds the stubs otherwise.
 //

@@ -342,7 +342,8 @@ TEST_F(CudaCaptureTest, RejectsViewsItCannotServe) {
   EXPECT_THAT(std::string(s.message()), ::testing::HasSubstr("cuda:3"));
 }
 
-// The overlap probe (DESIGN §8): the capture is issued right after the
+// The overlap probe (docs/ARCHITECTURE.md, "Feature capture"): the
+// capture is issued right after the
 // "layer L" point, then the compute stream gets a long kernel-free workload
 // standing in for the rest of prefill (memsets over a large buffer). The
 // capture's host callback should fire while that workload still runs; the

@@ -3,19 +3,17 @@
 #include <random>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 
 namespace leap::shim {
 namespace {
 
 namespace pb = ::leap::v1;
 
-constexpr int32_t kNotFound = 5;
 constexpr int32_t kAlreadyExists = 6;
 constexpr int32_t kInvalidArgument = 3;
 
 }  // namespace
-
-size_t DTypeSize(DType dtype) { return dtype == DType::kFloat32 ? 4 : 2; }
 
 absl::Status ClientOptions::Validate() const {
   if (endpoint.empty()) return absl::InvalidArgumentError("endpoint is empty");
@@ -42,6 +40,10 @@ absl::Status ClientOptions::Validate() const {
 absl::StatusOr<std::unique_ptr<Client>> Client::Start(ClientOptions options) {
   absl::Status s = options.Validate();
   if (!s.ok()) return s;
+  if (options.instance_id.empty()) {
+    std::random_device rd;
+    options.instance_id = absl::StrFormat("%08x%08x%08x%08x", rd(), rd(), rd(), rd());
+  }
   std::unique_ptr<Client> c(new Client(std::move(options)));
   c->manager_ = std::thread([p = c.get()] { p->ManagerLoop(); });
   return c;
@@ -176,10 +178,15 @@ void Client::ReaderLoop(Transport* t, uint64_t generation) {
           }
           for (const auto& err : m.predictions().errors()) {
             auto it = live_.find(err.request_id());
-            if (err.code() == kAlreadyExists && it != live_.end()) {
-              it->second.held_by = sidecar_id_;  // it has them already
+            if (err.code() == kAlreadyExists && it != live_.end() &&
+                it->second.sends > 1) {
+              // A resubmission (the answer to an earlier send was lost):
+              // this sidecar holds this instance's request already.
+              it->second.held_by = sidecar_id_;
               continue;
             }
+            // Otherwise a real collision: the id is live for this engine
+            // instance in leapd under another request. Surfaced, dropped.
             if (it != live_.end() && !it->second.completing) live_.erase(it);
             ++stats_.errors;
             Event e;
@@ -249,6 +256,7 @@ bool Client::Session(Transport* t) {
   hello.set_seq(0);
   auto* h = hello.mutable_hello();
   h->set_engine_id(options_.engine_id);
+  h->set_instance_id(options_.instance_id);
   h->set_model_id(options_.model_id);
   h->set_layer(options_.layer);
   h->set_dim(options_.dim);
@@ -304,6 +312,7 @@ bool Client::Session(Transport* t) {
         switch (o.kind) {
           case Outgoing::Kind::kFeatures: {
             if (it == live_.end()) break;  // cancelled meanwhile
+            ++it->second.sends;
             auto* r = features.mutable_features()->add_records();
             r->set_request_id(o.request_id);
             r->set_product_line(it->second.features.product_line);

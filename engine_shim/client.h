@@ -21,21 +21,17 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/wire.h"
 #include "engine_shim/transport.h"
 
 namespace leap::shim {
 
-// Element type of the features an engine ships (values match the wire).
-enum class DType : uint8_t { kFloat32 = 1, kBFloat16 = 2, kFloat16 = 3 };
-size_t DTypeSize(DType dtype);
-
-// How a request ended (values match the wire).
-enum class FinishReason : uint8_t {
-  kStop = 1,       // EOS or stop string: learned
-  kLength = 2,     // hit max_tokens: learned only when it reached the budget
-  kCancelled = 3,  // never learned
-  kAborted = 4,    // never learned
-};
+// Element type of the features an engine ships and how a request ended
+// (common/wire.h). kStop is learned, kLength only when it reached the
+// budget, kCancelled and kAborted never.
+using ::leap::DType;
+using ::leap::DTypeSize;
+using ::leap::FinishReason;
 
 // The captured hidden state of one request, ready to ship.
 struct CapturedFeatures {
@@ -54,6 +50,11 @@ struct ClientOptions {
   std::string endpoint = "127.0.0.1:7070";
   // Identity for leapd's logs and metrics (e.g. the pod name).
   std::string engine_id;
+  // This engine's instance id (Hello.instance_id): leapd scopes request ids
+  // to it, so engines that number requests alike never collide. Kept for
+  // the Client's life (reconnects find their requests again). Default: a
+  // random 128-bit hex id made by Start.
+  std::string instance_id;
   std::string model_id;
   int32_t layer = -1;
   // Feature width and dtype of every submission. Required.
@@ -93,6 +94,11 @@ struct Event {
   std::string readout;
   int64_t version = 0;
   // kError: google.rpc code and message. kConnected: the sidecar id.
+  // A submission that leapd refuses because the id is already live for this
+  // engine instance (another request of this instance, or of an engine with
+  // the same instance id) is a kError with code 6 (ALREADY_EXISTS), and the
+  // request is dropped from the client; a resubmission after a reconnect
+  // that leapd already holds is not an error (it is kept, no event).
   int32_t code = 0;
   std::string message;
 };
@@ -106,6 +112,10 @@ struct ClientStats {
   int64_t live = 0;          // requests kept for resubmission
 };
 
+// Threads: the engine's threads may call any public method; the manager
+// thread (ManagerLoop: connects, ships the outbox) and a reader thread per
+// connection (ReaderLoop) are the client's own, and emit the events. The destructor
+// joins them and must not be called from a callback.
 class Client {
  public:
   // Starts the background threads; connecting happens there.
@@ -126,8 +136,9 @@ class Client {
 
   // Takes up to `max` queued events (when no callback is set).
   std::vector<Event> Poll(size_t max = SIZE_MAX);
-  // Delivers events to `cb` on the client's reader thread instead of the
-  // queue; `cb` must not block. Pass nullptr to go back to Poll.
+  // Delivers events to `cb` on the client's threads instead of the
+  // queue; `cb` must not block, and may call Submit, Complete and Cancel but
+  // not Poll or SetCallback. Pass nullptr to go back to Poll.
   void SetCallback(std::function<void(const Event&)> cb);
 
   bool connected() const { return connected_.load(); }
@@ -141,6 +152,7 @@ class Client {
   struct Live {
     CapturedFeatures features;
     std::string held_by;  // sidecar id that holds its features
+    int sends = 0;        // times its features were sent
     bool completing = false;
     int64_t output_tokens = 0;
     FinishReason reason = FinishReason::kStop;
@@ -151,7 +163,8 @@ class Client {
   };
   void ManagerLoop();
   void ReaderLoop(Transport* t, uint64_t generation);
-  void Emit(Event e);
+  // Called without mu_: the callback may call Submit, Complete, Cancel.
+  void Emit(Event e) ABSL_LOCKS_EXCLUDED(mu_, events_mu_);
   bool Session(Transport* t);
 
   const ClientOptions options_;
@@ -169,7 +182,7 @@ class Client {
   uint64_t generation_ ABSL_GUARDED_BY(mu_) = 0;
   ClientStats stats_ ABSL_GUARDED_BY(mu_);
 
-  absl::Mutex events_mu_;
+  absl::Mutex events_mu_;  // never held with mu_
   std::deque<Event> events_ ABSL_GUARDED_BY(events_mu_);
   std::function<void(const Event&)> callback_ ABSL_GUARDED_BY(events_mu_);
 

@@ -1,5 +1,5 @@
 // CountdownScheduler: decides, step by step, which live requests get a decode
-// slot (DESIGN §5, the paper's countdown scheduler with a waiting cap).
+// slot (docs/SCHEDULING.md): the paper's countdown with a waiting cap.
 //
 // Ordering of one step, first to last:
 //   1. Promoted requests: steps_waited >= waiting_cap (when the cap is on).

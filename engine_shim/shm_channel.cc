@@ -11,18 +11,13 @@
 #include <chrono>
 
 #include "absl/strings/str_cat.h"
+#include "common/clock.h"
 
 namespace leap::shim {
 namespace {
 
 namespace pb = ::leap::v1;
 using shm::FrameKind;
-
-int64_t NowNs() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(
-             std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
 
 }  // namespace
 

@@ -163,7 +163,7 @@ class ShmChannel {
 
   std::atomic<bool> closed_{false};
   std::atomic<bool> interrupted_{false};
-  mutable absl::Mutex reason_mu_;
+  mutable absl::Mutex reason_mu_;  // never held with free_mu_
   std::string reason_ ABSL_GUARDED_BY(reason_mu_);
   std::thread monitor_;
 };

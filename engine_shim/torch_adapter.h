@@ -2,7 +2,7 @@
 // submits captured rows to a Client. A thin layer for C++ engines linked
 // against LibTorch; the shim's core (capture.h) never sees torch, so an
 // engine pinned to another torch version uses the core or the DLPack-based
-// Python binding instead (DESIGN §8). torch::Tensor is at::Tensor.
+// Python binding instead (docs/ARCHITECTURE.md). torch::Tensor is at::Tensor.
 //
 // The one public header that includes torch (the small <ATen/core/Tensor.h>).
 // torch/c10 exceptions are converted to absl::Status inside; none escapes.

@@ -33,11 +33,11 @@
 #include "grpcpp/security/tls_certificate_provider.h"
 #include "grpcpp/security/tls_credentials_options.h"
 #include "prometheus/exposer.h"
-#include "sidecar/readout/artifact.h"
-#include "sidecar/service/admin_auth.h"
-#include "sidecar/service/core.h"
-#include "sidecar/service/grpc_service.h"
-#include "sidecar/service/shm_server.h"
+#include "readout/artifact.h"
+#include "sidecar/grpc/admin_auth.h"
+#include "sidecar/core/core.h"
+#include "sidecar/grpc/grpc_service.h"
+#include "sidecar/shm/shm_server.h"
 #include "storage/rocksdb_store.h"
 
 ABSL_FLAG(std::vector<std::string>, listen, {"127.0.0.1:7070"},
@@ -48,7 +48,20 @@ ABSL_FLAG(std::string, data_dir, "",
           "Directory of the embedded RocksDB with readouts, checkpoints, the "
           "feedback log, versions, snapshots and routes. On start the newest "
           "valid checkpoint of every readout is loaded and the log after it "
-          "replayed. Empty: state lives in memory only.");
+          "replayed in the batches recorded with its versions, publishing "
+          "nothing (each readout resumes at the version number its state "
+          "had), then the completions acknowledged but not yet applied are "
+          "applied; until all of that is done gRPC health reports "
+          "NOT_SERVING and the data plane (Connect, Predict, Complete, shm "
+          "attach) answers UNAVAILABLE \"recovering\". Empty: state lives in "
+          "memory only.");
+ABSL_FLAG(absl::Duration, dedup_window, absl::Hours(1),
+          "With --data_dir: how long a recorded completion is remembered, so "
+          "that one resent after a reconnect is acknowledged as a duplicate "
+          "and not learned twice. Only a resend of the same completion is a "
+          "duplicate: same engine instance (Hello.instance_id), request id, "
+          "features and outcome, or the same instance and id while the "
+          "request is not live. Reused ids with new features are learned.");
 ABSL_FLAG(bool, sync_log, false,
           "fsync every feedback append (survives power loss; without it an "
           "acknowledged completion survives kill -9 of leapd).");
@@ -95,7 +108,10 @@ ABSL_FLAG(int64_t, outbox_bytes, int64_t{64} << 20,
           "over, the consumer is dropped with RESOURCE_EXHAUSTED \"consumer "
           "too slow: N bytes queued\". Others never wait on it.");
 ABSL_FLAG(absl::Duration, drain_timeout, absl::Seconds(5),
-          "On SIGTERM/SIGINT: time given to open streams to finish.");
+          "On SIGTERM/SIGINT: time given to calls in flight to finish. Open "
+          "Connect streams (idle or not) are ended at once with a "
+          "message-level UNAVAILABLE \"leapd is shutting down\" error, "
+          "WatchReadout streams end within 100 ms.");
 ABSL_FLAG(std::string, admin_token_file, "",
           "File holding the bearer token that every leap.v1.Admin call "
           "arriving over TCP must carry as the metadata 'authorization: "
@@ -344,6 +360,9 @@ int main(int argc, char** argv) {
     so.sync_log = absl::GetFlag(FLAGS_sync_log);
     so.checkpoints_kept = absl::GetFlag(FLAGS_checkpoints_kept);
     so.versions_kept = absl::GetFlag(FLAGS_versions_kept);
+    so.dedup_window_ms =
+        absl::ToInt64Milliseconds(absl::GetFlag(FLAGS_dedup_window));
+    if (so.dedup_window_ms < 0) return Fail("--dedup_window must be >= 0");
     std::error_code ec;
     std::filesystem::create_directories(absl::GetFlag(FLAGS_data_dir), ec);
     auto opened = leap::storage::OpenRocksStore(absl::GetFlag(FLAGS_data_dir), so);
@@ -371,61 +390,8 @@ int main(int argc, char** argv) {
     exposer->RegisterCollectable(metrics.registry());
   }
   Core core(options, &metrics, store.get());
-  if (store != nullptr) {
-    size_t replayed = 0;
-    std::vector<std::string> names;
-    for (const auto& r : recovered.readouts) {
-      replayed += r.log.size();
-      names.push_back(absl::StrCat(r.meta.name, " (checkpoint v",
-                                   r.checkpoint.version, ", ", r.log.size(),
-                                   " log records)"));
-    }
-    const size_t routes = recovered.routes.size();
-    if (absl::Status s = core.Recover(std::move(recovered)); !s.ok()) {
-      return Fail(std::string(s.message()));
-    }
-    std::printf("recovered %zu readouts, %zu routes from %s%s%s; replaying %zu "
-                "completions\n",
-                names.size(), routes, absl::GetFlag(FLAGS_data_dir).c_str(),
-                names.empty() ? "" : ": ", absl::StrJoin(names, ", ").c_str(),
-                replayed);
-  }
-
-  // Readouts to load.
-  std::string first;
-  for (const std::string& spec : absl::GetFlag(FLAGS_import)) {
-    std::string name, path = spec;
-    if (auto eq = spec.find('='); eq != std::string::npos) {
-      name = spec.substr(0, eq);
-      path = spec.substr(eq + 1);
-    } else {
-      name = std::filesystem::path(path).stem().string();
-    }
-    if (core.GetReadout(name).ok()) {
-      std::printf("readout %s already in %s; --import %s skipped\n", name.c_str(),
-                  absl::GetFlag(FLAGS_data_dir).c_str(), path.c_str());
-      continue;
-    }
-    auto state = leap::readout::ReadArtifact(path);
-    if (!state.ok()) return Fail(std::string(state.status().message()));
-    const int64_t dim = state->spec.dim;
-    if (absl::Status s = core.CreateReadout(name, std::move(*state)); !s.ok()) {
-      return Fail(absl::StrCat("--import ", spec, ": ", s.message()));
-    }
-    std::printf("imported readout %s (d=%lld) from %s\n", name.c_str(),
-                static_cast<long long>(dim), path.c_str());
-    if (first.empty()) first = name;
-  }
-  const std::string def = absl::GetFlag(FLAGS_default_readout).empty()
-                              ? first
-                              : absl::GetFlag(FLAGS_default_readout);
-  if (!def.empty() && core.ListRoutes().empty()) {
-    leap::sidecar::Route r;
-    r.arms.push_back({def, def, 100.0, false});
-    if (absl::Status s = core.SetRoute(r); !s.ok()) {
-      return Fail(absl::StrCat("default route: ", s.message()));
-    }
-  }
+  // Nothing is served until recovery and imports are done.
+  core.SetServing(false);
 
   const std::vector<std::string> listens = absl::GetFlag(FLAGS_listen);
   for (const std::string& l : listens) {
@@ -498,15 +464,76 @@ int main(int argc, char** argv) {
     shm_server = *std::move(started);
     std::printf("shm on shm://%s\n", so.path.c_str());
   }
+  // Health says NOT_SERVING (and the data plane "recovering") until every
+  // readout replayed its log.
+  server->GetHealthCheckService()->SetServingStatus(false);
+  std::fflush(stdout);
+  if (store != nullptr) {
+    size_t replayed = 0;
+    std::vector<std::string> names;
+    for (const auto& r : recovered.readouts) {
+      replayed += r.log.size();
+      names.push_back(absl::StrCat(r.meta.name, " (checkpoint v",
+                                   r.checkpoint.version, ", ", r.log.size(),
+                                   " log records)"));
+    }
+    const size_t routes = recovered.routes.size();
+    if (absl::Status s = core.Recover(std::move(recovered)); !s.ok()) {
+      return Fail(std::string(s.message()));
+    }
+    std::printf("recovered %zu readouts, %zu routes from %s%s%s; replayed %zu "
+                "logged completions\n",
+                names.size(), routes, absl::GetFlag(FLAGS_data_dir).c_str(),
+                names.empty() ? "" : ": ", absl::StrJoin(names, ", ").c_str(),
+                replayed);
+  }
+
+  // Readouts to load.
+  std::string first;
+  for (const std::string& spec : absl::GetFlag(FLAGS_import)) {
+    std::string name, path = spec;
+    if (auto eq = spec.find('='); eq != std::string::npos) {
+      name = spec.substr(0, eq);
+      path = spec.substr(eq + 1);
+    } else {
+      name = std::filesystem::path(path).stem().string();
+    }
+    if (core.GetReadout(name).ok()) {
+      std::printf("readout %s already in %s; --import %s skipped\n", name.c_str(),
+                  absl::GetFlag(FLAGS_data_dir).c_str(), path.c_str());
+      continue;
+    }
+    auto state = leap::readout::ReadArtifact(path);
+    if (!state.ok()) return Fail(std::string(state.status().message()));
+    const int64_t dim = state->spec.dim;
+    if (absl::Status s = core.CreateReadout(name, std::move(*state)); !s.ok()) {
+      return Fail(absl::StrCat("--import ", spec, ": ", s.message()));
+    }
+    std::printf("imported readout %s (d=%lld) from %s\n", name.c_str(),
+                static_cast<long long>(dim), path.c_str());
+    if (first.empty()) first = name;
+  }
+  const std::string def = absl::GetFlag(FLAGS_default_readout).empty()
+                              ? first
+                              : absl::GetFlag(FLAGS_default_readout);
+  if (!def.empty() && core.ListRoutes().empty()) {
+    leap::sidecar::Route r;
+    r.arms.push_back({def, def, 100.0, false});
+    if (absl::Status s = core.SetRoute(r); !s.ok()) {
+      return Fail(absl::StrCat("default route: ", s.message()));
+    }
+  }
+
+  core.SetServing(true);
   if (exposer != nullptr) {
     std::string host = absl::GetFlag(FLAGS_metrics_listen);
     host = host.substr(0, host.rfind(':'));
     std::printf("metrics on http://%s:%d/metrics\n", host.c_str(),
                 exposer->GetListeningPorts().at(0));
   }
+  server->GetHealthCheckService()->SetServingStatus(true);
   std::printf("leapd %s ready\n", sidecar_id.c_str());
   std::fflush(stdout);
-  server->GetHealthCheckService()->SetServingStatus(true);
 
   // Wait for SIGTERM/SIGINT; refresh the storage gauges meanwhile.
   int sig = 0;

@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "common/clock.h"
 #include "common/crc32c.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
@@ -22,12 +23,6 @@ constexpr const char* kFamilies[] = {"default",  "meta",      "checkpoints",
                                      "log",      "versions",  "snapshots",
                                      "dedup"};
 enum Cf { kDefault = 0, kMeta, kCheckpoints, kLog, kVersions, kSnapshots, kDedup };
-
-int64_t UnixMs() {
-  return std::chrono::duration_cast<std::chrono::milliseconds>(
-             std::chrono::system_clock::now().time_since_epoch())
-      .count();
-}
 
 void PutU64(std::string& s, uint64_t v) {
   for (int i = 7; i >= 0; --i) s.push_back(static_cast<char>((v >> (8 * i)) & 0xFF));
@@ -100,6 +95,8 @@ absl::Status RocksStoreOptions::Validate() const {
   return absl::OkStatus();
 }
 
+// Thread-safe (any thread: admin handlers, RLS workers, checkpointers); mu_
+// guards the id counters, RocksDB does its own locking for the rest.
 class RocksStore final : public StateStore {
  public:
   RocksStore(RocksStoreOptions o, rocksdb::DB* db,
@@ -114,6 +111,7 @@ class RocksStore final : public StateStore {
   }
 
   absl::Status Init() {
+    absl::MutexLock lock(&mu_);
     std::string v;
     auto s = db_->Get(rocksdb::ReadOptions(), h_[kMeta], "next_incarnation", &v);
     if (s.ok() && v.size() == 8) {
@@ -146,6 +144,7 @@ class RocksStore final : public StateStore {
             {"max_tokens", m.spec.max_tokens},
             {"lambda", m.spec.lambda},
             {"frozen", m.frozen},
+            {"frozen_reason", m.frozen_reason},
             {"has_p", m.has_p},
             {"created_unix_ms", m.created_unix_ms}};
   }
@@ -189,9 +188,11 @@ class RocksStore final : public StateStore {
     return FromRocks(db_->Write(wo, &b), "delete readout");
   }
 
-  absl::Status SetFrozen(const ReadoutMeta& meta, bool frozen) override {
+  absl::Status SetFrozen(const ReadoutMeta& meta, bool frozen,
+                         const std::string& reason) override {
     ReadoutMeta m = meta;
     m.frozen = frozen;
+    m.frozen_reason = frozen ? reason : "";
     rocksdb::WriteOptions wo;
     wo.sync = true;
     return FromRocks(db_->Put(wo, h_[kMeta], "readout:" + m.name, MetaJson(m).dump()),
@@ -229,16 +230,16 @@ class RocksStore final : public StateStore {
       const uint32_t crc = Crc32c(v.data() + 4, v.size() - 4);
       std::memcpy(v.data(), &crc, 4);
       b.Put(h_[kLog], Key2(meta.incarnation, r.seq), v);
-      if (!r.request_id.empty()) b.Put(h_[kDedup], r.request_id, now);
+      for (const std::string& key : r.dedup_keys) b.Put(h_[kDedup], key, now);
     }
     rocksdb::WriteOptions wo;
     wo.sync = o_.sync_log;
     return FromRocks(db_->Write(wo, &b), "append feedback log");
   }
 
-  absl::StatusOr<bool> WasRecorded(const std::string& request_id) override {
+  absl::StatusOr<bool> WasRecorded(const std::string& key) override {
     std::string v;
-    auto s = db_->Get(rocksdb::ReadOptions(), h_[kDedup], request_id, &v);
+    auto s = db_->Get(rocksdb::ReadOptions(), h_[kDedup], key, &v);
     if (s.IsNotFound()) return false;
     RETURN_IF_ERROR(FromRocks(s, "dedup lookup"));
     if (v.size() != 8) return false;
@@ -420,6 +421,8 @@ class RocksStore final : public StateStore {
     val.append(reinterpret_cast<const char*>(theta.data()), theta.size() * 8);
     const uint32_t crc = Crc32c(val.data(), val.size());
     Append(val, crc);
+    // Added after the CRC so older releases still read the entry.
+    if (v.has_last_seq) Append(val, v.last_seq);
     rocksdb::WriteBatch b;
     b.Put(h_[kVersions], Key2(meta.incarnation, static_cast<uint64_t>(v.version)), val);
     if (v.version > o_.versions_kept) {
@@ -428,6 +431,28 @@ class RocksStore final : public StateStore {
                          static_cast<uint64_t>(v.version - o_.versions_kept)));
     }
     return FromRocks(db_->Write(rocksdb::WriteOptions(), &b), "put version");
+  }
+
+  absl::StatusOr<Eigen::VectorXd> GetVersionTheta(const ReadoutMeta& meta,
+                                                  int64_t version) override {
+    std::string v;
+    RETURN_IF_ERROR(FromRocks(
+        db_->Get(rocksdb::ReadOptions(), h_[kVersions],
+                 Key2(meta.incarnation, static_cast<uint64_t>(version)), &v),
+        absl::StrCat("version ", version)));
+    const size_t n = static_cast<size_t>(meta.spec.dim + 1);
+    if (v.size() < 18) return absl::DataLossError("version entry too short");
+    const size_t plain = 18 + size_t{Read<uint16_t>(v.data() + 16)} + n * 8 + 4;
+    if (v.size() != plain && v.size() != plain + 8) {
+      return absl::DataLossError("version entry has the wrong size");
+    }
+    if (Crc32c(v.data(), plain - 4) != Read<uint32_t>(v.data() + plain - 4)) {
+      return absl::DataLossError(
+          absl::StrCat("version ", version, " failed its CRC-32C check"));
+    }
+    Eigen::VectorXd theta(static_cast<Eigen::Index>(n));
+    std::memcpy(theta.data(), v.data() + plain - 4 - n * 8, n * 8);
+    return theta;
   }
 
   // ------------------------------------------------------------ snapshots
@@ -505,6 +530,7 @@ class RocksStore final : public StateStore {
         r.meta.spec.max_tokens = m.at("max_tokens").get<int64_t>();
         r.meta.spec.lambda = m.at("lambda").get<double>();
         r.meta.frozen = m.at("frozen").get<bool>();
+        r.meta.frozen_reason = m.value("frozen_reason", std::string());
         r.meta.has_p = m.at("has_p").get<bool>();
         r.meta.created_unix_ms = m.at("created_unix_ms").get<int64_t>();
       } catch (const json::exception& e) {
@@ -587,6 +613,11 @@ class RocksStore final : public StateStore {
         e.unix_ms = Read<int64_t>(v.data() + 8);
         const uint16_t len = Read<uint16_t>(v.data() + 16);
         if (18 + size_t{len} <= v.size()) e.cause.assign(v.data() + 18, len);
+        const size_t plain = 18 + size_t{len} + static_cast<size_t>(d + 1) * 8 + 4;
+        if (v.size() == plain + 8) {
+          e.has_last_seq = true;
+          e.last_seq = Read<uint64_t>(v.data() + plain);
+        }
         r.max_version = std::max(r.max_version, e.version);
         r.versions.push_back(std::move(e));
       }
@@ -624,9 +655,9 @@ class RocksStore final : public StateStore {
   rocksdb::DB* db_;
   std::vector<rocksdb::ColumnFamilyHandle*> h_;
   absl::Mutex mu_;
-  uint64_t next_inc_ = 1;
-  std::map<uint64_t, uint64_t> next_ckpt_;
-  int64_t last_dedup_prune_ms_ = 0;
+  uint64_t next_inc_ ABSL_GUARDED_BY(mu_) = 1;
+  std::map<uint64_t, uint64_t> next_ckpt_ ABSL_GUARDED_BY(mu_);
+  int64_t last_dedup_prune_ms_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 absl::StatusOr<std::unique_ptr<StateStore>> OpenRocksStore(

@@ -1,4 +1,4 @@
-// Durable state of leapd, behind an interface (DESIGN §7): the sidecar is
+// Durable state of leapd, behind an interface (docs/STORAGE.md): the sidecar is
 // written against StateStore, and the RocksDB code stays in storage/.
 //
 // What is kept, per readout (identified by an incarnation number, so a
@@ -10,7 +10,7 @@
 //    after the last checkpoint;
 //  - published versions (theta and provenance), within a retention policy;
 //  - snapshots: labelled complete states for rollback.
-// Plus the routing table and a dedup index of recorded request ids.
+// Plus the routing table and a dedup index of recorded completions.
 #ifndef LEAP_STORAGE_STATE_STORE_H_
 #define LEAP_STORAGE_STATE_STORE_H_
 
@@ -24,9 +24,9 @@
 #include "Eigen/Core"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "sidecar/readout/features.h"
-#include "sidecar/readout/readout.h"
-#include "sidecar/readout/rls.h"
+#include "readout/features.h"
+#include "readout/readout.h"
+#include "readout/rls.h"
 
 namespace leap::storage {
 
@@ -37,6 +37,8 @@ struct ReadoutMeta {
   readout::ReadoutSpec spec;
   readout::Standardizer standardizer;
   bool frozen = false;
+  // Why it is frozen when not by an operator (e.g. "rls: ..."); "" otherwise.
+  std::string frozen_reason;
   bool has_p = true;
   int64_t created_unix_ms = 0;
 };
@@ -59,6 +61,9 @@ struct LogRecord {
   readout::DType dtype = readout::DType::kFloat32;
   std::string features;  // raw little-endian values
   double target = 0;     // sqrt(min(tokens, M))
+  // Dedup keys recorded with it (not stored in the log itself): a later
+  // WasRecorded(key) within the dedup window is true.
+  std::vector<std::string> dedup_keys;
 };
 
 // A published version (for history and audit).
@@ -67,6 +72,13 @@ struct VersionEntry {
   int64_t completions_learned = 0;
   int64_t unix_ms = 0;
   std::string cause;
+  // Feedback-log records with seq <= last_seq are in this version's state
+  // (for "rls" versions: the batch applied is (previous last_seq, last_seq]).
+  // Recovery replays the log in exactly these batches, so every version
+  // number names the same state before and after a crash. Unknown (false)
+  // for versions written by older releases.
+  bool has_last_seq = false;
+  uint64_t last_seq = 0;
 };
 
 struct SnapshotInfo {
@@ -94,7 +106,8 @@ struct RecoveredState {
   std::vector<std::string> problems;
 };
 
-// Thread-safe.
+// Thread-safe: leapd calls it from admin handlers, the RLS worker and the
+// checkpoint thread of each readout, concurrently.
 class StateStore {
  public:
   virtual ~StateStore() = default;
@@ -103,18 +116,21 @@ class StateStore {
   virtual absl::Status CreateReadout(ReadoutMeta* meta,
                                      const ReadoutCheckpoint& initial) = 0;
   virtual absl::Status DeleteReadout(const ReadoutMeta& meta) = 0;
-  virtual absl::Status SetFrozen(const ReadoutMeta& meta, bool frozen) = 0;
+  // `reason` (empty for an operator's freeze) is kept with the flag, e.g.
+  // why an RLS update failed; Load returns it in ReadoutMeta::frozen_reason.
+  virtual absl::Status SetFrozen(const ReadoutMeta& meta, bool frozen,
+                                 const std::string& reason = "") = 0;
   virtual absl::Status PutRoute(const std::string& product_line,
                                 const std::string& route_json) = 0;
   virtual absl::Status DeleteRoute(const std::string& product_line) = 0;
 
-  // Durably appends completions (and their request ids to the dedup index)
+  // Durably appends completions (and their dedup keys to the dedup index)
   // before returning, per the sync policy. All or nothing.
   virtual absl::Status AppendLog(const ReadoutMeta& meta,
                                  std::span<const LogRecord> records) = 0;
-  // True when a completion for `request_id` was recorded recently (within
-  // the dedup window): a resent completion must not be learned twice.
-  virtual absl::StatusOr<bool> WasRecorded(const std::string& request_id) = 0;
+  // True when a record carrying dedup key `key` was appended recently
+  // (within the dedup window): a resent completion must not be learned twice.
+  virtual absl::StatusOr<bool> WasRecorded(const std::string& key) = 0;
 
   // Writes a checkpoint atomically (a manifest written after its chunks),
   // then prunes the log up to last_seq and old checkpoints.
@@ -123,6 +139,10 @@ class StateStore {
   virtual absl::Status PutVersion(const ReadoutMeta& meta,
                                   const VersionEntry& v,
                                   const Eigen::VectorXd& theta) = 0;
+  // The theta stored with a published version (CRC-checked); NOT_FOUND when
+  // it was pruned or never written.
+  virtual absl::StatusOr<Eigen::VectorXd> GetVersionTheta(
+      const ReadoutMeta& meta, int64_t version) = 0;
 
   virtual absl::Status PutSnapshot(const ReadoutMeta& meta,
                                    const SnapshotInfo& info,

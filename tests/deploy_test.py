@@ -20,17 +20,20 @@ Kubernetes (every overlay rendered with the real `kubectl kustomize`):
   - the routes files of each overlay (mounted as a ConfigMap) route its
     product line, and routes-ab.json splits it over two arms;
   - the overlays' selectors do not overlap.
-Docker (deploy/docker/Dockerfile, no image is built):
-  - the build stage is Debian 12 and runs scripts/install-deps --sidecar and
-    scripts/build (the scripts CI runs) with tests, benchmarks, LibTorch,
-    CUDA and the Python module off; a CMake configure with exactly those
-    flags succeeds here and defines leapd and leapctl, and every package
-    that configure found is in the --sidecar list or its dependencies;
-  - the runtime stage is debian:12-slim, installs only
-    `install-deps --runtime`, copies only leapd and leapctl, runs as a
-    numeric non-root user, and the runtime list (with its dependencies and
-    what every Debian image has) covers every library `ldd` shows for the
-    built leapd and leapctl.
+Docker (deploy/docker/Dockerfile, no image is built; its commands are run
+here instead of asserting its text):
+  - the build stage's CMake configuration (the flags of its scripts/build
+    run) succeeds, defines every file the stage installs, builds no test
+    or benchmark, and every package it finds is in the list the stage's
+    `install-deps` run prints (or their dependencies);
+  - the runtime stage's `install-deps` list has no compiler or -dev
+    package, is the only way it installs packages, and (with its
+    dependencies and what every Debian image has) covers every library
+    `ldd` shows for the built leapd and leapctl; it copies exactly leapd
+    and leapctl from files the build stage installs; numeric non-root user;
+  - ENTRYPOINT + CMD run with the built leapd (socket and data moved to a
+    temporary directory, TCP ports to 0) use only documented flags, become
+    ready and serve /metrics; EXPOSE declares exactly their TCP ports.
 Prometheus (deploy/prometheus): the scrape job keeps the port name and
 annotations the manifests use; every metric an alert uses is one a real
 leapd serves on /metrics; every alert is described in RUNBOOK.md.
@@ -50,6 +53,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import unittest
 import urllib.request
 
@@ -163,43 +167,99 @@ class Dpkg:
         return self.closure(self.essential | {"apt"})
 
 
-def install_deps(group):
+def install_deps(args):
+    """The packages `scripts/install-deps ARGS --print` lists."""
     r = subprocess.run([os.path.join(ARGS.source_dir, "scripts",
-                                     "install-deps"), group, "--print"],
+                                     "install-deps")] + list(args) +
+                       ["--print"],
                        capture_output=True, text=True, check=True)
     return r.stdout.split()
 
 
+def simple_commands(instructions):
+    """The simple commands of a stage's RUN instructions, as word lists
+    without leading VAR=value assignments (split at &&, || and ;)."""
+    out = []
+    for ins in instructions:
+        if not ins.startswith("RUN "):
+            continue
+        cmd = []
+        for w in shlex.split(ins[4:]) + ["&&"]:
+            if w in ("&&", "||", ";"):
+                while cmd and re.fullmatch(r"\w+=.*", cmd[0]):
+                    cmd.pop(0)
+                if cmd:
+                    out.append(cmd)
+                cmd = []
+            else:
+                cmd.append(w)
+    return out
+
+
+def invocations(instructions, program):
+    """Argument lists of every run of `program` (matched by basename)."""
+    return [c[1:] for c in simple_commands(instructions)
+            if os.path.basename(c[0]) == program]
+
+
+def installed_files(instructions):
+    """{destination: source} of the stage's `install SRC... DEST` runs."""
+    out = {}
+    for args in invocations(instructions, "install"):
+        paths, skip = [], False
+        for a in args:
+            if skip:
+                skip = False
+            elif a in ("-m", "-o", "-g", "--mode", "--owner", "--group"):
+                skip = True
+            elif not a.startswith("-"):
+                paths.append(a)
+        if len(paths) == 2 and "-d" not in args:
+            out[paths[1]] = paths[0]
+    return out
+
+
 class DockerfileTest(unittest.TestCase):
+    """What the image would hold and run, from the Dockerfile's commands run
+    here (no Docker engine): the package lists its install-deps runs print,
+    the CMake configuration of its build command, the files it installs and
+    copies, and leapd started with its default command."""
 
     @classmethod
     def setUpClass(cls):
         cls.stages = dockerfile_stages(os.path.join(
             ARGS.source_dir, "deploy", "docker", "Dockerfile"))
+        cls.names = [frm.split()[-1] if " AS " in frm.upper() else None
+                     for frm, _ in cls.stages]
+        cls.runtime = cls.stages[-1][1]
 
-    def test_build_stage_runs_the_ci_scripts(self):
-        self.assertEqual(len(self.stages), 2)
-        frm, ins = self.stages[0]
-        self.assertRegex(frm, r"^FROM debian:12(\.\d+)? AS build$")
-        runs = [i for i in ins if i.startswith("RUN ")]
-        self.assertTrue(any("scripts/install-deps --sidecar" in r
-                            for r in runs), runs)
-        build = [r for r in runs if "scripts/build" in r]
-        self.assertEqual(len(build), 1, runs)
-        for flag in ("-DLEAP_BUILD_TESTS=OFF", "-DLEAP_BUILD_BENCHMARKS=OFF",
-                     "-DLEAP_WITH_TORCH=OFF", "-DLEAP_WITH_CUDA=OFF",
-                     "-DLEAP_BUILD_PYTHON=OFF"):
-            self.assertIn(flag, build[0])
+    def stage_packages(self, instructions):
+        runs = invocations(instructions, "install-deps")
+        self.assertEqual(len(runs), 1, "one install-deps run per stage")
+        return install_deps(runs[0])
+
+    def copied_from(self, stage):
+        """(sources, destination) of the runtime stage's COPY --from."""
+        copies = [shlex.split(i)[1:] for i in self.runtime
+                  if i.startswith("COPY --from=" + stage + " ")]
+        self.assertEqual(len(copies), 1, copies)
+        return copies[0][1:-1], copies[0][-1]
 
     def test_build_stage_configuration(self):
         """The build stage's CMake configuration, run here: it succeeds,
-        defines leapd and leapctl, and finds only packages of the
-        --sidecar list (and their dependencies)."""
-        build = [i for i in self.stages[0][1] if "scripts/build" in i][0]
-        words = shlex.split(build)
-        words = words[words.index("scripts/build") + 1:]
-        flags = [w for w in words[:words.index("&&")] if w.startswith("-D")]
-        self.assertEqual(len(flags), 5, flags)
+        defines every file the stage installs, builds no tests,
+        benchmarks, LibTorch, CUDA or Python module (none is in the
+        image), and finds only packages its install-deps run brings in
+        (with their dependencies and what a Debian image has)."""
+        frm, ins = self.stages[0]
+        # The package closure below is computed on this host: the build
+        # stage must be the same distribution (Debian 12).
+        self.assertRegex(frm, r"^FROM debian:12(\.\d+)?\b")
+        packages = self.stage_packages(ins)
+        builds = invocations(ins, "build")
+        self.assertEqual(len(builds), 1, builds)
+        build_dir = [a for a in builds[0] if not a.startswith("-")][0]
+        flags = [a for a in builds[0] if a.startswith("-D")]
         tmp = tempfile.mkdtemp(prefix="leap_docker_configure_")
         try:
             gen = ["-G", "Ninja"] if shutil.which("ninja") else []
@@ -210,18 +270,30 @@ class DockerfileTest(unittest.TestCase):
             self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
             self.assertIn("CUDA capture OFF", r.stdout)
             self.assertIn("LibTorch adapter OFF", r.stdout)
+            self.assertIn("Python binding OFF", r.stdout)
             if gen:
                 t = subprocess.run(["ninja", "-C", tmp, "-t", "targets",
                                     "all"], capture_output=True, text=True)
                 names = {line.split(":")[0] for line in t.stdout.split("\n")}
-                self.assertIn("sidecar/leapd", names)
-                self.assertIn("tools/leapctl/leapctl", names)
+                installed = installed_files(ins)
+                built = [src for src in installed.values()
+                         if src.startswith(build_dir.rstrip("/") + "/")]
+                self.assertTrue(built, installed)
+                for src in built:
+                    self.assertIn(os.path.relpath(src, build_dir), names,
+                                  "the build stage installs %s, which its "
+                                  "configuration does not build" % src)
+                programs = {os.path.basename(n) for n in names
+                            if re.fullmatch(r"[\w/]+", n)}
+                self.assertFalse({p for p in programs
+                                  if p.endswith(("_test", "_benchmark"))},
+                                 "tests or benchmarks in the image build")
             with open(os.path.join(tmp, "CMakeCache.txt")) as f:
                 cache = f.read()
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         dpkg = Dpkg()
-        allowed = dpkg.closure(install_deps("--sidecar")) | dpkg.base_image()
+        allowed = dpkg.closure(packages) | dpkg.base_image()
         found = {}
         # Config packages (X_DIR) and what module mode found (libraries,
         # headers, programs such as protoc).
@@ -242,40 +314,40 @@ class DockerfileTest(unittest.TestCase):
         self.assertEqual(unowned, set(), "found outside Debian packages")
         found = set(found.values())
         self.assertEqual(found - allowed, set(),
-                         "packages the build finds but `install-deps "
-                         "--sidecar` does not bring in")
+                         "packages the build finds but the build stage's "
+                         "install-deps run does not bring in")
 
-    def test_runtime_stage(self):
-        frm, ins = self.stages[-1]
-        self.assertRegex(frm, r"^FROM debian:12(\.\d+)?-slim AS runtime$")
-        runs = [i for i in ins if i.startswith("RUN ")]
-        self.assertTrue(any("install-deps --runtime" in r for r in runs))
-        for r in runs:
-            self.assertNotRegex(r, r"apt-get|apt install|build-essential|"
-                                r"cmake|ninja|\bgcc\b|g\+\+|-dev\b")
-        copies = [i for i in ins if i.startswith("COPY --from=build")]
-        self.assertEqual(len(copies), 1, copies)
-        sources = shlex.split(copies[0])[2:-1]
+    def test_runtime_stage_holds_only_the_two_tools(self):
+        """The runtime stage installs packages only through install-deps,
+        and that list has no compiler or -dev package; it copies from the
+        build stage exactly leapd and leapctl, files the build stage
+        installs; it runs as a numeric non-root user (what Kubernetes'
+        runAsNonRoot can verify)."""
+        packages = self.stage_packages(self.runtime)
+        self.assertFalse([p for p in packages if p.endswith("-dev")])
+        self.assertFalse({"build-essential", "gcc", "g++", "cmake",
+                          "ninja-build", "clang"} & set(packages))
+        for cmd in simple_commands(self.runtime):
+            self.assertNotIn(os.path.basename(cmd[0]),
+                             ("apt-get", "apt", "aptitude", "dpkg", "pip",
+                              "pip3"), "packages outside install-deps: %s" %
+                             " ".join(cmd))
+        build_name = self.names[0]
+        sources, dest = self.copied_from(build_name)
         self.assertEqual(sorted(os.path.basename(s) for s in sources),
                          ["leapctl", "leapd"])
-        user = [i for i in ins if i.startswith("USER ")]
+        installed = installed_files(self.stages[0][1])
+        for s in sources:
+            self.assertIn(s, installed, "copied but never installed: " + s)
+        user = [i for i in self.runtime if i.startswith("USER ")]
         self.assertEqual(len(user), 1)
         uid, _, gid = user[0].split()[1].partition(":")
         self.assertTrue(uid.isdigit() and int(uid) > 0, user)
         self.assertTrue(gid.isdigit() and int(gid) > 0, user)
-        entry = [i for i in ins if i.startswith("ENTRYPOINT ")]
-        self.assertEqual(json.loads(entry[0][len("ENTRYPOINT "):]),
-                         ["/usr/local/bin/leapd"])
-        for p in ("7070", "9464"):
-            self.assertTrue(any(i.startswith("EXPOSE") and p in i.split()
-                                for i in ins))
-        runtime = install_deps("--runtime")
-        self.assertNotIn("build-essential", runtime)
-        self.assertFalse([p for p in runtime if p.endswith("-dev")])
 
     def test_runtime_packages_cover_the_binaries(self):
         dpkg = Dpkg()
-        runtime = install_deps("--runtime")
+        runtime = self.stage_packages(self.runtime)
         for p in runtime:
             self.assertIn(p, dpkg.deps, "not a Debian package here: " + p)
         covered = dpkg.closure(runtime) | dpkg.base_image()
@@ -291,6 +363,74 @@ class DockerfileTest(unittest.TestCase):
                 self.assertIn(owner, covered,
                               "%s loads %s (package %s), which the runtime "
                               "stage does not install" % (binary, lib, owner))
+
+    def test_default_command_serves_on_the_exposed_ports(self):
+        """ENTRYPOINT + CMD, run here with the built leapd (its unix socket
+        and data directory moved to a temporary directory, its TCP ports
+        to 0): every flag is one leapd documents, it becomes ready and
+        serves gRPC and /metrics; the ports EXPOSE declares are exactly the
+        TCP ports of that command."""
+        def json_instruction(name):
+            ins = [i for i in self.runtime if i.startswith(name + " ")]
+            self.assertEqual(len(ins), 1, name)
+            return json.loads(ins[0][len(name) + 1:])
+        entry = json_instruction("ENTRYPOINT")
+        cmd = json_instruction("CMD")
+        sources, dest = self.copied_from(self.names[0])
+        self.assertEqual(entry[0], os.path.join(dest, "leapd"))
+        args = entry[1:] + cmd
+        h = subprocess.run([ARGS.leapd, "--help"], capture_output=True,
+                           text=True)
+        documented = set(re.findall(r"--(\w+) \(", h.stdout + h.stderr))
+        ports = set()
+        tmp = tempfile.mkdtemp(prefix="leap_docker_cmd_")
+        local = []
+        for a in args:
+            m = re.fullmatch(r"--(\w+)=(.*)", a)
+            self.assertTrue(m, a)
+            self.assertIn(m.group(1), documented, a)
+            flag, value = m.groups()
+            if value.startswith("unix://"):
+                value = "unix://" + os.path.join(
+                    tmp, os.path.basename(value[len("unix://"):]))
+            elif re.fullmatch(r"[\w.]+:\d+", value):
+                ports.add(int(value.rsplit(":", 1)[1]))
+                value = "127.0.0.1:0"
+            elif flag == "data_dir":
+                value = os.path.join(tmp, "data")
+            local.append("--%s=%s" % (flag, value))
+        exposed = set()
+        for i in self.runtime:
+            if i.startswith("EXPOSE "):
+                exposed |= {int(p.split("/")[0]) for p in i.split()[1:]}
+        self.assertEqual(exposed, ports)
+        proc = subprocess.Popen([ARGS.leapd] + local, stdout=subprocess.PIPE,
+                                text=True)
+        killer = threading.Timer(60, proc.kill)
+        killer.start()
+        try:
+            listening, metrics, ready = [], None, False
+            for line in proc.stdout:
+                if line.startswith("listening on "):
+                    listening.append(line.split()[2])
+                if line.startswith("metrics on "):
+                    metrics = line.split()[2]
+                if line.startswith("leapd ") and "ready" in line:
+                    ready = True
+                    break
+            self.assertTrue(ready, "leapd did not become ready")
+            self.assertEqual(len(listening),
+                             len([a for a in local
+                                  if a.startswith("--listen=")]))
+            self.assertTrue(any(a.startswith("unix:") for a in listening))
+            with urllib.request.urlopen(metrics, timeout=30) as resp:
+                self.assertIn("# TYPE leap_", resp.read().decode())
+        finally:
+            killer.cancel()
+            proc.send_signal(signal.SIGTERM)
+            proc.stdout.close()
+            self.assertEqual(proc.wait(timeout=60), 0)
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 class ManifestTest(unittest.TestCase):
@@ -308,6 +448,8 @@ class ManifestTest(unittest.TestCase):
             ARGS.source_dir, "deploy", "docker", "Dockerfile"))
         user = [i for i in stages[-1][1] if i.startswith("USER ")][0]
         cls.image_uid = int(user.split()[1].split(":")[0])
+        entry = [i for i in stages[-1][1] if i.startswith("ENTRYPOINT ")][0]
+        cls.image_entrypoint = json.loads(entry[len("ENTRYPOINT "):])
 
     def objects(self, name, kind):
         return [o for o in self.rendered[name] if o["kind"] == kind]
@@ -330,7 +472,8 @@ class ManifestTest(unittest.TestCase):
         for name in self.overlays:
             sts, spec, leapd, engine = self.pod(name)
             self.assertEqual(leapd.get("restartPolicy"), "Always", name)
-            self.assertEqual(leapd["command"], ["/usr/local/bin/leapd"])
+            # The image's leapd (its ENTRYPOINT), whatever path it has.
+            self.assertEqual(leapd["command"], self.image_entrypoint)
             for arg in leapd["args"]:
                 m = re.fullmatch(r"--(\w+)=.*", arg)
                 self.assertTrue(m, arg)

@@ -27,7 +27,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
-#include "sidecar/readout/artifact.h"
+#include "readout/artifact.h"
 #include "tests/leapctl_test_util.h"
 #include "tests/support/process.h"
 

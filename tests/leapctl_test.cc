@@ -15,7 +15,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
-#include "sidecar/readout/artifact.h"
+#include "readout/artifact.h"
 #include "tests/leapctl_test_util.h"
 
 namespace leap::leapctl_test {
@@ -124,7 +124,7 @@ struct Reference {
   int n_short, n_medium, n_long;
 };
 
-// Predicts with the unfolded math of DESIGN §4 in FP64 (z = (x - mu) /
+// Predicts with the unfolded math of docs/MATH.md in FP64 (z = (x - mu) /
 // sigma, score = [z; 1] . theta, clip to [1, sqrt(M)], square) and scores it.
 Reference ReferenceEval(const std::string& readout, const std::string& features,
                         const std::string& lengths) {

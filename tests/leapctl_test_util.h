@@ -5,8 +5,6 @@
 #ifndef LEAP_TESTS_LEAPCTL_TEST_UTIL_H_
 #define LEAP_TESTS_LEAPCTL_TEST_UTIL_H_
 
-#include <fcntl.h>
-#include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -19,12 +17,11 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "tests/support/process.h"
 
 #ifndef LEAPCTL_PATH
 #error "LEAPCTL_PATH must name the leapctl binary"
 #endif
-
-extern char** environ;
 
 namespace leap::leapctl_test {
 
@@ -77,48 +74,22 @@ class ScratchDir {
   std::string path_;
 };
 
-// Runs `leapctl args...` with stdout and stderr captured through files in
-// `scratch` and waits for it.
+// Runs `leapctl args...` with stdout and stderr captured (the launcher of
+// tests/support/process.h) and waits for it. `scratch` is where the command's
+// files go; the runner itself writes none.
 inline RunResult RunLeapctl(const ScratchDir& scratch,
                             const std::vector<std::string>& args) {
-  static int counter = 0;
-  const int id = counter++;
-  const std::string out_path = scratch.File(".out" + std::to_string(id));
-  const std::string err_path = scratch.File(".err" + std::to_string(id));
-  std::vector<std::string> argv_s;
-  argv_s.push_back(LEAPCTL_PATH);
-  argv_s.insert(argv_s.end(), args.begin(), args.end());
-  std::vector<char*> argv;
-  for (std::string& a : argv_s) argv.push_back(a.data());
-  argv.push_back(nullptr);
-
-  posix_spawn_file_actions_t actions;
-  posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_addopen(&actions, 1, out_path.c_str(),
-                                   O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  posix_spawn_file_actions_addopen(&actions, 2, err_path.c_str(),
-                                   O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  pid_t pid = 0;
+  std::vector<std::string> argv = {LEAPCTL_PATH};
+  argv.insert(argv.end(), args.begin(), args.end());
   RunResult r;
-  const int rc =
-      posix_spawn(&pid, argv[0], &actions, nullptr, argv.data(), environ);
-  posix_spawn_file_actions_destroy(&actions);
-  if (rc != 0) {
-    ADD_FAILURE() << "posix_spawn(" << argv[0] << ") failed: " << rc;
+  absl::StatusOr<testing::ProcessResult> run = testing::RunProcess(argv);
+  if (!run.ok()) {
+    ADD_FAILURE() << "cannot run " << argv[0] << ": " << run.status();
     return r;
   }
-  int status = 0;
-  pid_t waited = -1;
-  do {
-    waited = ::waitpid(pid, &status, 0);
-  } while (waited < 0 && errno == EINTR);
-  if (waited < 0) {
-    ADD_FAILURE() << "waitpid failed: " << errno;
-    return r;
-  }
-  if (WIFEXITED(status)) r.exit_code = WEXITSTATUS(status);
-  r.out = ReadFile(out_path);
-  r.err = ReadFile(err_path);
+  if (WIFEXITED(run->status)) r.exit_code = WEXITSTATUS(run->status);
+  r.out = std::move(run->out);
+  r.err = std::move(run->err);
   return r;
 }
 

@@ -19,9 +19,9 @@
 #include "Eigen/Cholesky"
 #include "Eigen/Core"
 #include "gtest/gtest.h"
-#include "sidecar/readout/artifact.h"
-#include "sidecar/readout/ridge.h"
-#include "sidecar/readout/synth.h"
+#include "readout/artifact.h"
+#include "readout/ridge.h"
+#include "readout/synth.h"
 #include "tests/support/engine_client.h"
 #include "tests/support/process.h"
 
@@ -376,7 +376,7 @@ TEST(LeapdEndToEnd, TenThousandRequestsMatchAnchoredClosedForm) {
   EXPECT_TRUE(a.Finish().ok());
   EXPECT_TRUE(b.Finish().ok());
 
-  // Prometheus /metrics carries the DESIGN §9 series with these figures.
+  // Prometheus /metrics carries the series README.md lists, with these figures.
   std::string metrics_addr;
   for (const std::string& line : s.proc->lines()) {
     if (line.rfind("metrics on http://", 0) == 0) {

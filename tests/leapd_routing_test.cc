@@ -23,7 +23,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "gtest/gtest.h"
-#include "sidecar/readout/synth.h"
+#include "readout/synth.h"
 #include "tests/support/engine_client.h"
 #include "tests/support/process.h"
 

@@ -1,4 +1,4 @@
-// Durable state with real processes (DESIGN §7):
+// Durable state with real processes (docs/STORAGE.md):
 //  - crash: a client streams completions into a real leapd while the test
 //    kill -9s it at random moments (>= 20 times, during RLS batches and
 //    checkpoints: checkpoints every 2 batches of a d = 1024 readout, i.e. a
@@ -27,7 +27,7 @@
 #include "Eigen/Cholesky"
 #include "Eigen/Core"
 #include "gtest/gtest.h"
-#include "sidecar/readout/artifact.h"
+#include "readout/artifact.h"
 #include "storage/rocksdb_store.h"
 #include "tests/support/engine_client.h"
 #include "tests/support/process.h"
@@ -212,8 +212,8 @@ TEST(LeapdStorage, KillNineTwentyTimesLosesNothingAcknowledged) {
     if (round == 0) CreateCold(s, dim);
     for (const std::string& line : s.proc->lines()) {
       ASSERT_EQ(line.rfind("recovery:", 0), std::string::npos) << line;
-      if (line.find("replaying") != std::string::npos &&
-          line.find("replaying 0 ") == std::string::npos) {
+      if (line.find("replayed") != std::string::npos &&
+          line.find("replayed 0 ") == std::string::npos) {
         ++replayed_starts;
       }
     }

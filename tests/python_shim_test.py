@@ -429,8 +429,9 @@ class EndToEndTest(LeapdFixture):
         self.assertTrue(ev.since(mark, "connected"))
         # The resubmitted features are the captured ones: scored with the
         # weights of the recovered readout. leapd recovers by replaying its
-        # completion log (new version numbers); once it learned both again,
-        # every live request holds a prediction or rescore of that version.
+        # completion log back to the version it had (same number, same
+        # weights) before it serves; once it holds both, every live request
+        # holds a prediction or rescore of that version.
         self.assertIsNotNone(self.wait_learned(2))
         version, w = self.weights()
         self.assertTrue(ev.wait_for(lambda a: {

@@ -4,7 +4,7 @@
 // trace parsers with malformed input, the learned-predictor copula, and the
 // LEAP path through a real leapd: a readout that predicts exactly gives the
 // oracle's decode order, and a small replay end to end through the CLI.
-#include "tools/leapctl/replay.h"
+#include "replay/replay.h"
 
 #include <unistd.h>
 
@@ -17,16 +17,22 @@
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
-#include "sidecar/readout/artifact.h"
-#include "sidecar/readout/stats.h"
+#include "readout/artifact.h"
+#include "readout/stats.h"
+#include "replay/engine_model.h"
+#include "replay/leap_driver.h"
+#include "replay/trace.h"
 #include "tests/support/process.h"
 #include "tools/leapctl/cli.h"
-#include "tools/leapctl/replay_leap.h"
-#include "tools/leapctl/replay_sim.h"
-#include "tools/leapctl/replay_trace.h"
 
-namespace leap::leapctl::replay {
+namespace leap::replay {
 namespace {
+
+// The `leapctl replay` command line (tools/leapctl).
+using leapctl::kExitFailure;
+using leapctl::kExitOk;
+using leapctl::kExitUsage;
+using leapctl::RunLeapctl;
 
 // ---- metrics ----------------------------------------------------------------
 
@@ -479,8 +485,8 @@ class ReplayLeapdTest : public ::testing::Test {
     delete leapd_;
     leapd_ = nullptr;
   }
-  static ServerOptions Server() {
-    ServerOptions s;
+  static client::ServerOptions Server() {
+    client::ServerOptions s;
     s.address = address_;
     return s;
   }
@@ -629,7 +635,7 @@ TEST_F(ReplayLeapdTest, SmallReplayThroughTheCli) {
   svg.read(head.data(), 4);
   EXPECT_EQ(head, "<svg");
   // The arms are gone from leapd.
-  AdminClient admin(Server());
+  client::AdminClient admin(Server());
   absl::StatusOr<v1::ListReadoutsResponse> list = admin.ListReadouts();
   ASSERT_TRUE(list.ok());
   EXPECT_EQ(list->readouts_size(), 0);
@@ -655,4 +661,4 @@ TEST(ReplayCliTest, UsageErrors) {
 }
 
 }  // namespace
-}  // namespace leap::leapctl::replay
+}  // namespace leap::replay

@@ -146,14 +146,11 @@ class RunbookTest(unittest.TestCase):
         self.assertEqual(unmarked, [],
                          "shell blocks in RUNBOOK.md not marked `sh runbook`"
                          " (every command must be one this test runs)")
-        self.assertGreaterEqual(len(blocks), 15)
-        sections = {b["section"] for b in blocks}
-        for s in ("Install", "First readout import",
-                  "Snapshot before a rollout", "Rollback",
-                  "Freeze and resume adaptation",
-                  "Start and end an A/B test", "Rotate the admin token",
-                  "Disaster recovery from an exported artifact"):
-            self.assertIn(s, sections)
+        # Which procedures the runbook covers is checked below by what its
+        # blocks do (install, import, snapshot, restart, rollback, freeze
+        # and resume, A/B test, token rotation, disaster recovery), not by
+        # its headings or its number of blocks.
+        self.assertTrue(blocks, "no `sh runbook` block in RUNBOOK.md")
 
         # What the runbook trains from, and the engine's traffic.
         self.synth("chat", 3000, 1)

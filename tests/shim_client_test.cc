@@ -11,9 +11,12 @@
 #include <random>
 #include <set>
 
+#include "Eigen/Cholesky"
+#include "Eigen/Core"
 #include "absl/synchronization/mutex.h"
 #include "engine_shim/client.h"
 #include "gtest/gtest.h"
+#include "sidecar/readout/artifact.h"
 #include "tests/support/engine_client.h"
 #include "tests/support/process.h"
 
@@ -163,6 +166,124 @@ TEST_P(ShimClient, PredictsLearnsRescoresAndSurvivesSidecarRestart) {
   EXPECT_EQ(v.completions_learned(), 6);
   wctx.TryCancel();
   ASSERT_TRUE(col.Wait([&](const auto&) { return (*client)->stats().live == 0; }));
+}
+
+// Two engines that both use the request id "x": each gets its own
+// prediction and each completion is learned with its own features (theta vs
+// the FP64 closed form); two clients that claim the same instance id get
+// the collision as an error event (ALREADY_EXISTS), not silence.
+TEST_P(ShimClient, SameIdFromTwoEnginesIsTwoRequestsAndCollisionsAreReported) {
+  const std::string dir = ::testing::TempDir() + "/shim2-" + GetParam() + "-" +
+                          std::to_string(getpid());
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  const std::string sock = "unix://" + dir + "/leapd.sock";
+  const std::vector<std::string> args = {"--listen=" + sock, "--data_dir=" + dir + "/db",
+                                         "--rls_batch=1", "--shm=" + dir + "/leap.shm"};
+  const std::string endpoint = GetParam() == "shm" ? "shm://" + dir + "/leap.shm" : sock;
+  std::string addr;
+  auto leapd = testing::StartLeapd(LEAPD_PATH, args, &addr);
+  ASSERT_TRUE(leapd.ok()) << leapd.status();
+  ASSERT_TRUE(testing::CreateDefaultReadout(sock, "r", kDim).ok());
+
+  auto start = [&](const std::string& instance, Collector* col) {
+    shim::ClientOptions o;
+    o.endpoint = endpoint;
+    o.dim = kDim;
+    o.engine_id = "pod";  // the same pod name: not an identity
+    o.instance_id = instance;
+    o.min_backoff = absl::Milliseconds(20);
+    o.max_backoff = absl::Milliseconds(200);
+    auto c = shim::Client::Start(o);
+    EXPECT_TRUE(c.ok()) << c.status();
+    (*c)->SetCallback([col](const Event& e) { col->Add(e); });
+    EXPECT_TRUE((*c)->WaitConnected(absl::Seconds(10)));
+    return std::move(*c);
+  };
+  Collector col_a, col_b;
+  auto a = start("", &col_a);  // random instance ids
+  auto b = start("", &col_b);
+  std::mt19937 rng(7);
+  const shim::CapturedFeatures fa = Features("x", rng);
+  const shim::CapturedFeatures fb = Features("x", rng);
+  a->Submit({fa});
+  ASSERT_TRUE(col_a.Wait([&](const auto& ev) {
+    return Count(ev, Event::Kind::kPrediction, {"x"}) == 1;
+  }));
+  b->Submit({fb});
+  ASSERT_TRUE(col_b.Wait([&](const auto& ev) {
+    for (const Event& e : ev) {
+      if (e.request_id == "x" && (e.kind == Event::Kind::kPrediction ||
+                                  e.kind == Event::Kind::kError)) {
+        return true;
+      }
+    }
+    return false;
+  })) << "engine B got neither a prediction nor an error for its 'x'";
+  ASSERT_EQ(Count(col_b.events(), Event::Kind::kPrediction, {"x"}), 1)
+      << "engine B's 'x' was not predicted";
+  b->Complete("x", 900, shim::FinishReason::kStop);
+  a->Complete("x", 100, shim::FinishReason::kStop);
+  ASSERT_TRUE(col_a.Wait([&](const auto&) { return a->stats().live == 0; }));
+  ASSERT_TRUE(col_b.Wait([&](const auto&) { return b->stats().live == 0; }));
+  EXPECT_EQ(a->stats().errors, 0);
+  EXPECT_EQ(b->stats().errors, 0);
+  // Both learned, each with its own features.
+  auto stub = pb::Predictor::NewStub(testing::MakeChannel(sock));
+  {
+    grpc::ClientContext wctx;
+    wctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+    pb::WatchReadoutRequest wreq;
+    wreq.set_readout("r");
+    auto watch = stub->WatchReadout(&wctx, wreq);
+    pb::ReadoutVersion v;
+    while (watch->Read(&v) && v.completions_learned() < 2) {
+    }
+    EXPECT_EQ(v.completions_learned(), 2);
+    wctx.TryCancel();
+  }
+  {
+    auto admin = pb::Admin::NewStub(testing::MakeChannel(sock));
+    grpc::ClientContext ctx;
+    pb::ExportReadoutRequest req;
+    req.set_name("r");
+    pb::ExportReadoutResponse resp;
+    ASSERT_TRUE(admin->ExportReadout(&ctx, req, &resp).ok());
+    auto state = readout::ParseArtifact(resp.artifact(), "export");
+    ASSERT_TRUE(state.ok()) << state.status();
+    const int64_t n = kDim + 1;
+    Eigen::MatrixXd m = Eigen::MatrixXd::Identity(n, n);  // lambda = 1
+    Eigen::VectorXd rhs = Eigen::VectorXd::Zero(n);
+    for (const auto& [f, tokens] : {std::pair{fa, 100}, std::pair{fb, 900}}) {
+      Eigen::VectorXd u(n);
+      const float* x = reinterpret_cast<const float*>(f.bytes.data());
+      for (int64_t j = 0; j < kDim; ++j) u[j] = x[j];
+      u[kDim] = 1;
+      m += u * u.transpose();
+      rhs += u * std::sqrt(static_cast<double>(tokens));
+    }
+    const Eigen::VectorXd want = m.llt().solve(rhs);
+    EXPECT_LT((state->theta - want).norm() / want.norm(), 1e-6);
+  }
+
+  // Two clients claiming one instance id: the second "y" is a collision,
+  // reported as an error event, and the first is unaffected.
+  Collector col_c, col_d;
+  auto c = start("shared-instance", &col_c);
+  auto d = start("shared-instance", &col_d);
+  c->Submit({Features("y", rng)});
+  ASSERT_TRUE(col_c.Wait([&](const auto& ev) {
+    return Count(ev, Event::Kind::kPrediction, {"y"}) == 1;
+  }));
+  d->Submit({Features("y", rng)});
+  ASSERT_TRUE(col_d.Wait([&](const auto& ev) {
+    for (const Event& e : ev) {
+      if (e.kind == Event::Kind::kError && e.request_id == "y" && e.code == 6) return true;
+    }
+    return false;
+  })) << "the collision was not reported";
+  EXPECT_EQ(d->stats().live, 0);
+  EXPECT_EQ(c->stats().live, 1);
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, ShimClient, ::testing::Values("unix", "shm"),

@@ -34,7 +34,7 @@
 #include "engine_shim/shm_channel.h"
 #include "tests/support/engine_client.h"
 #include "tests/support/process.h"
-#include "tools/leapctl/bench.h"
+#include "client/bench.h"
 
 namespace {
 
@@ -378,13 +378,13 @@ int main(int argc, char** argv) {
   b16.reset();
 
   // gRPC Connect against the same (pinned) leapd.
-  leap::leapctl::BenchOptions bo;
+  leap::client::BenchOptions bo;
   bo.server.address = sock;
   bo.dim = kDim;
   bo.seconds = seconds;
   bo.readout = "bench";
   bo.product_line = "";
-  auto grpc_report = leap::leapctl::RunBench(bo, [](const std::string&) {});
+  auto grpc_report = leap::client::RunBench(bo, [](const std::string&) {});
   if (grpc_report.ok()) {
     std::printf("grpc Connect fp32 (unix socket, batch %ld, %ld streams): %10.0f predictions/s; "
                 "single request p50 %.1f us  p99 %.1f us\n",

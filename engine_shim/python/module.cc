@@ -1,4 +1,5 @@
-// leap_shim: the engine shim for Python engines (DESIGN §8). A thin layer
+// leap_shim: the engine shim for Python engines (docs/ARCHITECTURE.md).
+// A thin layer
 // over leap::shim's Client, capture functions and CountdownScheduler; tensors
 // come in through DLPack (dlpack_import.h), so no torch is linked and one
 // build serves engines pinned to any torch version.
@@ -16,7 +17,6 @@
 #include <limits>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <utility>
@@ -67,17 +67,6 @@ DType ParseDType(std::string name) {
       "dtype must be 'float32', 'bfloat16' or 'float16', got '", name, "'"));
 }
 
-const char* DTypeName(DType d) {
-  switch (d) {
-    case DType::kFloat32:
-      return "float32";
-    case DType::kBFloat16:
-      return "bfloat16";
-    case DType::kFloat16:
-      return "float16";
-  }
-  return "unknown";
-}
 
 FinishReason ParseReason(const std::string& reason) {
   if (reason == "stop") return FinishReason::kStop;
@@ -349,7 +338,7 @@ class PyClient {
     absl::Status first;
     {
       py::gil_scoped_release nogil;
-      std::lock_guard<std::mutex> lock(cuda_mu_);
+      absl::MutexLock lock(&cuda_mu_);
       for (auto& [device, capturer] : capturers_) {
         absl::Status s = capturer->Flush();
         if (first.ok()) first = s;
@@ -368,7 +357,7 @@ class PyClient {
     {
       py::gil_scoped_release nogil;
       {
-        std::lock_guard<std::mutex> lock(cuda_mu_);
+        absl::MutexLock lock(&cuda_mu_);
         capturers.swap(capturers_);
       }
       // Each destructor drains its side stream: every sink has run and
@@ -382,7 +371,7 @@ class PyClient {
   }
 
   int64_t dim() const { return options_.dim; }
-  std::string dtype() const { return DTypeName(options_.dtype); }
+  std::string dtype() const { return std::string(DTypeName(options_.dtype)); }
   const std::string& endpoint() const { return options_.endpoint; }
   bool closed() const { return client_ == nullptr; }
 
@@ -441,7 +430,7 @@ class PyClient {
     auto landed = std::make_shared<std::atomic<bool>>(false);
     absl::Status s;
     {
-      std::lock_guard<std::mutex> lock(cuda_mu_);
+      absl::MutexLock lock(&cuda_mu_);
       std::unique_ptr<CudaCapturer>& capturer =
           capturers_[in.view.device_index];
       if (capturer == nullptr) {
@@ -474,8 +463,8 @@ class PyClient {
   size_t cuda_staging_bytes_ = 0;
   std::shared_ptr<Client> client_;
   std::shared_ptr<EventQueue> events_;
-  std::mutex cuda_mu_;
-  std::map<int, std::unique_ptr<CudaCapturer>> capturers_;
+  absl::Mutex cuda_mu_;
+  std::map<int, std::unique_ptr<CudaCapturer>> capturers_ ABSL_GUARDED_BY(cuda_mu_);
   std::deque<Pending> pending_;
 };
 

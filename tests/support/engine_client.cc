@@ -32,12 +32,14 @@ std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address) {
 }
 
 EngineStream::EngineStream(std::shared_ptr<grpc::Channel> channel, int64_t dim,
-                           pb::FeatureDType dtype) {
+                           pb::FeatureDType dtype,
+                           const std::string& instance_id) {
   auto stub = pb::Predictor::NewStub(channel);
   stream_ = stub->Connect(&ctx_);
   pb::EngineMessage hello;
   hello.set_seq(0);
   hello.mutable_hello()->set_engine_id("test-engine");
+  hello.mutable_hello()->set_instance_id(instance_id);
   hello.mutable_hello()->set_dim(dim);
   hello.mutable_hello()->set_dtype(dtype);
   stream_->Write(hello);
@@ -64,9 +66,11 @@ void EngineStream::ReadLoop() {
     } else {
       answers_[m.seq()] = m;
     }
+    ++changes_;
   }
   absl::MutexLock lock(&mu_);
   closed_ = true;
+  ++changes_;
 }
 
 uint64_t EngineStream::Send(pb::EngineMessage m) {
@@ -100,9 +104,23 @@ pb::SidecarMessage EngineStream::Call(pb::EngineMessage m) {
 
 bool EngineStream::WaitUntil(const std::function<bool()>& pred,
                              absl::Duration timeout) {
-  absl::MutexLock lock(&mu_);
-  auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return pred(); };
-  return mu_.AwaitWithTimeout(absl::Condition(&ready), timeout);
+  const absl::Time deadline = absl::Now() + timeout;
+  for (;;) {
+    uint64_t seen;
+    {
+      absl::MutexLock lock(&mu_);
+      seen = changes_;
+    }
+    // Without mu_: pred reads through published()/rescores(), which lock.
+    if (pred()) return true;
+    absl::MutexLock lock(&mu_);
+    auto changed = [this, seen]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return changes_ != seen;
+    };
+    if (!mu_.AwaitWithDeadline(absl::Condition(&changed), deadline)) {
+      return false;
+    }
+  }
 }
 
 grpc::Status EngineStream::Finish() {
@@ -115,13 +133,18 @@ grpc::Status EngineStream::Finish() {
 }
 
 std::vector<int64_t> EngineStream::published(const std::string& readout) {
-  // Callers may hold mu_ through WaitUntil's predicate: no lock taken there.
-  return published_[readout];
+  absl::MutexLock lock(&mu_);
+  auto it = published_.find(readout);
+  if (it == published_.end()) return {};
+  return it->second;
 }
 
 std::map<int64_t, std::map<std::string, pb::Prediction>>
 EngineStream::rescores(const std::string& readout) {
-  return rescores_[readout];
+  absl::MutexLock lock(&mu_);
+  auto it = rescores_.find(readout);
+  if (it == rescores_.end()) return {};
+  return it->second;
 }
 
 }  // namespace leap::testing

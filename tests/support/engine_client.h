@@ -28,10 +28,14 @@ std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address);
 grpc::Status CreateDefaultReadout(const std::string& address,
                                   const std::string& name, int64_t dim);
 
+// Threads: any test thread may call any method (Finish and the destructor
+// from one thread, after the others); the reader thread is its own.
 class EngineStream {
  public:
+  // `instance_id` goes in the hello (Hello.instance_id; "" = none).
   EngineStream(std::shared_ptr<grpc::Channel> channel, int64_t dim,
-               leap::v1::FeatureDType dtype = leap::v1::FEATURE_DTYPE_FLOAT32);
+               leap::v1::FeatureDType dtype = leap::v1::FEATURE_DTYPE_FLOAT32,
+               const std::string& instance_id = "");
   ~EngineStream();
 
   // Sends `m` with a fresh seq; returns the seq.
@@ -41,18 +45,23 @@ class EngineStream {
              absl::Duration timeout = absl::Seconds(30));
   // Sends and waits for the answer.
   leap::v1::SidecarMessage Call(leap::v1::EngineMessage m);
-  // Waits until `pred` (evaluated under the lock) holds.
+  // Waits until `pred` holds: evaluated without the lock, now and after each
+  // message the reader records.
   bool WaitUntil(const std::function<bool()>& pred,
                  absl::Duration timeout = absl::Seconds(60));
   // Closes the writing side and waits for the stream's status.
   grpc::Status Finish();
 
-  // Recorded pushes; read under WaitUntil or after Finish.
+  // Copies of the recorded pushes (under the lock; any thread, also inside a
+  // WaitUntil predicate).
   std::vector<int64_t> published(const std::string& readout);
   // request id -> latest rescored prediction, per readout version.
   std::map<int64_t, std::map<std::string, leap::v1::Prediction>> rescores(
       const std::string& readout);
-  bool alive() const { return alive_; }
+  bool alive() const {
+    absl::MutexLock lock(&write_mu_);
+    return alive_;
+  }
 
  private:
   void ReadLoop();
@@ -61,8 +70,9 @@ class EngineStream {
   std::unique_ptr<grpc::ClientReaderWriter<leap::v1::EngineMessage,
                                            leap::v1::SidecarMessage>>
       stream_;
-  absl::Mutex write_mu_;
-  uint64_t next_seq_ = 1;
+  // Lock order: write_mu_ and mu_ are never held together.
+  mutable absl::Mutex write_mu_;
+  uint64_t next_seq_ ABSL_GUARDED_BY(write_mu_) = 1;
   absl::Mutex mu_;
   std::map<uint64_t, leap::v1::SidecarMessage> answers_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::vector<int64_t>> published_ ABSL_GUARDED_BY(mu_);
@@ -70,7 +80,8 @@ class EngineStream {
            std::map<int64_t, std::map<std::string, leap::v1::Prediction>>>
       rescores_ ABSL_GUARDED_BY(mu_);
   bool closed_ ABSL_GUARDED_BY(mu_) = false;
-  bool alive_ = true;
+  uint64_t changes_ ABSL_GUARDED_BY(mu_) = 0;  // messages recorded, and close
+  bool alive_ ABSL_GUARDED_BY(write_mu_) = true;
   std::thread reader_;
 };
 

@@ -8,11 +8,11 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_replace.h"
-#include "sidecar/readout/synth.h"
+#include "readout/synth.h"
 #include "tools/leapctl/commands.h"
 #include "tools/leapctl/flags.h"
 #include "tools/leapctl/internal/command.h"
-#include "tools/leapctl/replay.h"
+#include "replay/replay.h"
 
 namespace leap::leapctl {
 namespace {
@@ -92,7 +92,7 @@ int Train(const std::vector<std::string>& args,
   FlagSet flags(
       "train",
       "leapctl train --features F.npy --lengths L.npy --out R.leapr [flags]",
-      "Fits the LEAP readout by ridge regression (DESIGN §4): standardizes "
+      "Fits the LEAP readout by ridge regression (docs/MATH.md): standardizes "
       "the\n"
       "features, regresses y = sqrt(min(length, M)) on [z; 1] with the bias\n"
       "unpenalized, picks lambda by k-fold cross-validation unless --lambda "
@@ -182,7 +182,7 @@ int Adapt(const std::vector<std::string>& args,
       "leapctl adapt --readout R.leapr --features F.npy --lengths L.npy "
       "--out R2.leapr [flags]",
       "Adapts a readout to new traffic with exact batched recursive least\n"
-      "squares, anchored at the offline fit by the artifact's P (DESIGN §4).\n"
+      "squares, anchored at the offline fit by the artifact's P (docs/MATH.md).\n"
       "Rows are learned in file order, --batch completions per update, each\n"
       "standardized with the readout's own mean and scale and with target\n"
       "sqrt(min(length, M)). Writes the adapted state as the next version\n"
@@ -350,7 +350,7 @@ int RunLeapctl(const std::vector<std::string>& all, std::ostream& out,
   if (command == "snapshot") return internal::SnapshotCommand(args, out, err);
   if (command == "rollback") return internal::RollbackCommand(args, out, err);
   if (command == "import") return internal::ImportCommand(args, out, err);
-  if (command == "replay") return replay::ReplayCommand(args, out, err);
+  if (command == "replay") return internal::ReplayCommand(args, out, err);
   err << "leapctl: error: unknown command '" << OneLine(command)
       << "' (commands: train, eval, adapt, synth, readouts, versions, export, "
          "freeze, resume, route, stats, bench, feed, snapshot, rollback, import, "

@@ -10,14 +10,15 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/clock.h"
 #include "common/half.h"
 #include "common/npy.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
-#include "sidecar/readout/artifact.h"
-#include "sidecar/readout/features.h"
-#include "sidecar/readout/readout.h"
-#include "sidecar/readout/rls.h"
+#include "readout/artifact.h"
+#include "readout/features.h"
+#include "readout/readout.h"
+#include "readout/rls.h"
 #include "tools/leapctl/data.h"
 
 namespace leap::leapctl {
@@ -27,12 +28,6 @@ using Clock = std::chrono::steady_clock;
 
 double SecondsSince(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
-}
-
-int64_t NowUnixMs() {
-  return std::chrono::duration_cast<std::chrono::milliseconds>(
-             std::chrono::system_clock::now().time_since_epoch())
-      .count();
 }
 
 void Report(const ProgressFn& progress, const std::string& line) {
@@ -170,7 +165,7 @@ absl::StatusOr<TrainReport> RunTrain(const TrainOptions& o,
   state.completions_learned = 0;
   state.train_rows = f.rows();
   state.note = o.note;
-  state.created_unix_ms = NowUnixMs();
+  state.created_unix_ms = UnixMs();
   RETURN_IF_ERROR(Annotate(state.Validate(), o.features_path,
                            "fitted readout is invalid: "));
   Report(progress, absl::StrCat("writing ", o.out_path));
@@ -401,7 +396,7 @@ absl::StatusOr<AdaptReport> RunAdapt(const AdaptOptions& o,
   state.completions_learned += r.learned;
   state.note =
       state.note.empty() ? o.note : absl::StrCat(state.note, " ; ", o.note);
-  state.created_unix_ms = NowUnixMs();
+  state.created_unix_ms = UnixMs();
   RETURN_IF_ERROR(Annotate(state.Validate(), o.readout_path,
                            "adapted readout is invalid: "));
   Report(progress, absl::StrCat("writing ", o.out_path));

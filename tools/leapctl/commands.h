@@ -18,15 +18,15 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "sidecar/readout/ridge.h"
-#include "sidecar/readout/stats.h"
-#include "sidecar/readout/synth.h"
-#include "sidecar/readout/target.h"
+#include "common/progress.h"
+#include "readout/ridge.h"
+#include "readout/stats.h"
+#include "readout/synth.h"
+#include "readout/target.h"
 
 namespace leap::leapctl {
 
-// Receives one human-readable progress line (no trailing newline).
-using ProgressFn = std::function<void(const std::string&)>;
+using ::leap::ProgressFn;  // common/progress.h
 
 // ---- train -----------------------------------------------------------------
 

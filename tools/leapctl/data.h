@@ -11,8 +11,9 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "common/file.h"
 #include "common/npy.h"
-#include "sidecar/readout/ridge.h"
+#include "readout/ridge.h"
 
 namespace leap::leapctl {
 
@@ -57,15 +58,9 @@ absl::StatusOr<std::vector<int32_t>> LoadFinishReasons(
     const std::string& path, int64_t expected_rows,
     const std::string& features_path);
 
-// Reads a whole file. NotFound or another errno-derived code, the message
-// starting with `path`.
-absl::StatusOr<std::string> ReadFileBytes(const std::string& path);
-
-// Writes `bytes` to `path` atomically: a temporary file in the same
-// directory, fsync, rename over `path`. Readers see the old file or the whole
-// new one; the temporary file is removed on failure.
-absl::Status WriteFileAtomically(const std::string& path,
-                                 absl::string_view bytes);
+// Whole-file reads and atomic writes (common/file.h).
+using ::leap::ReadFileBytes;
+using ::leap::WriteFileAtomically;
 
 }  // namespace leap::leapctl
 

@@ -16,11 +16,16 @@
 #include "common/npy.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
-#include "sidecar/readout/stats.h"
+#include "readout/stats.h"
 #include "tools/leapctl/data.h"
-#include "tools/leapctl/engine_connection.h"
+#include "client/engine_connection.h"
 
 namespace leap::leapctl {
+
+using client::EngineConnection;
+using client::FromRequestError;
+using client::RandomRunId;
+
 namespace {
 
 namespace pb = ::leap::v1;

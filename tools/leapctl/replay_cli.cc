@@ -1,5 +1,5 @@
 // The command line of `leapctl replay` (flags, --help, output). The logic is
-// in replay.h.
+// the replay library (replay/replay.h).
 #include <ostream>
 #include <string>
 #include <vector>
@@ -11,9 +11,19 @@
 #include "absl/strings/str_split.h"
 #include "tools/leapctl/flags.h"
 #include "tools/leapctl/internal/command.h"
-#include "tools/leapctl/replay.h"
+#include "replay/replay.h"
 
-namespace leap::leapctl::replay {
+namespace leap::leapctl::internal {
+
+using replay::FormatReplayTable;
+using replay::ParsePolicies;
+using replay::ParseTraceFormat;
+using replay::PolicySpec;
+using replay::ReplayOptions;
+using replay::ReplayReport;
+using replay::RunReplay;
+using replay::TraceFormat;
+
 namespace {
 
 constexpr char kDescription[] =
@@ -78,7 +88,7 @@ absl::StatusOr<std::vector<double>> ParseLoads(absl::string_view list) {
 
 int ReplayCommand(const std::vector<std::string>& args, std::ostream& out,
                   std::ostream& err) {
-  internal::Command cmd("replay", out, err);
+  Command cmd("replay", out, err);
   ReplayOptions o;
   std::string format = "auto", shift_format = "auto";
   std::string policies = "fcfs,oracle,leap,leap-rls";
@@ -233,4 +243,4 @@ int ReplayCommand(const std::vector<std::string>& args, std::ostream& out,
   return kExitOk;
 }
 
-}  // namespace leap::leapctl::replay
+}  // namespace leap::leapctl::internal

@@ -9,7 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
-#include "tools/leapctl/bench.h"
+#include "client/bench.h"
 #include "tools/leapctl/data.h"
 #include "tools/leapctl/feed.h"
 #include "tools/leapctl/flags.h"
@@ -17,6 +17,13 @@
 #include "tools/leapctl/server.h"
 
 namespace leap::leapctl::internal {
+
+using client::BenchOptions;
+using client::BenchReport;
+using client::FormatBenchJson;
+using client::FormatBenchReport;
+using client::RunBench;
+
 namespace {
 
 namespace pb = ::leap::v1;

@@ -88,6 +88,9 @@ int RollbackCommand(const std::vector<std::string>& args, std::ostream& out,
                     std::ostream& err);
 int ImportCommand(const std::vector<std::string>& args, std::ostream& out,
                   std::ostream& err);
+// `leapctl replay` (replay_cli.cc): the command line over replay/replay.h.
+int ReplayCommand(const std::vector<std::string>& args, std::ostream& out,
+                  std::ostream& err);
 
 }  // namespace leap::leapctl::internal
 

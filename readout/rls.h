@@ -1,0 +1,124 @@
+// Recursive least squares on the readout, exact and batched (docs/MATH.md).
+//
+// For a finished batch U (k x (d+1), rows u = [z; 1]) with targets y:
+//   V = P U';  S = I + U V;  G = V S^-1;  theta += G (y - U theta);
+//   P -= G V'.
+// After any sequence of batches theta equals the anchored closed form
+//   (P0^-1 + sum U_i' U_i)^-1 (P0^-1 theta0 + sum U_i' y_i).
+//
+// Implementation: with S = L L' (Cholesky), G V' = W W' where W = V L^-T,
+// so the P update is a symmetric rank-k downdate. Those are deferred: P is
+// kept as P_base - W_all W_all' with the pending columns W_all, and folded
+// into P_base with one SYRK every `fold_columns` columns. A batch then
+// streams the 64 MiB P_base once (for V) instead of three times, and the
+// fold runs near the core's FMA peak. P is FP32, symmetric by construction
+// (the fold updates one triangle and mirrors it), and its loss of positive
+// definiteness is detected: S = I + U P U' has all Cholesky pivots >= 1 in
+// exact arithmetic, so a pivot below 1/2 rejects the batch, state unchanged.
+#ifndef LEAP_READOUT_RLS_H_
+#define LEAP_READOUT_RLS_H_
+
+#include <cstdint>
+#include <memory>
+#include <span>
+
+#include "Eigen/Core"
+#include "absl/status/status.h"
+
+namespace leap::readout {
+
+// A dense symmetric n x n FP32 matrix, both triangles stored, row-major,
+// rows padded to a multiple of 16 floats and 64-byte aligned.
+class SymMatrix {
+ public:
+  SymMatrix() = default;
+  explicit SymMatrix(int64_t n);
+  SymMatrix(const SymMatrix& other);
+  SymMatrix& operator=(const SymMatrix& other);
+  SymMatrix(SymMatrix&&) noexcept = default;
+  SymMatrix& operator=(SymMatrix&&) noexcept = default;
+
+  // s * I.
+  static SymMatrix ScaledIdentity(int64_t n, float s);
+  // From a double matrix; symmetrized as (A + A') / 2.
+  static SymMatrix FromDouble(const Eigen::MatrixXd& a);
+
+  int64_t n() const { return n_; }
+  int64_t ld() const { return ld_; }
+  float* data() { return data_.get(); }
+  const float* data() const { return data_.get(); }
+  float* row(int64_t i) { return data_.get() + i * ld_; }
+  const float* row(int64_t i) const { return data_.get() + i * ld_; }
+  float operator()(int64_t i, int64_t j) const { return data_[i * ld_ + j]; }
+  float& operator()(int64_t i, int64_t j) { return data_[i * ld_ + j]; }
+  Eigen::MatrixXd ToDouble() const;
+  // Copies the upper triangle onto the lower one.
+  void MirrorUpper();
+  // Bytes of the packed n*n payload (no padding).
+  int64_t payload_bytes() const { return n_ * n_ * 4; }
+
+ private:
+  struct Free {
+    void operator()(float* p) const;
+  };
+  int64_t n_ = 0;
+  int64_t ld_ = 0;
+  std::unique_ptr<float[], Free> data_;
+};
+
+// RLS tuning.
+struct RlsOptions {
+  // Pending rank-1 columns folded into P with one SYRK. Larger amortizes the
+  // fold better but costs 2 * fold_columns * k * (d+1) extra flops per batch
+  // for the pending correction. Default: 256
+  int fold_columns = 256;
+
+  absl::Status Validate() const;
+};
+
+// The RLS state of one readout: theta (FP64) and P (FP32).
+// Not thread-safe: one thread (the readout's RLS worker) owns it; publish
+// copies of theta to readers.
+class RlsState {
+ public:
+  // theta has n = d + 1 entries; p is n x n, symmetric positive definite.
+  RlsState(Eigen::VectorXd theta, SymMatrix p, RlsOptions options = {});
+
+  // Applies one finished batch. `u` holds k rows of n floats (row stride
+  // `ldu` floats) of standardized augmented features [z; 1]; `y` the k
+  // targets. FailedPrecondition when P has lost positive definiteness or
+  // inputs are not finite: nothing changes then.
+  absl::Status Update(const float* u, int64_t ldu, std::span<const double> y);
+
+  // Folds the pending columns into P.
+  void Flush();
+
+  const Eigen::VectorXd& theta() const { return theta_; }
+  // P with every update applied (flushes first).
+  const SymMatrix& P();
+  int64_t n() const { return theta_.size(); }
+  int64_t pending_columns() const { return pending_; }
+  // Completions applied since construction.
+  int64_t updates() const { return updates_; }
+  const RlsOptions& options() const { return options_; }
+
+  // OK when every diagonal entry of P (pending included) is finite and > 0.
+  absl::Status CheckHealth();
+
+ private:
+  absl::Status UpdateChunk(const float* u, int64_t ldu,
+                           std::span<const double> y);
+
+  Eigen::VectorXd theta_;
+  SymMatrix p_;
+  RlsOptions options_;
+  // Pending columns of W, stored as rows of length p_.ld() (row-major
+  // fold_columns x ld), so the fold is one SYRK.
+  std::unique_ptr<float[], void (*)(float*)> w_;
+  int64_t pending_ = 0;
+  int64_t updates_ = 0;
+};
+
+}  // namespace leap::readout
+
+#endif  // LEAP_READOUT_RLS_H_

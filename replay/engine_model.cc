@@ -1,0 +1,435 @@
+#include "replay/engine_model.h"
+
+#include <algorithm>
+#include <charconv>
+#include <cmath>
+#include <deque>
+#include <limits>
+#include <numbers>
+#include <random>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "readout/stats.h"
+
+namespace leap::replay {
+namespace {
+
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+
+absl::Status CheckNonNegative(const char* name, double v) {
+  if (!std::isfinite(v) || v < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, " must be finite and >= 0, got ", v));
+  }
+  return absl::OkStatus();
+}
+
+int64_t ParseId(const std::string& key) {
+  int64_t v = -1;
+  std::from_chars(key.data(), key.data() + key.size(), v);
+  return v;
+}
+
+// Standard normal CDF and its inverse (bisection: exact to ~1e-12, and
+// only called once per request).
+double Phi(double x) { return 0.5 * std::erfc(-x / std::numbers::sqrt2); }
+double PhiInverse(double p) {
+  double lo = -12, hi = 12;
+  for (int i = 0; i < 100; ++i) {
+    const double mid = 0.5 * (lo + hi);
+    (Phi(mid) < p ? lo : hi) = mid;
+  }
+  return 0.5 * (lo + hi);
+}
+
+}  // namespace
+
+absl::Status EngineOptions::Validate() const {
+  if (resident < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("resident must be >= 1, got ", resident));
+  }
+  if (slots < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("slots must be >= 1, got ", slots));
+  }
+  RETURN_IF_ERROR(CheckNonNegative("step_base_ms", step_base_ms));
+  RETURN_IF_ERROR(CheckNonNegative("step_per_seq_ms", step_per_seq_ms));
+  RETURN_IF_ERROR(
+      CheckNonNegative("prefill_per_token_ms", prefill_per_token_ms));
+  if (step_base_ms + step_per_seq_ms <= 0) {
+    return absl::InvalidArgumentError(
+        "a decode step must take time: step_base_ms + step_per_seq_ms > 0");
+  }
+  if (max_prefill_tokens < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "max_prefill_tokens must be >= 1, got ", max_prefill_tokens));
+  }
+  if (!(capture_fraction >= 0 && capture_fraction <= 1)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "capture_fraction must be in [0, 1], got ", capture_fraction));
+  }
+  return absl::OkStatus();
+}
+
+TablePredictor::TablePredictor(std::vector<double> values, double latency_s,
+                               bool on_gpu, double gpu_ms)
+    : values_(std::move(values)),
+      latency_s_(latency_s),
+      on_gpu_(on_gpu),
+      gpu_ms_(gpu_ms) {}
+
+absl::Status TablePredictor::Prefilled(
+    std::span<const SimRequest* const> requests, double capture_s,
+    double end_s) {
+  for (const SimRequest* r : requests) {
+    if (r->id < 0 || static_cast<size_t>(r->id) >= values_.size()) {
+      return absl::InternalError(
+          absl::StrCat("no prediction for request ", r->id));
+    }
+    pending_.push_back({r->id, on_gpu_ ? end_s : capture_s + latency_s_});
+  }
+  return absl::OkStatus();
+}
+
+absl::Status TablePredictor::Collect(double now_s,
+                                     std::vector<PredictionUpdate>* out) {
+  size_t keep = 0;
+  for (const Pending& p : pending_) {
+    if (p.ready_s <= now_s) {
+      out->push_back({p.id, values_[static_cast<size_t>(p.id)], false});
+    } else {
+      pending_[keep++] = p;
+    }
+  }
+  pending_.resize(keep);
+  return absl::OkStatus();
+}
+
+absl::Status TablePredictor::Finished(const SimRequest& request) {
+  return absl::OkStatus();
+}
+
+absl::StatusOr<SimResult> Simulate(std::span<const SimRequest> requests,
+                                   const SimOptions& options,
+                                   Predictor& predictor) {
+  const EngineOptions& e = options.engine;
+  RETURN_IF_ERROR(e.Validate());
+  ASSIGN_OR_RETURN(shim::CountdownScheduler sched,
+                   shim::CountdownScheduler::Create(options.scheduler));
+  const size_t n = requests.size();
+  std::vector<const SimRequest*> by_id(n, nullptr);
+  for (const SimRequest& r : requests) {
+    if (r.id < 0 || static_cast<size_t>(r.id) >= n ||
+        by_id[static_cast<size_t>(r.id)] != nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "request ids must be 0..", n - 1, " without repeats; got ", r.id));
+    }
+    if (!std::isfinite(r.arrival_s) || r.arrival_s < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("request ", r.id,
+                       ": arrival must be finite and >= 0, got ", r.arrival_s));
+    }
+    by_id[static_cast<size_t>(r.id)] = &r;
+  }
+  std::vector<const SimRequest*> order = by_id;
+  std::stable_sort(order.begin(), order.end(),
+                   [](const SimRequest* a, const SimRequest* b) {
+                     return a->arrival_s < b->arrival_s;
+                   });
+
+  SimResult result;
+  result.requests.resize(n);
+  for (const SimRequest& r : requests) {
+    RequestResult& o = result.requests[static_cast<size_t>(r.id)];
+    o.id = r.id;
+    o.segment = r.segment;
+    o.arrival_s = r.arrival_s;
+    o.output_tokens = std::max<int64_t>(r.output_tokens, 1);
+    o.predicted_tokens = kNaN;
+  }
+
+  // Per request: decode slots received, consecutive steps without one, and
+  // its position in `members` (the requests in the scheduler).
+  std::vector<int64_t> decoded(n, 0), waited(n, 0);
+  std::vector<char> in_sched(n, 0), predicted(n, 0);
+  std::vector<size_t> member_pos(n, 0);
+  std::vector<int64_t> members, joined, joined_last;
+  std::deque<int64_t> queue;
+  std::vector<PredictionUpdate> updates;
+  std::vector<const SimRequest*> admitted;
+  std::vector<int64_t> selected_ids;
+  size_t next = 0;
+  int64_t resident = 0;
+  size_t finished = 0;
+  double t = 0;
+
+  const auto finish = [&](int64_t id, double at) -> absl::Status {
+    result.requests[static_cast<size_t>(id)].completion_s = at;
+    --resident;
+    ++finished;
+    if (in_sched[static_cast<size_t>(id)]) {
+      absl::Status s = sched.Remove(std::to_string(id));
+      if (!s.ok()) return absl::InternalError(s.message());
+      in_sched[static_cast<size_t>(id)] = 0;
+      const size_t pos = member_pos[static_cast<size_t>(id)];
+      members[pos] = members.back();
+      member_pos[static_cast<size_t>(members[pos])] = pos;
+      members.pop_back();
+    }
+    return predictor.Finished(*by_id[static_cast<size_t>(id)]);
+  };
+
+  while (finished < n) {
+    while (next < n && order[next]->arrival_s <= t) {
+      queue.push_back(order[next++]->id);
+    }
+    if (resident == 0 && queue.empty()) {
+      t = order[next]->arrival_s;
+      continue;
+    }
+
+    // Predictions known at the start of this step.
+    updates.clear();
+    RETURN_IF_ERROR(predictor.Collect(t, &updates));
+    for (const PredictionUpdate& u : updates) {
+      if (u.id < 0 || static_cast<size_t>(u.id) >= n) {
+        return absl::InternalError(
+            absl::StrCat("prediction for unknown request ", u.id));
+      }
+      const size_t i = static_cast<size_t>(u.id);
+      if (!in_sched[i]) continue;  // finished meanwhile
+      if (predicted[i] && !u.rescore) continue;
+      // Rescore is also accepted as the first prediction (a publish may
+      // overtake the initial one).
+      absl::Status s = sched.Rescore(std::to_string(u.id), u.tokens);
+      if (!s.ok()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("prediction for request ", u.id, ": ", s.message()));
+      }
+      if (!predicted[i]) {
+        predicted[i] = 1;
+        result.requests[i].predicted_tokens = u.tokens;
+      }
+    }
+    for (int64_t id : joined_last) {
+      if (in_sched[static_cast<size_t>(id)] &&
+          !predicted[static_cast<size_t>(id)]) {
+        ++result.late_predictions;
+      }
+    }
+
+    // Decode slots.
+    selected_ids.clear();
+    if (sched.size() > 0) {
+      for (const std::string& key : sched.Select(e.slots)) {
+        selected_ids.push_back(ParseId(key));
+      }
+    }
+    for (int64_t id : members) ++waited[static_cast<size_t>(id)];
+    for (int64_t id : selected_ids) waited[static_cast<size_t>(id)] = 0;
+    for (int64_t id : members) {
+      RequestResult& o = result.requests[static_cast<size_t>(id)];
+      o.max_wait_steps =
+          std::max(o.max_wait_steps, waited[static_cast<size_t>(id)]);
+    }
+    if (options.record_order) result.decode_order.push_back(selected_ids);
+
+    // Admission into free memory, FCFS.
+    admitted.clear();
+    int64_t prefill_tokens = 0;
+    while (!queue.empty() &&
+           resident + static_cast<int64_t>(admitted.size()) < e.resident) {
+      const SimRequest* r = by_id[static_cast<size_t>(queue.front())];
+      if (!admitted.empty() &&
+          prefill_tokens + r->prompt_tokens > e.max_prefill_tokens) {
+        break;
+      }
+      admitted.push_back(r);
+      prefill_tokens += r->prompt_tokens;
+      queue.pop_front();
+    }
+
+    const double prefill_ms =
+        e.prefill_per_token_ms * static_cast<double>(prefill_tokens);
+    const double step_ms =
+        e.step_base_ms +
+        e.step_per_seq_ms * static_cast<double>(selected_ids.size()) +
+        prefill_ms +
+        predictor.GpuMsPerPrediction() * static_cast<double>(admitted.size());
+    const double end = t + step_ms / 1000.0;
+    const double capture =
+        end - (1.0 - e.capture_fraction) * prefill_ms / 1000.0;
+
+    for (int64_t id : selected_ids) {
+      const size_t i = static_cast<size_t>(id);
+      if (++decoded[i] >= result.requests[i].output_tokens - 1) {
+        RETURN_IF_ERROR(finish(id, end));
+      }
+    }
+    resident += static_cast<int64_t>(admitted.size());
+    for (const SimRequest* r : admitted) {
+      result.requests[static_cast<size_t>(r->id)].first_token_s = end;
+    }
+    if (!admitted.empty()) {
+      RETURN_IF_ERROR(predictor.Prefilled(admitted, capture, end));
+    }
+    joined.clear();
+    for (const SimRequest* r : admitted) {
+      const size_t i = static_cast<size_t>(r->id);
+      if (result.requests[i].output_tokens <= 1) {
+        RETURN_IF_ERROR(finish(r->id, end));
+        continue;
+      }
+      absl::Status s = sched.Add(std::to_string(r->id));
+      if (!s.ok()) return absl::InternalError(s.message());
+      in_sched[i] = 1;
+      member_pos[i] = members.size();
+      members.push_back(r->id);
+      joined.push_back(r->id);
+    }
+    joined_last.swap(joined);
+    result.max_live =
+        std::max(result.max_live, static_cast<int64_t>(sched.size()));
+    t = end;
+    ++result.steps;
+    if (options.progress && options.progress_every_steps > 0 &&
+        result.steps % options.progress_every_steps == 0) {
+      options.progress(static_cast<int64_t>(finished), static_cast<int64_t>(n));
+    }
+  }
+  result.end_s = t;
+  result.counters = sched.counters();
+  return result;
+}
+
+absl::StatusOr<double> MeasureCapacity(std::span<const SimRequest> requests,
+                                       const EngineOptions& engine) {
+  if (requests.empty()) {
+    return absl::InvalidArgumentError("no requests to measure capacity on");
+  }
+  std::vector<SimRequest> at_zero(requests.begin(), requests.end());
+  for (size_t i = 0; i < at_zero.size(); ++i) {
+    at_zero[i].arrival_s = 0;
+    at_zero[i].id = static_cast<int64_t>(i);
+  }
+  SimOptions o;
+  o.engine = engine;
+  o.scheduler.slots = engine.slots;
+  o.scheduler.waiting_cap = 0;
+  o.scheduler.unpredicted = shim::UnpredictedPolicy::kFixed;
+  NoPredictor none;
+  ASSIGN_OR_RETURN(SimResult r, Simulate(at_zero, o, none));
+  return static_cast<double>(at_zero.size()) / r.end_s;
+}
+
+double Percentile(std::vector<double> x, double p) {
+  if (x.empty()) return kNaN;
+  std::sort(x.begin(), x.end());
+  const double rank = p / 100.0 * static_cast<double>(x.size() - 1);
+  const size_t lo = static_cast<size_t>(std::floor(rank));
+  const size_t hi = std::min(lo + 1, x.size() - 1);
+  return x[lo] + (rank - static_cast<double>(lo)) * (x[hi] - x[lo]);
+}
+
+Metrics ComputeMetrics(std::span<const RequestResult> results,
+                       const std::function<bool(const RequestResult&)>& keep) {
+  Metrics m;
+  std::vector<double> latency, long_latency, pred, truth;
+  double ptl = 0, ttft = 0, tokens = 0;
+  double first_arrival = std::numeric_limits<double>::infinity();
+  double last_completion = -std::numeric_limits<double>::infinity();
+  for (const RequestResult& r : results) {
+    if (keep && !keep(r)) continue;
+    const double lat = r.completion_s - r.arrival_s;
+    const double out =
+        static_cast<double>(std::max<int64_t>(r.output_tokens, 1));
+    latency.push_back(lat);
+    ptl += lat / out;
+    ttft += r.first_token_s - r.arrival_s;
+    tokens += out;
+    first_arrival = std::min(first_arrival, r.arrival_s);
+    last_completion = std::max(last_completion, r.completion_s);
+    if (r.output_tokens > kLongTokens) long_latency.push_back(lat);
+    if (!std::isnan(r.predicted_tokens)) {
+      pred.push_back(r.predicted_tokens);
+      truth.push_back(out);
+    }
+  }
+  m.n = static_cast<int64_t>(latency.size());
+  if (m.n == 0) {
+    m.mean_ptl = m.mean_latency = m.p90_latency = m.p95_latency =
+        m.p99_latency = m.mean_ttft = m.throughput = m.spearman = kNaN;
+    return m;
+  }
+  const double n = static_cast<double>(m.n);
+  m.mean_ptl = ptl / n;
+  double sum = 0;
+  for (double l : latency) sum += l;
+  m.mean_latency = sum / n;
+  m.mean_ttft = ttft / n;
+  m.p90_latency = Percentile(latency, 90);
+  m.p95_latency = Percentile(latency, 95);
+  m.p99_latency = Percentile(latency, 99);
+  const double span = last_completion - first_arrival;
+  m.throughput = span > 0 ? tokens / span : kNaN;
+  m.n_long = static_cast<int64_t>(long_latency.size());
+  if (!long_latency.empty()) {
+    m.long_p95_latency = Percentile(std::move(long_latency), 95);
+  }
+  m.spearman = kNaN;
+  if (pred.size() >= 2) {
+    double weighted = 0, weight = 0;
+    for (size_t begin = 0; begin < pred.size();) {
+      size_t end = std::min(pred.size(), begin + kRankWindow);
+      if (pred.size() - end < kRankWindow / 5) end = pred.size();
+      const std::span<const double> p(pred.data() + begin, end - begin);
+      const std::span<const double> t(truth.data() + begin, end - begin);
+      const double rho = readout::Spearman(p, t);
+      if (std::isfinite(rho)) {
+        weighted += rho * static_cast<double>(end - begin);
+        weight += static_cast<double>(end - begin);
+      }
+      begin = end;
+    }
+    if (weight > 0) m.spearman = weighted / weight;
+  }
+  return m;
+}
+
+std::vector<double> CopulaPredictions(std::span<const int64_t> lengths,
+                                      double rho, uint64_t seed) {
+  const size_t n = lengths.size();
+  std::vector<double> out(n);
+  if (n == 0) return out;
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<double> u01;
+  std::normal_distribution<double> n01;
+  // Rank with random tie-breaking.
+  std::vector<std::pair<int64_t, double>> key(n);
+  for (size_t i = 0; i < n; ++i) key[i] = {lengths[i], u01(rng)};
+  std::vector<size_t> idx(n);
+  for (size_t i = 0; i < n; ++i) idx[i] = i;
+  std::sort(idx.begin(), idx.end(),
+            [&](size_t a, size_t b) { return key[a] < key[b]; });
+  std::vector<double> sorted(n);
+  for (size_t k = 0; k < n; ++k) {
+    sorted[k] = static_cast<double>(lengths[idx[k]]);
+  }
+  const double r =
+      std::clamp(2.0 * std::sin(std::numbers::pi * rho / 6.0), -1.0, 1.0);
+  const double noise = std::sqrt(std::max(0.0, 1.0 - r * r));
+  for (size_t k = 0; k < n; ++k) {
+    const double z =
+        PhiInverse((static_cast<double>(k) + 0.5) / static_cast<double>(n));
+    const double s = r * z + noise * n01(rng);
+    const double q = Phi(s) * static_cast<double>(n);
+    const size_t at = std::min(n - 1, static_cast<size_t>(std::max(0.0, q)));
+    out[idx[k]] = sorted[at];
+  }
+  return out;
+}
+
+}  // namespace leap::replay

@@ -1,0 +1,941 @@
+#include "replay/replay.h"
+
+#include <fcntl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <set>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "client/process.h"
+#include "common/status_macros.h"
+#include "nlohmann/json.hpp"
+#include "readout/artifact.h"
+#include "readout/synth.h"
+#include "common/file.h"
+#include "client/engine_connection.h"
+#include "replay/leap_driver.h"
+
+namespace leap::replay {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+
+double Since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+// A built-in domain whose length scale is the segment's own: median and
+// sigma of ln(length) of `lengths`, so the features carry a unit-variance
+// length signal whatever the trace (the direction and offset stay the
+// domain's).
+readout::SynthDomain FitDomain(readout::SynthDomain d,
+                               std::vector<int64_t> lengths) {
+  if (lengths.empty()) return d;
+  std::sort(lengths.begin(), lengths.end());
+  d.median_tokens =
+      static_cast<double>(std::max<int64_t>(lengths[lengths.size() / 2], 1));
+  double mean = 0, sq = 0;
+  for (int64_t l : lengths)
+    mean += std::log(static_cast<double>(std::max<int64_t>(l, 1)));
+  mean /= static_cast<double>(lengths.size());
+  for (int64_t l : lengths) {
+    const double v =
+        std::log(static_cast<double>(std::max<int64_t>(l, 1))) - mean;
+    sq += v * v;
+  }
+  d.log_sigma =
+      std::max(0.05, std::sqrt(sq / static_cast<double>(lengths.size())));
+  return d;
+}
+
+absl::StatusOr<shim::UnpredictedPolicy> ParseUnpredicted(absl::string_view s) {
+  if (s == "median") return shim::UnpredictedPolicy::kMedian;
+  if (s == "fixed") return shim::UnpredictedPolicy::kFixed;
+  if (s == "first") return shim::UnpredictedPolicy::kFirst;
+  if (s == "last") return shim::UnpredictedPolicy::kLast;
+  return absl::InvalidArgumentError(absl::StrCat(
+      "--unpredicted must be median, fixed, first or last, got '", s, "'"));
+}
+
+nlohmann::json JsonNumber(double v) {
+  if (!std::isfinite(v)) return nullptr;
+  return v;
+}
+
+}  // namespace
+
+const std::vector<LearnedPreset>& LearnedPresets() {
+  static const auto* presets = new std::vector<LearnedPreset>{
+      {"ltr", 0.65, 0.50, 2.5,
+       "separate ranking model (110-185M-parameter class); the paper's "
+       "strongest baseline, so the best ranking of the presets"},
+      {"tie", 0.60, 0.40, 2.0,
+       "separate text encoder (110-185M) with an uncertainty head; ranks below "
+       "frozen LEAP after a shift (the paper: frozen LEAP at 0.498 on Aya "
+       "still schedules better than TIE)"},
+      {"ssjf", 0.55, 0.40, 1.5,
+       "small proxy model (BERT-base class, ~110M) on the prompt"},
+      {"egtp", 0.60, 0.45, 3.0,
+       "hidden states pooled by per-token entropy: needs the logits of every "
+       "prompt token (vocabulary x d x prompt length FLOPs)"},
+      {"trail", 0.50, 0.40, 1.0,
+       "MLP (millions of parameters) on hidden states, refreshed during "
+       "decode (cost amortized per request); the weakest in the paper"},
+  };
+  return *presets;
+}
+
+absl::StatusOr<std::vector<PolicySpec>> ParsePolicies(absl::string_view list) {
+  std::vector<std::string> tokens;
+  for (absl::string_view t : absl::StrSplit(list, ',')) {
+    t = absl::StripAsciiWhitespace(t);
+    if (t.empty()) continue;
+    if (!absl::StrContains(t, ':') && absl::StrContains(t, '=') &&
+        !tokens.empty() && absl::StartsWith(tokens.back(), "learned:")) {
+      absl::StrAppend(&tokens.back(), ",", t);
+    } else {
+      tokens.push_back(std::string(t));
+    }
+  }
+  if (tokens.empty()) {
+    return absl::InvalidArgumentError("--policies is empty");
+  }
+  std::vector<PolicySpec> out;
+  std::set<std::string> seen;
+  const auto add = [&](PolicySpec p) -> absl::Status {
+    if (!seen.insert(p.name).second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("policy '", p.name, "' is listed twice"));
+    }
+    out.push_back(std::move(p));
+    return absl::OkStatus();
+  };
+  const auto preset = [](const LearnedPreset& lp) {
+    PolicySpec p;
+    p.kind = PolicySpec::Kind::kLearned;
+    p.name = lp.name;
+    p.rho = lp.rho;
+    p.shift_rho = lp.shift_rho;
+    p.cost_ms = lp.cost_ms;
+    return p;
+  };
+  for (const std::string& t : tokens) {
+    PolicySpec p;
+    p.name = t;
+    if (t == "fcfs") {
+      p.kind = PolicySpec::Kind::kFcfs;
+    } else if (t == "oracle") {
+      p.kind = PolicySpec::Kind::kOracle;
+    } else if (t == "leap") {
+      p.kind = PolicySpec::Kind::kLeap;
+    } else if (t == "leap-rls") {
+      p.kind = PolicySpec::Kind::kLeapRls;
+    } else if (t == "baselines") {
+      for (const LearnedPreset& lp : LearnedPresets()) {
+        RETURN_IF_ERROR(add(preset(lp)));
+      }
+      continue;
+    } else if (absl::StartsWith(t, "learned:")) {
+      p.kind = PolicySpec::Kind::kLearned;
+      bool have_rho = false;
+      for (absl::string_view kv :
+           absl::StrSplit(absl::string_view(t).substr(8), ',')) {
+        std::pair<absl::string_view, absl::string_view> parts =
+            absl::StrSplit(kv, absl::MaxSplits('=', 1));
+        absl::string_view value = parts.second;
+        double v = 0;
+        if (parts.first == "cost") absl::ConsumeSuffix(&value, "ms");
+        if (!absl::SimpleAtod(value, &v) || !std::isfinite(v)) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "policy '", t,
+              "': expected rho=R, cost=Cms or shift_rho=S, got '", kv, "'"));
+        }
+        if (parts.first == "rho" || parts.first == "shift_rho") {
+          if (v < -1 || v > 1) {
+            return absl::InvalidArgumentError(absl::StrCat(
+                "policy '", t, "': ", parts.first, " must be in [-1, 1]"));
+          }
+          if (parts.first == "rho") {
+            p.rho = v;
+            have_rho = true;
+          } else {
+            p.shift_rho = v;
+          }
+        } else if (parts.first == "cost") {
+          if (v < 0) {
+            return absl::InvalidArgumentError(
+                absl::StrCat("policy '", t, "': cost must be >= 0"));
+          }
+          p.cost_ms = v;
+        } else {
+          return absl::InvalidArgumentError(
+              absl::StrCat("policy '", t, "': unknown parameter '", parts.first,
+                           "' (rho, cost, shift_rho)"));
+        }
+      }
+      if (!have_rho) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("policy '", t, "': rho=R is required"));
+      }
+      p.name = absl::StrFormat("learned:rho=%g,cost=%gms", p.rho, p.cost_ms);
+      if (p.shift_rho.has_value()) {
+        absl::StrAppendFormat(&p.name, ",shift_rho=%g", *p.shift_rho);
+      }
+    } else {
+      auto it =
+          std::find_if(LearnedPresets().begin(), LearnedPresets().end(),
+                       [&](const LearnedPreset& lp) { return lp.name == t; });
+      if (it == LearnedPresets().end()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "unknown policy '", t,
+            "' (fcfs, oracle, leap, leap-rls, tie, ssjf, ltr, trail, egtp, "
+            "baselines, learned:rho=R,cost=Cms[,shift_rho=S])"));
+      }
+      p = preset(*it);
+    }
+    RETURN_IF_ERROR(add(std::move(p)));
+  }
+  return out;
+}
+
+absl::Status ReplayOptions::Validate() const {
+  const auto bad = [](auto... parts) {
+    return absl::InvalidArgumentError(absl::StrCat(parts...));
+  };
+  if (policies.empty()) return bad("no policies");
+  if (requests < 0) return bad("--requests must be >= 0, got ", requests);
+  if (rate.has_value() && !(*rate > 0 && std::isfinite(*rate))) {
+    return bad("--rate must be > 0, got ", *rate);
+  }
+  for (double l : loads) {
+    if (!(l > 0 && std::isfinite(l))) return bad("loads must be > 0, got ", l);
+  }
+  if (shift_at.has_value() && !(*shift_at >= 0 && *shift_at < 1)) {
+    return bad("--shift-at must be in [0, 1), got ", *shift_at);
+  }
+  if (!shift_trace_path.empty() && !shift_at.has_value()) {
+    return bad("--shift-trace needs --shift-at");
+  }
+  if (!shift_trace_path.empty() && trace_path.empty()) {
+    return bad("--shift-trace needs --trace");
+  }
+  if (dim < 1 || dim > 16384)
+    return bad("--dim must be in [1, 16384], got ", dim);
+  if (train_rows < 16)
+    return bad("--train-rows must be >= 16, got ", train_rows);
+  if (max_tokens < 1) return bad("--max-tokens must be >= 1, got ", max_tokens);
+  if (waiting_cap < 0 || waiting_cap > (int64_t{1} << 30)) {
+    return bad("--waiting-cap must be >= 0 (0 disables), got ", waiting_cap);
+  }
+  if (!(aging_rate >= 0 && std::isfinite(aging_rate))) {
+    return bad("--aging-rate must be >= 0, got ", aging_rate);
+  }
+  RETURN_IF_ERROR(ParseUnpredicted(unpredicted).status());
+  RETURN_IF_ERROR(readout::BuiltinDomain(domain).status());
+  RETURN_IF_ERROR(readout::BuiltinDomain(shift_to).status());
+  if (!(timeout_s > 0 && timeout_s <= 86400)) {
+    return bad("--timeout must be in (0, 86400], got ", timeout_s);
+  }
+  if (!(metrics_from >= 0 && metrics_from < 1)) {
+    return bad("--metrics-from must be in [0, 1), got ", metrics_from);
+  }
+  if (!plot_path.empty() && !absl::EndsWith(plot_path, ".png") &&
+      !absl::EndsWith(plot_path, ".svg")) {
+    return bad("--plot must end in .png or .svg, got '", plot_path, "'");
+  }
+  return engine.Validate();
+}
+
+absl::StatusOr<ReplayReport> RunReplay(const ReplayOptions& o,
+                                       const ProgressFn& progress) {
+  RETURN_IF_ERROR(o.Validate());
+  const auto say = [&](const std::string& s) {
+    if (progress) progress(s);
+  };
+  ReplayReport rep;
+  rep.policies = o.policies;
+  ASSIGN_OR_RETURN(readout::SynthDomain dom0, readout::BuiltinDomain(o.domain));
+  readout::SynthDomain dom1 = dom0;
+  if (o.shift_at.has_value()) {
+    ASSIGN_OR_RETURN(dom1, readout::BuiltinDomain(o.shift_to));
+  }
+
+  // ---- the trace
+  Trace trace;
+  int64_t n = 0, k = 0;
+  // Output lengths of the source domain: what the readout is fitted on.
+  std::vector<int64_t> source_pool;
+  const auto pool_from = [&](const Trace& t) {
+    for (const TraceRow& row : t.rows) {
+      source_pool.push_back(
+          std::clamp<int64_t>(row.output_tokens, 1, o.max_tokens));
+    }
+  };
+  const auto shift_index = [&](int64_t total) {
+    return o.shift_at.has_value()
+               ? std::clamp<int64_t>(
+                     static_cast<int64_t>(std::llround(*o.shift_at * total)), 0,
+                     total)
+               : total;
+  };
+  if (o.trace_path.empty()) {
+    n = o.requests > 0 ? o.requests : 4000;
+    k = shift_index(n);
+    trace = SyntheticTrace(n, dom0, dom1, k, o.max_tokens, o.seed);
+    pool_from(SyntheticTrace(o.train_rows, dom0, dom0, o.train_rows,
+                             o.max_tokens, o.seed + 3));
+    rep.trace = absl::StrFormat("synthetic: %d requests, %s (median %g tokens)",
+                                n, dom0.name, dom0.median_tokens);
+    if (k < n) {
+      absl::StrAppendFormat(&rep.trace, " then %s (median %g) from request %d",
+                            dom1.name, dom1.median_tokens, k);
+    }
+    rep.trace += ", Poisson arrivals";
+  } else if (!o.shift_trace_path.empty()) {
+    say(absl::StrCat("reading ", o.trace_path, " and ", o.shift_trace_path));
+    ASSIGN_OR_RETURN(Trace a, ReadTrace(o.trace_path, o.format));
+    pool_from(a);
+    n = o.requests > 0 ? o.requests : static_cast<int64_t>(a.rows.size());
+    k = shift_index(n);
+    if (static_cast<int64_t>(a.rows.size()) < k) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          o.trace_path, ": ", a.rows.size(), " rows, the shift needs ", k));
+    }
+    ASSIGN_OR_RETURN(Trace b,
+                     ReadTrace(o.shift_trace_path, o.shift_format, n - k));
+    if (static_cast<int64_t>(b.rows.size()) < n - k) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          o.shift_trace_path, ": ", b.rows.size(), " rows, need ", n - k));
+    }
+    trace.rows.assign(a.rows.begin(), a.rows.begin() + k);
+    trace.rows.insert(trace.rows.end(), b.rows.begin(),
+                      b.rows.begin() + (n - k));
+    trace.has_timestamps = false;
+    rep.trace = absl::StrFormat(
+        "%d requests: lengths of %s (domain %s), then from request %d lengths "
+        "of %s (domain %s); Poisson arrivals",
+        n, o.trace_path, dom0.name, k, o.shift_trace_path, dom1.name);
+  } else {
+    say(absl::StrCat("reading ", o.trace_path));
+    ASSIGN_OR_RETURN(trace, ReadTrace(o.trace_path, o.format));
+    pool_from(trace);
+    if (o.requests > 0 &&
+        static_cast<int64_t>(trace.rows.size()) > o.requests) {
+      trace.rows.resize(static_cast<size_t>(o.requests));
+    }
+    n = static_cast<int64_t>(trace.rows.size());
+    k = shift_index(n);
+    rep.trace = absl::StrFormat("%s (%s): %d requests, domain %s", o.trace_path,
+                                TraceFormatName(trace.format), n, dom0.name);
+    if (k < n) {
+      absl::StrAppendFormat(&rep.trace, ", %s from request %d", dom1.name, k);
+    }
+    rep.trace += trace.has_timestamps ? ", the trace's arrival times"
+                                      : ", Poisson arrivals";
+  }
+  rep.requests = n;
+  rep.shift_index = k < n ? k : -1;
+  const bool poisson = !trace.has_timestamps;
+
+  std::vector<SimRequest> reqs(static_cast<size_t>(n));
+  std::vector<int64_t> seg_lengths[2];
+  for (int64_t i = 0; i < n; ++i) {
+    const TraceRow& row = trace.rows[static_cast<size_t>(i)];
+    SimRequest& r = reqs[static_cast<size_t>(i)];
+    r.id = i;
+    r.prompt_tokens = row.prompt_tokens;
+    r.output_tokens = std::max<int64_t>(row.output_tokens, 1);
+    if (r.output_tokens > o.max_tokens) {
+      r.output_tokens = o.max_tokens;
+      ++rep.clipped;
+    }
+    r.segment = i < k ? 0 : 1;
+    seg_lengths[r.segment].push_back(r.output_tokens);
+  }
+  if (rep.clipped > 0) {
+    say(absl::StrCat(rep.clipped, " outputs longer than --max-tokens ",
+                     o.max_tokens, " were cut to it"));
+  }
+
+  // ---- capacity and loads
+  const bool per_segment = poisson && k > 0 && k < n;
+  if (per_segment) {
+    ASSIGN_OR_RETURN(rep.capacity,
+                     MeasureCapacity(std::span(reqs).subspan(0, k), o.engine));
+    ASSIGN_OR_RETURN(double after,
+                     MeasureCapacity(std::span(reqs).subspan(k), o.engine));
+    rep.capacity_after = after;
+    say(absl::StrFormat(
+        "FCFS capacity: %.3f requests/s before the shift, %.3f after (all "
+        "requests at t=0)",
+        rep.capacity, after));
+  } else {
+    ASSIGN_OR_RETURN(rep.capacity, MeasureCapacity(reqs, o.engine));
+    say(absl::StrFormat("FCFS capacity: %.3f requests/s (all requests at t=0)",
+                        rep.capacity));
+  }
+  std::vector<double> loads = o.loads;
+  bool native_times = false;
+  if (loads.empty()) {
+    if (!poisson) {
+      native_times = true;
+      loads = {TraceRate(trace) / rep.capacity};
+      say(absl::StrFormat(
+          "the trace's own arrivals: %.3f requests/s = load %.3f",
+          TraceRate(trace), loads[0]));
+    } else if (o.rate.has_value()) {
+      loads = {*o.rate / rep.capacity};
+    } else {
+      loads = {1.0};
+    }
+  }
+
+  // ---- LEAP: features, readout, leapd
+  const bool need_leap = std::any_of(
+      o.policies.begin(), o.policies.end(), [](const PolicySpec& p) {
+        return p.kind == PolicySpec::Kind::kLeap ||
+               p.kind == PolicySpec::Kind::kLeapRls;
+      });
+  std::vector<float> features;
+  std::string artifact;
+  std::unique_ptr<LeapdProcess> leapd;
+  client::ServerOptions server;
+  server.timeout_s = o.timeout_s;
+  if (need_leap) {
+    readout::SynthOptions so;
+    so.dim = o.dim;
+    so.max_tokens = o.max_tokens;
+    so.model_seed = o.model_seed;
+    ASSIGN_OR_RETURN(readout::SynthGenerator gen,
+                     readout::SynthGenerator::Create(so));
+    const readout::SynthDomain domains[2] = {FitDomain(dom0, source_pool),
+                                             FitDomain(dom1, seg_lengths[1])};
+    const auto t0 = Clock::now();
+    features = RequestFeatures(gen, reqs, domains, o.seed);
+    say(absl::StrFormat(
+        "synthetic hidden states for %d requests (d=%d) in %.1f s", n, o.dim,
+        Since(t0)));
+    readout::ReadoutState state;
+    if (!o.readout_path.empty()) {
+      ASSIGN_OR_RETURN(state, readout::ReadArtifact(o.readout_path));
+      if (state.spec.dim != o.dim) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(o.readout_path, ": readout has d=", state.spec.dim,
+                         " but --dim is ", o.dim));
+      }
+    } else {
+      const auto t1 = Clock::now();
+      ASSIGN_OR_RETURN(
+          state, TrainSourceReadout(gen, domains[0], source_pool, o.train_rows,
+                                    o.max_tokens, o.seed + 1, progress));
+      say(absl::StrFormat("readout fitted in %.1f s (lambda %.4g)", Since(t1),
+                          state.spec.lambda));
+    }
+    ASSIGN_OR_RETURN(artifact, readout::SerializeArtifact(state));
+    if (o.server.empty()) {
+      std::string path = o.leapd_path;
+      if (path.empty()) {
+        ASSIGN_OR_RETURN(path, FindLeapd());
+      }
+      ASSIGN_OR_RETURN(leapd,
+                       LeapdProcess::Start(path, absl::Seconds(o.timeout_s),
+                                           o.leapd_data_dir));
+      server.address = leapd->address();
+      say(absl::StrCat("started ", path, " on ", server.address));
+    } else {
+      server.address = o.server;
+    }
+  }
+
+  // ---- learned-predictor baselines: predictions per request id
+  std::vector<std::vector<double>> learned(o.policies.size());
+  for (size_t p = 0; p < o.policies.size(); ++p) {
+    const PolicySpec& spec = o.policies[p];
+    if (spec.kind != PolicySpec::Kind::kLearned) continue;
+    std::vector<double>& v = learned[p];
+    v.resize(static_cast<size_t>(n));
+    for (int s = 0; s < 2; ++s) {
+      const double rho =
+          s == 1 && spec.shift_rho.has_value() ? *spec.shift_rho : spec.rho;
+      const std::vector<double> pred = CopulaPredictions(
+          seg_lengths[s], rho,
+          o.seed * 1000003 + p * 31 + static_cast<uint64_t>(s));
+      const int64_t base = s == 0 ? 0 : k;
+      for (size_t i = 0; i < pred.size(); ++i) {
+        v[static_cast<size_t>(base) + i] = pred[i];
+      }
+    }
+  }
+  std::vector<double> truth(static_cast<size_t>(n));
+  for (const SimRequest& r : reqs) {
+    truth[static_cast<size_t>(r.id)] = static_cast<double>(r.output_tokens);
+  }
+
+  // ---- the runs
+  ASSIGN_OR_RETURN(shim::UnpredictedPolicy unpredicted,
+                   ParseUnpredicted(o.unpredicted));
+  const std::string run_id = client::RandomRunId("replay");
+  int run_no = 0;
+  const int64_t metrics_first =
+      static_cast<int64_t>(std::ceil(o.metrics_from * static_cast<double>(n)));
+  for (size_t li = 0; li < loads.size(); ++li) {
+    const double load = loads[li];
+    if (native_times) {
+      for (int64_t i = 0; i < n; ++i) {
+        reqs[static_cast<size_t>(i)].arrival_s =
+            trace.rows[static_cast<size_t>(i)].arrival_s;
+      }
+    } else if (!poisson) {
+      const double factor = TraceRate(trace) / (load * rep.capacity);
+      for (int64_t i = 0; i < n; ++i) {
+        reqs[static_cast<size_t>(i)].arrival_s =
+            trace.rows[static_cast<size_t>(i)].arrival_s * factor;
+      }
+    } else {
+      // Same draws at every load: the arrival pattern is only rescaled.
+      const double r0 =
+          o.loads.empty() && o.rate.has_value() ? *o.rate : load * rep.capacity;
+      const double r1 = o.loads.empty() && o.rate.has_value()
+                            ? *o.rate
+                            : load * rep.capacity_after.value_or(rep.capacity);
+      const std::vector<double> at = PoissonArrivals(n, k, r0, r1, o.seed + 7);
+      for (int64_t i = 0; i < n; ++i) {
+        reqs[static_cast<size_t>(i)].arrival_s = at[static_cast<size_t>(i)];
+      }
+    }
+    for (size_t p = 0; p < o.policies.size(); ++p) {
+      const PolicySpec& spec = o.policies[p];
+      const auto t0 = Clock::now();
+      SimOptions so;
+      so.engine = o.engine;
+      so.scheduler.slots = o.engine.slots;
+      so.scheduler.waiting_cap = static_cast<int>(o.waiting_cap);
+      so.scheduler.aging_rate = o.aging_rate;
+      so.scheduler.unpredicted = unpredicted;
+      if (spec.kind == PolicySpec::Kind::kFcfs) {
+        // No predictions: arrival order. The cap would only reshuffle it.
+        so.scheduler.waiting_cap = 0;
+        so.scheduler.aging_rate = 0;
+        so.scheduler.unpredicted = shim::UnpredictedPolicy::kFixed;
+      }
+      auto last_report = Clock::now();
+      so.progress_every_steps = 2000;
+      so.progress = [&](int64_t done, int64_t total) {
+        if (Since(last_report) < 5) return;
+        last_report = Clock::now();
+        say(absl::StrFormat("  load %.2f %s: %d of %d requests finished", load,
+                            spec.name, done, total));
+      };
+
+      ReplayRow row;
+      row.policy = spec.name;
+      row.load = load;
+      std::unique_ptr<Predictor> predictor;
+      std::unique_ptr<LeapArm> arm;
+      LeapPredictor* leap = nullptr;
+      switch (spec.kind) {
+        case PolicySpec::Kind::kFcfs:
+          predictor = std::make_unique<NoPredictor>();
+          break;
+        case PolicySpec::Kind::kOracle:
+          predictor = std::make_unique<TablePredictor>(truth, 0.0, false, 0.0);
+          break;
+        case PolicySpec::Kind::kLearned:
+          predictor = std::make_unique<TablePredictor>(learned[p], 0.0, true,
+                                                       spec.cost_ms);
+          break;
+        case PolicySpec::Kind::kLeap:
+        case PolicySpec::Kind::kLeapRls: {
+          const std::string name = absl::StrCat(run_id, run_no++);
+          ASSIGN_OR_RETURN(
+              arm, LeapArm::Create(server, name, artifact,
+                                   spec.kind == PolicySpec::Kind::kLeap));
+          LeapPredictorOptions lo;
+          lo.endpoint = server.address;
+          lo.product_line = name;
+          lo.dim = o.dim;
+          lo.features = features;
+          ASSIGN_OR_RETURN(std::unique_ptr<LeapPredictor> lp,
+                           LeapPredictor::Create(std::move(lo)));
+          leap = lp.get();
+          predictor = std::move(lp);
+          break;
+        }
+      }
+      ASSIGN_OR_RETURN(SimResult sim, Simulate(reqs, so, *predictor));
+      row.metrics = ComputeMetrics(sim.requests, [&](const RequestResult& r) {
+        return r.id >= metrics_first;
+      });
+      if (rep.shift_index >= 0) {
+        row.after_shift = ComputeMetrics(
+            sim.requests,
+            [](const RequestResult& r) { return r.segment == 1; });
+      }
+      if (spec.kind != PolicySpec::Kind::kFcfs) row.late = sim.late_predictions;
+      if (leap != nullptr) {
+        const std::vector<double> lat = leap->latencies();
+        if (!lat.empty()) {
+          row.latency_p50 = Percentile(lat, 50);
+          row.latency_p99 = Percentile(lat, 99);
+        }
+        row.errors = leap->errors();
+        row.max_version = leap->max_version();
+        row.rescores = leap->rescores();
+        if (row.errors > 0) {
+          say(absl::StrCat("  ", spec.name, ": ", row.errors,
+                           " prediction errors; first: ", leap->first_error()));
+        }
+      }
+      predictor.reset();
+      if (arm != nullptr) RETURN_IF_ERROR(arm->Remove());
+      row.seconds = Since(t0);
+      say(absl::StrFormat(
+          "load %.2f %-10s mean PTL %.2f ms/token, P99 %.1f s%s (%.1f s)", load,
+          spec.name, row.metrics.mean_ptl * 1e3, row.metrics.p99_latency,
+          row.after_shift.has_value()
+              ? absl::StrFormat(", after the shift %.2f ms/token",
+                                row.after_shift->mean_ptl * 1e3)
+              : "",
+          row.seconds));
+      rep.rows.push_back(std::move(row));
+    }
+  }
+
+  if (!o.json_path.empty()) {
+    RETURN_IF_ERROR(WriteFileAtomically(o.json_path, FormatReplayJson(rep)));
+  }
+  if (!o.plot_path.empty()) {
+    ASSIGN_OR_RETURN(rep.plot_written, WriteReplayPlot(rep, o.plot_path));
+  }
+  return rep;
+}
+
+// ---- output ----------------------------------------------------------------
+
+std::string FormatReplayTable(const ReplayReport& r) {
+  std::string s = absl::StrCat("trace: ", r.trace, "\n");
+  absl::StrAppendFormat(&s, "FCFS capacity: %.3f requests/s", r.capacity);
+  if (r.capacity_after.has_value()) {
+    absl::StrAppendFormat(&s, " before the shift, %.3f after",
+                          *r.capacity_after);
+  }
+  s += "\n\n";
+  const bool shift = r.shift_index >= 0;
+  size_t w = 6;
+  for (const ReplayRow& row : r.rows) w = std::max(w, row.policy.size());
+  absl::StrAppendFormat(&s, "%-*s %5s %9s %8s %8s %8s %8s %7s %8s %9s %6s", w,
+                        "policy", "load", "PTL", "mean", "P90", "P95", "P99",
+                        "TTFT", "tok/s", "long P95", "rho");
+  if (shift) {
+    absl::StrAppendFormat(&s, " %9s %10s %9s", "PTL after", "mean after",
+                          "rho after");
+  }
+  s += "\n";
+  absl::StrAppendFormat(&s, "%-*s %5s %9s %8s %8s %8s %8s %7s %8s %9s %6s", w,
+                        "", "", "ms/tok", "s", "s", "s", "s", "s", "", "s", "");
+  if (shift) absl::StrAppendFormat(&s, " %9s %10s %9s", "ms/tok", "s", "");
+  s += "\n";
+  double last_load = kNaN;
+  for (const ReplayRow& row : r.rows) {
+    if (!std::isnan(last_load) && row.load != last_load) s += "\n";
+    last_load = row.load;
+    const Metrics& m = row.metrics;
+    const auto f = [](double v, int prec) {
+      return std::isfinite(v) ? absl::StrFormat("%.*f", prec, v)
+                              : std::string("-");
+    };
+    absl::StrAppendFormat(
+        &s, "%-*s %5.2f %9s %8s %8s %8s %8s %7s %8s %9s %6s", w, row.policy,
+        row.load, f(m.mean_ptl * 1e3, 2), f(m.mean_latency, 1),
+        f(m.p90_latency, 1), f(m.p95_latency, 1), f(m.p99_latency, 1),
+        f(m.mean_ttft, 2), f(m.throughput, 0),
+        m.long_p95_latency.has_value() ? f(*m.long_p95_latency, 1) : "-",
+        f(m.spearman, 2));
+    if (shift) {
+      absl::StrAppendFormat(
+          &s, " %9s %10s %9s", f(row.after_shift->mean_ptl * 1e3, 2),
+          f(row.after_shift->mean_latency, 1), f(row.after_shift->spearman, 2));
+    }
+    s += "\n";
+  }
+  s += "\n";
+  s +=
+      "PTL: mean over requests of (completion - arrival) / output tokens; "
+      "latencies\nfrom arrival to completion; TTFT to the first token; tok/s: "
+      "output tokens per\nsecond; long P95: requests over 1,024 output tokens; "
+      "rho: Spearman of the\nscheduler's first prediction vs the true length "
+      "within windows of 500\nconsecutive requests; 'after': requests "
+      "arriving after the shift.\n";
+  for (const ReplayRow& row : r.rows) {
+    if (!row.latency_p50.has_value()) continue;
+    absl::StrAppendFormat(
+        &s,
+        "%s @ %.2f: leapd prediction latency p50 %.3f ms, p99 %.3f ms (wall, "
+        "charged on the timeline); %d late; readout v%d; %d rescores%s\n",
+        row.policy, row.load, *row.latency_p50 * 1e3, *row.latency_p99 * 1e3,
+        row.late, row.max_version, row.rescores,
+        row.errors > 0 ? absl::StrCat("; ", row.errors, " errors") : "");
+  }
+  for (const PolicySpec& p : r.policies) {
+    if (p.kind != PolicySpec::Kind::kLearned) continue;
+    absl::StrAppendFormat(&s, "%s: learned predictor, Spearman %g", p.name,
+                          p.rho);
+    if (p.shift_rho.has_value()) {
+      absl::StrAppendFormat(&s, " (%g after a shift)", *p.shift_rho);
+    }
+    absl::StrAppendFormat(&s, ", %g ms GPU per prediction (assumed)\n",
+                          p.cost_ms);
+  }
+  if (!r.plot_written.empty())
+    s += absl::StrCat("plot: ", r.plot_written, "\n");
+  return s;
+}
+
+std::string FormatReplayJson(const ReplayReport& r) {
+  nlohmann::json out = nlohmann::json::array();
+  for (const ReplayRow& row : r.rows) {
+    const Metrics& m = row.metrics;
+    nlohmann::json j;
+    j["policy"] = row.policy;
+    j["load"] = JsonNumber(row.load);
+    j["mean_ptl"] = JsonNumber(m.mean_ptl);
+    j["p90_latency"] = JsonNumber(m.p90_latency);
+    j["p95_latency"] = JsonNumber(m.p95_latency);
+    j["p99_latency"] = JsonNumber(m.p99_latency);
+    j["mean_ttft"] = JsonNumber(m.mean_ttft);
+    j["throughput"] = JsonNumber(m.throughput);
+    j["long_p95_latency"] = m.long_p95_latency.has_value()
+                                ? JsonNumber(*m.long_p95_latency)
+                                : nlohmann::json(nullptr);
+    out.push_back(std::move(j));
+  }
+  return out.dump(2) + "\n";
+}
+
+namespace {
+
+// Policy -> (load, mean PTL in ms/token), in first-seen order.
+std::vector<std::pair<std::string, std::vector<std::pair<double, double>>>>
+Series(const ReplayReport& r) {
+  std::vector<std::pair<std::string, std::vector<std::pair<double, double>>>> s;
+  for (const ReplayRow& row : r.rows) {
+    auto it = std::find_if(s.begin(), s.end(), [&](const auto& e) {
+      return e.first == row.policy;
+    });
+    if (it == s.end()) {
+      s.push_back({row.policy, {}});
+      it = s.end() - 1;
+    }
+    if (std::isfinite(row.metrics.mean_ptl)) {
+      it->second.emplace_back(row.load, row.metrics.mean_ptl * 1e3);
+    }
+  }
+  for (auto& e : s) std::sort(e.second.begin(), e.second.end());
+  return s;
+}
+
+// Round tick step for a span: 1, 2 or 5 times a power of ten.
+double TickStep(double span, int want) {
+  const double raw = span / std::max(want, 1);
+  const double mag = std::pow(10.0, std::floor(std::log10(raw)));
+  for (double m : {1.0, 2.0, 5.0, 10.0}) {
+    if (m * mag >= raw) return m * mag;
+  }
+  return 10 * mag;
+}
+
+std::string XmlEscape(absl::string_view s) {
+  std::string out;
+  for (char c : s) {
+    switch (c) {
+      case '<':
+        out += "&lt;";
+        break;
+      case '>':
+        out += "&gt;";
+        break;
+      case '&':
+        out += "&amp;";
+        break;
+      case '"':
+        out += "&quot;";
+        break;
+      default:
+        out += c;
+    }
+  }
+  return out;
+}
+
+constexpr const char* kColors[] = {"#1f77b4", "#d62728", "#2ca02c", "#9467bd",
+                                   "#ff7f0e", "#8c564b", "#e377c2", "#7f7f7f",
+                                   "#bcbd22", "#17becf"};
+// gnuplot point types: filled circle, square, triangle, diamond, ...
+constexpr int kPointTypes[] = {7, 5, 9, 13, 11, 15};
+
+std::string Svg(const ReplayReport& r) {
+  const auto series = Series(r);
+  double x0 = INFINITY, x1 = -INFINITY, y1 = 0;
+  for (const auto& [name, pts] : series) {
+    for (const auto& [x, y] : pts) {
+      x0 = std::min(x0, x);
+      x1 = std::max(x1, x);
+      y1 = std::max(y1, y);
+    }
+  }
+  if (!std::isfinite(x0)) x0 = 0, x1 = 1;
+  if (x1 - x0 < 1e-9) x0 -= 0.1, x1 += 0.1;
+  if (y1 <= 0) y1 = 1;
+  const double ystep = TickStep(y1 * 1.08, 6);
+  y1 = std::ceil(y1 * 1.08 / ystep) * ystep;
+  const double xstep = TickStep(x1 - x0, 8);
+  const double W = 860, H = 520, L = 80, R = 230, T = 50, B = 60;
+  const auto px = [&](double x) {
+    return L + (x - x0) / (x1 - x0) * (W - L - R);
+  };
+  const auto py = [&](double y) { return H - B - y / y1 * (H - T - B); };
+  std::string s = absl::StrFormat(
+      "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%g\" height=\"%g\" "
+      "viewBox=\"0 0 %g %g\" font-family=\"sans-serif\" font-size=\"13\">\n"
+      "<rect width=\"100%%\" height=\"100%%\" fill=\"white\"/>\n"
+      "<text x=\"%g\" y=\"28\" font-size=\"16\" text-anchor=\"middle\">Mean "
+      "per-token latency vs load</text>\n",
+      W, H, W, H, (L + W - R) / 2);
+  for (double y = 0; y <= y1 + 1e-9; y += ystep) {
+    absl::StrAppendFormat(
+        &s,
+        "<line x1=\"%g\" y1=\"%.1f\" x2=\"%g\" y2=\"%.1f\" stroke=\"#ddd\"/>"
+        "<text x=\"%g\" y=\"%.1f\" text-anchor=\"end\">%g</text>\n",
+        L, py(y), W - R, py(y), L - 6, py(y) + 4, y);
+  }
+  for (double x = std::ceil(x0 / xstep) * xstep; x <= x1 + 1e-9; x += xstep) {
+    absl::StrAppendFormat(
+        &s,
+        "<line x1=\"%.1f\" y1=\"%g\" x2=\"%.1f\" y2=\"%g\" stroke=\"#ddd\"/>"
+        "<text x=\"%.1f\" y=\"%g\" text-anchor=\"middle\">%g</text>\n",
+        px(x), T, px(x), H - B, px(x), H - B + 18,
+        std::round(x / xstep) * xstep);
+  }
+  absl::StrAppendFormat(
+      &s,
+      "<rect x=\"%g\" y=\"%g\" width=\"%g\" height=\"%g\" fill=\"none\" "
+      "stroke=\"black\"/>\n"
+      "<text x=\"%g\" y=\"%g\" text-anchor=\"middle\">load (x FCFS "
+      "capacity)</text>\n"
+      "<text x=\"20\" y=\"%g\" text-anchor=\"middle\" transform=\"rotate(-90 "
+      "20 %g)\">mean PTL (ms/token)</text>\n",
+      L, T, W - L - R, H - T - B, (L + W - R) / 2, H - 18, (T + H - B) / 2,
+      (T + H - B) / 2);
+  for (size_t i = 0; i < series.size(); ++i) {
+    const char* c = kColors[i % (sizeof(kColors) / sizeof(kColors[0]))];
+    const auto& [name, pts] = series[i];
+    std::string poly;
+    for (const auto& [x, y] : pts) {
+      absl::StrAppendFormat(&poly, "%.1f,%.1f ", px(x), py(y));
+    }
+    absl::StrAppendFormat(&s,
+                          "<polyline points=\"%s\" fill=\"none\" stroke=\"%s\" "
+                          "stroke-width=\"2\"/>\n",
+                          poly, c);
+    for (const auto& [x, y] : pts) {
+      absl::StrAppendFormat(&s,
+                            "<circle cx=\"%.1f\" cy=\"%.1f\" r=\"3.5\" "
+                            "fill=\"%s\"/>\n",
+                            px(x), py(y), c);
+    }
+    const double ly = T + 10 + 20 * static_cast<double>(i);
+    absl::StrAppendFormat(
+        &s,
+        "<line x1=\"%g\" y1=\"%g\" x2=\"%g\" y2=\"%g\" stroke=\"%s\" "
+        "stroke-width=\"2\"/><text x=\"%g\" y=\"%g\">%s</text>\n",
+        W - R + 15, ly, W - R + 40, ly, c, W - R + 46, ly + 4, XmlEscape(name));
+  }
+  s += "</svg>\n";
+  return s;
+}
+
+// Runs gnuplot on `script` (its output discarded); true when it exited 0.
+bool RunGnuplot(const std::string& script) {
+  absl::StatusOr<client::ProcessResult> r =
+      client::RunProcess({"gnuplot", script});
+  return r.ok() && WIFEXITED(r->status) && WEXITSTATUS(r->status) == 0;
+}
+
+std::string GnuplotQuote(absl::string_view s) {
+  std::string out = "\"";
+  for (char c : s) {
+    if (c == '"' || c == '\\') out += '\\';
+    out += c;
+  }
+  return out + "\"";
+}
+
+}  // namespace
+
+absl::StatusOr<std::string> WriteReplayPlot(const ReplayReport& r,
+                                            const std::string& path) {
+  if (absl::EndsWith(path, ".png")) {
+    const auto series = Series(r);
+    const std::string data = path + ".dat";
+    const std::string script = path + ".gp";
+    std::string d;
+    for (const auto& [name, pts] : series) {
+      absl::StrAppend(&d, "# ", name, "\n");
+      for (const auto& [x, y] : pts) absl::StrAppendFormat(&d, "%g %g\n", x, y);
+      d += "\n\n";
+    }
+    RETURN_IF_ERROR(WriteFileAtomically(data, d));
+    for (const char* terminal :
+         {"pngcairo size 900,560 font \",11\"", "png size 900,560"}) {
+      std::string g = absl::StrCat(
+          "set terminal ", terminal, "\nset output ", GnuplotQuote(path),
+          "\nset title \"Mean per-token latency vs load\"\n"
+          "set xlabel \"load (x FCFS capacity)\"\n"
+          "set ylabel \"mean PTL (ms/token)\"\nset grid\nset key outside "
+          "right top\nset yrange [0:*]\nplot ");
+      for (size_t i = 0; i < series.size(); ++i) {
+        absl::StrAppendFormat(
+            &g,
+            "%s%s index %d with linespoints lw 2 pt %d ps 1.2 lc rgb \"%s\" "
+            "title %s",
+            i == 0 ? "" : ", ", GnuplotQuote(data), i, kPointTypes[i % 6],
+            kColors[i % (sizeof(kColors) / sizeof(kColors[0]))],
+            GnuplotQuote(series[i].first));
+      }
+      g += "\n";
+      RETURN_IF_ERROR(WriteFileAtomically(script, g));
+      if (RunGnuplot(script)) {
+        std::remove(data.c_str());
+        std::remove(script.c_str());
+        return path;
+      }
+    }
+    std::remove(data.c_str());
+    std::remove(script.c_str());
+  }
+  std::string svg_path = path;
+  if (absl::EndsWith(svg_path, ".png")) {
+    svg_path = svg_path.substr(0, svg_path.size() - 4) + ".svg";
+  }
+  RETURN_IF_ERROR(WriteFileAtomically(svg_path, Svg(r)));
+  return svg_path;
+}
+
+}  // namespace leap::replay

@@ -1,0 +1,190 @@
+// `leapctl replay`: latency after scheduling, on a request trace, for
+// first-come-first-served, the oracle, LEAP (frozen and with online RLS,
+// through a real leapd and the engine shim) and a family of learned
+// predictors with a given ranking quality and GPU cost.
+//
+// A run: read (or synthesize) the trace; measure the engine's capacity
+// under FCFS; for each load factor place the arrivals (Poisson at load x
+// capacity, or the trace's timestamps rescaled to it); for each policy
+// simulate the engine (engine_model.h) and compute the paper's metrics. LEAP
+// policies need features: every request gets synthetic hidden states
+// conditioned on its true output length and its domain (SynthGenerator), the
+// domain switching at --shift-at; the readout is a ridge fit on synthetic
+// source-domain requests (or --readout), served by leapd frozen ("leap") or
+// adapting from completions ("leap-rls"), each run on a fresh copy.
+#ifndef LEAP_REPLAY_REPLAY_H_
+#define LEAP_REPLAY_REPLAY_H_
+
+#include <cstdint>
+#include <optional>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "common/progress.h"
+#include "replay/engine_model.h"
+#include "replay/trace.h"
+
+namespace leap::replay {
+
+// One scheduling policy of a replay.
+struct PolicySpec {
+  enum class Kind { kFcfs, kOracle, kLeap, kLeapRls, kLearned };
+  Kind kind = Kind::kFcfs;
+  // As printed and written to JSON: "fcfs", "oracle", "leap", "leap-rls",
+  // a preset name ("ltr") or "learned:rho=R,cost=Cms[,shift_rho=S]".
+  std::string name;
+  // kLearned: Spearman of the predictions with the true lengths, before and
+  // after a domain shift, and GPU milliseconds per prediction.
+  double rho = 0;
+  std::optional<double> shift_rho;
+  double cost_ms = 0;
+};
+
+// A named learned-predictor baseline resembling one of the paper's
+// separate predictors. The numbers are assumptions (see README, "Replay
+// evaluation"): `basis` says where they come from.
+struct LearnedPreset {
+  std::string name;
+  double rho = 0;
+  double shift_rho = 0;
+  double cost_ms = 0;
+  std::string basis;
+};
+const std::vector<LearnedPreset>& LearnedPresets();
+
+// Parses a comma-separated policy list: fcfs, oracle, leap, leap-rls,
+// presets (tie, ssjf, ltr, trail, egtp), "baselines" (all presets) and
+// learned:rho=R,cost=Cms[,shift_rho=S] (its own commas are understood).
+// InvalidArgument for an unknown name, a bad parameter or a repeat.
+absl::StatusOr<std::vector<PolicySpec>> ParsePolicies(absl::string_view list);
+
+// Inputs of `leapctl replay`.
+struct ReplayOptions {
+  // Trace file; empty = synthetic trace.
+  std::string trace_path;
+  TraceFormat format = TraceFormat::kAuto;
+  // Lengths of the requests after the shift come from this trace (first
+  // rows) instead of --trace. Needs shift_at. Arrivals are then Poisson.
+  std::string shift_trace_path;
+  TraceFormat shift_format = TraceFormat::kAuto;
+  // Requests to replay: synthetic trace size, or the first N of the trace.
+  // 0 = 4000 (synthetic) or every row (trace).
+  int64_t requests = 0;
+  // Arrival rate (requests/s) for traces without timestamps when no load is
+  // given.
+  std::optional<double> rate;
+  // Load factors relative to the FCFS capacity; empty = the trace's own
+  // timestamps (or --rate), else 1.0.
+  std::vector<double> loads;
+  std::vector<PolicySpec> policies;
+
+  // Domain of the traffic before the shift (built-in synthetic domain).
+  // Default: chat
+  std::string domain = "chat";
+  // Fraction of the requests (in trace order) after which the domain
+  // switches to shift_to, in [0, 1); 0 = every replayed request is in the
+  // shifted domain (the readout is still fitted on `domain`). Unset = no
+  // shift.
+  std::optional<double> shift_at;
+  // Default: translation
+  std::string shift_to = "translation";
+
+  // Feature width of the synthetic hidden states. Default: 256
+  int64_t dim = 256;
+  // Rows of the on-the-fly source readout. Default: 4000
+  int64_t train_rows = 4000;
+  // A .leapr artifact to serve instead (its d must equal dim, and it must
+  // have been trained on features of the same synthetic model: --model-seed).
+  std::string readout_path;
+  // Seed of the synthetic serving model (as `leapctl synth --model-seed`).
+  // Default: 7
+  uint64_t model_seed = 7;
+  // Seed of everything drawn per run (trace, arrivals, features, baselines).
+  // Default: 1
+  uint64_t seed = 1;
+
+  EngineOptions engine;
+  // Output budget M: longer outputs are cut to M. Default: 2048
+  int64_t max_tokens = 2048;
+  // Scheduler of every length-aware policy (FCFS runs with the cap off).
+  // Defaults: 128, 0, median
+  int64_t waiting_cap = 128;
+  double aging_rate = 0;
+  std::string unpredicted = "median";
+
+  // leapd: this binary (default: FindLeapd()) started for the run, or a
+  // running one at `server`.
+  std::string leapd_path;
+  std::string server;
+  // Embedded RocksDB directory for the leapd this run starts ("" = memory).
+  std::string leapd_data_dir;
+  // Seconds to wait for leapd to start and for each admin answer.
+  // Default: 30
+  double timeout_s = 30;
+
+  // Metrics cover requests whose index in the trace is >= metrics_from * n.
+  // Default: 0
+  double metrics_from = 0;
+  std::string json_path;
+  std::string plot_path;
+
+  // InvalidArgument (a usage error) for values out of range.
+  absl::Status Validate() const;
+};
+
+// One policy at one load.
+struct ReplayRow {
+  std::string policy;
+  double load = 0;
+  // Over the metrics window, and over the requests after the shift.
+  Metrics metrics;
+  std::optional<Metrics> after_shift;
+  // LEAP only: measured prediction latency (s) percentiles, predictions not
+  // known by the first step after prefill, per-request errors, the highest
+  // readout version used (1 + RLS publishes) and rescores received.
+  std::optional<double> latency_p50;
+  std::optional<double> latency_p99;
+  int64_t late = 0;
+  int64_t errors = 0;
+  int64_t max_version = 0;
+  int64_t rescores = 0;
+  double seconds = 0;
+};
+
+struct ReplayReport {
+  std::string trace;  // what was replayed, one line
+  int64_t requests = 0;
+  int64_t shift_index = -1;  // first request after the shift; -1 = none
+  int64_t clipped = 0;       // outputs cut to max_tokens
+  // FCFS capacity, requests/s (per segment when arrivals are Poisson and
+  // there is a shift; capacity_after is then set).
+  double capacity = 0;
+  std::optional<double> capacity_after;
+  std::vector<ReplayRow> rows;
+  std::vector<PolicySpec> policies;
+  std::string plot_written;  // actual plot path ("" when none)
+};
+
+// Runs the replay. Progress goes to `progress` (stderr in the CLI).
+absl::StatusOr<ReplayReport> RunReplay(const ReplayOptions& options,
+                                       const ProgressFn& progress);
+
+// The table printed on stdout.
+std::string FormatReplayTable(const ReplayReport& report);
+// A JSON array: one object per policy and load with exactly the keys
+// policy, load, mean_ptl (s/token), p90_latency, p95_latency, p99_latency,
+// mean_ttft (s), throughput (output tokens/s), long_p95_latency (s; null
+// without requests over 1,024 tokens). NaN is null.
+std::string FormatReplayJson(const ReplayReport& report);
+// Writes the plot of mean PTL vs load (one line per policy): PNG through
+// gnuplot when `path` ends in .png and gnuplot runs, else SVG written
+// directly (a .png path then becomes .svg). Returns the path written.
+absl::StatusOr<std::string> WriteReplayPlot(const ReplayReport& report,
+                                            const std::string& path);
+
+}  // namespace leap::replay
+
+#endif  // LEAP_REPLAY_REPLAY_H_

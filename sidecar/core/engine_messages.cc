@@ -1,0 +1,232 @@
+#include "sidecar/core/engine_messages.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace leap::sidecar {
+
+namespace pb = ::leap::v1;
+
+absl::StatusOr<readout::DType> DTypeFromProto(pb::FeatureDType d) {
+  switch (d) {
+    case pb::FEATURE_DTYPE_FLOAT32:
+      return readout::DType::kFloat32;
+    case pb::FEATURE_DTYPE_BFLOAT16:
+      return readout::DType::kBFloat16;
+    case pb::FEATURE_DTYPE_FLOAT16:
+      return readout::DType::kFloat16;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat(
+          "feature dtype must be FLOAT32, BFLOAT16 or FLOAT16, got ",
+          pb::FeatureDType_Name(d).empty() ? std::to_string(d)
+                                           : pb::FeatureDType_Name(d)));
+  }
+}
+
+absl::StatusOr<readout::FinishReason> ReasonFromProto(pb::FinishReason r) {
+  switch (r) {
+    case pb::FINISH_REASON_STOP:
+      return readout::FinishReason::kStop;
+    case pb::FINISH_REASON_LENGTH:
+      return readout::FinishReason::kLength;
+    case pb::FINISH_REASON_CANCELLED:
+      return readout::FinishReason::kCancelled;
+    case pb::FINISH_REASON_ABORTED:
+      return readout::FinishReason::kAborted;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat(
+          "finish reason must be STOP, LENGTH, CANCELLED or ABORTED, got ",
+          static_cast<int>(r)));
+  }
+}
+
+void ToPrediction(const ScoreResult& s, const std::string& id,
+                  pb::Prediction* p) {
+  p->set_request_id(id);
+  p->set_predicted_tokens(s.predicted_tokens);
+  p->set_score(s.score);
+  p->set_readout(s.readout);
+  p->set_version(s.version);
+  p->set_arm(s.arm);
+}
+
+void AddRequestError(const std::string& id, const absl::Status& s,
+                     google::protobuf::RepeatedPtrField<pb::RequestError>* out,
+                     Metrics& metrics) {
+  pb::RequestError* e = out->Add();
+  // Bounded echo: ids beyond 4 KiB name no live request anyway.
+  e->set_request_id(id.substr(0, 4096));
+  e->set_code(static_cast<int>(s.code()));
+  e->set_message(std::string(s.message()));
+  metrics.RequestErrors(absl::StatusCodeToString(s.code())).Increment();
+}
+
+absl::StatusOr<readout::DType> CheckHello(const pb::Hello& hello) {
+  if (absl::Status s = ValidateInstanceId(hello.instance_id()); !s.ok()) {
+    return s;
+  }
+  absl::StatusOr<readout::DType> dtype = DTypeFromProto(hello.dtype());
+  if (!dtype.ok()) return dtype.status();
+  if (hello.dim() < readout::kMinDim || hello.dim() > readout::kMaxDim) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("hello dim must be in [", readout::kMinDim, ", ",
+                     readout::kMaxDim, "], got ", hello.dim()));
+  }
+  return *dtype;
+}
+
+void HandleEngineMessage(Core* core, uint64_t session, const pb::Hello& hello,
+                         readout::DType dtype, pb::EngineMessage* in,
+                         pb::SidecarMessage* out, LiveTracker* tracker) {
+  Metrics& metrics = core->metrics();
+  out->set_seq(in->seq());
+  switch (in->body_case()) {
+    case pb::EngineMessage::kFeatures: {
+      const auto& records = in->features().records();
+      int64_t bytes = 0;
+      for (const auto& r : records) bytes += r.features().size();
+      if (bytes > core->options().max_batch_bytes) {
+        AddRequestError("",
+                        absl::ResourceExhaustedError(absl::StrCat(
+                            "feature batch of ", bytes,
+                            " bytes exceeds the limit of ",
+                            core->options().max_batch_bytes, " bytes")),
+                        out->mutable_predictions()->mutable_errors(), metrics);
+        break;
+      }
+      pb::PredictionBatch* batch = out->mutable_predictions();
+      const int64_t want =
+          hello.dim() * static_cast<int64_t>(readout::DTypeSize(dtype));
+      // Size errors first pass; the rest scored as one batch; answers in
+      // record order.
+      std::vector<ScoreRequest> reqs;
+      std::vector<int> req_of(records.size(), -1);
+      std::vector<absl::Status> size_error(records.size());
+      auto* mutable_records = in->mutable_features()->mutable_records();
+      for (int k = 0; k < records.size(); ++k) {
+        auto& r = (*mutable_records)[k];
+        if (static_cast<int64_t>(r.features().size()) != want) {
+          size_error[k] = absl::InvalidArgumentError(absl::StrCat(
+              "record has ", r.features().size(),
+              " bytes of features; hello declared dim ", hello.dim(), " ",
+              readout::DTypeName(dtype), " (", want, " bytes)"));
+          continue;
+        }
+        ScoreRequest req;
+        req.request_id = r.request_id();
+        req.instance = hello.instance_id();
+        req.product_line = r.product_line();
+        req.features = r.features();
+        req.owned_features = r.mutable_features();
+        req.dtype = dtype;
+        req.request_max_tokens = r.decoding().max_tokens();
+        req_of[k] = static_cast<int>(reqs.size());
+        reqs.push_back(req);
+      }
+      std::vector<absl::StatusOr<ScoreResult>> results;
+      std::vector<std::shared_ptr<LiveRequest>> lives;
+      core->PredictBatch(reqs, session, &results, &lives);
+      for (int k = 0; k < records.size(); ++k) {
+        const auto& r = records[k];
+        if (req_of[k] < 0) {
+          AddRequestError(r.request_id(), size_error[k], batch->mutable_errors(),
+                          metrics);
+          continue;
+        }
+        const absl::StatusOr<ScoreResult>& s = results[req_of[k]];
+        if (!s.ok()) {
+          AddRequestError(r.request_id(), s.status(), batch->mutable_errors(),
+                          metrics);
+          continue;
+        }
+        ToPrediction(*s, r.request_id(), batch->add_predictions());
+        // Tracked before the answer is queued, so every publish from now on
+        // rescores it. A rescore may then reach the engine before this
+        // prediction; both carry the version and the newer one wins (the
+        // shim's scheduler and binding compare versions).
+        tracker->Track(std::move(lives[req_of[k]]));
+      }
+      break;
+    }
+    case pb::EngineMessage::kCompletions: {
+      pb::Ack* ack = out->mutable_ack();
+      for (const auto& c : in->completions().completions()) {
+        absl::StatusOr<readout::FinishReason> reason =
+            ReasonFromProto(c.reason());
+        absl::StatusOr<CompletionOutcome> o =
+            reason.ok()
+                ? core->Complete(c.request_id(), c.output_tokens(), *reason,
+                                 hello.instance_id())
+                : absl::StatusOr<CompletionOutcome>(reason.status());
+        if (!o.ok()) {
+          AddRequestError(c.request_id(), o.status(), ack->mutable_errors(),
+                          metrics);
+          continue;
+        }
+        tracker->Untrack(c.request_id());
+        if (o->duplicate) ack->set_duplicates(ack->duplicates() + 1);
+        if (o->learned) {
+          ack->set_accepted(ack->accepted() + 1);
+        } else {
+          ack->set_skipped(ack->skipped() + 1);
+        }
+      }
+      break;
+    }
+    case pb::EngineMessage::kCancels: {
+      const auto& ids = in->cancels().request_ids();
+      std::vector<absl::string_view> views(ids.begin(), ids.end());
+      CancelRequests(core, views, out->mutable_ack(), tracker,
+                     hello.instance_id());
+      break;
+    }
+    case pb::EngineMessage::kHello:
+      out->mutable_error()->set_code(
+          static_cast<int>(absl::StatusCode::kFailedPrecondition));
+      out->mutable_error()->set_message("hello may only be sent once");
+      break;
+    default:
+      out->mutable_error()->set_code(
+          static_cast<int>(absl::StatusCode::kInvalidArgument));
+      out->mutable_error()->set_message("empty engine message");
+      break;
+  }
+}
+
+void CancelRequests(Core* core, absl::Span<const absl::string_view> ids,
+                    pb::Ack* ack, LiveTracker* tracker,
+                    absl::string_view instance) {
+  std::vector<absl::Status> status;
+  core->CancelBatch(ids, &status, instance);
+  for (size_t i = 0; i < ids.size(); ++i) {
+    if (!status[i].ok()) {
+      AddRequestError(std::string(ids[i]), status[i], ack->mutable_errors(),
+                      core->metrics());
+      continue;
+    }
+    tracker->Untrack(ids[i]);
+    ack->set_accepted(ack->accepted() + 1);
+  }
+}
+
+void RescorePredictions(const std::string& name, const PublishedVersion& v,
+                        const std::vector<std::shared_ptr<LiveRequest>>& live,
+                        std::vector<pb::Prediction>* out) {
+  for (const auto& r : live) {
+    if (r->gone.load() || r->scores.empty() || r->scores[0].readout != name) {
+      continue;
+    }
+    auto score = v.folded.Score(r->view());
+    if (!score.ok()) continue;
+    pb::Prediction p;
+    p.set_request_id(r->request_id);
+    p.set_score(*score);
+    p.set_predicted_tokens(
+        readout::TokensFromScore(*score, v.folded.max_tokens()));
+    p.set_readout(name);
+    p.set_version(v.version);
+    p.set_arm(r->scores[0].arm);
+    out->push_back(std::move(p));
+  }
+}
+
+}  // namespace leap::sidecar

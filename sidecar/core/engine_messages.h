@@ -1,0 +1,64 @@
+// What one engine's data-plane session does with each message, whatever the
+// transport: the gRPC Connect stream and the shared-memory server both hand
+// their EngineMessages here, so predictions, acks and errors are the same
+// on both (the shm server's slot path calls the same Core::Predict and
+// ToPrediction for the records whose features sit in slots).
+#ifndef LEAP_SIDECAR_CORE_ENGINE_MESSAGES_H_
+#define LEAP_SIDECAR_CORE_ENGINE_MESSAGES_H_
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "leap/v1/predictor.pb.h"
+#include "sidecar/core/core.h"
+
+namespace leap::sidecar {
+
+// Where a session keeps the live requests it must rescore on a publish.
+// Called on the session's handler thread.
+class LiveTracker {
+ public:
+  virtual ~LiveTracker() = default;
+  virtual void Track(std::shared_ptr<LiveRequest> r) = 0;
+  virtual void Untrack(absl::string_view request_id) = 0;
+};
+
+// leap.v1 <-> Core conversions.
+absl::StatusOr<readout::DType> DTypeFromProto(leap::v1::FeatureDType d);
+absl::StatusOr<readout::FinishReason> ReasonFromProto(leap::v1::FinishReason r);
+void ToPrediction(const ScoreResult& s, const std::string& id,
+                  leap::v1::Prediction* p);
+// Appends a RequestError and counts it in leap_request_errors_total.
+void AddRequestError(const std::string& id, const absl::Status& s,
+                     google::protobuf::RepeatedPtrField<leap::v1::RequestError>* out,
+                     Metrics& metrics);
+
+// Checks a Hello: the dtype and dim ranges and the instance id.
+// INVALID_ARGUMENT otherwise.
+absl::StatusOr<readout::DType> CheckHello(const leap::v1::Hello& hello);
+
+// Answers one EngineMessage after the hello (features carried inline,
+// completions, cancels; a second hello or an empty message is a
+// message-level error). `in` may be consumed (feature bytes are moved).
+void HandleEngineMessage(Core* core, uint64_t session,
+                         const leap::v1::Hello& hello, readout::DType dtype,
+                         leap::v1::EngineMessage* in,
+                         leap::v1::SidecarMessage* out, LiveTracker* tracker);
+
+// Cancels each id (answering into `ack` as a CancelBatch would be).
+void CancelRequests(Core* core, absl::Span<const absl::string_view> ids,
+                    leap::v1::Ack* ack, LiveTracker* tracker,
+                    absl::string_view instance = "");
+
+// The rescored predictions of `live` requests served by readout `name`
+// under version `v` (requests that are gone or served by another readout
+// are skipped; their entries are left to the caller).
+void RescorePredictions(const std::string& name, const PublishedVersion& v,
+                        const std::vector<std::shared_ptr<LiveRequest>>& live,
+                        std::vector<leap::v1::Prediction>* out);
+
+}  // namespace leap::sidecar
+
+#endif  // LEAP_SIDECAR_CORE_ENGINE_MESSAGES_H_

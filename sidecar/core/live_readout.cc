@@ -1,0 +1,722 @@
+#include "sidecar/core/live_readout.h"
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
+#include "common/clock.h"
+
+namespace leap::sidecar {
+namespace {
+
+// Quality windows of this many recent versions are kept.
+constexpr size_t kVersionWindows = 64;
+
+}  // namespace
+
+void PublishHub::Subscribe(std::weak_ptr<PublishListener> l) {
+  absl::MutexLock lock(&mu_);
+  listeners_.push_back(std::move(l));
+}
+
+void PublishHub::Notify(const std::string& readout,
+                        const std::shared_ptr<const PublishedVersion>& v) {
+  std::vector<std::shared_ptr<PublishListener>> live;
+  {
+    absl::MutexLock lock(&mu_);
+    size_t keep = 0;
+    for (auto& w : listeners_) {
+      if (auto l = w.lock()) {
+        live.push_back(std::move(l));
+        listeners_[keep++] = w;
+      }
+    }
+    listeners_.resize(keep);
+  }
+  for (auto& l : live) l->OnPublish(readout, v);
+}
+
+absl::Status LiveReadoutOptions::Validate() const {
+  if (rls_batch < 1 || rls_batch > 4096) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rls_batch must be in [1, 4096], got ", rls_batch));
+  }
+  if (flush_after_ns <= 0) {
+    return absl::InvalidArgumentError("flush_after must be > 0");
+  }
+  if (quality_window < 2) {
+    return absl::InvalidArgumentError("quality_window must be >= 2");
+  }
+  return absl::OkStatus();
+}
+
+LiveReadout::LiveReadout(LiveReadoutInit init, LiveReadoutOptions options,
+                         Metrics* metrics, PublishHub* hub)
+    : name_(std::move(init.name)),
+      spec_(init.state.spec),
+      standardizer_(init.state.standardizer),
+      options_(options),
+      adaptive_(init.state.p.has_value()),
+      created_unix_ms_(init.meta.created_unix_ms > 0 ? init.meta.created_unix_ms
+                                                     : UnixMs()),
+      metrics_owner_(metrics),
+      metrics_(metrics->ForReadout(name_)),
+      hub_(hub),
+      frozen_(init.frozen || !init.state.p.has_value()),
+      learned_(init.state.completions_learned),
+      version_(std::max<int64_t>(init.state.version, 1)),
+      store_(init.store),
+      meta_(init.meta),
+      next_seq_(init.last_seq + 1),
+      overall_(options.quality_window) {
+  if (frozen_.load()) frozen_reason_ = init.frozen_reason;
+  {
+    absl::MutexLock lock(&state_mu_);
+    theta_ = init.state.theta;
+    applied_seq_ = init.last_seq;
+    last_ckpt_ns_ = NowNs();
+    if (init.state.p.has_value()) {
+      rls_.emplace(init.state.theta, std::move(*init.state.p));
+    }
+    auto v = std::make_shared<PublishedVersion>(PublishedVersion{
+        version_.load(),
+        readout::FoldedReadout::Fold(standardizer_, theta_, spec_.max_tokens),
+        learned_.load(), UnixMs(), init.cause});
+    current_.store(v);
+    absl::MutexLock qlock(&quality_mu_);
+    // The recorded history as it was (a recovered readout starts at one of
+    // its versions and publishes nothing new for it).
+    bool listed = false;
+    for (const storage::VersionEntry& h : init.history) {
+      if (!listed && h.version > v->version) {
+        versions_.push_back({v->version, v->completions_learned,
+                             v->published_unix_ms, v->cause, NAN, 0});
+        listed = true;
+      }
+      if (h.version == v->version) listed = true;
+      versions_.push_back({h.version, h.completions_learned, h.unix_ms, h.cause,
+                           NAN, 0});
+    }
+    if (!listed) {
+      versions_.push_back({v->version, v->completions_learned,
+                           v->published_unix_ms, v->cause, NAN, 0});
+    }
+    while (static_cast<int64_t>(versions_.size()) > options_.versions_kept) {
+      versions_.pop_front();
+    }
+  }
+  metrics_.version->Set(static_cast<double>(version_.load()));
+  metrics_.frozen->Set(frozen_.load() ? 1 : 0);
+  metrics_.spearman->Set(NAN);
+  if (adaptive_) worker_ = std::thread([this] { WorkerLoop(); });
+  if (store_ != nullptr && adaptive_) {
+    checkpointer_ = std::thread([this] { CheckpointLoop(); });
+  }
+}
+
+LiveReadout::~LiveReadout() {
+  Stop(/*drain=*/false);
+  metrics_owner_->RemoveReadout(name_, metrics_);
+}
+
+std::string LiveReadout::frozen_reason() const {
+  absl::MutexLock lock(&mu_);
+  return frozen_.load() ? frozen_reason_ : std::string();
+}
+
+absl::Status LiveReadout::SetFrozen(bool frozen) {
+  if (!frozen && !adaptive_) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "readout '", name_,
+        "' has no P matrix and cannot adapt; import an artifact with P"));
+  }
+  {
+    absl::MutexLock order(&freeze_mu_);
+    if (store_ != nullptr) {
+      absl::Status s = store_->SetFrozen(meta_, frozen);
+      if (!s.ok()) return s;
+    }
+    absl::MutexLock lock(&mu_);
+    frozen_.store(frozen);
+    frozen_reason_.clear();
+    metrics_.frozen->Set(frozen ? 1 : 0);
+  }
+  absl::MutexLock lock(&mu_);
+  if (frozen) {
+    // Immediate: once this returns no batch is applied (and no version
+    // published) until resumed; queued completions wait, they are not lost.
+    auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return !in_flight_ || stop_;
+    };
+    mu_.Await(absl::Condition(&idle));
+  }
+  return absl::OkStatus();
+}
+
+void LiveReadout::Enqueue(const readout::FeatureView& x, double target,
+                          uint64_t seq) {
+  Pending p;
+  p.u.resize(spec_.dim + 1);
+  standardizer_.Augment(x, p.u.data());
+  p.y = target;
+  p.enqueued_ns = NowNs();
+  p.seq = seq;
+  absl::MutexLock lock(&mu_);
+  queue_.push_back(std::move(p));
+  metrics_.rls_backlog->Set(static_cast<double>(queue_.size()));
+}
+
+absl::Status LiveReadout::Learn(const Learnable& item) {
+  absl::MutexLock lock(&log_mu_);
+  const uint64_t seq = next_seq_;
+  if (store_ != nullptr) {
+    storage::LogRecord rec;
+    rec.seq = seq;
+    rec.request_id = std::string(item.request_id);
+    rec.dtype = item.x.dtype;
+    rec.features.assign(static_cast<const char*>(item.x.data),
+                        item.x.dim * readout::DTypeSize(item.x.dtype));
+    rec.target = item.target;
+    rec.dedup_keys = item.dedup_keys;
+    absl::Status s = store_->AppendLog(meta_, {&rec, 1});
+    if (!s.ok()) {
+      return absl::UnavailableError(absl::StrCat(
+          "feedback not recorded (not acknowledged): ", s.message()));
+    }
+  }
+  ++next_seq_;
+  Enqueue(item.x, item.target, seq);
+  return absl::OkStatus();
+}
+
+void LiveReadout::Replay(const storage::LogRecord& rec) {
+  const int64_t dim =
+      static_cast<int64_t>(rec.features.size() / readout::DTypeSize(rec.dtype));
+  if (dim != spec_.dim) return;  // checked by the caller; never learned
+  absl::MutexLock lock(&log_mu_);
+  next_seq_ = std::max(next_seq_, rec.seq + 1);
+  Enqueue({rec.features.data(), rec.dtype, dim, 1}, rec.target, rec.seq);
+}
+
+void LiveReadout::RecoverLog(std::vector<storage::LogRecord> log,
+                             const std::vector<storage::VersionEntry>& history,
+                             int64_t max_version,
+                             std::vector<std::string>* problems) {
+  const int64_t n = spec_.dim + 1;
+  size_t pos = 0;
+  auto problem = [&](std::string text) {
+    problems->push_back(absl::StrCat("readout '", name_, "': ", text));
+  };
+  if (rls_.has_value()) {
+    absl::MutexLock lock(&state_mu_);
+    const int64_t start = current()->version;
+    const storage::VersionEntry* reached = nullptr;
+    int64_t learned = learned_.load();
+    std::vector<float> u;
+    std::vector<double> y;
+    for (const storage::VersionEntry& h : history) {
+      if (h.version <= start) continue;
+      if (h.cause != "rls" || !h.has_last_seq || h.last_seq <= applied_seq_) {
+        if (pos < log.size()) {
+          problem(absl::StrCat("version ", h.version, " (", h.cause,
+                               ") has no replayable batch; the log after "
+                               "version ",
+                               reached != nullptr ? reached->version : start,
+                               " is learned as new versions"));
+        }
+        break;
+      }
+      size_t end = pos;
+      while (end < log.size() && log[end].seq <= h.last_seq) ++end;
+      const int64_t k = static_cast<int64_t>(end - pos);
+      if (k == 0 || learned + k != h.completions_learned) {
+        problem(absl::StrCat("the log does not hold version ", h.version,
+                             "'s batch; the rest is learned as new versions"));
+        break;
+      }
+      u.assign(static_cast<size_t>(k * n), 0.0f);
+      y.resize(k);
+      bool bad = false;
+      for (int64_t i = 0; i < k; ++i) {
+        const storage::LogRecord& rec = log[pos + i];
+        const int64_t dim = static_cast<int64_t>(
+            rec.features.size() / readout::DTypeSize(rec.dtype));
+        if (dim != spec_.dim) {
+          bad = true;
+          break;
+        }
+        standardizer_.Augment({rec.features.data(), rec.dtype, dim, 1},
+                              u.data() + i * n);
+        y[i] = rec.target;
+      }
+      if (bad) {
+        problem(absl::StrCat("a record of version ", h.version,
+                             "'s batch has the wrong width"));
+        break;
+      }
+      absl::Status s = rls_->Update(u.data(), n, y);
+      if (!s.ok()) {
+        // Update leaves the state as it was unless it applied pieces; the
+        // version reached so far is still exact.
+        problem(absl::StrCat("replaying version ", h.version, ": ",
+                             s.message()));
+        break;
+      }
+      applied_seq_ = h.last_seq;
+      learned += k;
+      pos = end;
+      reached = &h;
+    }
+    if (reached != nullptr) {
+      // Serve exactly the state that had this number: the theta it was
+      // published with (replay reproduces P; theta is taken as stored).
+      absl::StatusOr<Eigen::VectorXd> stored =
+          store_ != nullptr ? store_->GetVersionTheta(meta_, reached->version)
+                            : absl::NotFoundError("no store");
+      Eigen::VectorXd theta = rls_->theta();
+      if (stored.ok() && stored->size() == n) {
+        theta = *std::move(stored);
+        readout::SymMatrix p = rls_->P();
+        rls_.emplace(theta, std::move(p));
+      } else {
+        problem(absl::StrCat("version ", reached->version,
+                             "'s theta not readable (",
+                             stored.status().message(),
+                             "); serving the replayed theta"));
+      }
+      theta_ = theta;
+      learned_.store(learned);
+      version_.store(reached->version);
+      auto v = std::make_shared<PublishedVersion>(PublishedVersion{
+          reached->version,
+          readout::FoldedReadout::Fold(standardizer_, theta_, spec_.max_tokens),
+          learned, reached->unix_ms, reached->cause});
+      current_.store(v, std::memory_order_release);
+      ++batches_since_ckpt_;
+    }
+  }
+  // New versions never reuse a number that was published before.
+  if (version_.load() < max_version) version_.store(max_version);
+  metrics_.version->Set(static_cast<double>(current()->version));
+  for (; pos < log.size(); ++pos) Replay(log[pos]);
+}
+
+void LiveReadout::RecordQuality(int64_t version, double predicted_tokens,
+                                double true_tokens) {
+  absl::MutexLock lock(&quality_mu_);
+  auto it = per_version_.find(version);
+  if (it == per_version_.end()) {
+    it = per_version_.emplace(version, RollingSpearman(options_.quality_window))
+             .first;
+    while (per_version_.size() > kVersionWindows) {
+      per_version_.erase(per_version_.begin());
+    }
+  }
+  it->second.Add(predicted_tokens, true_tokens);
+  overall_.Add(predicted_tokens, true_tokens);
+  metrics_.spearman->Set(overall_.Value());
+}
+
+int64_t LiveReadout::backlog() const {
+  absl::MutexLock lock(&mu_);
+  return static_cast<int64_t>(queue_.size()) + (in_flight_ ? 1 : 0);
+}
+
+int64_t LiveReadout::completions_learned() const { return learned_.load(); }
+
+double LiveReadout::spearman(int64_t* n) const {
+  absl::MutexLock lock(&quality_mu_);
+  if (n != nullptr) *n = overall_.size();
+  return overall_.Value();
+}
+
+std::vector<VersionRecord> LiveReadout::Versions() const {
+  absl::MutexLock lock(&quality_mu_);
+  std::vector<VersionRecord> out(versions_.begin(), versions_.end());
+  for (VersionRecord& r : out) {
+    auto it = per_version_.find(r.version);
+    if (it != per_version_.end()) {
+      r.spearman = it->second.Value();
+      r.spearman_n = it->second.size();
+    } else {
+      r.spearman = NAN;
+      r.spearman_n = 0;
+    }
+  }
+  return out;
+}
+
+readout::ReadoutState LiveReadout::Export() {
+  readout::ReadoutState s;
+  s.spec = spec_;
+  s.standardizer = standardizer_;
+  absl::MutexLock lock(&state_mu_);
+  s.theta = theta_;
+  if (rls_.has_value()) s.p = rls_->P();
+  s.version = current()->version;
+  s.completions_learned = learned_.load();
+  s.created_unix_ms = UnixMs();
+  return s;
+}
+
+storage::ReadoutCheckpoint LiveReadout::CaptureLocked() {
+  storage::ReadoutCheckpoint c;
+  c.version = current()->version;
+  c.completions_learned = learned_.load();
+  c.last_seq = applied_seq_;
+  c.unix_ms = UnixMs();
+  c.theta = theta_;
+  if (rls_.has_value()) c.p = rls_->P();
+  batches_since_ckpt_ = 0;
+  last_ckpt_ns_ = NowNs();
+  return c;
+}
+
+absl::Status LiveReadout::WriteCheckpoint(const storage::ReadoutCheckpoint& c) {
+  const auto t0 = std::chrono::steady_clock::now();
+  absl::Status s = store_->WriteCheckpoint(meta_, c);
+  const double secs =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (!s.ok()) {
+    std::fprintf(stderr, "leapd: readout '%s': checkpoint failed: %s\n",
+                 name_.c_str(), std::string(s.message()).c_str());
+    metrics_.checkpoint_errors->Increment();
+    return s;
+  }
+  metrics_.checkpoint_seconds->Observe(secs);
+  metrics_.checkpoint_bytes->Set(
+      static_cast<double>(c.theta.size() * 8 + (c.p ? c.p->payload_bytes() : 0)));
+  return absl::OkStatus();
+}
+
+void LiveReadout::CheckpointLoop() {
+  for (;;) {
+    storage::ReadoutCheckpoint c;
+    {
+      absl::MutexLock lock(&ckpt_mu_);
+      auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(ckpt_mu_) {
+        return ckpt_stop_ || ckpt_pending_.has_value();
+      };
+      ckpt_mu_.Await(absl::Condition(&ready));
+      if (!ckpt_pending_.has_value()) return;  // stop, nothing pending
+      c = std::move(*ckpt_pending_);
+      ckpt_pending_.reset();
+      ckpt_busy_ = true;
+    }
+    WriteCheckpoint(c).IgnoreError();  // counted and logged; the next one retries
+    absl::MutexLock lock(&ckpt_mu_);
+    ckpt_busy_ = false;
+  }
+}
+
+absl::StatusOr<storage::SnapshotInfo> LiveReadout::Snapshot(
+    const std::string& label) {
+  if (label.empty() || label.size() > 128 ||
+      label.find('\0') != std::string::npos) {
+    return absl::InvalidArgumentError("snapshot label must be 1-128 bytes, no NUL");
+  }
+  storage::SnapshotInfo info;
+  info.label = label;
+  int64_t n = 0;
+  info.spearman = spearman(&n);
+  info.unix_ms = UnixMs();
+  absl::MutexLock lock(&state_mu_);
+  storage::ReadoutCheckpoint c;
+  c.version = current()->version;
+  c.completions_learned = learned_.load();
+  c.last_seq = applied_seq_;
+  c.unix_ms = info.unix_ms;
+  c.theta = theta_;
+  if (rls_.has_value()) c.p = rls_->P();
+  info.version = c.version;
+  info.completions_learned = c.completions_learned;
+  if (store_ != nullptr) {
+    absl::Status s = store_->PutSnapshot(meta_, info, c);
+    if (!s.ok()) return s;
+  } else {
+    memory_snapshots_[label] = std::move(c);
+    memory_snapshot_info_[label] = info;
+  }
+  return info;
+}
+
+absl::StatusOr<std::vector<storage::SnapshotInfo>> LiveReadout::ListSnapshots() {
+  if (store_ != nullptr) return store_->ListSnapshots(meta_);
+  absl::MutexLock lock(&state_mu_);
+  std::vector<storage::SnapshotInfo> out;
+  for (const auto& [label, info] : memory_snapshot_info_) out.push_back(info);
+  return out;
+}
+
+absl::StatusOr<int64_t> LiveReadout::Rollback(const std::string& label) {
+  storage::ReadoutCheckpoint snap;
+  if (store_ != nullptr) {
+    absl::StatusOr<storage::ReadoutCheckpoint> s = store_->GetSnapshot(meta_, label);
+    if (!s.ok()) return s.status();
+    snap = std::move(*s);
+  } else {
+    absl::MutexLock lock(&state_mu_);
+    auto it = memory_snapshots_.find(label);
+    if (it == memory_snapshots_.end()) {
+      return absl::NotFoundError(absl::StrCat("readout '", name_,
+                                              "' has no snapshot '", label, "'"));
+    }
+    snap = it->second;
+  }
+  if (snap.theta.size() != spec_.dim + 1 ||
+      snap.p.has_value() != adaptive_) {
+    return absl::FailedPreconditionError("snapshot does not match the readout");
+  }
+  // No new completion may be logged while the state is swapped.
+  absl::MutexLock log_lock(&log_mu_);
+  int64_t dropped = 0;
+  uint64_t first_kept = 0;  // seq of the oldest completion kept queued
+  {
+    absl::MutexLock lock(&mu_);
+    if (frozen_.load()) {
+      // Frozen (e.g. after an RLS failure): the acknowledged completions
+      // stay queued and are applied on top of the snapshot once resumed.
+      if (!queue_.empty()) first_kept = queue_.front().seq;
+    } else {
+      dropped = static_cast<int64_t>(queue_.size());
+      queue_.clear();
+    }
+    metrics_.rls_backlog->Set(0);
+    // A batch the worker already took is applied (and published) before
+    // the snapshot replaces the state, never on top of it.
+    auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return !in_flight_ || stop_;
+    };
+    mu_.Await(absl::Condition(&idle));
+  }
+  {
+    // A checkpoint captured before the rollback must not be written after
+    // it (it would resurrect the pre-rollback state on recovery).
+    absl::MutexLock lock(&ckpt_mu_);
+    ckpt_pending_.reset();
+    auto written = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(ckpt_mu_) {
+      return !ckpt_busy_;
+    };
+    ckpt_mu_.Await(absl::Condition(&written));
+  }
+  absl::MutexLock lock(&state_mu_);  // waits for a batch in flight
+  theta_ = snap.theta;
+  if (snap.p.has_value()) {
+    rls_.emplace(snap.theta, std::move(*snap.p));
+  }
+  learned_.store(snap.completions_learned);
+  // The dropped records are not in it; kept ones are replayed after it.
+  applied_seq_ = first_kept > 0 ? first_kept - 1 : next_seq_ - 1;
+  PublishLocked(theta_, snap.completions_learned, "rollback:" + label);
+  if (store_ != nullptr) {
+    // Durable at once: recovery must not replay pre-rollback feedback.
+    storage::ReadoutCheckpoint c = CaptureLocked();
+    absl::Status written = WriteCheckpoint(c);
+    if (!written.ok()) {
+      return absl::UnavailableError(absl::StrCat(
+          "rollback applied and published but not durable (a restart would "
+          "undo it): ", written.message()));
+    }
+  }
+  if (dropped > 0) {
+    std::fprintf(stderr,
+                 "leapd: readout '%s': rollback to '%s' dropped %lld completions "
+                 "not yet applied\n",
+                 name_.c_str(), label.c_str(), static_cast<long long>(dropped));
+  }
+  return current()->version;
+}
+
+void LiveReadout::WaitIdle() {
+  absl::MutexLock lock(&mu_);
+  auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return (queue_.empty() && !in_flight_) || stop_ || !adaptive_ ||
+           (frozen_.load() && !in_flight_);
+  };
+  mu_.Await(absl::Condition(&idle));
+}
+
+void LiveReadout::Stop(bool drain) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (stop_) return;
+    stop_ = true;
+    drain_ = drain;
+  }
+  if (worker_.joinable()) worker_.join();
+  if (checkpointer_.joinable()) {
+    {
+      absl::MutexLock lock(&ckpt_mu_);
+      ckpt_stop_ = true;
+    }
+    checkpointer_.join();
+    if (drain) {
+      // A clean stop leaves an empty log behind: restart is a plain load.
+      absl::MutexLock lock(&state_mu_);
+      if (batches_since_ckpt_ > 0) {
+        storage::ReadoutCheckpoint c = CaptureLocked();
+        WriteCheckpoint(c).IgnoreError();  // the log still has everything
+      }
+    }
+  }
+}
+
+void LiveReadout::WorkerLoop() {
+  const int64_t n = spec_.dim + 1;
+  std::vector<float> u;
+  std::vector<double> y;
+  std::vector<Pending> batch;
+  for (;;) {
+    batch.clear();
+    {
+      absl::MutexLock lock(&mu_);
+      for (;;) {
+        const bool paused = frozen_.load();
+        if (stop_ && (!drain_ || queue_.empty() || paused)) return;
+        if (!paused &&
+            (static_cast<int>(queue_.size()) >= options_.rls_batch ||
+             (!queue_.empty() && (stop_ || NowNs() - queue_.front().enqueued_ns >=
+                                                options_.flush_after_ns)))) {
+          break;
+        }
+        if (queue_.empty() || paused) {
+          auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+            return stop_ || (!frozen_.load() && !queue_.empty());
+          };
+          mu_.Await(absl::Condition(&ready));
+        } else {
+          // A partial batch: wait for more or for its flush deadline.
+          const int64_t wait_ns = options_.flush_after_ns -
+                                  (NowNs() - queue_.front().enqueued_ns);
+          auto full = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+            return stop_ ||
+                   static_cast<int>(queue_.size()) >= options_.rls_batch;
+          };
+          mu_.AwaitWithTimeout(absl::Condition(&full),
+                               absl::Nanoseconds(std::max<int64_t>(wait_ns, 0)));
+        }
+      }
+      const int k = std::min<int>(options_.rls_batch,
+                                  static_cast<int>(queue_.size()));
+      for (int i = 0; i < k; ++i) {
+        batch.push_back(std::move(queue_.front()));
+        queue_.pop_front();
+      }
+      in_flight_ = true;
+      metrics_.rls_backlog->Set(static_cast<double>(queue_.size()));
+    }
+    const int64_t k = static_cast<int64_t>(batch.size());
+    u.resize(k * n);
+    y.resize(k);
+    for (int64_t i = 0; i < k; ++i) {
+      std::copy(batch[i].u.begin(), batch[i].u.end(), u.begin() + i * n);
+      y[i] = batch[i].y;
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    absl::Status s;
+    std::optional<storage::ReadoutCheckpoint> ckpt;
+    int64_t applied = k;
+    {
+      absl::MutexLock lock(&state_mu_);
+      const int64_t before = rls_->updates();
+      s = rls_->Update(u.data(), n, y);
+      // A batch wider than RLS's fold buffer is applied in pieces: those
+      // applied before a failure stay applied (and are published).
+      if (!s.ok()) applied = rls_->updates() - before;
+      if (applied > 0) {
+        theta_ = rls_->theta();
+        applied_seq_ = batch[applied - 1].seq;
+        const int64_t learned = learned_.fetch_add(applied) + applied;
+        metrics_.rls_batch_seconds->Observe(
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
+                .count());
+        metrics_.learned->Increment(static_cast<double>(applied));
+        PublishLocked(theta_, learned, "rls");
+        ++batches_since_ckpt_;
+        if (store_ != nullptr &&
+            (batches_since_ckpt_ >= options_.checkpoint_every_batches ||
+             NowNs() - last_ckpt_ns_ >= options_.checkpoint_every_ns)) {
+          ckpt = CaptureLocked();
+        }
+      }
+    }
+    if (ckpt.has_value()) {
+      absl::MutexLock lock(&ckpt_mu_);
+      ckpt_pending_ = std::move(ckpt);  // replaces a capture not yet written
+    }
+    if (!s.ok()) {
+      // Never publish a state that failed: stop adapting (durably, with the
+      // reason), keep serving the last good version, and keep the
+      // completions not applied at the head of the queue (they are in the
+      // log, acknowledged): a resume retries them.
+      const std::string reason = absl::StrCat("rls: ", s.message());
+      std::fprintf(stderr,
+                   "leapd: readout '%s': %s; learning frozen, %lld completions "
+                   "kept for when it is resumed\n",
+                   name_.c_str(), std::string(s.message()).c_str(),
+                   static_cast<long long>(k - applied));
+      metrics_.rls_errors->Increment();
+      absl::MutexLock order(&freeze_mu_);
+      if (store_ != nullptr) {
+        absl::Status persisted = store_->SetFrozen(meta_, true, reason);
+        if (!persisted.ok()) {
+          std::fprintf(stderr,
+                       "leapd: readout '%s': freeze not stored (a restart "
+                       "retries the batch): %s\n",
+                       name_.c_str(), std::string(persisted.message()).c_str());
+        }
+      }
+      absl::MutexLock lock(&mu_);
+      frozen_.store(true);
+      frozen_reason_ = reason;
+      metrics_.frozen->Set(1);
+      for (int64_t i = k - 1; i >= applied; --i) {
+        queue_.push_front(std::move(batch[i]));
+      }
+      metrics_.rls_backlog->Set(static_cast<double>(queue_.size()));
+      in_flight_ = false;
+      continue;
+    }
+    absl::MutexLock lock(&mu_);
+    in_flight_ = false;
+  }
+}
+
+void LiveReadout::PublishLocked(const Eigen::VectorXd& theta, int64_t learned,
+                                const std::string& cause) {
+  auto v = std::make_shared<PublishedVersion>(PublishedVersion{
+      version_.fetch_add(1) + 1,
+      readout::FoldedReadout::Fold(standardizer_, theta, spec_.max_tokens),
+      learned, UnixMs(), cause});
+  if (store_ != nullptr) {
+    // Recorded before anyone can see it, with the log position its state
+    // includes: recovery replays the same batches and resumes at a version
+    // under the number it had (see RecoverLog).
+    storage::VersionEntry entry{v->version, learned, v->published_unix_ms,
+                                cause};
+    entry.has_last_seq = true;
+    entry.last_seq = applied_seq_;
+    absl::Status s = store_->PutVersion(meta_, entry, theta);
+    if (!s.ok()) {
+      std::fprintf(stderr, "leapd: readout '%s': version %lld not stored: %s\n",
+                   name_.c_str(), static_cast<long long>(v->version),
+                   std::string(s.message()).c_str());
+    }
+  }
+  current_.store(v, std::memory_order_release);
+  {
+    absl::MutexLock lock(&quality_mu_);
+    versions_.push_back({v->version, v->completions_learned,
+                         v->published_unix_ms, v->cause, NAN, 0});
+    while (static_cast<int64_t>(versions_.size()) > options_.versions_kept) {
+      versions_.pop_front();
+    }
+  }
+  metrics_.version->Set(static_cast<double>(v->version));
+  metrics_.publishes->Increment();
+  hub_->Notify(name_, v);
+}
+
+}  // namespace leap::sidecar

@@ -1,0 +1,283 @@
+// A readout being served: its published version (read lock-free by the
+// predicting threads), its RLS state and the RLS worker thread that learns
+// from completions and publishes new versions.
+#ifndef LEAP_SIDECAR_CORE_LIVE_READOUT_H_
+#define LEAP_SIDECAR_CORE_LIVE_READOUT_H_
+
+#include <atomic>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "readout/artifact.h"
+#include "readout/readout.h"
+#include "readout/rls.h"
+#include "sidecar/core/metrics.h"
+#include "sidecar/core/quality.h"
+#include "storage/state_store.h"
+
+namespace leap::sidecar {
+
+// One published version: what predictions use. Immutable.
+struct PublishedVersion {
+  int64_t version = 0;
+  readout::FoldedReadout folded;
+  int64_t completions_learned = 0;
+  int64_t published_unix_ms = 0;
+  std::string cause;  // "create", "rls", ...
+};
+
+// Receives every publish of every readout. OnPublish runs on the publishing
+// thread (an RLS worker or an admin handler), with that readout's state_mu_
+// held (PublishHub's own lock released): it must not block and must not call
+// into a LiveReadout.
+class PublishListener {
+ public:
+  virtual ~PublishListener() = default;
+  virtual void OnPublish(const std::string& readout,
+                         const std::shared_ptr<const PublishedVersion>& v) = 0;
+};
+
+// Fans publishes out to listeners that are still alive. Thread-safe: any
+// thread subscribes; Notify calls the listeners after releasing mu_.
+class PublishHub {
+ public:
+  void Subscribe(std::weak_ptr<PublishListener> l);
+  void Notify(const std::string& readout,
+              const std::shared_ptr<const PublishedVersion>& v);
+
+ private:
+  absl::Mutex mu_;
+  std::vector<std::weak_ptr<PublishListener>> listeners_ ABSL_GUARDED_BY(mu_);
+};
+
+struct LiveReadoutOptions {
+  // Completions per RLS batch. Default: 8
+  int rls_batch = 8;
+  // A partial batch is applied once its oldest completion waited this long.
+  // Default: 200 ms
+  int64_t flush_after_ns = 200'000'000;
+  // Pairs in each rolling Spearman window. Default: 1000
+  int64_t quality_window = 1000;
+  // Version records kept in memory (the oldest are dropped). Default: 10000
+  int64_t versions_kept = 10000;
+  // With a store: a checkpoint of theta and P is written after this many
+  // RLS batches or this much time since the last one, whichever is first.
+  // Default: 256 batches, 60 s
+  int64_t checkpoint_every_batches = 256;
+  int64_t checkpoint_every_ns = int64_t{60} * 1'000'000'000;
+
+  absl::Status Validate() const;
+};
+
+// Metadata of one published version, with its online quality.
+struct VersionRecord {
+  int64_t version = 0;
+  int64_t completions_learned = 0;
+  int64_t published_unix_ms = 0;
+  std::string cause;
+  double spearman = 0;  // NaN until 2 pairs
+  int64_t spearman_n = 0;
+};
+
+// Everything a LiveReadout starts from: a new readout or a recovered one.
+struct LiveReadoutInit {
+  std::string name;
+  readout::ReadoutState state;  // spec, standardizer, theta, P, version...
+  bool frozen = false;
+  // Why it is frozen when an RLS failure froze it ("" otherwise).
+  std::string frozen_reason;
+  // Cause recorded for the first published version ("create", "recovered").
+  std::string cause = "create";
+  // Durable state; null keeps everything in memory.
+  storage::StateStore* store = nullptr;
+  storage::ReadoutMeta meta;  // incarnation assigned by the store
+  // Feedback-log records with seq <= last_seq are already in theta and P.
+  uint64_t last_seq = 0;
+  // Versions published before (recovered from the store), oldest first.
+  std::vector<storage::VersionEntry> history;
+};
+
+// A completion to learn.
+struct Learnable {
+  absl::string_view request_id;
+  readout::FeatureView x;  // contiguous
+  double target = 0;
+  // Recorded in the store's dedup index with the log record.
+  std::vector<std::string> dedup_keys;
+};
+
+// Thread-safe unless stated: gRPC handlers, the shm loop and admin calls may
+// call any public method from any thread. It owns two threads: the RLS worker
+// (WorkerLoop: applies queued completions, publishes) and the checkpointer
+// (CheckpointLoop: writes captured state); Stop and the destructor join them
+// and must not be called from them.
+class LiveReadout {
+ public:
+  // Starts the RLS thread when the state has a P matrix (and the checkpoint
+  // thread when there is a store).
+  LiveReadout(LiveReadoutInit init, LiveReadoutOptions options,
+              Metrics* metrics, PublishHub* hub);
+  ~LiveReadout();
+  LiveReadout(const LiveReadout&) = delete;
+  LiveReadout& operator=(const LiveReadout&) = delete;
+
+  const std::string& name() const { return name_; }
+  const readout::ReadoutSpec& spec() const { return spec_; }
+  // The current version. Lock-free.
+  std::shared_ptr<const PublishedVersion> current() const {
+    return current_.load(std::memory_order_acquire);
+  }
+  // True when the readout has P (can learn).
+  bool adaptive() const { return adaptive_; }
+  bool frozen() const { return frozen_.load(); }
+  // Why learning is frozen when an RLS failure froze it; "" when it is not
+  // frozen or an operator froze it.
+  std::string frozen_reason() const;
+  // FailedPrecondition when unfreezing a readout without P. Resuming after
+  // an RLS failure retries the completions that were kept queued (a failure
+  // that recurs freezes it again, with its reason). Serialized with the RLS
+  // thread's own freezes: the flag in memory and in the store always end in
+  // the state of whichever happened last.
+  absl::Status SetFrozen(bool frozen);
+
+  // Records one completion durably in the feedback log (when there is a
+  // store), then queues it for the RLS thread (standardized here, off that
+  // thread). Only after this returns OK may the completion be acknowledged.
+  absl::Status Learn(const Learnable& item);
+  // Queues a record recovered from the log (already durable).
+  void Replay(const storage::LogRecord& record);
+  // Recovery, before the readout serves: replays `log` (the records after
+  // the checkpoint it was built from, in seq order) in exactly the batches
+  // recorded with the versions in `history`, publishing nothing, and resumes
+  // at the newest version so reached with that version's stored theta, so
+  // the version number names the same state as before the crash. Records
+  // never applied before the crash are queued for the RLS thread; versions
+  // published for them are numbered after `max_version`, so no number is
+  // reused. Anything it could not replay faithfully goes to `problems`.
+  void RecoverLog(std::vector<storage::LogRecord> log,
+                  const std::vector<storage::VersionEntry>& history,
+                  int64_t max_version, std::vector<std::string>* problems);
+
+  // Labels the current state (theta, P, version, quality) for rollback.
+  absl::StatusOr<storage::SnapshotInfo> Snapshot(const std::string& label);
+  absl::StatusOr<std::vector<storage::SnapshotInfo>> ListSnapshots();
+  // Restores a snapshot's theta and P exactly, drops completions not yet
+  // applied (unless learning is frozen: then they stay queued and are
+  // applied on top of the snapshot once resumed), checkpoints, and publishes
+  // it as a new version.
+  absl::StatusOr<int64_t> Rollback(const std::string& label);
+  const storage::ReadoutMeta& meta() const { return meta_; }
+  // Adds a (predicted, true) pair to the windows of `version` and overall.
+  void RecordQuality(int64_t version, double predicted_tokens,
+                     double true_tokens);
+
+  // Completions queued and not yet applied.
+  int64_t backlog() const;
+  int64_t completions_learned() const;
+  int64_t created_unix_ms() const { return created_unix_ms_; }
+  double spearman(int64_t* n) const;
+  std::vector<VersionRecord> Versions() const;
+  ReadoutMetrics& metrics() { return metrics_; }
+
+  // The full state (theta, P, standardization) as of the last applied batch.
+  readout::ReadoutState Export();
+  // Blocks until every queued completion is applied.
+  void WaitIdle();
+  // Stops the RLS thread; with `drain`, applies what is queued first.
+  void Stop(bool drain);
+
+ private:
+  struct Pending {
+    std::vector<float> u;
+    double y;
+    int64_t enqueued_ns;
+    uint64_t seq;
+  };
+  void WorkerLoop();
+  void CheckpointLoop();
+  void Enqueue(const readout::FeatureView& x, double target, uint64_t seq);
+  // Publishes theta as the next version. Caller holds state_mu_.
+  void PublishLocked(const Eigen::VectorXd& theta, int64_t learned,
+                     const std::string& cause)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_mu_);
+  // Copies the state for a checkpoint. Caller holds state_mu_.
+  storage::ReadoutCheckpoint CaptureLocked()
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_mu_);
+  absl::Status WriteCheckpoint(const storage::ReadoutCheckpoint& c);
+
+  const std::string name_;
+  const readout::ReadoutSpec spec_;
+  const readout::Standardizer standardizer_;
+  const LiveReadoutOptions options_;
+  const bool adaptive_;
+  const int64_t created_unix_ms_;
+  Metrics* const metrics_owner_;
+  ReadoutMetrics metrics_;
+  PublishHub* const hub_;
+  std::atomic<std::shared_ptr<const PublishedVersion>> current_;
+  std::atomic<bool> frozen_;
+
+  // Lock order: log_mu_, then any one of mu_, ckpt_mu_, state_mu_; then
+  // quality_mu_ (taken under state_mu_ when publishing).
+  // Queue, worker control.
+  mutable absl::Mutex mu_ ABSL_ACQUIRED_AFTER(log_mu_);
+  std::deque<Pending> queue_ ABSL_GUARDED_BY(mu_);
+  bool in_flight_ ABSL_GUARDED_BY(mu_) = false;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  bool drain_ ABSL_GUARDED_BY(mu_) = false;
+  std::string frozen_reason_ ABSL_GUARDED_BY(mu_);
+  // Orders freeze/resume by the operator with freezes by RLS failures
+  // (taken before mu_; never held while waiting for the RLS thread).
+  absl::Mutex freeze_mu_ ABSL_ACQUIRED_BEFORE(mu_);
+
+  std::atomic<int64_t> learned_;
+  std::atomic<int64_t> version_;
+
+  // Durability.
+  storage::StateStore* const store_;
+  const storage::ReadoutMeta meta_;
+  absl::Mutex log_mu_;  // orders seq assignment with the queue
+  uint64_t next_seq_ ABSL_GUARDED_BY(log_mu_);
+
+  // RLS state: the worker updates it; Export/Snapshot/Rollback read or
+  // replace it. Publishing happens under it, so versions are ordered.
+  absl::Mutex state_mu_ ABSL_ACQUIRED_AFTER(log_mu_);
+  std::optional<readout::RlsState> rls_ ABSL_GUARDED_BY(state_mu_);
+  Eigen::VectorXd theta_ ABSL_GUARDED_BY(state_mu_);
+  uint64_t applied_seq_ ABSL_GUARDED_BY(state_mu_) = 0;
+  int64_t batches_since_ckpt_ ABSL_GUARDED_BY(state_mu_) = 0;
+  int64_t last_ckpt_ns_ ABSL_GUARDED_BY(state_mu_) = 0;
+  std::map<std::string, storage::ReadoutCheckpoint> memory_snapshots_
+      ABSL_GUARDED_BY(state_mu_);
+  std::map<std::string, storage::SnapshotInfo> memory_snapshot_info_
+      ABSL_GUARDED_BY(state_mu_);
+
+  // Checkpoint hand-off (one slot: a newer capture replaces a waiting one).
+  absl::Mutex ckpt_mu_ ABSL_ACQUIRED_AFTER(log_mu_);
+  std::optional<storage::ReadoutCheckpoint> ckpt_pending_
+      ABSL_GUARDED_BY(ckpt_mu_);
+  bool ckpt_stop_ ABSL_GUARDED_BY(ckpt_mu_) = false;
+  bool ckpt_busy_ ABSL_GUARDED_BY(ckpt_mu_) = false;
+  std::thread checkpointer_;
+
+  // Versions and quality.
+  mutable absl::Mutex quality_mu_ ABSL_ACQUIRED_AFTER(state_mu_);
+  std::deque<VersionRecord> versions_ ABSL_GUARDED_BY(quality_mu_);
+  std::map<int64_t, RollingSpearman> per_version_ ABSL_GUARDED_BY(quality_mu_);
+  RollingSpearman overall_ ABSL_GUARDED_BY(quality_mu_);
+
+  std::thread worker_;
+};
+
+}  // namespace leap::sidecar
+
+#endif  // LEAP_SIDECAR_CORE_LIVE_READOUT_H_

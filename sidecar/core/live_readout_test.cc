@@ -1,0 +1,364 @@
+// Unit tests of LiveReadout, in process: RLS batches and their publishes
+// (theta against the FP64 anchored closed form), partial batches flushed
+// after their deadline, freezing, an RLS failure that stops adaptation and
+// keeps serving the last good version, rollback dropping what was queued,
+// online quality per version, and durability through a real RocksDB store
+// (checkpoints bit for bit; a completion whose log write fails is neither
+// acknowledged nor learned).
+#include "sidecar/core/live_readout.h"
+
+#include <unistd.h>
+
+#include <cmath>
+#include <filesystem>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "gtest/gtest.h"
+#include "storage/rocksdb_store.h"
+#include "tests/support/readout_fixtures.h"
+
+namespace leap::sidecar {
+namespace {
+
+constexpr int64_t kDim = 16;
+constexpr absl::Duration kDeadline = absl::Seconds(30);
+
+// Waits for publishes (events, with a deadline; no sleeps).
+class VersionWatch : public PublishListener {
+ public:
+  void OnPublish(const std::string&,
+                 const std::shared_ptr<const PublishedVersion>& v) override {
+    absl::MutexLock lock(&mu_);
+    latest_ = std::max(latest_, v->version);
+    ++count_;
+  }
+  // True once a version >= v was published (false at the deadline).
+  bool AwaitVersion(int64_t v) {
+    absl::MutexLock lock(&mu_);
+    auto reached = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return latest_ >= v; };
+    return mu_.AwaitWithTimeout(absl::Condition(&reached), kDeadline);
+  }
+  int count() {
+    absl::MutexLock lock(&mu_);
+    return count_;
+  }
+
+ private:
+  absl::Mutex mu_;
+  int64_t latest_ ABSL_GUARDED_BY(mu_) = 0;
+  int count_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+class LiveReadoutTest : public ::testing::Test {
+ protected:
+  LiveReadoutTest() : state_(testing::RandomState(kDim, 21)) {
+    hub_.Subscribe(watch_);
+  }
+  std::unique_ptr<LiveReadout> Make(LiveReadoutOptions o,
+                                    storage::StateStore* store = nullptr,
+                                    storage::ReadoutMeta meta = {}) {
+    LiveReadoutInit init;
+    init.name = "r";
+    init.state = state_;
+    init.store = store;
+    init.meta = std::move(meta);
+    return std::make_unique<LiveReadout>(std::move(init), o, &metrics_, &hub_);
+  }
+  static LiveReadoutOptions Options(int batch, absl::Duration flush = absl::Hours(1)) {
+    LiveReadoutOptions o;
+    o.rls_batch = batch;
+    o.flush_after_ns = absl::ToInt64Nanoseconds(flush);
+    return o;
+  }
+  // Learns one random completion (also into `reference` when given).
+  void Learn(LiveReadout& r, testing::ClosedForm* reference = nullptr,
+             bool nan = false) {
+    std::vector<float> x = testing::RandomFeatures(state_, rng_);
+    if (nan) x[2] = std::nanf("");
+    const double y = 5.0 + 20.0 * std::abs(std::sin(++n_));
+    ASSERT_TRUE(r.Learn({absl::StrCat("c", n_), readout::FeatureView::F32(x.data(), kDim), y})
+                    .ok());
+    if (reference != nullptr) reference->Learn(x, y);
+  }
+
+  Metrics metrics_;
+  PublishHub hub_;
+  std::shared_ptr<VersionWatch> watch_ = std::make_shared<VersionWatch>();
+  readout::ReadoutState state_;
+  std::mt19937_64 rng_{3};
+  int n_ = 0;
+};
+
+TEST_F(LiveReadoutTest, FullBatchesPublishTheClosedForm) {
+  auto r = Make(Options(3));
+  testing::ClosedForm reference(state_);
+  EXPECT_EQ(r->current()->version, 1);
+  EXPECT_EQ(r->current()->cause, "create");
+  for (int i = 0; i < 3; ++i) Learn(*r, &reference);
+  ASSERT_TRUE(watch_->AwaitVersion(2));
+  EXPECT_EQ(r->current()->completions_learned, 3);
+  EXPECT_LT(testing::RelErr(r->Export().theta, reference.Theta()), 1e-6);
+  // The next three are one batch (the flush deadline is an hour away): the
+  // next version holds all six, and there is no version of four or five.
+  for (int i = 0; i < 3; ++i) Learn(*r, &reference);
+  ASSERT_TRUE(watch_->AwaitVersion(3));
+  const auto versions = r->Versions();
+  ASSERT_EQ(versions.size(), 3u);
+  EXPECT_EQ(versions[2].completions_learned, 6);
+  EXPECT_EQ(versions[2].cause, "rls");
+  EXPECT_EQ(r->completions_learned(), 6);
+  EXPECT_LT(testing::RelErr(r->Export().theta, reference.Theta()), 1e-6);
+  // The published folded weights are those of the learned theta.
+  const Eigen::VectorXd theta = r->Export().theta;
+  std::vector<float> x = testing::RandomFeatures(state_, rng_);
+  auto score = r->current()->folded.Score(readout::FeatureView::F32(x.data(), kDim));
+  ASSERT_TRUE(score.ok());
+  std::vector<double> xd(x.begin(), x.end());
+  EXPECT_NEAR(*score, testing::ReferenceScore(state_.standardizer, theta, xd),
+              testing::ScoreTolerance(state_.standardizer, theta, xd));
+}
+
+TEST_F(LiveReadoutTest, APartialBatchIsAppliedAfterItsDeadline) {
+  auto r = Make(Options(8, absl::Milliseconds(5)));
+  testing::ClosedForm reference(state_);
+  Learn(*r, &reference);
+  ASSERT_TRUE(watch_->AwaitVersion(2));
+  EXPECT_EQ(r->completions_learned(), 1);
+  r->WaitIdle();
+  EXPECT_EQ(r->backlog(), 0);
+  EXPECT_LT(testing::RelErr(r->Export().theta, reference.Theta()), 1e-6);
+}
+
+TEST_F(LiveReadoutTest, FrozenQueuesAndResumes) {
+  auto r = Make(Options(2));
+  ASSERT_TRUE(r->SetFrozen(true).ok());
+  EXPECT_TRUE(r->frozen());
+  testing::ClosedForm reference(state_);
+  for (int i = 0; i < 4; ++i) Learn(*r, &reference);
+  r->WaitIdle();  // returns while frozen: nothing will be applied
+  EXPECT_EQ(r->backlog(), 4);
+  EXPECT_EQ(r->current()->version, 1);
+  EXPECT_EQ(r->Export().theta, state_.theta);
+  ASSERT_TRUE(r->SetFrozen(false).ok());
+  r->WaitIdle();
+  EXPECT_EQ(r->backlog(), 0);
+  EXPECT_EQ(r->current()->version, 3);
+  EXPECT_LT(testing::RelErr(r->Export().theta, reference.Theta()), 1e-6);
+}
+
+TEST_F(LiveReadoutTest, AnRlsFailureStopsAdaptingAndKeepsTheLastGoodVersion) {
+  auto r = Make(Options(1));
+  ASSERT_TRUE(r->Snapshot("before").ok());
+  const int published = watch_->count();
+  Learn(*r, nullptr, /*nan=*/true);
+  r->WaitIdle();
+  EXPECT_TRUE(r->frozen());
+  EXPECT_EQ(r->current()->version, 1);
+  EXPECT_EQ(r->Export().theta, state_.theta);
+  EXPECT_EQ(watch_->count(), published);
+  absl::Status resume = r->SetFrozen(false);
+  EXPECT_TRUE(absl::IsFailedPrecondition(resume)) << resume;
+  // Rolling back to a good state allows resuming, and learning works again.
+  auto v = r->Rollback("before");
+  ASSERT_TRUE(v.ok()) << v.status();
+  EXPECT_EQ(*v, 2);
+  ASSERT_TRUE(r->SetFrozen(false).ok());
+  testing::ClosedForm reference(state_);
+  Learn(*r, &reference);
+  ASSERT_TRUE(watch_->AwaitVersion(3));
+  EXPECT_LT(testing::RelErr(r->Export().theta, reference.Theta()), 1e-6);
+}
+
+TEST_F(LiveReadoutTest, RollbackDropsCompletionsNotYetApplied) {
+  auto r = Make(Options(2));
+  ASSERT_TRUE(r->Snapshot("s").ok());
+  ASSERT_TRUE(r->SetFrozen(true).ok());
+  for (int i = 0; i < 3; ++i) Learn(*r);
+  EXPECT_EQ(r->backlog(), 3);
+  auto v = r->Rollback("s");
+  ASSERT_TRUE(v.ok()) << v.status();
+  EXPECT_EQ(r->backlog(), 0);
+  ASSERT_TRUE(r->SetFrozen(false).ok());
+  r->WaitIdle();
+  EXPECT_EQ(r->completions_learned(), 0);
+  EXPECT_EQ(r->Export().theta, state_.theta);
+  EXPECT_EQ(r->current()->cause, "rollback:s");
+  auto list = r->ListSnapshots();
+  ASSERT_TRUE(list.ok());
+  ASSERT_EQ(list->size(), 1u);
+  EXPECT_EQ((*list)[0].label, "s");
+  EXPECT_TRUE(absl::IsInvalidArgument(r->Snapshot(std::string(129, 'x')).status()));
+}
+
+TEST_F(LiveReadoutTest, QualityIsKeptPerVersion) {
+  auto r = Make(Options(1));
+  int64_t n = 0;
+  EXPECT_TRUE(std::isnan(r->spearman(&n)));
+  EXPECT_EQ(n, 0);
+  for (int i = 1; i <= 10; ++i) r->RecordQuality(1, 10.0 * i, 7.0 * i + 1);
+  EXPECT_DOUBLE_EQ(r->spearman(&n), 1.0);
+  EXPECT_EQ(n, 10);
+  Learn(*r);
+  ASSERT_TRUE(watch_->AwaitVersion(2));
+  for (int i = 1; i <= 5; ++i) r->RecordQuality(2, 10.0 * i, 100.0 - i);
+  const auto versions = r->Versions();
+  ASSERT_EQ(versions.size(), 2u);
+  EXPECT_DOUBLE_EQ(versions[0].spearman, 1.0);
+  EXPECT_EQ(versions[0].spearman_n, 10);
+  EXPECT_DOUBLE_EQ(versions[1].spearman, -1.0);
+  EXPECT_EQ(versions[1].spearman_n, 5);
+  EXPECT_EQ(r->spearman(&n) < 1.0, true);
+  EXPECT_EQ(n, 15);
+}
+
+TEST_F(LiveReadoutTest, KeepsTheNewestVersionRecords) {
+  LiveReadoutOptions o = Options(1);
+  o.versions_kept = 3;
+  auto r = Make(o);
+  for (int i = 0; i < 5; ++i) Learn(*r);
+  ASSERT_TRUE(watch_->AwaitVersion(6));
+  const auto versions = r->Versions();
+  ASSERT_EQ(versions.size(), 3u);
+  EXPECT_EQ(versions[0].version, 4);
+  EXPECT_EQ(versions[2].version, 6);
+  EXPECT_EQ(versions[2].completions_learned, 5);
+}
+
+TEST_F(LiveReadoutTest, NonAdaptiveReadoutServesAndNeverLearns) {
+  state_ = testing::RandomState(kDim, 22, /*with_p=*/false);
+  auto r = Make(Options(1));
+  EXPECT_FALSE(r->adaptive());
+  EXPECT_TRUE(r->frozen());
+  EXPECT_TRUE(absl::IsFailedPrecondition(r->SetFrozen(false)));
+  r->WaitIdle();  // returns: nothing to apply
+  EXPECT_FALSE(r->Export().p.has_value());
+  EXPECT_EQ(r->current()->version, 1);
+}
+
+// ------------------------------------------------------------ durability
+
+// A store whose feedback log refuses every write.
+class LogFailsStore : public storage::StateStore {
+ public:
+  absl::Status CreateReadout(storage::ReadoutMeta*,
+                             const storage::ReadoutCheckpoint&) override {
+    return absl::OkStatus();
+  }
+  absl::Status DeleteReadout(const storage::ReadoutMeta&) override { return absl::OkStatus(); }
+  absl::Status SetFrozen(const storage::ReadoutMeta&, bool) override { return absl::OkStatus(); }
+  absl::Status PutRoute(const std::string&, const std::string&) override {
+    return absl::OkStatus();
+  }
+  absl::Status DeleteRoute(const std::string&) override { return absl::OkStatus(); }
+  absl::Status AppendLog(const storage::ReadoutMeta&,
+                         std::span<const storage::LogRecord>) override {
+    return absl::InternalError("disk full");
+  }
+  absl::StatusOr<bool> WasRecorded(const std::string&) override { return false; }
+  absl::Status WriteCheckpoint(const storage::ReadoutMeta&,
+                               const storage::ReadoutCheckpoint&) override {
+    return absl::OkStatus();
+  }
+  absl::Status PutVersion(const storage::ReadoutMeta&, const storage::VersionEntry&,
+                          const Eigen::VectorXd&) override {
+    return absl::OkStatus();
+  }
+  absl::Status PutSnapshot(const storage::ReadoutMeta&, const storage::SnapshotInfo&,
+                           const storage::ReadoutCheckpoint&) override {
+    return absl::OkStatus();
+  }
+  absl::StatusOr<storage::ReadoutCheckpoint> GetSnapshot(const storage::ReadoutMeta&,
+                                                         const std::string&) override {
+    return absl::NotFoundError("none");
+  }
+  absl::StatusOr<std::vector<storage::SnapshotInfo>> ListSnapshots(
+      const storage::ReadoutMeta&) override {
+    return std::vector<storage::SnapshotInfo>{};
+  }
+  absl::StatusOr<storage::RecoveredState> Load() override {
+    return storage::RecoveredState{};
+  }
+  std::map<std::string, int64_t> BytesPerFamily() override { return {}; }
+};
+
+TEST_F(LiveReadoutTest, ACompletionNotLoggedIsNeitherAcknowledgedNorLearned) {
+  LogFailsStore store;
+  auto r = Make(Options(1), &store);
+  std::vector<float> x = testing::RandomFeatures(state_, rng_);
+  absl::Status s = r->Learn({"c", readout::FeatureView::F32(x.data(), kDim), 10.0});
+  EXPECT_TRUE(absl::IsUnavailable(s)) << s;
+  EXPECT_NE(s.message().find("disk full"), std::string::npos) << s;
+  r->WaitIdle();
+  EXPECT_EQ(r->backlog(), 0);
+  EXPECT_EQ(r->completions_learned(), 0);
+  EXPECT_EQ(r->current()->version, 1);
+}
+
+TEST_F(LiveReadoutTest, CheckpointsInTheStoreHoldTheExactState) {
+  const std::string dir = absl::StrCat(::testing::TempDir(), "/live_readout_test_",
+                                       ::getpid());
+  std::filesystem::remove_all(dir);
+  auto opened = storage::OpenRocksStore(dir);
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  std::unique_ptr<storage::StateStore> store = std::move(*opened);
+  storage::ReadoutMeta meta;
+  meta.name = "r";
+  meta.spec = state_.spec;
+  meta.standardizer = state_.standardizer;
+  storage::ReadoutCheckpoint initial;
+  initial.version = 1;
+  initial.theta = state_.theta;
+  initial.p = state_.p;
+  ASSERT_TRUE(store->CreateReadout(&meta, initial).ok());
+  LiveReadoutOptions o = Options(2);
+  o.checkpoint_every_batches = 2;
+  auto r = Make(o, store.get(), meta);
+  testing::ClosedForm reference(state_);
+  for (int i = 0; i < 7; ++i) Learn(*r, &reference);
+  ASSERT_TRUE(watch_->AwaitVersion(4));  // three full batches; one waits
+  // A clean stop applies the last one and leaves a checkpoint of everything.
+  r->Stop(/*drain=*/true);
+  const readout::ReadoutState final_state = r->Export();
+  EXPECT_EQ(final_state.completions_learned, 7);
+  EXPECT_LT(testing::RelErr(final_state.theta, reference.Theta()), 1e-6);
+  r.reset();
+  auto loaded = store->Load();
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  ASSERT_EQ(loaded->readouts.size(), 1u);
+  const storage::RecoveredReadout& rec = loaded->readouts[0];
+  EXPECT_EQ(rec.checkpoint.completions_learned, 7);
+  EXPECT_EQ(rec.checkpoint.last_seq, 7u);
+  EXPECT_TRUE(rec.log.empty());
+  EXPECT_EQ(rec.checkpoint.theta, final_state.theta);
+  ASSERT_TRUE(rec.checkpoint.p.has_value());
+  for (int64_t i = 0; i <= kDim; ++i) {
+    for (int64_t j = 0; j <= kDim; ++j) {
+      ASSERT_EQ((*rec.checkpoint.p)(i, j), (*final_state.p)(i, j));
+    }
+  }
+  // Every published version is in the history.
+  EXPECT_EQ(rec.max_version, 5);
+  store.reset();
+  std::filesystem::remove_all(dir);
+}
+
+TEST(LiveReadoutOptions, Validate) {
+  LiveReadoutOptions o;
+  EXPECT_TRUE(o.Validate().ok());
+  o.rls_batch = 0;
+  EXPECT_FALSE(o.Validate().ok());
+  o = {};
+  o.flush_after_ns = 0;
+  EXPECT_FALSE(o.Validate().ok());
+  o = {};
+  o.quality_window = 1;
+  EXPECT_FALSE(o.Validate().ok());
+}
+
+}  // namespace
+}  // namespace leap::sidecar

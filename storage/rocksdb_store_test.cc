@@ -1,0 +1,355 @@
+// Unit tests of RocksStore on a real RocksDB in a temporary directory:
+// create / load round trips (theta and P bit for bit, across P chunks),
+// the feedback log after a checkpoint, dedup of recorded request ids,
+// checkpoint retention and the fallback past a corrupt newest checkpoint
+// (no feedback lost), snapshots, versions, routes, frozen flags, deletes
+// (a re-created name never sees the old records) and reopening.
+#include "storage/rocksdb_store.h"
+
+#include <unistd.h>
+
+#include <cmath>
+#include <filesystem>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+#include "tests/support/readout_fixtures.h"
+
+namespace leap::storage {
+namespace {
+
+constexpr int64_t kDim = 12;
+
+class RocksStoreTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = absl::StrCat(::testing::TempDir(), "/rocks_store_test_", ::getpid(),
+                        "_", ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    std::filesystem::remove_all(dir_);
+    state_ = testing::RandomState(kDim, 7);
+  }
+  void TearDown() override {
+    store_.reset();
+    std::filesystem::remove_all(dir_);
+  }
+  void Open(RocksStoreOptions o = {}) {
+    store_.reset();
+    auto s = OpenRocksStore(dir_, o);
+    // Nothing can go on without the store: end the test here.
+    if (!s.ok()) throw std::runtime_error(s.status().ToString());
+    store_ = std::move(*s);
+  }
+  void Close() { store_.reset(); }
+  RecoveredState Load() {
+    auto s = store_->Load();
+    EXPECT_TRUE(s.ok()) << s.status();
+    return s.ok() ? std::move(*s) : RecoveredState{};
+  }
+
+  ReadoutMeta Meta(const std::string& name) {
+    ReadoutMeta m;
+    m.name = name;
+    m.spec = state_.spec;
+    m.standardizer = state_.standardizer;
+    m.has_p = true;
+    m.created_unix_ms = 1700000000000;
+    return m;
+  }
+  // A checkpoint whose theta and P carry `tag` (so each is recognizable).
+  ReadoutCheckpoint Checkpoint(int64_t version, uint64_t last_seq, double tag) {
+    ReadoutCheckpoint c;
+    c.version = version;
+    c.completions_learned = static_cast<int64_t>(last_seq);
+    c.last_seq = last_seq;
+    c.unix_ms = 1700000000000 + version;
+    c.theta = state_.theta;
+    c.theta[0] = tag;
+    c.p = *state_.p;
+    (*c.p)(1, 1) = static_cast<float>(tag);
+    return c;
+  }
+  LogRecord Record(uint64_t seq) {
+    LogRecord r;
+    r.seq = seq;
+    r.request_id = absl::StrCat("req-", seq);
+    std::mt19937_64 rng(seq);
+    r.features = testing::Bytes(testing::RandomFeatures(state_, rng));
+    r.target = std::sqrt(static_cast<double>(seq * 10));
+    return r;
+  }
+  ReadoutMeta Create(const std::string& name, double tag = 0.25) {
+    ReadoutMeta m = Meta(name);
+    EXPECT_TRUE(store_->CreateReadout(&m, Checkpoint(1, 0, tag)).ok());
+    return m;
+  }
+
+  static void ExpectSameP(const readout::SymMatrix& a, const readout::SymMatrix& b) {
+    ASSERT_EQ(a.n(), b.n());
+    for (int64_t i = 0; i < a.n(); ++i) {
+      for (int64_t j = 0; j < a.n(); ++j) ASSERT_EQ(a(i, j), b(i, j)) << i << "," << j;
+    }
+  }
+
+  std::string dir_;
+  readout::ReadoutState state_;
+  std::unique_ptr<StateStore> store_;
+};
+
+TEST_F(RocksStoreTest, CreatedReadoutsLoadBitForBitAcrossPChunks) {
+  state_ = testing::RandomState(63, 7);
+  RocksStoreOptions o;
+  o.chunk_bytes = 4096;  // P of 64 x 64 floats in 4 chunks
+  Open(o);
+  ReadoutMeta a = Create("a", 0.5);
+  ReadoutMeta b = Create("b", 0.75);
+  EXPECT_NE(a.incarnation, 0u);
+  EXPECT_NE(a.incarnation, b.incarnation);
+  ASSERT_TRUE(store_->PutRoute("chat", R"({"route":"chat"})").ok());
+  ASSERT_TRUE(store_->PutRoute("", R"({"route":""})").ok());
+  Close();
+  Open(o);
+  RecoveredState st = Load();
+  EXPECT_TRUE(st.problems.empty());
+  ASSERT_EQ(st.readouts.size(), 2u);
+  for (const RecoveredReadout& r : st.readouts) {
+    const double tag = r.meta.name == "a" ? 0.5 : 0.75;
+    EXPECT_EQ(r.meta.incarnation, r.meta.name == "a" ? a.incarnation : b.incarnation);
+    EXPECT_EQ(r.meta.spec.dim, 63);
+    EXPECT_EQ(r.meta.spec.lambda, state_.spec.lambda);
+    EXPECT_EQ(r.meta.created_unix_ms, 1700000000000);
+    EXPECT_TRUE(r.meta.has_p);
+    EXPECT_FALSE(r.meta.frozen);
+    EXPECT_EQ(r.meta.standardizer.mean, state_.standardizer.mean);
+    EXPECT_EQ(r.meta.standardizer.scale, state_.standardizer.scale);
+    const ReadoutCheckpoint want = Checkpoint(1, 0, tag);
+    EXPECT_EQ(r.checkpoint.theta, want.theta);
+    ASSERT_TRUE(r.checkpoint.p.has_value());
+    ExpectSameP(*r.checkpoint.p, *want.p);
+    EXPECT_EQ(r.checkpoint.version, 1);
+    EXPECT_TRUE(r.log.empty());
+  }
+  EXPECT_EQ(st.routes.size(), 2u);
+  EXPECT_EQ(st.routes["chat"], R"({"route":"chat"})");
+  ASSERT_TRUE(store_->DeleteRoute("chat").ok());
+  EXPECT_EQ(Load().routes.count("chat"), 0u);
+}
+
+TEST_F(RocksStoreTest, LoadReturnsTheLogAfterTheNewestCheckpointInOrder) {
+  Open();
+  ReadoutMeta m = Create("r");
+  std::vector<LogRecord> recs;
+  for (uint64_t seq = 1; seq <= 10; ++seq) recs.push_back(Record(seq));
+  ASSERT_TRUE(store_->AppendLog(m, {recs.data(), 4}).ok());
+  ASSERT_TRUE(store_->AppendLog(m, {recs.data() + 4, 6}).ok());
+  ASSERT_TRUE(store_->WriteCheckpoint(m, Checkpoint(3, 4, 1.5)).ok());
+  Close();
+  Open();
+  RecoveredState st = Load();
+  ASSERT_EQ(st.readouts.size(), 1u);
+  const RecoveredReadout& r = st.readouts[0];
+  EXPECT_EQ(r.checkpoint.last_seq, 4u);
+  EXPECT_EQ(r.checkpoint.version, 3);
+  EXPECT_EQ(r.checkpoint.theta[0], 1.5);
+  ASSERT_EQ(r.log.size(), 6u);
+  for (size_t i = 0; i < r.log.size(); ++i) {
+    const LogRecord& want = recs[4 + i];
+    EXPECT_EQ(r.log[i].seq, want.seq);
+    EXPECT_EQ(r.log[i].request_id, want.request_id);
+    EXPECT_EQ(r.log[i].features, want.features);
+    EXPECT_EQ(r.log[i].dtype, want.dtype);
+    EXPECT_EQ(r.log[i].target, want.target);
+  }
+}
+
+TEST_F(RocksStoreTest, RecordedRequestIdsAreRememberedWithinTheWindow) {
+  Open();
+  ReadoutMeta m = Create("r");
+  std::vector<LogRecord> recs = {Record(1), Record(2)};
+  ASSERT_TRUE(store_->AppendLog(m, recs).ok());
+  EXPECT_TRUE(*store_->WasRecorded("req-1"));
+  EXPECT_TRUE(*store_->WasRecorded("req-2"));
+  EXPECT_FALSE(*store_->WasRecorded("req-3"));
+  Close();
+  Open();
+  EXPECT_TRUE(*store_->WasRecorded("req-2"));
+  // A window of 0 ms: nothing counts as recent.
+  RocksStoreOptions o;
+  o.dedup_window_ms = 0;
+  Open(o);
+  EXPECT_FALSE(*store_->WasRecorded("req-1"));
+}
+
+TEST_F(RocksStoreTest, CorruptNewestCheckpointFallsBackWithoutLosingFeedback) {
+  Open();  // checkpoints_kept = 2
+  ReadoutMeta m = Create("r");
+  std::vector<LogRecord> recs;
+  for (uint64_t seq = 1; seq <= 9; ++seq) recs.push_back(Record(seq));
+  ASSERT_TRUE(store_->AppendLog(m, {recs.data(), 3}).ok());
+  ASSERT_TRUE(store_->WriteCheckpoint(m, Checkpoint(2, 3, 2.0)).ok());
+  ASSERT_TRUE(store_->AppendLog(m, {recs.data() + 3, 3}).ok());
+  ASSERT_TRUE(store_->WriteCheckpoint(m, Checkpoint(3, 6, 3.0)).ok());
+  ASSERT_TRUE(store_->AppendLog(m, {recs.data() + 6, 3}).ok());
+  Close();
+  ASSERT_TRUE(CorruptNewestCheckpoint(dir_, "r").ok());
+  Open();
+  RecoveredState st = Load();
+  ASSERT_EQ(st.readouts.size(), 1u);
+  const RecoveredReadout& r = st.readouts[0];
+  // The older checkpoint, and the log from it: records 4..9.
+  EXPECT_EQ(r.checkpoint.version, 2);
+  EXPECT_EQ(r.checkpoint.theta[0], 2.0);
+  ASSERT_EQ(r.log.size(), 6u);
+  EXPECT_EQ(r.log.front().seq, 4u);
+  EXPECT_EQ(r.log.back().seq, 9u);
+  ASSERT_EQ(st.problems.size(), 1u);
+  EXPECT_NE(st.problems[0].find("corrupt"), std::string::npos) << st.problems[0];
+  EXPECT_NE(st.problems[0].find("'r'"), std::string::npos) << st.problems[0];
+  // The version history still knows the newer version.
+  EXPECT_GE(r.max_version, 2);
+}
+
+TEST_F(RocksStoreTest, RetentionKeepsTheNewestCheckpointsAndTheirLog) {
+  RocksStoreOptions o;
+  o.checkpoints_kept = 1;
+  Open(o);
+  ReadoutMeta m = Create("r");
+  for (uint64_t seq = 1; seq <= 6; ++seq) {
+    std::vector<LogRecord> one = {Record(seq)};
+    ASSERT_TRUE(store_->AppendLog(m, one).ok());
+    if (seq % 2 == 0) {
+      ASSERT_TRUE(store_->WriteCheckpoint(m, Checkpoint(1 + seq / 2, seq, seq)).ok());
+    }
+  }
+  RecoveredState st = Load();
+  ASSERT_EQ(st.readouts.size(), 1u);
+  EXPECT_EQ(st.readouts[0].checkpoint.last_seq, 6u);
+  EXPECT_TRUE(st.readouts[0].log.empty());
+  // With only one checkpoint kept, a corrupt one leaves nothing to load:
+  // the readout is skipped and the problem says so.
+  Close();
+  ASSERT_TRUE(CorruptNewestCheckpoint(dir_, "r").ok());
+  Open(o);
+  st = Load();
+  EXPECT_TRUE(st.readouts.empty());
+  ASSERT_EQ(st.problems.size(), 2u);
+  EXPECT_NE(st.problems[1].find("no valid checkpoint"), std::string::npos)
+      << st.problems[1];
+}
+
+TEST_F(RocksStoreTest, SnapshotsRoundTripAndReplaceTheirLabel) {
+  Open();
+  ReadoutMeta m = Create("r");
+  SnapshotInfo info{"good", 4, 30, 0.8, 1700000000123};
+  ASSERT_TRUE(store_->PutSnapshot(m, info, Checkpoint(4, 30, 4.5)).ok());
+  SnapshotInfo nan_info{"nan", 5, 31, NAN, 1700000000124};
+  ASSERT_TRUE(store_->PutSnapshot(m, nan_info, Checkpoint(5, 31, 5.5)).ok());
+  Close();
+  Open();
+  auto got = store_->GetSnapshot(m, "good");
+  ASSERT_TRUE(got.ok()) << got.status();
+  const ReadoutCheckpoint want = Checkpoint(4, 30, 4.5);
+  EXPECT_EQ(got->theta, want.theta);
+  ExpectSameP(*got->p, *want.p);
+  EXPECT_EQ(got->version, 4);
+  EXPECT_EQ(got->completions_learned, 30);
+  auto list = store_->ListSnapshots(m);
+  ASSERT_TRUE(list.ok());
+  ASSERT_EQ(list->size(), 2u);
+  for (const SnapshotInfo& s : *list) {
+    if (s.label == "good") {
+      EXPECT_EQ(s.version, 4);
+      EXPECT_EQ(s.completions_learned, 30);
+      EXPECT_DOUBLE_EQ(s.spearman, 0.8);
+      EXPECT_EQ(s.unix_ms, 1700000000123);
+    } else {
+      EXPECT_EQ(s.label, "nan");
+      EXPECT_TRUE(std::isnan(s.spearman));
+    }
+  }
+  // The same label again replaces the state.
+  ASSERT_TRUE(store_->PutSnapshot(m, info, Checkpoint(6, 40, 6.5)).ok());
+  EXPECT_EQ(store_->GetSnapshot(m, "good")->theta[0], 6.5);
+  EXPECT_EQ(store_->ListSnapshots(m)->size(), 2u);
+  absl::Status missing = store_->GetSnapshot(m, "none").status();
+  EXPECT_TRUE(absl::IsNotFound(missing)) << missing;
+}
+
+TEST_F(RocksStoreTest, VersionsAreKeptWithinTheRetention) {
+  RocksStoreOptions o;
+  o.versions_kept = 3;
+  Open(o);
+  ReadoutMeta m = Create("r");
+  for (int64_t v = 2; v <= 7; ++v) {
+    ASSERT_TRUE(store_->PutVersion(m, {v, v * 8, 1700000000000 + v, "rls"},
+                                   state_.theta).ok());
+  }
+  RecoveredState st = Load();
+  ASSERT_EQ(st.readouts.size(), 1u);
+  const RecoveredReadout& r = st.readouts[0];
+  EXPECT_EQ(r.max_version, 7);
+  ASSERT_GE(r.versions.size(), 3u);
+  EXPECT_LE(r.versions.size(), 4u);
+  EXPECT_EQ(r.versions.back().version, 7);
+  EXPECT_EQ(r.versions.back().completions_learned, 56);
+  EXPECT_EQ(r.versions.back().cause, "rls");
+  for (size_t i = 1; i < r.versions.size(); ++i) {
+    EXPECT_EQ(r.versions[i].version, r.versions[i - 1].version + 1);
+  }
+}
+
+TEST_F(RocksStoreTest, DeletedNamesComeBackWithNothingOfTheOldReadout) {
+  Open();
+  ReadoutMeta old = Create("r", 0.5);
+  std::vector<LogRecord> recs = {Record(1), Record(2)};
+  ASSERT_TRUE(store_->AppendLog(old, recs).ok());
+  ASSERT_TRUE(store_->PutSnapshot(old, {"s", 1, 0, NAN, 0}, Checkpoint(1, 0, 0.5)).ok());
+  ASSERT_TRUE(store_->SetFrozen(old, true).ok());
+  EXPECT_TRUE(Load().readouts[0].meta.frozen);
+  ASSERT_TRUE(store_->DeleteReadout(old).ok());
+  EXPECT_TRUE(Load().readouts.empty());
+  ReadoutMeta again = Create("r", 0.625);
+  EXPECT_GT(again.incarnation, old.incarnation);
+  Close();
+  Open();
+  RecoveredState st = Load();
+  ASSERT_EQ(st.readouts.size(), 1u);
+  EXPECT_EQ(st.readouts[0].meta.incarnation, again.incarnation);
+  EXPECT_FALSE(st.readouts[0].meta.frozen);
+  EXPECT_EQ(st.readouts[0].checkpoint.theta[0], 0.625);
+  EXPECT_TRUE(st.readouts[0].log.empty());
+  EXPECT_TRUE(store_->ListSnapshots(again)->empty());
+  // Incarnations are never reused, across reopening too.
+  ReadoutMeta third = Create("t");
+  EXPECT_GT(third.incarnation, again.incarnation);
+}
+
+TEST_F(RocksStoreTest, FrozenReadoutWithoutP) {
+  Open();
+  ReadoutMeta m = Meta("fixed");
+  m.has_p = false;
+  m.frozen = true;
+  ReadoutCheckpoint c = Checkpoint(1, 0, 0.5);
+  c.p.reset();
+  ASSERT_TRUE(store_->CreateReadout(&m, c).ok());
+  RecoveredState st = Load();
+  ASSERT_EQ(st.readouts.size(), 1u);
+  EXPECT_FALSE(st.readouts[0].meta.has_p);
+  EXPECT_TRUE(st.readouts[0].meta.frozen);
+  EXPECT_FALSE(st.readouts[0].checkpoint.p.has_value());
+  EXPECT_EQ(st.readouts[0].checkpoint.theta, c.theta);
+}
+
+TEST_F(RocksStoreTest, OptionsAreValidated) {
+  RocksStoreOptions o;
+  EXPECT_TRUE(o.Validate().ok());
+  o.checkpoints_kept = 0;
+  EXPECT_FALSE(o.Validate().ok());
+  EXPECT_FALSE(OpenRocksStore(dir_, o).ok());
+}
+
+}  // namespace
+}  // namespace leap::storage
