@@ -151,6 +151,33 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
                               "went away")
                         .Register(r)
                         .Add({});
+  outbox_bytes_ = &BuildGauge()
+                       .Name("leap_outbox_bytes")
+                       .Help("Bytes queued for WatchReadout and Connect "
+                             "consumers, all together")
+                       .Register(r)
+                       .Add({});
+  outbox_peak_bytes_ = &BuildGauge()
+                            .Name("leap_outbox_peak_bytes")
+                            .Help("Largest outbox of one consumer since start "
+                                  "(bounded by --outbox_bytes)")
+                            .Register(r)
+                            .Add({});
+  outbox_coalesced_ = &BuildCounter()
+                           .Name("leap_outbox_coalesced_total")
+                           .Help("Queued versions replaced by a newer one for "
+                                 "a consumer over --outbox_bytes")
+                           .Register(r)
+                           .Add({});
+  outbox_dropped_ = &BuildCounter()
+                         .Name("leap_outbox_dropped_total")
+                         .Help("Consumers dropped as too slow, by stream "
+                               "(watch, connect)")
+                         .Register(r);
+}
+
+prometheus::Counter& Metrics::OutboxDropped(const std::string& stream) {
+  return outbox_dropped_->Add({{"stream", stream}});
 }
 
 prometheus::Counter& Metrics::ShmDetached(const std::string& reason) {

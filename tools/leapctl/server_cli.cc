@@ -41,6 +41,21 @@ void ServerFlags(FlagSet& flags, ServerOptions* o) {
                "File with leapd's admin bearer token (leapd "
                "--admin_token_file), sent on every admin call; needed over "
                "TCP when leapd requires one. Default: $LEAP_ADMIN_TOKEN_FILE.");
+  for (auto [env, field] : {std::pair{"LEAP_TLS_CA", &o->tls_ca_file},
+                            {"LEAP_TLS_CERT", &o->tls_cert_file},
+                            {"LEAP_TLS_KEY", &o->tls_key_file}}) {
+    if (const char* v = std::getenv(env); v != nullptr && field->empty()) {
+      *field = v;
+    }
+  }
+  flags.String("tls-ca", &o->tls_ca_file, "PATH",
+               "PEM CA certificate that signed leapd's TLS certificate "
+               "(leapd --tls_cert): connect with TLS. Default: $LEAP_TLS_CA.");
+  flags.String("tls-cert", &o->tls_cert_file, "PATH",
+               "PEM client certificate chain for mutual TLS (leapd "
+               "--tls_client_ca); with --tls-key. Default: $LEAP_TLS_CERT.");
+  flags.String("tls-key", &o->tls_key_file, "PATH",
+               "PEM private key of --tls-cert. Default: $LEAP_TLS_KEY.");
 }
 
 // Checks the server flags; -1 to continue, else the exit code.
