@@ -24,6 +24,14 @@ absl::Status ServerOptions::Validate() const {
     return Usage(absl::StrCat("--timeout must be in (0, 86400] seconds, got ",
                               timeout_s));
   }
+  if (tls_cert_file.empty() != tls_key_file.empty()) {
+    return Usage("--tls-cert and --tls-key go together");
+  }
+  for (const std::string* f : {&tls_ca_file, &tls_cert_file, &tls_key_file}) {
+    if (!f->empty() && !ReadFileBytes(*f).ok()) {
+      return Usage(absl::StrCat("cannot read TLS file ", *f));
+    }
+  }
   return absl::OkStatus();
 }
 
@@ -31,8 +39,24 @@ std::shared_ptr<grpc::Channel> MakeChannel(const ServerOptions& options) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(INT_MAX);
   args.SetMaxSendMessageSize(INT_MAX);
-  return grpc::CreateCustomChannel(options.address,
-                                   grpc::InsecureChannelCredentials(), args);
+  std::shared_ptr<grpc::ChannelCredentials> creds =
+      grpc::InsecureChannelCredentials();
+  if (!options.tls_ca_file.empty() || !options.tls_cert_file.empty()) {
+    auto read = [](const std::string& path) {
+      absl::StatusOr<std::string> bytes = ReadFileBytes(path);
+      return bytes.ok() ? *std::move(bytes) : std::string();
+    };
+    grpc::SslCredentialsOptions ssl;
+    if (!options.tls_ca_file.empty()) {
+      ssl.pem_root_certs = read(options.tls_ca_file);
+    }
+    if (!options.tls_cert_file.empty()) {
+      ssl.pem_cert_chain = read(options.tls_cert_file);
+      ssl.pem_private_key = read(options.tls_key_file);
+    }
+    creds = grpc::SslCredentials(ssl);
+  }
+  return grpc::CreateCustomChannel(options.address, creds, args);
 }
 
 absl::Status FromGrpc(const grpc::Status& status, const std::string& address) {

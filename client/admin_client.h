@@ -33,9 +33,18 @@ struct ServerOptions {
   // a token, never over a unix socket. The command line fills it from
   // --token-file or $LEAP_ADMIN_TOKEN_FILE. Default: empty (no token sent).
   std::string token_file;
+  // TLS to a leapd with --tls_cert (TCP only): PEM file of the CA that
+  // signed leapd's certificate; for mutual TLS (leapd --tls_client_ca) also
+  // this client's certificate chain and key. The command line fills them
+  // from --tls-ca, --tls-cert, --tls-key or $LEAP_TLS_CA, $LEAP_TLS_CERT,
+  // $LEAP_TLS_KEY. All empty: plaintext.
+  std::string tls_ca_file;
+  std::string tls_cert_file;
+  std::string tls_key_file;
 
-  // InvalidArgument (a usage error) for an empty address or a timeout
-  // outside (0, 86400].
+  // InvalidArgument (a usage error) for an empty address, a timeout
+  // outside (0, 86400], a TLS file that cannot be read, or only one of
+  // tls_cert_file and tls_key_file.
   absl::Status Validate() const;
 };
 

@@ -30,7 +30,11 @@ absl::Status ClientOptions::Validate() const {
   if (max_live_requests < 1) {
     return absl::InvalidArgumentError("max_live_requests must be >= 1");
   }
-  return absl::OkStatus();
+  TransportOptions t;
+  t.tls_ca_file = tls_ca_file;
+  t.tls_cert_file = tls_cert_file;
+  t.tls_key_file = tls_key_file;
+  return ChannelCredentials(t).status();
 }
 
 absl::StatusOr<std::unique_ptr<Client>> Client::Start(ClientOptions options) {
@@ -353,7 +357,9 @@ void Client::ManagerLoop() {
     }
     absl::StatusOr<std::unique_ptr<Transport>> t =
         Dial(options_.endpoint, options_.connect_timeout,
-             TransportOptions{options_.shm_slots, options_.shm_ring_bytes});
+             TransportOptions{options_.shm_slots, options_.shm_ring_bytes,
+                              options_.tls_ca_file, options_.tls_cert_file,
+                              options_.tls_key_file});
     bool had_session = false;
     if (t.ok()) {
       uint64_t generation;

@@ -73,6 +73,12 @@ struct ClientOptions {
   // Live requests kept for resubmission; submissions beyond are refused
   // with an error event. Default: 65536
   int64_t max_live_requests = 65536;
+  // gRPC over TCP with TLS (leapd --tls_cert): PEM file of the CA that
+  // signed leapd's certificate; for mutual TLS (leapd --tls_client_ca) also
+  // this engine's certificate chain and key. All empty: plaintext.
+  std::string tls_ca_file;
+  std::string tls_cert_file;
+  std::string tls_key_file;
 
   absl::Status Validate() const;
 };

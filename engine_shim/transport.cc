@@ -1,5 +1,8 @@
 #include "engine_shim/transport.h"
 
+#include <fstream>
+#include <sstream>
+
 #include <chrono>
 
 #include <sched.h>
@@ -264,6 +267,33 @@ class ShmTransport final : public Transport {
 
 }  // namespace
 
+absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ChannelCredentials(
+    const TransportOptions& o) {
+  if (o.tls_ca_file.empty() && o.tls_cert_file.empty() &&
+      o.tls_key_file.empty()) {
+    return grpc::InsecureChannelCredentials();
+  }
+  if (o.tls_cert_file.empty() != o.tls_key_file.empty()) {
+    return absl::InvalidArgumentError(
+        "tls_cert_file and tls_key_file go together");
+  }
+  grpc::SslCredentialsOptions ssl;
+  for (auto [path, out] : {std::pair{&o.tls_ca_file, &ssl.pem_root_certs},
+                           {&o.tls_cert_file, &ssl.pem_cert_chain},
+                           {&o.tls_key_file, &ssl.pem_private_key}}) {
+    if (path->empty()) continue;
+    std::ifstream in(*path, std::ios::binary);
+    std::stringstream bytes;
+    bytes << in.rdbuf();
+    if (!in || bytes.str().empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("cannot read TLS file ", *path));
+    }
+    *out = bytes.str();
+  }
+  return grpc::SslCredentials(ssl);
+}
+
 absl::StatusOr<std::unique_ptr<Transport>> Dial(const std::string& endpoint,
                                                 absl::Duration timeout,
                                                 const TransportOptions& options) {
@@ -280,8 +310,9 @@ absl::StatusOr<std::unique_ptr<Transport>> Dial(const std::string& endpoint,
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(256 << 20);
   args.SetMaxSendMessageSize(256 << 20);
-  auto channel = grpc::CreateCustomChannel(
-      endpoint, grpc::InsecureChannelCredentials(), args);
+  auto creds = ChannelCredentials(options);
+  if (!creds.ok()) return creds.status();
+  auto channel = grpc::CreateCustomChannel(endpoint, *creds, args);
   if (!channel->WaitForConnected(std::chrono::system_clock::now() +
                                  absl::ToChronoMilliseconds(timeout))) {
     return absl::UnavailableError(

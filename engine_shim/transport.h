@@ -8,6 +8,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "grpcpp/security/credentials.h"
 #include "absl/time/time.h"
 #include "leap/v1/predictor.pb.h"
 
@@ -31,7 +32,18 @@ struct TransportOptions {
   // shm: feature slots and ring bytes asked of leapd (see ShmChannelOptions).
   uint32_t shm_slots = 1024;
   uint32_t shm_ring_bytes = 1 << 20;
+  // gRPC over TCP with TLS: PEM files of the CA that signed leapd's
+  // certificate and, for mutual TLS (leapd --tls_client_ca), this engine's
+  // certificate chain and key. All empty: plaintext.
+  std::string tls_ca_file;
+  std::string tls_cert_file;
+  std::string tls_key_file;
 };
+
+// Channel credentials for `o`'s TLS files (plaintext when none is set);
+// InvalidArgument naming a file that cannot be read.
+absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ChannelCredentials(
+    const TransportOptions& o);
 
 // Opens a connection to `endpoint`, waiting at most `timeout` for it:
 // "shm:///path" attaches to leapd's shared-memory socket at /path (on the

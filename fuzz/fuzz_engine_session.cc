@@ -1,5 +1,5 @@
 // Fuzz target: what leapd does with the EngineMessages of a Connect stream
-// (sidecar/service/engine_session.h), on an in-process Core with two small
+// (sidecar/core/engine_messages.h), on an in-process Core with two small
 // readouts (d = 4, M = 1024) and routes with a shadow arm and a split.
 //
 // The input is a sequence of serialized leap.v1.EngineMessage, each
@@ -23,8 +23,8 @@
 #include "fuzz/fuzz_common.h"
 #include "google/protobuf/io/coded_stream.h"
 #include "leap/v1/predictor.pb.h"
-#include "sidecar/service/core.h"
-#include "sidecar/service/engine_session.h"
+#include "sidecar/core/core.h"
+#include "sidecar/core/engine_messages.h"
 
 namespace {
 

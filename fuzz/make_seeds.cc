@@ -214,6 +214,13 @@ void ShmSeeds() {
   Write("shm", "ring_hostile_tail", ring(4, hostile));
 }
 
+// "r<i>" (appended, not "r" + to_string: GCC 12's -Wrestrict misfires there).
+std::string Id(int i) {
+  std::string id = "r";
+  id += std::to_string(i);
+  return id;
+}
+
 std::string Stream(const std::vector<pb::EngineMessage>& msgs) {
   std::string out;
   for (const auto& m : msgs) {
@@ -229,8 +236,10 @@ std::string Stream(const std::vector<pb::EngineMessage>& msgs) {
   return out;
 }
 
-pb::EngineMessage Hello(pb::FeatureDType dtype, int64_t dim) {
+pb::EngineMessage Hello(pb::FeatureDType dtype, int64_t dim,
+                        const std::string& instance = "") {
   pb::EngineMessage m;
+  m.mutable_hello()->set_instance_id(instance);
   m.set_seq(1);
   m.mutable_hello()->set_dim(dim);
   m.mutable_hello()->set_dtype(dtype);
@@ -244,7 +253,7 @@ pb::EngineMessage Features(uint64_t seq, int n, size_t bytes,
   m.set_seq(seq);
   for (int i = 0; i < n; ++i) {
     auto* r = m.mutable_features()->add_records();
-    r->set_request_id("r" + std::to_string(i));
+    r->set_request_id(Id(i));
     r->set_product_line(product_line);
     std::string f(bytes, '\0');
     for (size_t k = 0; k < bytes; ++k) f[k] = static_cast<char>(k % 4 == 3 ? 0x3f : 0);
@@ -259,7 +268,7 @@ pb::EngineMessage Completions(uint64_t seq, int n, pb::FinishReason reason) {
   m.set_seq(seq);
   for (int i = 0; i < n; ++i) {
     auto* c = m.mutable_completions()->add_completions();
-    c->set_request_id("r" + std::to_string(i));
+    c->set_request_id(Id(i));
     c->set_output_tokens(50 + 100 * i);
     c->set_reason(reason);
   }
@@ -269,7 +278,7 @@ pb::EngineMessage Completions(uint64_t seq, int n, pb::FinishReason reason) {
 pb::EngineMessage Cancels(uint64_t seq, int n) {
   pb::EngineMessage m;
   m.set_seq(seq);
-  for (int i = 0; i < n; ++i) m.mutable_cancels()->add_request_ids("r" + std::to_string(i));
+  for (int i = 0; i < n; ++i) m.mutable_cancels()->add_request_ids(Id(i));
   return m;
 }
 
@@ -290,6 +299,10 @@ void EngineSeeds() {
         Stream({Hello(pb::FEATURE_DTYPE_FLOAT32, 4),
                 Hello(pb::FEATURE_DTYPE_FLOAT32, 4), empty,
                 Completions(10, 1, pb::FINISH_REASON_UNSPECIFIED)}));
+  Write("engine_session", "instance_predict_complete",
+        Stream({Hello(pb::FEATURE_DTYPE_FLOAT32, 4, "engine-a"),
+                Features(2, 2, 16, "pl"), Completions(3, 2, pb::FINISH_REASON_STOP),
+                Completions(4, 2, pb::FINISH_REASON_STOP)}));
   Write("engine_session", "dim_mismatch",
         Stream({Hello(pb::FEATURE_DTYPE_FLOAT32, 8), Features(2, 1, 32, "")}));
 }
@@ -302,6 +315,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   out_dir = argv[1];
+  fs::create_directories(out_dir);
   NpySeeds();
   ArtifactSeeds();
   ShmSeeds();

@@ -7,7 +7,9 @@
 #include <cmath>
 #include <cstring>
 #include <fstream>
+#include <limits>
 #include <sstream>
+#include <type_traits>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -50,6 +52,38 @@ struct ArrayRef {
   int64_t count;
   const void* data;
 };
+
+// `key` of `j` as the integer type T. nlohmann's get<T>() converts a float
+// (1e300) with undefined behaviour and wraps an out-of-range integer: both
+// are refused here as a header field error.
+template <typename T>
+T IntField(const nlohmann::json& j, const char* key) {
+  const nlohmann::json& v = j.at(key);
+  constexpr T lo = std::numeric_limits<T>::min();
+  constexpr T hi = std::numeric_limits<T>::max();
+  bool ok = false;
+  if (v.is_number_unsigned()) {
+    ok = v.get<uint64_t>() <= static_cast<uint64_t>(hi);
+  } else if (v.is_number_integer()) {
+    const int64_t x = v.get<int64_t>();
+    ok = std::is_signed_v<T> ? x >= static_cast<int64_t>(lo) &&
+                                   x <= static_cast<int64_t>(hi)
+                             : x >= 0 && static_cast<uint64_t>(x) <=
+                                             static_cast<uint64_t>(hi);
+  }
+  if (!ok) {
+    throw nlohmann::json::type_error::create(
+        302, absl::StrCat("'", key, "' must be an integer in [", lo, ", ", hi,
+                          "], got ", v.dump()),
+        &v);
+  }
+  return v.get<T>();
+}
+// The same, `dflt` when `key` is absent.
+template <typename T>
+T IntField(const nlohmann::json& j, const char* key, T dflt) {
+  return j.contains(key) ? IntField<T>(j, key) : dflt;
+}
 
 absl::Status Err(absl::string_view source, absl::string_view what) {
   return absl::InvalidArgumentError(
@@ -195,26 +229,33 @@ absl::StatusOr<ReadoutState> ParseArtifact(absl::string_view b,
   }
   ReadoutState s;
   try {
-    s.spec.dim = h.at("dim").get<int64_t>();
-    s.spec.layer = h.at("layer").get<int32_t>();
+    s.spec.dim = IntField<int64_t>(h, "dim");
+    s.spec.layer = IntField<int32_t>(h, "layer");
     s.spec.model_id = h.at("model_id").get<std::string>();
-    s.spec.max_tokens = h.at("max_tokens").get<int64_t>();
+    s.spec.max_tokens = IntField<int64_t>(h, "max_tokens");
     s.spec.lambda = h.at("lambda").get<double>();
-    s.version = h.value("version", int64_t{0});
-    s.completions_learned = h.value("completions_learned", int64_t{0});
-    s.train_rows = h.value("train_rows", int64_t{0});
+    s.version = IntField(h, "version", int64_t{0});
+    s.completions_learned = IntField(h, "completions_learned", int64_t{0});
+    s.train_rows = IntField(h, "train_rows", int64_t{0});
     s.note = h.value("note", std::string());
-    s.created_unix_ms = h.value("created_unix_ms", int64_t{0});
+    s.created_unix_ms = IntField(h, "created_unix_ms", int64_t{0});
     RETURN_IF_ERROR(s.spec.Validate());
     const int64_t d = s.spec.dim;
     const int64_t n = d + 1;
     // Find the trailer by the declared size of the arrays.
     size_t end_of_arrays = 0;
     for (const auto& a : h.at("arrays")) {
+      const uint64_t off = IntField<uint64_t>(a, "offset");
+      const uint64_t bytes = IntField<uint64_t>(a, "bytes");
+      if (off > b.size() || bytes > b.size() - off) {  // no overflow below
+        return Err(src, absl::StrCat("array '", a.at("name").get<std::string>(),
+                                     "' (offset ", off, ", ", bytes,
+                                     " bytes) runs past the end of the ",
+                                     b.size(), "-byte file (truncated or "
+                                     "corrupted)"));
+      }
       end_of_arrays = std::max<size_t>(
-          end_of_arrays,
-          (a.at("offset").get<size_t>() + a.at("bytes").get<size_t>() +
-           kAlign - 1) / kAlign * kAlign);
+          end_of_arrays, (off + bytes + kAlign - 1) / kAlign * kAlign);
     }
     const uint64_t expected_total = end_of_arrays + kTrailerBytes;
     if (b.size() < expected_total) {
@@ -238,16 +279,16 @@ absl::StatusOr<ReadoutState> ParseArtifact(absl::string_view b,
     for (const auto& a : h.at("arrays")) {
       const std::string name = a.at("name").get<std::string>();
       const std::string dtype = a.at("dtype").get<std::string>();
-      const int64_t count = a.at("count").get<int64_t>();
-      const size_t off = a.at("offset").get<size_t>();
-      const size_t bytes = a.at("bytes").get<size_t>();
+      const int64_t count = IntField<int64_t>(a, "count");
+      const size_t off = IntField<uint64_t>(a, "offset");
+      const size_t bytes = IntField<uint64_t>(a, "bytes");
       const size_t esize = dtype == "f64" ? 8 : dtype == "f32" ? 4 : 0;
       if (esize == 0 || count < 0 || bytes != count * esize ||
           off + bytes > t || off < 20 + size_t{hlen}) {
         return Err(src, absl::StrCat("array '", name, "' has a bad entry"));
       }
       const void* p = b.data() + off;
-      if (Crc32c(p, bytes) != a.at("crc32c").get<uint32_t>()) {
+      if (Crc32c(p, bytes) != IntField<uint32_t>(a, "crc32c")) {
         return Err(src, absl::StrCat("array '", name,
                                      "' failed its CRC-32C check (corrupted)"));
       }

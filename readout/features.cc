@@ -42,12 +42,4 @@ absl::Status ValidateFeatures(const FeatureView& x, int64_t expected_dim) {
   return absl::OkStatus();
 }
 
-void ToFloat(const FeatureView& x, float* out) {
-  if (x.dtype == DType::kFloat32 && x.stride == 1) {
-    std::memcpy(out, x.data, static_cast<size_t>(x.dim) * sizeof(float));
-    return;
-  }
-  for (int64_t i = 0; i < x.dim; ++i) out[i] = x.At(i);
-}
-
 }  // namespace leap::readout

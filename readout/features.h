@@ -43,9 +43,6 @@ struct FeatureView {
 // prediction path gets the same check for free from the dot product.
 absl::Status ValidateFeatures(const FeatureView& x, int64_t expected_dim);
 
-// Converts `x` to float into out[0..dim).
-void ToFloat(const FeatureView& x, float* out);
-
 }  // namespace leap::readout
 
 #endif  // LEAP_READOUT_FEATURES_H_

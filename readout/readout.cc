@@ -92,29 +92,6 @@ FoldedReadout FoldedReadout::Fold(const Standardizer& standardizer,
   return FoldedReadout(std::move(w), static_cast<double>(b), max_tokens);
 }
 
-absl::StatusOr<FoldedReadout> FoldedReadout::FromFolded(std::vector<float> w,
-                                                        double b,
-                                                        int64_t max_tokens) {
-  if (static_cast<int64_t>(w.size()) < kMinDim ||
-      static_cast<int64_t>(w.size()) > kMaxDim) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("folded weights must have [", kMinDim, ", ", kMaxDim,
-                     "] entries, got ", w.size()));
-  }
-  for (size_t i = 0; i < w.size(); ++i) {
-    if (!std::isfinite(w[i])) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("folded weight ", i, " is not finite"));
-    }
-  }
-  if (!std::isfinite(b)) return absl::InvalidArgumentError("bias not finite");
-  if (max_tokens < 1 || max_tokens > kMaxReportedTokens) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("max_tokens out of range: ", max_tokens));
-  }
-  return FoldedReadout(std::move(w), b, max_tokens);
-}
-
 absl::StatusOr<double> FoldedReadout::Score(const FeatureView& x) const {
   if (x.dim != dim()) {
     return absl::InvalidArgumentError(absl::StrCat(

@@ -61,10 +61,6 @@ class FoldedReadout {
   // Folds theta (dim + 1, bias last) with the standardization.
   static FoldedReadout Fold(const Standardizer& standardizer,
                             const Eigen::VectorXd& theta, int64_t max_tokens);
-  // Builds from already folded weights (e.g. received over the wire).
-  static absl::StatusOr<FoldedReadout> FromFolded(std::vector<float> w,
-                                                  double b,
-                                                  int64_t max_tokens);
 
   // score = w . x + b (unclipped). InvalidArgument when the width differs or
   // an element is NaN/Inf (checked for free: any non-finite element makes

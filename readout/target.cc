@@ -4,18 +4,6 @@
 
 namespace leap::readout {
 
-absl::string_view FeedbackActionName(FeedbackAction action) {
-  switch (action) {
-    case FeedbackAction::kLearn:
-      return "learn";
-    case FeedbackAction::kSkipCancelled:
-      return "skip_cancelled";
-    case FeedbackAction::kSkipCensored:
-      return "skip_censored";
-  }
-  return "unknown";
-}
-
 absl::StatusOr<FeedbackAction> ClassifyFeedback(int64_t output_tokens,
                                                 FinishReason reason,
                                                 int64_t request_max_tokens,

@@ -48,8 +48,6 @@ enum class FeedbackAction : uint8_t {
   kSkipCensored = 3,   // stopped by a per-request cap below M: length >= cap
 };
 
-absl::string_view FeedbackActionName(FeedbackAction action);
-
 // The feedback rule (docs/MATH.md). `output_tokens` is the number generated;
 // `request_max_tokens` is the request's own cap (0 = none, i.e. M applies);
 // `max_tokens` is the readout's M. Natural stops are learned. A length stop

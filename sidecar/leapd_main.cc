@@ -1,14 +1,20 @@
 // leapd: the LEAP sidecar daemon. Serves predictions, learns from
 // completions with RLS, pushes new readout versions to engines.
 // See `leapd --help` and the README.
+#include <grp.h>
 #include <malloc.h>
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cerrno>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <memory>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -16,6 +22,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
@@ -24,6 +31,9 @@
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
+#include "grpcpp/security/server_credentials.h"
+#include "grpcpp/security/tls_certificate_provider.h"
+#include "grpcpp/security/tls_credentials_options.h"
 #include "prometheus/exposer.h"
 #include "readout/artifact.h"
 #include "sidecar/grpc/admin_auth.h"
@@ -86,11 +96,41 @@ ABSL_FLAG(absl::Duration, feature_cache_ttl, absl::Minutes(30),
           "Live requests older than this are evicted.");
 ABSL_FLAG(int64_t, quality_window, 1000,
           "Completions in each rolling Spearman window.");
+ABSL_FLAG(std::optional<double>, guardrail_floor, std::nullopt,
+          "Quality guardrail: while a readout learns, when the rolling "
+          "Spearman of its predicted vs. true lengths (over its latest "
+          "--quality_window completions, judged once it holds "
+          "--guardrail_min_samples) falls below this value in [-1, 1], "
+          "leapd freezes its learning (persisted, with the reason) and "
+          "applies --guardrail_action. Unset: no floor.");
+ABSL_FLAG(std::optional<double>, guardrail_margin, std::nullopt,
+          "Quality guardrail: trip also when that Spearman is more than this "
+          "(in (0, 2]) below the one recorded with the last good snapshot "
+          "(the newest snapshot whose recorded Spearman covered at least "
+          "--guardrail_min_samples completions and met the floor). Unset: no "
+          "margin check. With neither floor nor margin the guardrail is off.");
+ABSL_FLAG(int64_t, guardrail_min_samples, 500,
+          "Quality guardrail: completions the window must hold before it is "
+          "judged (and that a snapshot's recorded Spearman must cover to "
+          "count as good); in [2, --quality_window].");
+ABSL_FLAG(std::string, guardrail_action, "freeze",
+          "Quality guardrail: what a trip does: 'freeze' (learning frozen "
+          "until 'leapctl resume') or 'rollback' (frozen, and the readout "
+          "rolled back to the last good snapshot, published as a new "
+          "version; frozen only when there is none).");
 ABSL_FLAG(int64_t, max_batch_bytes, int64_t{64} << 20,
           "Largest feature payload of one message; larger ones get "
           "RESOURCE_EXHAUSTED without ending the stream.");
 ABSL_FLAG(int64_t, max_message_bytes, int64_t{512} << 20,
           "gRPC transport limit on one message (admin artifacts included).");
+ABSL_FLAG(int64_t, outbox_bytes, int64_t{64} << 20,
+          "Bytes queued for one consumer (a WatchReadout or Connect stream) "
+          "that does not read fast enough. Over it, queued versions are "
+          "first coalesced to the newest (a WatchReadout keeps only the "
+          "newest version, a Connect stream only the newest publish notice "
+          "per readout; rescores always carry the newest version); if still "
+          "over, the consumer is dropped with RESOURCE_EXHAUSTED \"consumer "
+          "too slow: N bytes queued\". Others never wait on it.");
 ABSL_FLAG(absl::Duration, drain_timeout, absl::Seconds(5),
           "On SIGTERM/SIGINT: time given to calls in flight to finish. Open "
           "Connect streams (idle or not) are ended at once with a "
@@ -103,6 +143,19 @@ ABSL_FLAG(std::string, admin_token_file, "",
           "surrounding whitespace is ignored. Admin calls over a unix socket "
           "are trusted; Predictor, health and reflection are not affected. "
           "Empty: no token is required.");
+ABSL_FLAG(std::string, tls_cert, "",
+          "PEM certificate chain of this server. With --tls_key, every TCP "
+          "--listen serves TLS only (plaintext clients are refused); unix "
+          "sockets stay plaintext. The files are re-read every "
+          "--tls_reload_interval: new connections use the new certificate.");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert.");
+ABSL_FLAG(std::string, tls_client_ca, "",
+          "PEM CA bundle for mutual TLS: with it, TCP clients must present a "
+          "certificate signed by one of these CAs (others are refused in the "
+          "handshake). Re-read like --tls_cert. Needs --tls_cert.");
+ABSL_FLAG(absl::Duration, tls_reload_interval, absl::Seconds(60),
+          "How often the --tls_cert, --tls_key and --tls_client_ca files are "
+          "checked for changes (whole seconds, at least 1 s).");
 
 ABSL_FLAG(std::string, shm, "",
           "Serve the shared-memory data plane on this attach socket path "
@@ -117,6 +170,11 @@ ABSL_FLAG(absl::Duration, shm_spin, absl::Microseconds(50),
           "load for more CPU).");
 ABSL_FLAG(int32_t, shm_max_slots, 65536,
           "Largest feature-slot count one engine may ask for.");
+ABSL_FLAG(std::string, shm_group, "",
+          "Group (name or numeric gid) given the --shm attach socket and "
+          "every segment, both mode 0660: only its members (and leapd's "
+          "user) may attach. leapd must be a member of it (or root). Empty: "
+          "leapd's own group, socket 0660, segments 0600.");
 ABSL_FLAG(int32_t, shm_max_engines, 64,
           "Engines attached over shm at once.");
 
@@ -178,6 +236,73 @@ int Fail(const std::string& msg) {
   return 1;
 }
 
+// A readable PEM file (checked at start; later changes are picked up by the
+// certificate watcher).
+absl::Status CheckPemFile(const std::string& flag, const std::string& path) {
+  std::FILE* f = std::fopen(path.c_str(), "rb");
+  if (f == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--", flag, "=", path, ": cannot read: ", std::strerror(errno)));
+  }
+  char buf[4096];
+  const size_t n = std::fread(buf, 1, sizeof(buf), f);
+  std::fclose(f);
+  if (std::string(buf, n).find("-----BEGIN ") == std::string::npos) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--", flag, "=", path, ": not a PEM file"));
+  }
+  return absl::OkStatus();
+}
+
+// Credentials of the TCP listeners: TLS (mutual with --tls_client_ca) from
+// files a watcher re-reads, else plaintext; with an admin token, the
+// processor that checks it before a call's body is read.
+absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> TcpCredentials(
+    std::shared_ptr<leap::sidecar::AdminAuthProcessor> processor) {
+  const std::string cert = absl::GetFlag(FLAGS_tls_cert);
+  const std::string key = absl::GetFlag(FLAGS_tls_key);
+  const std::string ca = absl::GetFlag(FLAGS_tls_client_ca);
+  if (cert.empty() != key.empty()) {
+    return absl::InvalidArgumentError("--tls_cert and --tls_key go together");
+  }
+  if (cert.empty()) {
+    if (!ca.empty()) {
+      return absl::InvalidArgumentError("--tls_client_ca needs --tls_cert");
+    }
+    if (processor != nullptr) {
+      return leap::sidecar::InsecureServerCredentialsWithAuth(processor);
+    }
+    return grpc::InsecureServerCredentials();
+  }
+  for (const auto& [flag, path] :
+       {std::pair<std::string, std::string>{"tls_cert", cert},
+        {"tls_key", key}, {"tls_client_ca", ca}}) {
+    if (path.empty()) continue;
+    if (absl::Status s = CheckPemFile(flag, path); !s.ok()) return s;
+  }
+  const int64_t interval = std::max<int64_t>(
+      1, absl::ToInt64Seconds(absl::GetFlag(FLAGS_tls_reload_interval)));
+  auto provider =
+      std::make_shared<grpc::experimental::FileWatcherCertificateProvider>(
+          key, cert, ca, static_cast<unsigned int>(interval));
+  grpc::experimental::TlsServerCredentialsOptions o(provider);
+  o.watch_identity_key_cert_pairs();
+  if (!ca.empty()) {
+    o.watch_root_certs();
+    o.set_cert_request_type(
+        GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
+  } else {
+    o.set_cert_request_type(GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
+  }
+  std::shared_ptr<grpc::ServerCredentials> creds =
+      grpc::experimental::TlsServerCredentials(o);
+  if (creds == nullptr) {
+    return absl::InvalidArgumentError("cannot make TLS server credentials");
+  }
+  if (processor != nullptr) creds->SetAuthMetadataProcessor(processor);
+  return creds;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -223,11 +348,41 @@ int main(int argc, char** argv) {
   options.readout.checkpoint_every_ns =
       absl::ToInt64Nanoseconds(absl::GetFlag(FLAGS_checkpoint_every));
   options.readout.versions_kept = absl::GetFlag(FLAGS_versions_kept);
+  options.readout.guardrail.floor =
+      absl::GetFlag(FLAGS_guardrail_floor).value_or(NAN);
+  options.readout.guardrail.margin =
+      absl::GetFlag(FLAGS_guardrail_margin).value_or(NAN);
+  options.readout.guardrail.min_samples =
+      absl::GetFlag(FLAGS_guardrail_min_samples);
+  {
+    absl::StatusOr<leap::sidecar::GuardrailAction> action =
+        leap::sidecar::ParseGuardrailAction(
+            absl::GetFlag(FLAGS_guardrail_action));
+    if (!action.ok()) return Fail(std::string(action.status().message()));
+    options.readout.guardrail.action = *action;
+  }
   if (absl::Status s = options.Validate(); !s.ok()) {
     return Fail(std::string(s.message()));
   }
-  // The admin token first: a bad token file fails before any state is
-  // opened.
+  // The shm group and the admin token first: bad ones fail before any
+  // state is opened.
+  int64_t shm_gid = -1;
+  if (const std::string g = absl::GetFlag(FLAGS_shm_group); !g.empty()) {
+    if (int64_t n = -1; absl::SimpleAtoi(g, &n) && n >= 0) {
+      shm_gid = n;
+    } else {
+      std::vector<char> buf(16384);
+      group gr{};
+      group* found = nullptr;
+      if (getgrnam_r(g.c_str(), &gr, buf.data(), buf.size(), &found) == 0 &&
+          found != nullptr) {
+        shm_gid = found->gr_gid;
+      }
+    }
+    if (shm_gid < 0) {
+      return Fail(absl::StrCat("--shm_group=", g, ": no such group"));
+    }
+  }
   leap::sidecar::AdminAuth auth;
   if (!absl::GetFlag(FLAGS_admin_token_file).empty()) {
     auto token = leap::sidecar::ReadAdminTokenFile(
@@ -287,7 +442,11 @@ int main(int argc, char** argv) {
   }
 
   const std::string sidecar_id = RandomId();
-  leap::sidecar::PredictorService predictor(&core, sidecar_id);
+  if (absl::GetFlag(FLAGS_outbox_bytes) < 1) {
+    return Fail("--outbox_bytes must be >= 1");
+  }
+  leap::sidecar::PredictorService predictor(&core, sidecar_id,
+                                            absl::GetFlag(FLAGS_outbox_bytes));
   leap::sidecar::AdminService admin(&core, auth);
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -296,10 +455,22 @@ int main(int argc, char** argv) {
       static_cast<int>(absl::GetFlag(FLAGS_max_message_bytes)));
   builder.SetMaxSendMessageSize(
       static_cast<int>(absl::GetFlag(FLAGS_max_message_bytes)));
+  std::shared_ptr<leap::sidecar::AdminAuthProcessor> processor;
+  if (auth.enabled()) {
+    processor = std::make_shared<leap::sidecar::AdminAuthProcessor>(
+        auth, [&metrics] {
+          metrics.RequestErrors("UNAUTHENTICATED").Increment();
+        });
+  }
+  auto tcp_creds = TcpCredentials(processor);
+  if (!tcp_creds.ok()) return Fail(std::string(tcp_creds.status().message()));
   std::vector<int> ports(listens.size(), 0);
   for (size_t i = 0; i < listens.size(); ++i) {
-    builder.AddListeningPort(listens[i], grpc::InsecureServerCredentials(),
-                             &ports[i]);
+    const bool unix_socket = listens[i].rfind("unix", 0) == 0;
+    builder.AddListeningPort(
+        listens[i],
+        unix_socket ? grpc::InsecureServerCredentials() : *tcp_creds,
+        &ports[i]);
   }
   builder.RegisterService(&predictor);
   builder.RegisterService(&admin);
@@ -324,6 +495,7 @@ int main(int argc, char** argv) {
     so.spin = absl::GetFlag(FLAGS_shm_spin);
     so.max_slots = static_cast<uint32_t>(std::max(1, absl::GetFlag(FLAGS_shm_max_slots)));
     so.max_engines = absl::GetFlag(FLAGS_shm_max_engines);
+    so.group = shm_gid;
     auto started = leap::sidecar::ShmServer::Start(&core, sidecar_id, so);
     if (!started.ok()) return Fail(std::string(started.status().message()));
     shm_server = *std::move(started);

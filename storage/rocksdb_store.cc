@@ -471,6 +471,7 @@ class RocksStore final : public StateStore {
     AddState(b, h_[kSnapshots], base, state,
              {{"label", info.label},
               {"spearman", std::isfinite(info.spearman) ? json(info.spearman) : json()},
+              {"spearman_n", info.spearman_n},
               {"taken_unix_ms", info.unix_ms}});
     return WriteBulk(b, kSnapshots);
   }
@@ -501,6 +502,7 @@ class RocksStore final : public StateStore {
       s.version = m.value("version", int64_t{0});
       s.completions_learned = m.value("learned", int64_t{0});
       s.spearman = m["spearman"].is_number() ? m["spearman"].get<double>() : NAN;
+      s.spearman_n = m.value("spearman_n", int64_t{0});
       s.unix_ms = m.value("taken_unix_ms", int64_t{0});
       out.push_back(std::move(s));
     }

@@ -76,7 +76,7 @@ class RocksStoreTest : public ::testing::Test {
     LogRecord r;
     r.seq = seq;
     r.request_id = absl::StrCat("req-", seq);
-    r.dedup_keys = {r.request_id};
+    r.dedup_keys = {absl::StrCat("key-", seq, "-a"), absl::StrCat("key-", seq, "-b")};
     std::mt19937_64 rng(seq);
     r.features = testing::Bytes(testing::RandomFeatures(state_, rng));
     r.target = std::sqrt(static_cast<double>(seq * 10));
@@ -166,22 +166,25 @@ TEST_F(RocksStoreTest, LoadReturnsTheLogAfterTheNewestCheckpointInOrder) {
   }
 }
 
-TEST_F(RocksStoreTest, RecordedRequestIdsAreRememberedWithinTheWindow) {
+TEST_F(RocksStoreTest, DedupKeysAreRememberedWithinTheWindow) {
   Open();
   ReadoutMeta m = Create("r");
   std::vector<LogRecord> recs = {Record(1), Record(2)};
   ASSERT_TRUE(store_->AppendLog(m, recs).ok());
-  EXPECT_TRUE(*store_->WasRecorded("req-1"));
-  EXPECT_TRUE(*store_->WasRecorded("req-2"));
-  EXPECT_FALSE(*store_->WasRecorded("req-3"));
+  EXPECT_TRUE(*store_->WasRecorded("key-1-a"));
+  EXPECT_TRUE(*store_->WasRecorded("key-1-b"));
+  EXPECT_TRUE(*store_->WasRecorded("key-2-a"));
+  EXPECT_FALSE(*store_->WasRecorded("key-3-a"));
+  // The keys are what counts, not the request id.
+  EXPECT_FALSE(*store_->WasRecorded("req-1"));
   Close();
   Open();
-  EXPECT_TRUE(*store_->WasRecorded("req-2"));
+  EXPECT_TRUE(*store_->WasRecorded("key-2-b"));
   // A window of 0 ms: nothing counts as recent.
   RocksStoreOptions o;
   o.dedup_window_ms = 0;
   Open(o);
-  EXPECT_FALSE(*store_->WasRecorded("req-1"));
+  EXPECT_FALSE(*store_->WasRecorded("key-1-a"));
 }
 
 TEST_F(RocksStoreTest, CorruptNewestCheckpointFallsBackWithoutLosingFeedback) {
@@ -285,9 +288,15 @@ TEST_F(RocksStoreTest, VersionsAreKeptWithinTheRetention) {
   Open(o);
   ReadoutMeta m = Create("r");
   for (int64_t v = 2; v <= 7; ++v) {
-    ASSERT_TRUE(store_->PutVersion(m, {v, v * 8, 1700000000000 + v, "rls"},
-                                   state_.theta).ok());
+    VersionEntry e{v, v * 8, 1700000000000 + v, "rls"};
+    e.has_last_seq = v % 2 == 0;
+    e.last_seq = static_cast<uint64_t>(v * 8);
+    Eigen::VectorXd theta = state_.theta;
+    theta[1] = static_cast<double>(v);
+    ASSERT_TRUE(store_->PutVersion(m, e, theta).ok());
   }
+  Close();
+  Open(o);
   RecoveredState st = Load();
   ASSERT_EQ(st.readouts.size(), 1u);
   const RecoveredReadout& r = st.readouts[0];
@@ -300,6 +309,20 @@ TEST_F(RocksStoreTest, VersionsAreKeptWithinTheRetention) {
   for (size_t i = 1; i < r.versions.size(); ++i) {
     EXPECT_EQ(r.versions[i].version, r.versions[i - 1].version + 1);
   }
+  for (const VersionEntry& e : r.versions) {
+    EXPECT_EQ(e.has_last_seq, e.version % 2 == 0) << e.version;
+    if (e.has_last_seq) {
+      EXPECT_EQ(e.last_seq, static_cast<uint64_t>(e.version * 8));
+    }
+  }
+  // Each kept version's theta, exactly; a pruned one is NOT_FOUND.
+  auto theta = store_->GetVersionTheta(m, 6);
+  ASSERT_TRUE(theta.ok()) << theta.status();
+  Eigen::VectorXd want = state_.theta;
+  want[1] = 6.0;
+  EXPECT_EQ(*theta, want);
+  EXPECT_TRUE(absl::IsNotFound(store_->GetVersionTheta(m, 2).status()));
+  EXPECT_TRUE(absl::IsNotFound(store_->GetVersionTheta(m, 99).status()));
 }
 
 TEST_F(RocksStoreTest, DeletedNamesComeBackWithNothingOfTheOldReadout) {
@@ -308,8 +331,14 @@ TEST_F(RocksStoreTest, DeletedNamesComeBackWithNothingOfTheOldReadout) {
   std::vector<LogRecord> recs = {Record(1), Record(2)};
   ASSERT_TRUE(store_->AppendLog(old, recs).ok());
   ASSERT_TRUE(store_->PutSnapshot(old, {"s", 1, 0, NAN, 0}, Checkpoint(1, 0, 0.5)).ok());
-  ASSERT_TRUE(store_->SetFrozen(old, true).ok());
+  ASSERT_TRUE(store_->SetFrozen(old, true, "rls: P lost definiteness").ok());
   EXPECT_TRUE(Load().readouts[0].meta.frozen);
+  EXPECT_EQ(Load().readouts[0].meta.frozen_reason, "rls: P lost definiteness");
+  // Resumed: the reason goes with the flag.
+  ASSERT_TRUE(store_->SetFrozen(old, false).ok());
+  EXPECT_FALSE(Load().readouts[0].meta.frozen);
+  EXPECT_EQ(Load().readouts[0].meta.frozen_reason, "");
+  ASSERT_TRUE(store_->SetFrozen(old, true).ok());
   ASSERT_TRUE(store_->DeleteReadout(old).ok());
   EXPECT_TRUE(Load().readouts.empty());
   ReadoutMeta again = Create("r", 0.625);

@@ -87,6 +87,7 @@ struct SnapshotInfo {
   int64_t completions_learned = 0;
   double spearman = 0;  // rolling Spearman when taken (NaN if unknown)
   int64_t unix_ms = 0;
+  int64_t spearman_n = 0;  // completions the Spearman covered (0 if unknown)
 };
 
 // What recovery found for one readout.

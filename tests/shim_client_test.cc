@@ -98,9 +98,10 @@ TEST_P(ShimClient, PredictsLearnsRescoresAndSurvivesSidecarRestart) {
   o.engine_id = "test";
   o.min_backoff = absl::Milliseconds(20);
   o.max_backoff = absl::Milliseconds(200);
+  // Before the client: its threads call back into `col` until it is destroyed.
+  Collector col;
   auto client = shim::Client::Start(o);
   ASSERT_TRUE(client.ok()) << client.status();
-  Collector col;
   (*client)->SetCallback([&col](const Event& e) { col.Add(e); });
   ASSERT_TRUE((*client)->WaitConnected(absl::Seconds(10)));
 

@@ -662,6 +662,7 @@ TEST_F(CoreTest, RecoversEveryAcknowledgedCompletionFromTheStore) {
   auto dup = core_->Complete(learned_ids[5], 123, FinishReason::kStop);
   ASSERT_TRUE(dup.ok()) << dup.status();
   EXPECT_TRUE(dup->duplicate);
+  EXPECT_EQ(dup->duplicate_reason, "resent_not_live");
   core_->WaitIdle();
   EXPECT_EQ(ro->completions_learned(), 37);
   core_.reset();

@@ -21,6 +21,7 @@ std::shared_ptr<LiveRequest> Request(const std::string& id,
                                      size_t feature_bytes = 64) {
   auto r = std::make_shared<LiveRequest>();
   r->request_id = id;
+  r->key = id;  // an engine without an instance id: keyed by the id
   r->product_line = "pl";
   r->dim = static_cast<int64_t>(feature_bytes / 4);
   r->features.assign(feature_bytes, 'x');
@@ -153,6 +154,27 @@ TEST(FeatureCache, AnExpiredIdIsNoLongerLive) {
   EXPECT_EQ(cache.Find("id"), again);
   EXPECT_EQ(cache.evicted_ttl(), 1);
   EXPECT_EQ(cache.size(), 1);
+}
+
+TEST(FeatureCache, OneIdOfTwoEngineInstancesIsTwoEntries) {
+  FeatureCache cache(Options());
+  auto mine = Request("id"), theirs = Request("id");
+  mine->key = LiveRequestKey("engine-a", "id");
+  theirs->key = LiveRequestKey("engine-b", "id");
+  ASSERT_TRUE(cache.Insert(mine, 1).ok());
+  ASSERT_TRUE(cache.Insert(theirs, 2).ok());
+  auto shared = Request("id");  // no instance: the id itself
+  ASSERT_TRUE(cache.Insert(shared, 3).ok());
+  EXPECT_EQ(cache.size(), 3);
+  EXPECT_EQ(cache.Find(LiveRequestKey("engine-a", "id")), mine);
+  EXPECT_EQ(cache.Find(LiveRequestKey("engine-b", "id")), theirs);
+  EXPECT_EQ(cache.Find(LiveRequestKey("", "id")), shared);
+  auto dup = Request("id");
+  dup->key = LiveRequestKey("engine-a", "id");
+  EXPECT_TRUE(absl::IsAlreadyExists(cache.Insert(dup, 4)));
+  ASSERT_TRUE(cache.Take(LiveRequestKey("engine-b", "id")).ok());
+  EXPECT_FALSE(mine->gone.load());
+  EXPECT_TRUE(theirs->gone.load());
 }
 
 TEST(FeatureCache, TakeIfTakesOnlyTheExpectedObject) {

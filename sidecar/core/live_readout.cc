@@ -58,7 +58,7 @@ absl::Status LiveReadoutOptions::Validate() const {
   if (quality_window < 2) {
     return absl::InvalidArgumentError("quality_window must be >= 2");
   }
-  return absl::OkStatus();
+  return guardrail.Validate(quality_window);
 }
 
 LiveReadout::LiveReadout(LiveReadoutInit init, LiveReadoutOptions options,
@@ -119,6 +119,19 @@ LiveReadout::LiveReadout(LiveReadoutInit init, LiveReadoutOptions options,
   metrics_.version->Set(static_cast<double>(version_.load()));
   metrics_.frozen->Set(frozen_.load() ? 1 : 0);
   metrics_.spearman->Set(NAN);
+  if (options_.guardrail.enabled() && adaptive_) {
+    guardrail_ = std::make_unique<ReadoutGuardrail>(
+        options_.guardrail, options_.quality_window,
+        ReadoutGuardrail::Series{metrics_.guardrail_state,
+                                 metrics_.guardrail_trips_freeze,
+                                 metrics_.guardrail_trips_rollback},
+        frozen_.load() && frozen_reason_.rfind("guardrail:", 0) == 0);
+    if (absl::StatusOr<std::vector<storage::SnapshotInfo>> snaps =
+            ListSnapshots();
+        snaps.ok()) {
+      guardrail_->OnSnapshots(*snaps);
+    }
+  }
   if (adaptive_) worker_ = std::thread([this] { WorkerLoop(); });
   if (store_ != nullptr && adaptive_) {
     checkpointer_ = std::thread([this] { CheckpointLoop(); });
@@ -135,7 +148,7 @@ std::string LiveReadout::frozen_reason() const {
   return frozen_.load() ? frozen_reason_ : std::string();
 }
 
-absl::Status LiveReadout::SetFrozen(bool frozen) {
+absl::Status LiveReadout::SetFrozen(bool frozen, const std::string& reason) {
   if (!frozen && !adaptive_) {
     return absl::FailedPreconditionError(absl::StrCat(
         "readout '", name_,
@@ -144,14 +157,15 @@ absl::Status LiveReadout::SetFrozen(bool frozen) {
   {
     absl::MutexLock order(&freeze_mu_);
     if (store_ != nullptr) {
-      absl::Status s = store_->SetFrozen(meta_, frozen);
+      absl::Status s = store_->SetFrozen(meta_, frozen, reason);
       if (!s.ok()) return s;
     }
     absl::MutexLock lock(&mu_);
     frozen_.store(frozen);
-    frozen_reason_.clear();
+    frozen_reason_ = frozen ? reason : "";
     metrics_.frozen->Set(frozen ? 1 : 0);
   }
+  if (!frozen && guardrail_ != nullptr) guardrail_->Rearm();
   absl::MutexLock lock(&mu_);
   if (frozen) {
     // Immediate: once this returns no batch is applied (and no version
@@ -218,7 +232,7 @@ void LiveReadout::RecoverLog(std::vector<storage::LogRecord> log,
   auto problem = [&](std::string text) {
     problems->push_back(absl::StrCat("readout '", name_, "': ", text));
   };
-  if (rls_.has_value()) {
+  if (adaptive_) {  // rls_ is set exactly when adaptive_ (read under state_mu_)
     absl::MutexLock lock(&state_mu_);
     const int64_t start = current()->version;
     const storage::VersionEntry* reached = nullptr;
@@ -330,18 +344,29 @@ void LiveReadout::RecoverLog(std::vector<storage::LogRecord> log,
 
 void LiveReadout::RecordQuality(int64_t version, double predicted_tokens,
                                 double true_tokens) {
-  absl::MutexLock lock(&quality_mu_);
-  auto it = per_version_.find(version);
-  if (it == per_version_.end()) {
-    it = per_version_.emplace(version, RollingSpearman(options_.quality_window))
-             .first;
-    while (per_version_.size() > kVersionWindows) {
-      per_version_.erase(per_version_.begin());
+  {
+    absl::MutexLock lock(&quality_mu_);
+    auto it = per_version_.find(version);
+    if (it == per_version_.end()) {
+      it = per_version_.emplace(version, RollingSpearman(options_.quality_window))
+               .first;
+      while (per_version_.size() > kVersionWindows) {
+        per_version_.erase(per_version_.begin());
+      }
     }
+    it->second.Add(predicted_tokens, true_tokens);
+    overall_.Add(predicted_tokens, true_tokens);
+    metrics_.spearman->Set(overall_.Value());
   }
-  it->second.Add(predicted_tokens, true_tokens);
-  overall_.Add(predicted_tokens, true_tokens);
-  metrics_.spearman->Set(overall_.Value());
+  // Judged only while learning: its actions stop and undo learning.
+  if (guardrail_ != nullptr && !frozen_.load()) {
+    guardrail_->Observe(*this, predicted_tokens, true_tokens);
+  }
+}
+
+GuardrailStatus LiveReadout::guardrail() const {
+  if (guardrail_ == nullptr) return GuardrailStatus{};
+  return guardrail_->Status(frozen_.load());
 }
 
 int64_t LiveReadout::backlog() const {
@@ -438,6 +463,20 @@ void LiveReadout::CheckpointLoop() {
 
 absl::StatusOr<storage::SnapshotInfo> LiveReadout::Snapshot(
     const std::string& label) {
+  absl::StatusOr<storage::SnapshotInfo> info = TakeSnapshot(label);
+  if (info.ok() && guardrail_ != nullptr) {
+    // Labels may be replaced: the last good one is recomputed from all.
+    if (absl::StatusOr<std::vector<storage::SnapshotInfo>> snaps =
+            ListSnapshots();
+        snaps.ok()) {
+      guardrail_->OnSnapshots(*snaps);
+    }
+  }
+  return info;
+}
+
+absl::StatusOr<storage::SnapshotInfo> LiveReadout::TakeSnapshot(
+    const std::string& label) {
   if (label.empty() || label.size() > 128 ||
       label.find('\0') != std::string::npos) {
     return absl::InvalidArgumentError("snapshot label must be 1-128 bytes, no NUL");
@@ -446,6 +485,7 @@ absl::StatusOr<storage::SnapshotInfo> LiveReadout::Snapshot(
   info.label = label;
   int64_t n = 0;
   info.spearman = spearman(&n);
+  info.spearman_n = n;
   info.unix_ms = UnixMs();
   absl::MutexLock lock(&state_mu_);
   storage::ReadoutCheckpoint c;
@@ -545,6 +585,8 @@ absl::StatusOr<int64_t> LiveReadout::Rollback(const std::string& label) {
           "undo it): ", written.message()));
     }
   }
+  // An operator's rollback while learning replaces the judged state.
+  if (guardrail_ != nullptr && !frozen_.load()) guardrail_->Rearm();
   if (dropped > 0) {
     std::fprintf(stderr,
                  "leapd: readout '%s': rollback to '%s' dropped %lld completions "

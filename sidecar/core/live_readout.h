@@ -20,6 +20,7 @@
 #include "readout/artifact.h"
 #include "readout/readout.h"
 #include "readout/rls.h"
+#include "sidecar/core/guardrail.h"
 #include "sidecar/core/metrics.h"
 #include "sidecar/core/quality.h"
 #include "storage/state_store.h"
@@ -74,6 +75,8 @@ struct LiveReadoutOptions {
   // Default: 256 batches, 60 s
   int64_t checkpoint_every_batches = 256;
   int64_t checkpoint_every_ns = int64_t{60} * 1'000'000'000;
+  // The online-quality guardrail (off unless a floor or margin is set).
+  GuardrailOptions guardrail;
 
   absl::Status Validate() const;
 };
@@ -139,15 +142,19 @@ class LiveReadout {
   // True when the readout has P (can learn).
   bool adaptive() const { return adaptive_; }
   bool frozen() const { return frozen_.load(); }
-  // Why learning is frozen when an RLS failure froze it; "" when it is not
-  // frozen or an operator froze it.
+  // Why learning is frozen when leapd froze it (an RLS failure, the quality
+  // guardrail); "" when it is not frozen or an operator froze it.
   std::string frozen_reason() const;
   // FailedPrecondition when unfreezing a readout without P. Resuming after
   // an RLS failure retries the completions that were kept queued (a failure
   // that recurs freezes it again, with its reason). Serialized with the RLS
   // thread's own freezes: the flag in memory and in the store always end in
   // the state of whichever happened last.
-  absl::Status SetFrozen(bool frozen);
+  absl::Status SetFrozen(bool frozen) { return SetFrozen(frozen, ""); }
+  // The same, recording (and persisting) why it is frozen.
+  absl::Status SetFrozen(bool frozen, const std::string& reason);
+  // The guardrail's state ("off" when not configured).
+  GuardrailStatus guardrail() const;
 
   // Records one completion durably in the feedback log (when there is a
   // store), then queues it for the RLS thread (standardized here, off that
@@ -203,6 +210,7 @@ class LiveReadout {
     uint64_t seq;
   };
   void WorkerLoop();
+  absl::StatusOr<storage::SnapshotInfo> TakeSnapshot(const std::string& label);
   void CheckpointLoop();
   void Enqueue(const readout::FeatureView& x, double target, uint64_t seq);
   // Publishes theta as the next version. Caller holds state_mu_.
@@ -274,6 +282,9 @@ class LiveReadout {
   std::deque<VersionRecord> versions_ ABSL_GUARDED_BY(quality_mu_);
   std::map<int64_t, RollingSpearman> per_version_ ABSL_GUARDED_BY(quality_mu_);
   RollingSpearman overall_ ABSL_GUARDED_BY(quality_mu_);
+
+  // Null unless configured and the readout can learn.
+  std::unique_ptr<ReadoutGuardrail> guardrail_;
 
   std::thread worker_;
 };

@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
@@ -195,15 +196,14 @@ TEST_F(LiveReadoutTest, AnRlsFailureFreezesWithItsReasonAndKeepsTheCompletions) 
 }
 
 TEST_F(LiveReadoutTest, RollbackDropsCompletionsNotYetApplied) {
-  auto r = Make(Options(2));
+  auto r = Make(Options(8));  // a partial batch waits (an hour)
   ASSERT_TRUE(r->Snapshot("s").ok());
-  ASSERT_TRUE(r->SetFrozen(true).ok());
   for (int i = 0; i < 3; ++i) Learn(*r);
   EXPECT_EQ(r->backlog(), 3);
   auto v = r->Rollback("s");
   ASSERT_TRUE(v.ok()) << v.status();
+  EXPECT_EQ(*v, 2);
   EXPECT_EQ(r->backlog(), 0);
-  ASSERT_TRUE(r->SetFrozen(false).ok());
   r->WaitIdle();
   EXPECT_EQ(r->completions_learned(), 0);
   EXPECT_EQ(r->Export().theta, state_.theta);
@@ -213,6 +213,24 @@ TEST_F(LiveReadoutTest, RollbackDropsCompletionsNotYetApplied) {
   ASSERT_EQ(list->size(), 1u);
   EXPECT_EQ((*list)[0].label, "s");
   EXPECT_TRUE(absl::IsInvalidArgument(r->Snapshot(std::string(129, 'x')).status()));
+  EXPECT_TRUE(absl::IsNotFound(r->Rollback("none").status()));
+}
+
+TEST_F(LiveReadoutTest, RollbackWhileFrozenKeepsTheQueueForAfterResuming) {
+  auto r = Make(Options(2));
+  testing::ClosedForm reference(state_);
+  for (int i = 0; i < 2; ++i) Learn(*r, &reference);
+  ASSERT_TRUE(watch_->AwaitVersion(2));
+  ASSERT_TRUE(r->Snapshot("s").ok());
+  ASSERT_TRUE(r->SetFrozen(true).ok());
+  for (int i = 0; i < 2; ++i) Learn(*r, &reference);
+  ASSERT_TRUE(r->Rollback("s").ok());
+  EXPECT_EQ(r->backlog(), 2);
+  ASSERT_TRUE(r->SetFrozen(false).ok());
+  r->WaitIdle();
+  // Applied on top of the snapshot, which here is the state they followed.
+  EXPECT_EQ(r->completions_learned(), 4);
+  EXPECT_LT(testing::RelErr(r->Export().theta, reference.Theta()), 1e-6);
 }
 
 TEST_F(LiveReadoutTest, QualityIsKeptPerVersion) {
@@ -369,6 +387,42 @@ TEST_F(LiveReadoutTest, CheckpointsInTheStoreHoldTheExactState) {
   }
   // Every published version is in the history.
   EXPECT_EQ(rec.max_version, 5);
+  store.reset();
+  std::filesystem::remove_all(dir);
+}
+
+TEST_F(LiveReadoutTest, AnRlsFailureFreezeIsDurable) {
+  const std::string dir = absl::StrCat(::testing::TempDir(), "/live_readout_freeze_",
+                                       ::getpid());
+  std::filesystem::remove_all(dir);
+  auto opened = storage::OpenRocksStore(dir);
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  std::unique_ptr<storage::StateStore> store = std::move(*opened);
+  // An indefinite P: the first update is rejected and freezes learning.
+  state_.p = readout::SymMatrix::ScaledIdentity(kDim + 1, -1.0f);
+  storage::ReadoutMeta meta;
+  meta.name = "r";
+  meta.spec = state_.spec;
+  meta.standardizer = state_.standardizer;
+  storage::ReadoutCheckpoint initial;
+  initial.version = 1;
+  initial.theta = state_.theta;
+  initial.p = state_.p;
+  ASSERT_TRUE(store->CreateReadout(&meta, initial).ok());
+  auto r = Make(Options(1), store.get(), meta);
+  Learn(*r);
+  r->WaitIdle();
+  ASSERT_TRUE(r->frozen());
+  EXPECT_FALSE(r->frozen_reason().empty());
+  const std::string reason = r->frozen_reason();
+  r.reset();
+  auto loaded = store->Load();
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  ASSERT_EQ(loaded->readouts.size(), 1u);
+  EXPECT_TRUE(loaded->readouts[0].meta.frozen);
+  EXPECT_EQ(loaded->readouts[0].meta.frozen_reason, reason);
+  // The completion is still in the log (acknowledged, never lost).
+  EXPECT_EQ(loaded->readouts[0].log.size(), 1u);
   store.reset();
   std::filesystem::remove_all(dir);
 }

@@ -75,6 +75,16 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
                  .Name("leap_readout_frozen")
                  .Help("1 while adaptation of the readout is frozen")
                  .Register(r);
+  guardrail_state_ = &BuildGauge()
+                         .Name("leap_guardrail_state")
+                         .Help("1 while the quality guardrail holds the "
+                               "readout's learning frozen (until resumed)")
+                         .Register(r);
+  guardrail_trips_ = &BuildCounter()
+                          .Name("leap_guardrail_trips_total")
+                          .Help("Quality guardrail trips by the action taken "
+                                "(freeze, rollback)")
+                          .Register(r);
   arm_spearman_ = &BuildGauge()
                        .Name("leap_arm_spearman")
                        .Help("Rolling Spearman per product line and A/B arm "
@@ -141,6 +151,33 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
                               "went away")
                         .Register(r)
                         .Add({});
+  outbox_bytes_ = &BuildGauge()
+                       .Name("leap_outbox_bytes")
+                       .Help("Bytes queued for WatchReadout and Connect "
+                             "consumers, all together")
+                       .Register(r)
+                       .Add({});
+  outbox_peak_bytes_ = &BuildGauge()
+                            .Name("leap_outbox_peak_bytes")
+                            .Help("Largest outbox of one consumer since start "
+                                  "(bounded by --outbox_bytes)")
+                            .Register(r)
+                            .Add({});
+  outbox_coalesced_ = &BuildCounter()
+                           .Name("leap_outbox_coalesced_total")
+                           .Help("Queued versions replaced by a newer one for "
+                                 "a consumer over --outbox_bytes")
+                           .Register(r)
+                           .Add({});
+  outbox_dropped_ = &BuildCounter()
+                         .Name("leap_outbox_dropped_total")
+                         .Help("Consumers dropped as too slow, by stream "
+                               "(watch, connect)")
+                         .Register(r);
+}
+
+prometheus::Counter& Metrics::OutboxDropped(const std::string& stream) {
+  return outbox_dropped_->Add({{"stream", stream}});
 }
 
 prometheus::Counter& Metrics::ShmDetached(const std::string& reason) {
@@ -178,6 +215,11 @@ ReadoutMetrics Metrics::ForReadout(const std::string& name) {
                                               1.0, 2.5});
   m.checkpoint_bytes = &checkpoint_bytes_->Add({{"readout", name}});
   m.checkpoint_errors = &checkpoint_errors_->Add({{"readout", name}});
+  m.guardrail_state = &guardrail_state_->Add({{"readout", name}});
+  m.guardrail_trips_freeze =
+      &guardrail_trips_->Add({{"readout", name}, {"action", "freeze"}});
+  m.guardrail_trips_rollback =
+      &guardrail_trips_->Add({{"readout", name}, {"action", "rollback"}});
   return m;
 }
 
@@ -201,6 +243,9 @@ void Metrics::RemoveReadout(const std::string& name, const ReadoutMetrics& m) {
   checkpoint_seconds_->Remove(m.checkpoint_seconds);
   checkpoint_bytes_->Remove(m.checkpoint_bytes);
   checkpoint_errors_->Remove(m.checkpoint_errors);
+  guardrail_state_->Remove(m.guardrail_state);
+  guardrail_trips_->Remove(m.guardrail_trips_freeze);
+  guardrail_trips_->Remove(m.guardrail_trips_rollback);
 }
 
 prometheus::Gauge& Metrics::StorageBytes(const std::string& family) {

@@ -37,6 +37,9 @@ struct ReadoutMetrics {
   prometheus::Histogram* checkpoint_seconds;
   prometheus::Gauge* checkpoint_bytes;
   prometheus::Counter* checkpoint_errors;
+  prometheus::Gauge* guardrail_state;
+  prometheus::Counter* guardrail_trips_freeze;
+  prometheus::Counter* guardrail_trips_rollback;
 };
 
 // Thread-safe: any thread (gRPC handlers, shm loop, RLS workers) may call
@@ -80,6 +83,15 @@ class Metrics {
   prometheus::Counter& shm_refused() { return *shm_refused_; }
   prometheus::Counter& ShmDetached(const std::string& reason);
   prometheus::Counter& shm_reclaimed() { return *shm_reclaimed_; }
+  // Per-consumer outboxes (WatchReadout and Connect streams, leapd
+  // --outbox_bytes): bytes queued over all consumers, the largest one
+  // consumer's outbox has held since start, queued versions replaced by a
+  // newer one (coalesced), consumers dropped as too slow by stream kind
+  // ("watch", "connect").
+  prometheus::Gauge& outbox_bytes() { return *outbox_bytes_; }
+  prometheus::Gauge& outbox_peak_bytes() { return *outbox_peak_bytes_; }
+  prometheus::Counter& outbox_coalesced() { return *outbox_coalesced_; }
+  prometheus::Counter& OutboxDropped(const std::string& stream);
 
  private:
   std::shared_ptr<prometheus::Registry> registry_;
@@ -103,6 +115,8 @@ class Metrics {
   prometheus::Family<prometheus::Gauge>* checkpoint_bytes_;
   prometheus::Family<prometheus::Counter>* checkpoint_errors_;
   prometheus::Family<prometheus::Gauge>* storage_bytes_;
+  prometheus::Family<prometheus::Gauge>* guardrail_state_;
+  prometheus::Family<prometheus::Counter>* guardrail_trips_;
   prometheus::Histogram* prediction_latency_;
   prometheus::Gauge* cache_bytes_;
   prometheus::Gauge* cache_entries_;
@@ -113,6 +127,10 @@ class Metrics {
   prometheus::Counter* shm_refused_;
   prometheus::Family<prometheus::Counter>* shm_detached_;
   prometheus::Counter* shm_reclaimed_;
+  prometheus::Gauge* outbox_bytes_;
+  prometheus::Gauge* outbox_peak_bytes_;
+  prometheus::Counter* outbox_coalesced_;
+  prometheus::Family<prometheus::Counter>* outbox_dropped_;
 };
 
 }  // namespace leap::sidecar

@@ -5,6 +5,9 @@
 #include <cstring>
 
 #include "absl/strings/ascii.h"
+#include "grpc/grpc.h"
+#include "grpc/grpc_security.h"
+#include "grpc/slice.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 
@@ -117,6 +120,75 @@ grpc::Status AdminAuth::Check(const grpc::ServerContext& ctx) const {
   if (s.ok()) return grpc::Status::OK;
   return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
                       std::string(s.message()));
+}
+
+grpc::Status AdminAuthProcessor::Process(const InputMetadata& auth_metadata,
+                                         grpc::AuthContext*, OutputMetadata*,
+                                         OutputMetadata*) {
+  auto path = auth_metadata.find(":path");
+  if (path == auth_metadata.end() ||
+      !absl::StartsWith(absl::string_view(path->second.data(),
+                                          path->second.size()),
+                        "/leap.v1.Admin/")) {
+    return grpc::Status::OK;
+  }
+  absl::Status s = auth_.Check("", auth_metadata);
+  if (s.ok()) return grpc::Status::OK;
+  if (on_refused_) on_refused_();
+  return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
+                      std::string(s.message()));
+}
+
+namespace {
+
+// gRPC's C processor interface over an AdminAuthProcessor (the C++
+// InsecureServerCredentials cannot carry one).
+void ProcessC(void* state, grpc_auth_context*, const grpc_metadata* md,
+              size_t num_md, grpc_process_auth_metadata_done_cb cb,
+              void* user_data) {
+  auto* p = static_cast<AdminAuthProcessor*>(state);
+  grpc::AuthMetadataProcessor::InputMetadata in;
+  for (size_t i = 0; i < num_md; ++i) {
+    in.emplace(
+        grpc::string_ref(
+            reinterpret_cast<const char*>(GRPC_SLICE_START_PTR(md[i].key)),
+            GRPC_SLICE_LENGTH(md[i].key)),
+        grpc::string_ref(
+            reinterpret_cast<const char*>(GRPC_SLICE_START_PTR(md[i].value)),
+            GRPC_SLICE_LENGTH(md[i].value)));
+  }
+  grpc::AuthMetadataProcessor::OutputMetadata unused;
+  grpc::Status s = p->Process(in, nullptr, &unused, &unused);
+  cb(user_data, nullptr, 0, nullptr, 0,
+     static_cast<grpc_status_code>(s.error_code()),
+     s.ok() ? nullptr : s.error_message().c_str());
+}
+
+class InsecureWithAuth final : public grpc::ServerCredentials {
+ public:
+  explicit InsecureWithAuth(std::shared_ptr<AdminAuthProcessor> p)
+      : processor_(std::move(p)) {}
+  void SetAuthMetadataProcessor(
+      const std::shared_ptr<grpc::AuthMetadataProcessor>&) override {}
+
+ private:
+  int AddPortToServer(const std::string& addr, grpc_server* server) override {
+    grpc_server_credentials* c = grpc_insecure_server_credentials_create();
+    grpc_server_credentials_set_auth_metadata_processor(
+        c, grpc_auth_metadata_processor{ProcessC, nullptr, processor_.get()});
+    const int port = grpc_server_add_http2_port(server, addr.c_str(), c);
+    grpc_server_credentials_release(c);
+    return port;
+  }
+
+  const std::shared_ptr<AdminAuthProcessor> processor_;
+};
+
+}  // namespace
+
+std::shared_ptr<grpc::ServerCredentials> InsecureServerCredentialsWithAuth(
+    std::shared_ptr<AdminAuthProcessor> processor) {
+  return std::make_shared<InsecureWithAuth>(std::move(processor));
 }
 
 }  // namespace leap::sidecar

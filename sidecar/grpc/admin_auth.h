@@ -7,12 +7,16 @@
 #ifndef LEAP_SIDECAR_GRPC_ADMIN_AUTH_H_
 #define LEAP_SIDECAR_GRPC_ADMIN_AUTH_H_
 
+#include <functional>
 #include <map>
+#include <memory>
 #include <string>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "grpcpp/security/auth_metadata_processor.h"
+#include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server_context.h"
 #include "grpcpp/support/string_ref.h"
 
@@ -55,6 +59,32 @@ class AdminAuth {
  private:
   std::string token_;
 };
+
+// The admin check run by gRPC on a call's initial metadata, before the
+// call is dispatched and before its request body is read: a leap.v1.Admin
+// call without the token is refused with UNAUTHENTICATED however large its
+// message, and nothing of the message is buffered. Other services pass.
+// Installed on TCP listeners only (unix sockets are trusted).
+class AdminAuthProcessor final : public grpc::AuthMetadataProcessor {
+ public:
+  // `on_refused` runs for every refused call (metrics).
+  AdminAuthProcessor(AdminAuth auth, std::function<void()> on_refused)
+      : auth_(std::move(auth)), on_refused_(std::move(on_refused)) {}
+
+  bool IsBlocking() const override { return false; }
+  grpc::Status Process(const InputMetadata& auth_metadata,
+                       grpc::AuthContext* context,
+                       OutputMetadata* consumed_auth_metadata,
+                       OutputMetadata* response_metadata) override;
+
+ private:
+  const AdminAuth auth_;
+  const std::function<void()> on_refused_;
+};
+
+// Plaintext server credentials (TCP) that run `processor` on every call.
+std::shared_ptr<grpc::ServerCredentials> InsecureServerCredentialsWithAuth(
+    std::shared_ptr<AdminAuthProcessor> processor);
 
 }  // namespace leap::sidecar
 

@@ -2,7 +2,9 @@
 
 #include "sidecar/core/engine_messages.h"
 
+#include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <deque>
 #include <thread>
 #include <unordered_map>
@@ -45,33 +47,71 @@ void FillVersion(const VersionRecord& v, pb::VersionInfo* out) {
   out->set_spearman_n(v.spearman_n);
 }
 
+void FillGuardrail(const GuardrailStatus& g, pb::GuardrailStats* out) {
+  out->set_state(g.state);
+  out->set_spearman(g.spearman);
+  out->set_spearman_n(g.spearman_n);
+  out->set_trips(g.trips);
+  out->set_last_trip(g.last_trip);
+  out->set_last_trip_unix_ms(g.last_trip_unix_ms);
+  if (g.last_good.has_value()) {
+    out->set_last_good_label(g.last_good->label);
+    out->set_last_good_spearman(g.last_good->spearman);
+    out->set_last_good_spearman_n(g.last_good->spearman_n);
+  }
+}
+
+std::string TooSlow(int64_t queued, int64_t bound) {
+  return absl::StrCat("consumer too slow: ", queued,
+                      " bytes queued (leapd --outbox_bytes=", bound,
+                      "; queued versions were coalesced to the newest first)");
+}
+
 // One engine's Connect stream. The handler thread reads and answers; a
 // writer thread owns every Write (answers, publish notices, rescores), so a
-// publish never waits on a slow engine and answers keep their order.
+// publish never waits on a slow engine and answers keep their order. The
+// outbox is bounded by OutboxLimits: publish notices coalesce per readout,
+// answers cannot, so an engine that stops reading while it keeps sending is
+// dropped.
 class ConnectSession final : public PublishListener, public LiveTracker {
  public:
   ConnectSession(uint64_t id,
                  grpc::ServerReaderWriter<pb::SidecarMessage,
-                                          pb::EngineMessage>* stream)
-      : id_(id), stream_(stream) {}
+                                          pb::EngineMessage>* stream,
+                 OutboxLimits* limits)
+      : id_(id), stream_(stream), limits_(limits) {}
+
+  ~ConnectSession() override {
+    absl::MutexLock lock(&mu_);
+    SetBytes(0, 0);
+  }
 
   uint64_t id() const { return id_; }
 
   void OnPublish(const std::string& readout,
                  const std::shared_ptr<const PublishedVersion>& v) override {
     absl::MutexLock lock(&mu_);
-    if (closed_) return;
+    if (closed_ || dropped_ > 0) return;
     pb::SidecarMessage m;
     m.mutable_published()->set_readout(readout);
     m.mutable_published()->set_version(v->version);
-    outbox_.push_back(std::move(m));
+    PushLocked(std::move(m));
     auto& slot = rescore_[readout];
     if (slot == nullptr || slot->version < v->version) slot = v;
   }
 
-  void Send(pb::SidecarMessage m) {
+  // Queues an answer; false when the session was dropped as too slow.
+  bool Send(pb::SidecarMessage m) {
     absl::MutexLock lock(&mu_);
-    outbox_.push_back(std::move(m));
+    if (dropped_ > 0) return false;
+    PushLocked(std::move(m));
+    return dropped_ == 0;
+  }
+
+  // Bytes queued when the session was dropped as too slow; 0 if it was not.
+  int64_t dropped() {
+    absl::MutexLock lock(&mu_);
+    return dropped_;
   }
 
   void Track(std::shared_ptr<LiveRequest> r) override {
@@ -84,27 +124,33 @@ class ConnectSession final : public PublishListener, public LiveTracker {
     live_.erase(id);
   }
 
-  // Runs on the writer thread until Close() and the outbox is flushed.
+  // Runs on the writer thread until Close() and the outbox is flushed (or
+  // the session is dropped).
   void WriterLoop() {
     for (;;) {
-      std::deque<pb::SidecarMessage> batch;
+      std::deque<std::pair<pb::SidecarMessage, int64_t>> batch;
       std::unordered_map<std::string, std::shared_ptr<const PublishedVersion>>
           rescore;
       grpc::ServerContext* cancel = nullptr;
       {
         absl::MutexLock lock(&mu_);
         auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-          return closed_ || !outbox_.empty() || !rescore_.empty() ||
-                 cancel_ != nullptr;
+          return closed_ || dropped_ > 0 || !outbox_.empty() ||
+                 !rescore_.empty() || cancel_ != nullptr;
         };
         mu_.Await(absl::Condition(&ready));
-        if (closed_ && outbox_.empty()) return;
+        if (dropped_ > 0 || (closed_ && outbox_.empty())) return;
         batch.swap(outbox_);
         rescore.swap(rescore_);
+        inflight_ += queued_;  // still counted until written
+        queued_ = 0;
         cancel = cancel_;
       }
-      for (auto& m : batch) {
+      for (auto& [m, size] : batch) {
         if (!broken_ && !stream_->Write(m)) broken_ = true;
+        absl::MutexLock lock(&mu_);
+        inflight_ -= size;
+        SetBytes(queued_, inflight_);
       }
       if (cancel != nullptr) {
         cancel->TryCancel();
@@ -126,12 +172,61 @@ class ConnectSession final : public PublishListener, public LiveTracker {
     pb::SidecarMessage m;
     m.mutable_error()->set_code(static_cast<int>(absl::StatusCode::kUnavailable));
     m.mutable_error()->set_message("leapd is shutting down");
+    const int64_t size = static_cast<int64_t>(m.ByteSizeLong());
     absl::MutexLock lock(&mu_);
-    outbox_.push_back(std::move(m));
+    outbox_.emplace_back(std::move(m), size);
+    queued_ += size;
+    SetBytes(queued_, inflight_);
     cancel_ = ctx;
   }
 
  private:
+  void PushLocked(pb::SidecarMessage m) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const int64_t size = static_cast<int64_t>(m.ByteSizeLong());
+    outbox_.emplace_back(std::move(m), size);
+    queued_ += size;
+    if (queued_ + inflight_ > limits_->bound()) CoalesceLocked();
+    if (queued_ + inflight_ > limits_->bound()) {
+      dropped_ = queued_ + inflight_;
+      outbox_.clear();
+      rescore_.clear();
+      queued_ = 0;
+      limits_->metrics().OutboxDropped("connect").Increment();
+      std::fprintf(stderr, "leapd: Connect stream %llu dropped: %s\n",
+                   static_cast<unsigned long long>(id_),
+                   TooSlow(dropped_, limits_->bound()).c_str());
+    }
+    SetBytes(queued_, inflight_);
+  }
+
+  // Keeps only the newest queued publish notice of each readout.
+  void CoalesceLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    absl::flat_hash_map<std::string, int64_t> newest;
+    for (const auto& [m, size] : outbox_) {
+      if (!m.has_published()) continue;
+      int64_t& n = newest[m.published().readout()];
+      n = std::max(n, m.published().version());
+    }
+    std::deque<std::pair<pb::SidecarMessage, int64_t>> kept;
+    for (auto& [m, size] : outbox_) {
+      if (m.has_published() &&
+          m.published().version() < newest[m.published().readout()]) {
+        queued_ -= size;
+        limits_->metrics().outbox_coalesced().Increment();
+        continue;
+      }
+      kept.emplace_back(std::move(m), size);
+    }
+    outbox_.swap(kept);
+  }
+
+  void SetBytes(int64_t queued, int64_t inflight)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const int64_t total = queued + inflight;
+    limits_->Account(total - accounted_, total);
+    accounted_ = total;
+  }
+
   void Rescore(const std::string& name, const PublishedVersion& v) {
     std::vector<std::shared_ptr<LiveRequest>> mine;
     {
@@ -166,8 +261,14 @@ class ConnectSession final : public PublishListener, public LiveTracker {
   const uint64_t id_;
   grpc::ServerReaderWriter<pb::SidecarMessage, pb::EngineMessage>* const
       stream_;
+  OutboxLimits* const limits_;
   absl::Mutex mu_;
-  std::deque<pb::SidecarMessage> outbox_ ABSL_GUARDED_BY(mu_);
+  std::deque<std::pair<pb::SidecarMessage, int64_t>> outbox_
+      ABSL_GUARDED_BY(mu_);
+  int64_t queued_ ABSL_GUARDED_BY(mu_) = 0;    // bytes in outbox_
+  int64_t inflight_ ABSL_GUARDED_BY(mu_) = 0;  // taken, not yet written
+  int64_t accounted_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t dropped_ ABSL_GUARDED_BY(mu_) = 0;
   std::unordered_map<std::string, std::shared_ptr<const PublishedVersion>>
       rescore_ ABSL_GUARDED_BY(mu_);
   bool closed_ ABSL_GUARDED_BY(mu_) = false;
@@ -178,33 +279,95 @@ class ConnectSession final : public PublishListener, public LiveTracker {
       ABSL_GUARDED_BY(live_mu_);
 };
 
-// A WatchReadout call's queue of publishes of one readout.
+// A WatchReadout call's queue of publishes of one readout, bounded by
+// OutboxLimits: over the bound it keeps only the newest version; if that
+// and the message being written are still over, the watch is dropped.
 class WatchListener final : public PublishListener {
  public:
-  explicit WatchListener(std::string name) : name_(std::move(name)) {}
+  WatchListener(std::string name, bool weights, OutboxLimits* limits)
+      : name_(std::move(name)), weights_(weights), limits_(limits) {}
+  ~WatchListener() override {
+    absl::MutexLock lock(&mu_);
+    queue_.clear();
+    queued_ = inflight_ = 0;
+    SetBytes();
+  }
+
+  // Bytes of the ReadoutVersion message for `v` (an estimate a few bytes
+  // over, computed without building it).
+  int64_t MessageBytes(const PublishedVersion& v) const {
+    return 128 + static_cast<int64_t>(name_.size()) +
+           (weights_ ? static_cast<int64_t>(v.folded.w().size() * sizeof(float))
+                     : 0);
+  }
+
   void OnPublish(const std::string& readout,
                  const std::shared_ptr<const PublishedVersion>& v) override {
     if (readout != name_) return;
     absl::MutexLock lock(&mu_);
+    if (dropped_ > 0) return;
     queue_.push_back(v);
+    queued_ += MessageBytes(*v);
+    if (queued_ + inflight_ > limits_->bound() && queue_.size() > 1) {
+      limits_->metrics().outbox_coalesced().Increment(
+          static_cast<double>(queue_.size() - 1));
+      queue_.erase(queue_.begin(), queue_.end() - 1);
+      queued_ = MessageBytes(*queue_.back());
+    }
+    if (queued_ + inflight_ > limits_->bound()) {
+      dropped_ = queued_ + inflight_;
+      queue_.clear();
+      queued_ = 0;
+      limits_->metrics().OutboxDropped("watch").Increment();
+      std::fprintf(stderr, "leapd: WatchReadout of %s dropped: %s\n",
+                   name_.c_str(), TooSlow(dropped_, limits_->bound()).c_str());
+    }
+    SetBytes();
   }
-  // Waits up to `timeout` for a version; null on timeout.
-  std::shared_ptr<const PublishedVersion> Next(absl::Duration timeout) {
+
+  // Waits up to `timeout` for a version; null on timeout or when the watch
+  // was dropped (then *dropped is the bytes queued at the time). The
+  // version returned counts as queued until Written().
+  std::shared_ptr<const PublishedVersion> Next(absl::Duration timeout,
+                                               int64_t* dropped) {
     absl::MutexLock lock(&mu_);
     auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-      return !queue_.empty();
+      return !queue_.empty() || dropped_ > 0;
     };
-    if (!mu_.AwaitWithTimeout(absl::Condition(&ready), timeout)) return nullptr;
+    mu_.AwaitWithTimeout(absl::Condition(&ready), timeout);
+    *dropped = dropped_;
+    if (dropped_ > 0 || queue_.empty()) return nullptr;
     auto v = queue_.front();
     queue_.pop_front();
+    const int64_t size = MessageBytes(*v);
+    queued_ -= size;
+    inflight_ = size;
     return v;
   }
 
+  void Written() {
+    absl::MutexLock lock(&mu_);
+    inflight_ = 0;
+    SetBytes();
+  }
+
  private:
+  void SetBytes() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const int64_t total = queued_ + inflight_;
+    limits_->Account(total - accounted_, total);
+    accounted_ = total;
+  }
+
   const std::string name_;
+  const bool weights_;
+  OutboxLimits* const limits_;
   absl::Mutex mu_;
   std::deque<std::shared_ptr<const PublishedVersion>> queue_
       ABSL_GUARDED_BY(mu_);
+  int64_t queued_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t inflight_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t accounted_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t dropped_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 void FillVersionProto(const std::string& name, const PublishedVersion& v,
@@ -224,6 +387,17 @@ void FillVersionProto(const std::string& name, const PublishedVersion& v,
 }
 
 }  // namespace
+
+void OutboxLimits::Account(int64_t delta, int64_t consumer_total) {
+  if (delta != 0) metrics_->outbox_bytes().Increment(static_cast<double>(delta));
+  int64_t peak = peak_.load(std::memory_order_relaxed);
+  while (consumer_total > peak &&
+         !peak_.compare_exchange_weak(peak, consumer_total)) {
+  }
+  if (consumer_total > peak) {
+    metrics_->outbox_peak_bytes().Set(static_cast<double>(consumer_total));
+  }
+}
 
 grpc::Status ToGrpc(const absl::Status& s) {
   if (s.ok()) return grpc::Status::OK;
@@ -249,7 +423,7 @@ grpc::Status PredictorService::Connect(
   absl::StatusOr<readout::DType> dtype = CheckHello(hello);
   if (!dtype.ok()) return ToGrpc(dtype.status());
   auto session = std::make_shared<ConnectSession>(
-      next_session_.fetch_add(1), stream);
+      next_session_.fetch_add(1), stream, &outbox_);
   core_->hub().Subscribe(session);
   core_->metrics().connected_engines().Increment();
   {
@@ -270,7 +444,7 @@ grpc::Status PredictorService::Connect(
     pb::SidecarMessage out;
     HandleEngineMessage(core_, session->id(), hello, *dtype, &in, &out,
                         session.get());
-    session->Send(std::move(out));
+    if (!session->Send(std::move(out))) break;  // dropped as too slow
   }
   {
     absl::MutexLock lock(&sessions_mu_);
@@ -279,6 +453,10 @@ grpc::Status PredictorService::Connect(
   session->Close();
   writer.join();
   core_->metrics().connected_engines().Decrement();
+  if (const int64_t queued = session->dropped(); queued > 0) {
+    return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                        TooSlow(queued, outbox_.bound()));
+  }
   return grpc::Status::OK;
 }
 
@@ -339,7 +517,8 @@ grpc::Status PredictorService::Complete(grpc::ServerContext*,
 grpc::Status PredictorService::WatchReadout(
     grpc::ServerContext* ctx, const pb::WatchReadoutRequest* req,
     grpc::ServerWriter<pb::ReadoutVersion>* writer) {
-  auto listener = std::make_shared<WatchListener>(req->readout());
+  auto listener = std::make_shared<WatchListener>(
+      req->readout(), req->include_weights(), &outbox_);
   core_->hub().Subscribe(listener);  // before reading current: no gap
   std::shared_ptr<const PublishedVersion> current;
   {
@@ -353,11 +532,22 @@ grpc::Status PredictorService::WatchReadout(
   if (!writer->Write(msg)) return grpc::Status::OK;
   int64_t last = current->version;
   while (!ctx->IsCancelled() && !shutting_down_.load()) {
-    auto v = listener->Next(absl::Milliseconds(100));
-    if (v == nullptr || v->version <= last) continue;
+    int64_t dropped = 0;
+    auto v = listener->Next(absl::Milliseconds(100), &dropped);
+    if (dropped > 0) {
+      return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                          TooSlow(dropped, outbox_.bound()));
+    }
+    if (v == nullptr) continue;
+    if (v->version <= last) {
+      listener->Written();
+      continue;
+    }
     msg.Clear();
     FillVersionProto(req->readout(), *v, req->include_weights(), &msg);
-    if (!writer->Write(msg)) break;
+    const bool ok = writer->Write(msg);
+    listener->Written();
+    if (!ok) break;
     last = v->version;
   }
   return grpc::Status::OK;
@@ -552,6 +742,7 @@ grpc::Status AdminService::GetStats(grpc::ServerContext* ctx,
         FillVersion(v, s->add_versions());
       }
     }
+    FillGuardrail(r->guardrail(), s->mutable_guardrail());
   }
   for (const ArmStat& a : core_->ArmStats()) {
     if (!req->readout().empty() && a.readout != req->readout()) continue;
@@ -585,6 +776,7 @@ void FillSnapshot(const storage::SnapshotInfo& i, pb::SnapshotInfo* out) {
   out->set_completions_learned(i.completions_learned);
   out->set_spearman(i.spearman);
   out->set_unix_ms(i.unix_ms);
+  out->set_spearman_n(i.spearman_n);
 }
 }  // namespace
 

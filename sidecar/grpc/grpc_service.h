@@ -18,11 +18,40 @@ namespace leap::sidecar {
 
 grpc::Status ToGrpc(const absl::Status& s);
 
+// Byte bound of each consumer's outbox (leapd --outbox_bytes) and the
+// process-wide accounting behind the leap_outbox_* metrics. Policy, for a
+// consumer (a WatchReadout or Connect stream) whose queued messages exceed
+// `bound` bytes: first the queued versions are coalesced to the newest one
+// (a WatchReadout queue keeps only its newest version, a Connect outbox only
+// the newest publish notice per readout; Connect rescores always carry only
+// the newest version); if that is still over the bound, the consumer is
+// dropped with RESOURCE_EXHAUSTED "consumer too slow: N bytes queued". The
+// message being written counts as queued until its Write returns. Publishing
+// and the other consumers never wait on a slow one.
+class OutboxLimits {
+ public:
+  OutboxLimits(Metrics* metrics, int64_t bound)
+      : metrics_(metrics), bound_(bound) {}
+  int64_t bound() const { return bound_; }
+  Metrics& metrics() { return *metrics_; }
+  // A consumer's outbox changed by `delta` bytes to `consumer_total`.
+  void Account(int64_t delta, int64_t consumer_total);
+
+ private:
+  Metrics* const metrics_;
+  const int64_t bound_;
+  std::atomic<int64_t> peak_{0};
+};
+
 class PredictorService final : public leap::v1::Predictor::Service {
  public:
   // `sidecar_id` identifies this process (engines resubmit on change).
-  PredictorService(Core* core, std::string sidecar_id)
-      : core_(core), sidecar_id_(std::move(sidecar_id)) {}
+  // `outbox_bytes` bounds each consumer's outbox (see OutboxLimits).
+  PredictorService(Core* core, std::string sidecar_id,
+                   int64_t outbox_bytes = int64_t{64} << 20)
+      : core_(core),
+        sidecar_id_(std::move(sidecar_id)),
+        outbox_(&core->metrics(), outbox_bytes) {}
 
   // Ends open streams and watches promptly (call before Server::Shutdown):
   // each Connect stream gets a message-level UNAVAILABLE "leapd is shutting
@@ -52,6 +81,7 @@ class PredictorService final : public leap::v1::Predictor::Service {
   // Open Connect streams (the session is a ConnectSession).
   std::map<grpc::ServerContext*, std::shared_ptr<PublishListener>> sessions_
       ABSL_GUARDED_BY(sessions_mu_);
+  OutboxLimits outbox_;
 };
 
 // Every handler first runs the AdminAuth check (a refused call gets

@@ -362,8 +362,15 @@ absl::StatusOr<std::unique_ptr<ShmServer>> ShmServer::Start(
         "shm: cannot listen on '", path, "': ", std::strerror(errno)));
   }
   im.bound = true;  // from here on the socket file is ours to remove
-  // Engines in another container of the pod connect as the pod's fsGroup:
-  // owner and group may connect, others not.
+  // Engines in another container of the pod connect as the pod's fsGroup
+  // (or --shm_group): owner and group may connect, others not.
+  const int64_t group = server->options_.group;
+  if (group >= 0 && chown(path.c_str(), static_cast<uid_t>(-1),
+                          static_cast<gid_t>(group)) != 0) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "shm: cannot give '", path, "' to group ", group, ": ",
+        std::strerror(errno)));
+  }
   chmod(path.c_str(), 0660);
   im.epfd = epoll_create1(EPOLL_CLOEXEC);
   im.waker->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
@@ -650,6 +657,11 @@ absl::Status ShmServer::Impl::Attach(Attachment& a, const std::string& packet) {
     a.seg_path.clear();
     return s;
   };
+  if (options.group >= 0 &&
+      (fchown(fd, static_cast<uid_t>(-1), static_cast<gid_t>(options.group)) != 0 ||
+       fchmod(fd, 0660) != 0)) {
+    return fail("cannot give the group access to");
+  }
   if (ftruncate(fd, static_cast<off_t>(a.layout.total_bytes)) != 0) {
     return fail("cannot size");
   }

@@ -43,6 +43,10 @@ struct ShmServerOptions {
   uint32_t max_ring_bytes = 16 << 20;
   // Engines attached at once. Default: 64
   int max_engines = 64;
+  // Group given the attach socket and every segment (chown, mode 0660), so
+  // that exactly the members of this group may attach (leapd --shm_group).
+  // -1: leapd's own group (socket 0660, segments 0600).
+  int64_t group = -1;
 
   absl::Status Validate() const;
 };

@@ -12,6 +12,16 @@ namespace {
 
 std::string FormatDouble(double v) { return absl::StrFormat("%g", v); }
 
+// A finite double into *dst (a plain double or an optional one); false
+// leaves *dst as it was.
+template <class T>
+bool ParseFinite(absl::string_view v, T* dst) {
+  double x = 0;
+  if (!absl::SimpleAtod(v, &x) || !std::isfinite(x)) return false;
+  *dst = x;
+  return true;
+}
+
 // Appends `head` on its own line, then `text` wrapped at ~80 columns and
 // indented under it.
 void AppendEntry(const std::string& head, const std::string& text,
@@ -88,12 +98,7 @@ void FlagSet::Double(const std::string& name, double* dst,
   f.value_name = value_name;
   f.help = help;
   f.default_text = FormatDouble(*dst);
-  f.parse = [dst](absl::string_view v) {
-    double x = 0;
-    if (!absl::SimpleAtod(v, &x) || !std::isfinite(x)) return false;
-    *dst = x;
-    return true;
-  };
+  f.parse = [dst](absl::string_view v) { return ParseFinite(v, dst); };
   Add(std::move(f));
 }
 
@@ -105,12 +110,7 @@ void FlagSet::OptionalDouble(const std::string& name,
   f.name = name;
   f.value_name = value_name;
   f.help = help;
-  f.parse = [dst](absl::string_view v) {
-    double x = 0;
-    if (!absl::SimpleAtod(v, &x) || !std::isfinite(x)) return false;
-    *dst = x;
-    return true;
-  };
+  f.parse = [dst](absl::string_view v) { return ParseFinite(v, dst); };
   Add(std::move(f));
 }
 

@@ -65,6 +65,22 @@ nlohmann::json InfoJson(const pb::ReadoutInfo& i) {
   return j;
 }
 
+nlohmann::json GuardrailJson(const pb::GuardrailStats& g) {
+  nlohmann::json j;
+  j["state"] = g.state().empty() ? "off" : g.state();
+  j["spearman"] = JsonNumber(g.spearman());
+  j["spearman_n"] = g.spearman_n();
+  j["trips"] = g.trips();
+  j["last_trip"] = g.last_trip();
+  j["last_trip_unix_ms"] = g.last_trip_unix_ms();
+  j["last_good_label"] = g.last_good_label();
+  j["last_good_spearman"] = g.last_good_label().empty()
+                                ? nlohmann::json()
+                                : JsonNumber(g.last_good_spearman());
+  j["last_good_spearman_n"] = g.last_good_spearman_n();
+  return j;
+}
+
 nlohmann::json VersionJson(const pb::VersionInfo& v) {
   nlohmann::json j;
   j["version"] = v.version();
@@ -494,6 +510,27 @@ std::string FormatStats(const pb::StatsResponse& st) {
         r.skipped_cancelled(), r.skipped_censored(), r.skipped_frozen());
     absl::StrAppendFormat(&s, "  spearman %s (last %d completions)\n",
                           FormatSpearman(r.spearman()), r.spearman_n());
+    if (i.frozen() && !i.frozen_reason().empty()) {
+      absl::StrAppendFormat(&s, "  frozen: %s\n", i.frozen_reason());
+    }
+    const pb::GuardrailStats& g = r.guardrail();
+    if (!g.state().empty() && g.state() != "off") {
+      absl::StrAppendFormat(
+          &s, "  guardrail %s: spearman %s (n %d), last good %s, trips %d\n",
+          g.state(), FormatSpearman(g.spearman()), g.spearman_n(),
+          g.last_good_label().empty()
+              ? std::string("none")
+              : absl::StrFormat("'%s' (spearman %s, n %d)",
+                                g.last_good_label(),
+                                FormatSpearman(g.last_good_spearman()),
+                                g.last_good_spearman_n()),
+          g.trips());
+      if (!g.last_trip().empty()) {
+        absl::StrAppendFormat(&s, "    last trip %s: %s\n",
+                              FormatTimeMs(g.last_trip_unix_ms()),
+                              g.last_trip());
+      }
+    }
     // The latest few; `leapctl versions` lists them all.
     constexpr int kShownVersions = 8;
     const int first = std::max(0, r.versions_size() - kShownVersions);
@@ -541,6 +578,7 @@ std::string FormatStatsJson(const pb::StatsResponse& st) {
     o["version"] = r.info().version();
     o["frozen"] = r.info().frozen();
     o["frozen_reason"] = r.info().frozen_reason();
+    o["guardrail"] = GuardrailJson(r.guardrail());
     o["rls_backlog"] = r.info().rls_backlog();
     o["predictions"] = r.predictions();
     o["completions_learned"] = r.completions_learned();

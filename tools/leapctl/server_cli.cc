@@ -41,6 +41,21 @@ void ServerFlags(FlagSet& flags, ServerOptions* o) {
                "File with leapd's admin bearer token (leapd "
                "--admin_token_file), sent on every admin call; needed over "
                "TCP when leapd requires one. Default: $LEAP_ADMIN_TOKEN_FILE.");
+  for (auto [env, field] : {std::pair{"LEAP_TLS_CA", &o->tls_ca_file},
+                            {"LEAP_TLS_CERT", &o->tls_cert_file},
+                            {"LEAP_TLS_KEY", &o->tls_key_file}}) {
+    if (const char* v = std::getenv(env); v != nullptr && field->empty()) {
+      *field = v;
+    }
+  }
+  flags.String("tls-ca", &o->tls_ca_file, "PATH",
+               "PEM CA certificate that signed leapd's TLS certificate "
+               "(leapd --tls_cert): connect with TLS. Default: $LEAP_TLS_CA.");
+  flags.String("tls-cert", &o->tls_cert_file, "PATH",
+               "PEM client certificate chain for mutual TLS (leapd "
+               "--tls_client_ca); with --tls-key. Default: $LEAP_TLS_CERT.");
+  flags.String("tls-key", &o->tls_key_file, "PATH",
+               "PEM private key of --tls-cert. Default: $LEAP_TLS_KEY.");
 }
 
 // Checks the server flags; -1 to continue, else the exit code.
@@ -461,10 +476,11 @@ namespace {
 std::string FormatSnapshot(const pb::SnapshotInfo& s) {
   const absl::Time t = absl::FromUnixMillis(s.unix_ms());
   return absl::StrFormat(
-      "%-24s version %-8d learned %-9d spearman %s  %s\n", s.label(),
+      "%-24s version %-8d learned %-9d spearman %s (n %d)  %s\n", s.label(),
       s.version(), s.completions_learned(),
       std::isfinite(s.spearman()) ? absl::StrFormat("%.4f", s.spearman())
                                   : std::string("-"),
+      s.spearman_n(),
       absl::FormatTime("%Y-%m-%d %H:%M:%S UTC", t, absl::UTCTimeZone()));
 }
 
@@ -675,7 +691,13 @@ int StatsCommand(const std::vector<std::string>& args, std::ostream& out,
       "true\n"
       "length over the latest completions, and per version. Per (product "
       "line,\n"
-      "arm): predictions, completions joined, rolling Spearman. Then the "
+      "arm): predictions, completions joined, rolling Spearman. With leapd's "
+      "quality\n"
+      "guardrail on (--guardrail_floor/--guardrail_margin): its state "
+      "(warming,\n"
+      "watching, paused, tripped), judged Spearman, last good snapshot, trips "
+      "and\n"
+      "the last trip's reason. Then the "
       "live\n"
       "requests, feature cache bytes, completions for unknown request ids "
       "and\n"
@@ -687,7 +709,11 @@ int StatsCommand(const std::vector<std::string>& args, std::ostream& out,
   ServerFlags(flags, &server);
   flags.Bool("json", &json,
              "Print one JSON object: {\"readouts\": [{\"name\", \"version\", "
-             "\"frozen\", \"rls_backlog\", \"predictions\", "
+             "\"frozen\", \"frozen_reason\", \"guardrail\": {\"state\", "
+             "\"spearman\", \"spearman_n\", \"trips\", \"last_trip\", "
+             "\"last_trip_unix_ms\", \"last_good_label\", "
+             "\"last_good_spearman\", \"last_good_spearman_n\"}, "
+             "\"rls_backlog\", \"predictions\", "
              "\"completions_learned\", \"skipped\": {\"cancelled\", "
              "\"censored\", \"frozen\"}, \"spearman\", \"spearman_n\", "
              "\"versions\": [...]}], \"arms\": [{\"product_line\", \"arm\", "
