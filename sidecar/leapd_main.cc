@@ -478,6 +478,9 @@ int main(int argc, char** argv) {
   if (server == nullptr) {
     return Fail(absl::StrCat("cannot listen on ", absl::StrJoin(listens, ", ")));
   }
+  // NOT_SERVING from the first moment (gRPC's health service starts out
+  // SERVING) until every readout replayed its log, below.
+  server->GetHealthCheckService()->SetServingStatus(false);
   for (size_t i = 0; i < listens.size(); ++i) {
     if (ports[i] == 0) {
       return Fail(absl::StrCat("cannot listen on ", listens[i]));

@@ -599,6 +599,11 @@ absl::StatusOr<CompletionOutcome> Core::Complete(absl::string_view request_id,
                                                  absl::string_view instance) {
   if (!serving()) return Recovering();
   RETURN_IF_ERROR(ValidateInstanceId(instance));
+  if (request_id.find('\0') != absl::string_view::npos) {
+    // It could name another instance's request (keys are instance NUL id).
+    return absl::InvalidArgumentError(
+        "request_id must not contain NUL characters");
+  }
   // Validate the counts before touching the live entry: a bad completion
   // must not lose the request.
   RETURN_IF_ERROR(
@@ -762,7 +767,12 @@ absl::StatusOr<CompletionOutcome> Core::Complete(absl::string_view request_id,
 }
 
 bool Core::CancelExact(const LiveRequest& r) {
-  std::shared_ptr<LiveRequest> taken = cache_.TakeIf(r.request_id, &r);
+  // The cache key: instance NUL id for engines that say their instance, the
+  // id alone otherwise (a request inserted with an empty key).
+  std::shared_ptr<LiveRequest> taken =
+      cache_.TakeIf(r.key.empty() ? absl::string_view(r.request_id)
+                                  : absl::string_view(r.key),
+                    &r);
   if (taken == nullptr) return false;
   metrics_->cache_bytes().Set(static_cast<double>(cache_.bytes()));
   metrics_->cache_entries().Set(static_cast<double>(cache_.size()));
@@ -778,16 +788,29 @@ void Core::CancelBatch(absl::Span<const absl::string_view> ids,
     return;
   }
   std::vector<std::shared_ptr<LiveRequest>> taken;
-  if (instance.empty()) {
+  // An id holding a NUL could name another instance's key (instance NUL id):
+  // it is looked up as "" (no live request has an empty key) and refused.
+  bool has_nul = false;
+  for (absl::string_view id : ids) {
+    has_nul |= id.find('\0') != absl::string_view::npos;
+  }
+  if (instance.empty() && !has_nul) {
     cache_.TakeBatch(ids, &taken, status);
   } else {
     std::vector<std::string> keys;
     keys.reserve(ids.size());
-    for (absl::string_view id : ids) keys.push_back(LiveRequestKey(instance, id));
+    for (absl::string_view id : ids) {
+      keys.push_back(id.find('\0') != absl::string_view::npos
+                         ? std::string()
+                         : LiveRequestKey(instance, id));
+    }
     std::vector<absl::string_view> views(keys.begin(), keys.end());
     cache_.TakeBatch(views, &taken, status);
     for (size_t i = 0; i < ids.size(); ++i) {
-      if (!(*status)[i].ok()) {
+      if (keys[i].empty()) {
+        (*status)[i] = absl::InvalidArgumentError(
+            "request_id must not contain NUL characters");
+      } else if (!(*status)[i].ok()) {
         (*status)[i] = absl::NotFoundError(
             absl::StrCat("unknown request id '", ids[i],
                          "' (never predicted, already ended, or evicted)"));

@@ -154,11 +154,15 @@ absl::Status LiveReadout::SetFrozen(bool frozen, const std::string& reason) {
         "readout '", name_,
         "' has no P matrix and cannot adapt; import an artifact with P"));
   }
+  absl::Status persisted = absl::OkStatus();
   {
     absl::MutexLock order(&freeze_mu_);
     if (store_ != nullptr) {
-      absl::Status s = store_->SetFrozen(meta_, frozen, reason);
-      if (!s.ok()) return s;
+      persisted = store_->SetFrozen(meta_, frozen, reason);
+      // A resume that cannot be persisted is not done (a restart would come
+      // back frozen). A freeze is the safe direction: it holds in memory
+      // even when persisting it failed, and the error is returned.
+      if (!persisted.ok() && !frozen) return persisted;
     }
     absl::MutexLock lock(&mu_);
     frozen_.store(frozen);
@@ -175,7 +179,7 @@ absl::Status LiveReadout::SetFrozen(bool frozen, const std::string& reason) {
     };
     mu_.Await(absl::Condition(&idle));
   }
-  return absl::OkStatus();
+  return persisted;
 }
 
 void LiveReadout::Enqueue(const readout::FeatureView& x, double target,

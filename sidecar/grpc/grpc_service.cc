@@ -75,11 +75,11 @@ std::string TooSlow(int64_t queued, int64_t bound) {
 // dropped.
 class ConnectSession final : public PublishListener, public LiveTracker {
  public:
-  ConnectSession(uint64_t id,
+  ConnectSession(uint64_t id, grpc::ServerContext* ctx,
                  grpc::ServerReaderWriter<pb::SidecarMessage,
                                           pb::EngineMessage>* stream,
                  OutboxLimits* limits)
-      : id_(id), stream_(stream), limits_(limits) {}
+      : id_(id), ctx_(ctx), stream_(stream), limits_(limits) {}
 
   ~ConnectSession() override {
     absl::MutexLock lock(&mu_);
@@ -96,8 +96,17 @@ class ConnectSession final : public PublishListener, public LiveTracker {
     m.mutable_published()->set_readout(readout);
     m.mutable_published()->set_version(v->version);
     PushLocked(std::move(m));
-    auto& slot = rescore_[readout];
-    if (slot == nullptr || slot->version < v->version) slot = v;
+    if (dropped_ == 0) {
+      auto& slot = rescore_[readout];
+      if (slot == nullptr || slot->version < v->version) slot = v;
+      return;
+    }
+    // Dropped by a publish: the handler may be blocked reading an idle
+    // stream and would never notice, so the call is cancelled (the engine
+    // sees the stream end and reconnects; the reason is logged and counted).
+    // Under mu_: the handler closes the session (under mu_) before its
+    // context goes away, and TryCancel never calls back into the session.
+    ctx_->TryCancel();
   }
 
   // Queues an answer; false when the session was dropped as too slow.
@@ -174,6 +183,11 @@ class ConnectSession final : public PublishListener, public LiveTracker {
     m.mutable_error()->set_message("leapd is shutting down");
     const int64_t size = static_cast<int64_t>(m.ByteSizeLong());
     absl::MutexLock lock(&mu_);
+    if (dropped_ > 0) {
+      // The writer is gone: nobody else would cancel the call.
+      ctx->TryCancel();
+      return;
+    }
     outbox_.emplace_back(std::move(m), size);
     queued_ += size;
     SetBytes(queued_, inflight_);
@@ -259,6 +273,7 @@ class ConnectSession final : public PublishListener, public LiveTracker {
   }
 
   const uint64_t id_;
+  grpc::ServerContext* const ctx_;
   grpc::ServerReaderWriter<pb::SidecarMessage, pb::EngineMessage>* const
       stream_;
   OutboxLimits* const limits_;
@@ -423,7 +438,7 @@ grpc::Status PredictorService::Connect(
   absl::StatusOr<readout::DType> dtype = CheckHello(hello);
   if (!dtype.ok()) return ToGrpc(dtype.status());
   auto session = std::make_shared<ConnectSession>(
-      next_session_.fetch_add(1), stream, &outbox_);
+      next_session_.fetch_add(1), ctx, stream, &outbox_);
   core_->hub().Subscribe(session);
   core_->metrics().connected_engines().Increment();
   {
