@@ -23,7 +23,6 @@
 namespace leap::leapctl_test {
 namespace {
 
-constexpr int kDim = 256;
 constexpr int kSourceRows = 6000;
 constexpr int kAdaptRows = 3000;
 constexpr int kHeldOutRows = 2000;
