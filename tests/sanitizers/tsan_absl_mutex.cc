@@ -137,14 +137,12 @@ void Mutex::ReaderLockWhen(const Condition& cond) ABSL_NO_THREAD_SAFETY_ANALYSIS
   __tsan_mutex_post_lock(this, kRead, 0);
 }
 
+// The *WithTimeout functions are implemented here with their *WithDeadline
+// twins: the real ones call those through the PLT, which would bind to the
+// interposed versions below and annotate the lock twice.
 bool Mutex::LockWhenWithTimeout(const Condition& cond, Duration timeout)
     ABSL_NO_THREAD_SAFETY_ANALYSIS {
-  static auto real = Real<bool (*)(Mutex*, const Condition*, Duration)>(
-      "5Mutex19LockWhenWithTimeoutERKNS0_9ConditionENS0_8DurationE");
-  __tsan_mutex_pre_lock(this, 0);
-  bool ok = real(this, &cond, timeout);
-  __tsan_mutex_post_lock(this, 0, 0);
-  return ok;
+  return LockWhenWithDeadline(cond, absl::Now() + timeout);
 }
 
 bool Mutex::LockWhenWithDeadline(const Condition& cond, Time deadline)
@@ -167,13 +165,7 @@ void Mutex::Await(const Condition& cond) {
 }
 
 bool Mutex::AwaitWithTimeout(const Condition& cond, Duration timeout) {
-  static auto real = Real<bool (*)(Mutex*, const Condition*, Duration)>(
-      "5Mutex16AwaitWithTimeoutERKNS0_9ConditionENS0_8DurationE");
-  __tsan_mutex_pre_unlock(this, 0);
-  bool ok = real(this, &cond, timeout);
-  ReleasedAndRetaken(this, 0);
-  __tsan_mutex_post_lock(this, 0, 0);
-  return ok;
+  return AwaitWithDeadline(cond, absl::Now() + timeout);
 }
 
 bool Mutex::AwaitWithDeadline(const Condition& cond, Time deadline) {
@@ -195,13 +187,7 @@ void CondVar::Wait(Mutex* mu) {
 }
 
 bool CondVar::WaitWithTimeout(Mutex* mu, Duration timeout) {
-  static auto real = Real<bool (*)(CondVar*, Mutex*, Duration)>(
-      "7CondVar15WaitWithTimeoutEPNS0_5MutexENS0_8DurationE");
-  __tsan_mutex_pre_unlock(mu, 0);
-  bool timed_out = real(this, mu, timeout);
-  ReleasedAndRetaken(mu, 0);
-  __tsan_mutex_post_lock(mu, 0, 0);
-  return timed_out;
+  return WaitWithDeadline(mu, absl::Now() + timeout);
 }
 
 bool CondVar::WaitWithDeadline(Mutex* mu, Time deadline) {
