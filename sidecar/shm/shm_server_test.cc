@@ -272,6 +272,31 @@ TEST_F(ShmServerTest, PredictsLearnsRescoresAndReclaimsOnHangUp) {
   }));
 }
 
+// The shim's Client always says its instance id, and leapd then keys the
+// engine's live requests by (instance, id): a hang-up must reclaim them all
+// the same (it once looked them up by id alone and reclaimed none).
+TEST_F(ShmServerTest, HangUpReclaimsTheRequestsOfAnEngineWithAnInstanceId) {
+  shim::ShmChannelOptions o = Channel("e-inst");
+  o.hello.set_instance_id("instance-7");
+  pb::SidecarMessage ack;
+  auto attached = shim::ShmChannel::Attach(o, &ack);
+  ASSERT_TRUE(attached.ok()) << attached.status();
+  std::unique_ptr<shim::ShmChannel> ch = std::move(*attached);
+  Submit(*ch, 1, 3, "i");
+  ASSERT_TRUE(ReceiveUntil(*ch, [&](const shim::ShmIncoming& in) {
+    return in.kind == shim::ShmIncoming::Kind::kPredictions && in.seq == 1;
+  }));
+  EXPECT_EQ(core_->cache().size(), 3);
+  const double reclaimed_before = metrics_.shm_reclaimed().Value();
+  ch->Close();
+  ch.reset();
+  EXPECT_TRUE(Eventually([&] {
+    return core_->cache().size() == 0 &&
+           metrics_.shm_reclaimed().Value() - reclaimed_before == 3;
+  })) << core_->cache().size() << " live, "
+      << metrics_.shm_reclaimed().Value() - reclaimed_before << " reclaimed";
+}
+
 TEST_F(ShmServerTest, RefusesAttachmentsItCannotServe) {
   pb::SidecarMessage ack;
   // No readout reads d = 17.
