@@ -25,6 +25,7 @@
 #include "readout/artifact.h"
 #include "tests/leapctl_test_util.h"
 #include "tests/support/engine_client.h"
+#include "tests/support/leapd_fixture.h"
 #include "tests/support/process.h"
 
 namespace leap {
@@ -32,6 +33,8 @@ namespace {
 
 namespace pb = ::leap::v1;
 using testing::EngineStream;
+using testing::Leapd;
+using testing::TempDir;
 
 constexpr int64_t kDim = 16;
 constexpr int64_t kWindow = 500;      // --quality_window
@@ -40,68 +43,6 @@ constexpr int64_t kWindow = 500;      // --quality_window
 // could arm the guardrail at 0.31 and trip it at 0.299 two completions later
 // (seen once in CI), which is the cold start, not the adversarial turn.
 constexpr int64_t kMinSamples = 500;
-
-std::string TempDir(const std::string& name) {
-  std::string dir = ::testing::TempDir() + "/guardrail-" + name + "-" +
-                    std::to_string(::getpid());
-  std::filesystem::remove_all(dir);
-  std::filesystem::create_directories(dir);
-  return dir;
-}
-
-struct Leapd {
-  std::unique_ptr<testing::Process> proc;
-  std::string address;
-  std::shared_ptr<grpc::Channel> channel;
-  std::unique_ptr<pb::Admin::Stub> admin;
-
-  bool Start(const std::vector<std::string>& args) {
-    auto p = testing::StartLeapd(LEAPD_PATH, args, &address);
-    if (!p.ok()) {
-      ADD_FAILURE() << p.status();
-      return false;
-    }
-    proc = std::move(*p);
-    channel = testing::MakeChannel(address);
-    admin = pb::Admin::NewStub(channel);
-    return true;
-  }
-  void Stop() {
-    proc->Signal(SIGTERM);
-    EXPECT_EQ(proc->Wait(), 0);
-  }
-  std::string MetricsAddress() const {
-    const std::string prefix = "metrics on http://";
-    for (const std::string& l : proc->lines()) {
-      if (l.rfind(prefix, 0) == 0) {
-        std::string rest = l.substr(prefix.size());
-        return rest.substr(0, rest.find('/'));
-      }
-    }
-    return "";
-  }
-  pb::ReadoutStats Stats() {
-    grpc::ClientContext ctx;
-    pb::GetStatsRequest req;
-    req.set_readout("r");
-    pb::StatsResponse resp;
-    grpc::Status s = admin->GetStats(&ctx, req, &resp);
-    EXPECT_TRUE(s.ok()) << s.error_message();
-    EXPECT_EQ(resp.readouts_size(), 1);
-    return resp.readouts_size() == 1 ? resp.readouts(0) : pb::ReadoutStats();
-  }
-  readout::ReadoutState Export() {
-    grpc::ClientContext ctx;
-    pb::ExportReadoutRequest req;
-    req.set_name("r");
-    pb::ExportReadoutResponse resp;
-    grpc::Status st = admin->ExportReadout(&ctx, req, &resp);
-    EXPECT_TRUE(st.ok()) << st.error_message();
-    auto state = readout::ParseArtifact(resp.artifact(), "export");
-    EXPECT_TRUE(state.ok()) << state.status();
-    return state.ok() ? std::move(*state) : readout::ReadoutState();
-  }
-};
 
 // The value of the metric series `name{...}` whose labels include every one
 // of `labels` (e.g. readout="r"); NaN when absent.
@@ -278,7 +219,7 @@ int64_t AdversarialPhase(Leapd& s, EngineStream& e, Traffic& t) {
 }
 
 TEST(LeapdGuardrail, AdversarialFeedbackFreezesLearningNormalDoesNot) {
-  const std::string dir = TempDir("freeze");
+  const std::string dir = TempDir("guardrail-freeze");
   const std::vector<std::string> args = Args(dir, "freeze", /*margin=*/false);
   Leapd s;
   ASSERT_TRUE(s.Start(args));
@@ -381,7 +322,7 @@ TEST(LeapdGuardrail, AdversarialFeedbackFreezesLearningNormalDoesNot) {
 }
 
 TEST(LeapdGuardrail, RollbackRestoresTheLastGoodSnapshotBitForBit) {
-  const std::string dir = TempDir("rollback");
+  const std::string dir = TempDir("guardrail-rollback");
   Leapd s;
   ASSERT_TRUE(s.Start(Args(dir, "rollback", /*margin=*/true)));
   ASSERT_TRUE(testing::CreateDefaultReadout(s.address, "r", kDim).ok());

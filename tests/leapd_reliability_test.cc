@@ -32,6 +32,7 @@
 #include "gtest/gtest.h"
 #include "readout/artifact.h"
 #include "tests/support/engine_client.h"
+#include "tests/support/leapd_fixture.h"
 #include "tests/support/process.h"
 
 namespace leap {
@@ -39,60 +40,10 @@ namespace {
 
 namespace pb = ::leap::v1;
 using testing::EngineStream;
+using testing::Leapd;
+using testing::TempDir;
 
 constexpr int64_t kBudget = 2048;
-
-std::string TempDir(const std::string& name) {
-  std::string dir = ::testing::TempDir() + "/" + name + "-" +
-                    std::to_string(::getpid());
-  std::filesystem::remove_all(dir);
-  std::filesystem::create_directories(dir);
-  return dir;
-}
-
-struct Leapd {
-  std::unique_ptr<testing::Process> proc;
-  std::string address;
-  std::shared_ptr<grpc::Channel> channel;
-  std::unique_ptr<pb::Admin::Stub> admin;
-  std::unique_ptr<pb::Predictor::Stub> predictor;
-
-  bool Start(const std::vector<std::string>& args) {
-    auto p = testing::StartLeapd(LEAPD_PATH, args, &address);
-    if (!p.ok()) {
-      ADD_FAILURE() << p.status();
-      return false;
-    }
-    proc = std::move(*p);
-    Connect();
-    return true;
-  }
-  void Connect() {
-    channel = testing::MakeChannel(address);
-    admin = pb::Admin::NewStub(channel);
-    predictor = pb::Predictor::NewStub(channel);
-  }
-  pb::ReadoutInfo Info() {
-    grpc::ClientContext ctx;
-    pb::GetReadoutRequest req;
-    req.set_name("r");
-    pb::ReadoutInfo info;
-    grpc::Status s = admin->GetReadout(&ctx, req, &info);
-    EXPECT_TRUE(s.ok()) << s.error_message();
-    return info;
-  }
-  std::string MetricsText() {
-    for (const std::string& line : proc->lines()) {
-      const std::string pre = "metrics on http://";
-      if (line.rfind(pre, 0) != 0) continue;
-      std::string hp = line.substr(pre.size());
-      hp = hp.substr(0, hp.find('/'));
-      auto body = testing::HttpGet(hp, "/metrics");
-      return body.ok() ? *body : "";
-    }
-    return "";
-  }
-};
 
 void CreateCold(Leapd& s, int64_t dim, double lambda) {
   grpc::ClientContext ctx;
@@ -169,18 +120,6 @@ Eigen::VectorXd ClosedForm(const std::vector<Req>& reqs, int64_t dim,
     b += u * std::sqrt(static_cast<double>(std::min(r.tokens, kBudget)));
   }
   return a.llt().solve(b);
-}
-
-readout::ReadoutState Export(Leapd& s) {
-  grpc::ClientContext ctx;
-  pb::ExportReadoutRequest req;
-  req.set_name("r");
-  pb::ExportReadoutResponse resp;
-  grpc::Status st = s.admin->ExportReadout(&ctx, req, &resp);
-  EXPECT_TRUE(st.ok()) << st.error_message();
-  auto state = readout::ParseArtifact(resp.artifact(), "export");
-  EXPECT_TRUE(state.ok()) << state.status();
-  return std::move(*state);
 }
 
 // Follows WatchReadout until `learned` completions are applied.
@@ -419,7 +358,7 @@ TEST(Identity, ReusedRequestIdIsLearnedEachTime) {
     EXPECT_EQ(ack.ack().errors_size(), 0) << "request " << i;
   }
   ASSERT_TRUE(WaitLearned(s, 3));
-  const readout::ReadoutState state = Export(s);
+  const readout::ReadoutState state = s.Export();
   EXPECT_EQ(state.completions_learned, 3);
   const Eigen::VectorXd want = ClosedForm(all, dim, 1.0);
   EXPECT_LT((state.theta - want).norm() / want.norm(), 1e-6);
@@ -451,7 +390,7 @@ TEST(Identity, SameIdFromTwoEnginesIsTwoRequests) {
   EXPECT_EQ(ack_a.ack().errors_size(), 0);
   EXPECT_EQ(ack_a.ack().duplicates(), 0);
   ASSERT_TRUE(WaitLearned(s, 2));
-  const readout::ReadoutState state = Export(s);
+  const readout::ReadoutState state = s.Export();
   const Eigen::VectorXd want = ClosedForm({ra, rb}, dim, 1.0);
   EXPECT_LT((state.theta - want).norm() / want.norm(), 1e-6);
 }

@@ -30,6 +30,7 @@
 #include "readout/artifact.h"
 #include "storage/rocksdb_store.h"
 #include "tests/support/engine_client.h"
+#include "tests/support/leapd_fixture.h"
 #include "tests/support/process.h"
 
 namespace leap {
@@ -37,36 +38,11 @@ namespace {
 
 namespace pb = ::leap::v1;
 using testing::EngineStream;
+using testing::Leapd;
+using testing::TempDir;
 
 constexpr double kLambda = 10.0;
 constexpr int64_t kBudget = 2048;
-
-std::string TempDir(const std::string& name) {
-  std::string dir = ::testing::TempDir() + "/" + name + "-" +
-                    std::to_string(::getpid());
-  std::filesystem::remove_all(dir);
-  std::filesystem::create_directories(dir);
-  return dir;
-}
-
-struct Leapd {
-  std::unique_ptr<testing::Process> proc;
-  std::string address;
-  std::shared_ptr<grpc::Channel> channel;
-  std::unique_ptr<pb::Admin::Stub> admin;
-
-  bool Start(const std::vector<std::string>& args) {
-    auto p = testing::StartLeapd(LEAPD_PATH, args, &address);
-    if (!p.ok()) {
-      ADD_FAILURE() << p.status();
-      return false;
-    }
-    proc = std::move(*p);
-    channel = testing::MakeChannel(address);
-    admin = pb::Admin::NewStub(channel);
-    return true;
-  }
-};
 
 void CreateCold(Leapd& s, int64_t dim) {
   grpc::ClientContext ctx;
@@ -156,18 +132,6 @@ bool WaitLearned(Leapd& s, int64_t learned, pb::ReadoutVersion* last) {
   }
   ctx.TryCancel();
   return false;
-}
-
-readout::ReadoutState Export(Leapd& s) {
-  grpc::ClientContext ctx;
-  pb::ExportReadoutRequest req;
-  req.set_name("r");
-  pb::ExportReadoutResponse resp;
-  grpc::Status st = s.admin->ExportReadout(&ctx, req, &resp);
-  EXPECT_TRUE(st.ok()) << st.error_message();
-  auto state = readout::ParseArtifact(resp.artifact(), "export");
-  EXPECT_TRUE(state.ok()) << state.status();
-  return std::move(*state);
 }
 
 // theta* = (lambda I + sum u u')^-1 sum u y over the given completions.
@@ -268,7 +232,7 @@ TEST(LeapdStorage, KillNineTwentyTimesLosesNothingAcknowledged) {
   ASSERT_TRUE(WaitLearned(s, static_cast<int64_t>(acked.size()), &last))
       << "learned " << last.completions_learned() << " != acknowledged "
       << acked.size();
-  const readout::ReadoutState state = Export(s);
+  const readout::ReadoutState state = s.Export();
   ASSERT_EQ(state.completions_learned, static_cast<int64_t>(acked.size()));
   const Eigen::VectorXd want = ClosedForm(reqs, acked, dim);
   const double err = (state.theta - want).norm() / want.norm();
@@ -321,7 +285,7 @@ TEST(LeapdStorage, CorruptNewestCheckpointFallsBackAndServesCorrectState) {
   EXPECT_TRUE(reported) << "no corruption report in leapd's output";
   pb::ReadoutVersion last;
   ASSERT_TRUE(WaitLearned(s, static_cast<int64_t>(acked.size()), &last));
-  const readout::ReadoutState state = Export(s);
+  const readout::ReadoutState state = s.Export();
   const Eigen::VectorXd want = ClosedForm(reqs, acked, dim);
   const double err = (state.theta - want).norm() / want.norm();
   std::printf("corruption test: fell back, replayed, theta rel err %.3g\n", err);
@@ -361,9 +325,9 @@ TEST(LeapdStorage, RollbackRestoresSnapshotBitForBitAndPushesIt) {
     ASSERT_TRUE(s.admin->CreateSnapshot(&ctx, req, &info).ok());
     EXPECT_EQ(info.completions_learned(), 200);
   }
-  const readout::ReadoutState snap = Export(s);
+  const readout::ReadoutState snap = s.Export();
   learn(1000);
-  const readout::ReadoutState moved = Export(s);
+  const readout::ReadoutState moved = s.Export();
   ASSERT_NE(moved.theta, snap.theta);
   // Live requests of the engine, to be rescored by the rollback.
   const size_t from = reqs.size();
@@ -390,7 +354,7 @@ TEST(LeapdStorage, RollbackRestoresSnapshotBitForBitAndPushesIt) {
       }
     }
   };
-  same_state(Export(s));
+  same_state(s.Export());
   ASSERT_TRUE(e.WaitUntil([&] {
     auto pubs = e.published("r");
     auto rs = e.rescores("r");
@@ -402,7 +366,7 @@ TEST(LeapdStorage, RollbackRestoresSnapshotBitForBitAndPushesIt) {
   ASSERT_EQ(s.proc->Wait(), 0);
   Leapd again;
   ASSERT_TRUE(again.Start(args));
-  same_state(Export(again));
+  same_state(again.Export());
   {
     grpc::ClientContext ctx;
     pb::ListVersionsRequest req;

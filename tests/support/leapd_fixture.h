@@ -1,0 +1,126 @@
+// A real leapd child process for gtest end-to-end tests: a fresh temp
+// directory per test, and a started leapd with its channel and stubs. Header
+// only (it reports failures to gtest); the leapd binary is LEAPD_PATH, which
+// leap_add_process_test(... TOOLS leapd) compiles in.
+#ifndef LEAP_TESTS_SUPPORT_LEAPD_FIXTURE_H_
+#define LEAP_TESTS_SUPPORT_LEAPD_FIXTURE_H_
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "leap/v1/admin.grpc.pb.h"
+#include "leap/v1/predictor.grpc.pb.h"
+#include "readout/artifact.h"
+#include "tests/support/engine_client.h"
+#include "tests/support/process.h"
+
+namespace leap::testing {
+
+// An empty directory <gtest temp dir>/<name>-<pid> (removed first if it
+// exists).
+inline std::string TempDir(const std::string& name) {
+  std::string dir = ::testing::TempDir() + "/" + name + "-" +
+                    std::to_string(::getpid());
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  return dir;
+}
+
+// One leapd process (see StartLeapd: port 0 listeners, waits for ready).
+struct Leapd {
+  std::unique_ptr<Process> proc;
+  std::string address;
+  std::shared_ptr<grpc::Channel> channel;
+  std::unique_ptr<leap::v1::Admin::Stub> admin;
+  std::unique_ptr<leap::v1::Predictor::Stub> predictor;
+
+#ifdef LEAPD_PATH
+  bool Start(const std::vector<std::string>& args) {
+    return Start(LEAPD_PATH, args);
+  }
+#endif
+  bool Start(const std::string& leapd_path,
+             const std::vector<std::string>& args) {
+    auto p = StartLeapd(leapd_path, args, &address);
+    if (!p.ok()) {
+      ADD_FAILURE() << p.status();
+      return false;
+    }
+    proc = std::move(*p);
+    Connect();
+    return true;
+  }
+  // (Re)makes the channel and stubs for `address`.
+  void Connect() {
+    channel = MakeChannel(address);
+    admin = leap::v1::Admin::NewStub(channel);
+    predictor = leap::v1::Predictor::NewStub(channel);
+  }
+  // SIGTERM; expects a clean exit.
+  void Stop() {
+    proc->Signal(SIGTERM);
+    EXPECT_EQ(proc->Wait(), 0);
+  }
+  // host:port of the metrics listener ("" when not announced).
+  std::string MetricsAddress() const {
+    const std::string prefix = "metrics on http://";
+    for (const std::string& l : proc->lines()) {
+      if (l.rfind(prefix, 0) == 0) {
+        std::string rest = l.substr(prefix.size());
+        return rest.substr(0, rest.find('/'));
+      }
+    }
+    return "";
+  }
+  // The /metrics page ("" when unavailable).
+  std::string MetricsText() const {
+    const std::string hp = MetricsAddress();
+    if (hp.empty()) return "";
+    auto body = HttpGet(hp, "/metrics");
+    return body.ok() ? *body : "";
+  }
+  leap::v1::ReadoutInfo Info(const std::string& name = "r") {
+    grpc::ClientContext ctx;
+    leap::v1::GetReadoutRequest req;
+    req.set_name(name);
+    leap::v1::ReadoutInfo info;
+    grpc::Status s = admin->GetReadout(&ctx, req, &info);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+    return info;
+  }
+  leap::v1::ReadoutStats Stats(const std::string& name = "r") {
+    grpc::ClientContext ctx;
+    leap::v1::GetStatsRequest req;
+    req.set_readout(name);
+    leap::v1::StatsResponse resp;
+    grpc::Status s = admin->GetStats(&ctx, req, &resp);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+    EXPECT_EQ(resp.readouts_size(), 1);
+    return resp.readouts_size() == 1 ? resp.readouts(0)
+                                     : leap::v1::ReadoutStats();
+  }
+  // The readout's state as ExportReadout gives it (empty on failure).
+  readout::ReadoutState Export(const std::string& name = "r") {
+    grpc::ClientContext ctx;
+    leap::v1::ExportReadoutRequest req;
+    req.set_name(name);
+    leap::v1::ExportReadoutResponse resp;
+    grpc::Status st = admin->ExportReadout(&ctx, req, &resp);
+    EXPECT_TRUE(st.ok()) << st.error_message();
+    if (!st.ok()) return readout::ReadoutState();
+    auto state = readout::ParseArtifact(resp.artifact(), "export");
+    EXPECT_TRUE(state.ok()) << state.status();
+    return state.ok() ? std::move(*state) : readout::ReadoutState();
+  }
+};
+
+}  // namespace leap::testing
+
+#endif  // LEAP_TESTS_SUPPORT_LEAPD_FIXTURE_H_
