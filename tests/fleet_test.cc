@@ -1,0 +1,573 @@
+// Fleet mode end to end (issue 12), every component real and separate:
+// a 3-node NATS JetStream cluster (Debian nats-server, file storage in a temp
+// dir, random loopback ports), 3 leapd members (--fleet, R3 streams, data
+// dirs), and 3 engine processes (fleet_test_engine) sending Predict +
+// Complete to different members and writing down every acknowledged
+// completion (features and target).
+//  - Faults at random moments (seeded; the seed is printed, LEAP_FLEET_SEED
+//    replays it), each kind LEAP_FLEET_FAULTS times (default 5): kill -9 of
+//    the trainer (the holder of the lease key, read from NATS), of a
+//    non-trainer member (its engine moves on and the member is restarted on
+//    its port), of one NATS node (restarted after a while). After EVERY
+//    fault the engines are paused between requests and every member must
+//    serve identical weights (WatchReadout with weights, same version and
+//    fleet_seq) equal to the FP64 closed form over exactly the acknowledged
+//    completions of all engines, with completions_learned equal to their
+//    count: nothing acknowledged lost, nothing learned twice.
+//  - Fleet-wide rollback through one member: a snapshot taken through m0,
+//    more traffic, rollback through m1: every member serves the snapshot's
+//    weights bit for bit (and ExportReadout's theta equals the snapshot's),
+//    and each member's live requests are rescored with the rollback version.
+#include <nats/nats.h>
+#include <signal.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <map>
+#include <random>
+#include <set>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "Eigen/Cholesky"
+#include "Eigen/Core"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "gtest/gtest.h"
+#include "leap/v1/fleet.pb.h"
+#include "tests/support/engine_client.h"
+#include "tests/support/leapd_fixture.h"
+#include "tests/support/nats_cluster.h"
+#include "tests/support/process.h"
+
+namespace leap {
+namespace {
+
+namespace pb = ::leap::v1;
+using testing::Leapd;
+
+constexpr int64_t kDim = 16;
+constexpr double kLambda = 1.0;
+constexpr int kMembers = 3;
+constexpr int kEngines = 3;
+const char kFleet[] = "ft";
+
+int EnvInt(const char* name, int def) {
+  const char* v = std::getenv(name);
+  return v != nullptr && *v != '\0' ? std::atoi(v) : def;
+}
+
+// Reads the trainer lease (LEAP_<fleet>_LEASE, key "trainer") from NATS.
+class LeaseReader {
+ public:
+  explicit LeaseReader(const testing::NatsCluster& c) {
+    natsOptions* opts = nullptr;
+    natsOptions_Create(&opts);
+    std::vector<std::string> urls;
+    std::vector<const char*> ptrs;
+    for (int i = 0; i < c.size(); ++i) urls.push_back(c.url(i));
+    for (const std::string& u : urls) ptrs.push_back(u.c_str());
+    natsOptions_SetServers(opts, ptrs.data(), static_cast<int>(ptrs.size()));
+    natsOptions_SetReconnectWait(opts, 50);
+    natsOptions_SetMaxReconnect(opts, -1);
+    natsOptions_SetTimeout(opts, 2000);
+    EXPECT_EQ(natsConnection_Connect(&nc_, opts), NATS_OK);
+    natsOptions_Destroy(opts);
+    if (nc_ != nullptr) natsConnection_JetStream(&js_, nc_, nullptr);
+  }
+  ~LeaseReader() {
+    kvStore_Destroy(kv_);
+    jsCtx_Destroy(js_);
+    natsConnection_Destroy(nc_);
+  }
+  // The holder's member id and the key's revision ("" when none / unknown).
+  std::string Holder(uint64_t* revision = nullptr) {
+    if (js_ == nullptr) return "";
+    if (kv_ == nullptr &&
+        js_KeyValue(&kv_, js_, absl::StrCat("LEAP_", kFleet, "_LEASE").c_str()) !=
+            NATS_OK) {
+      kv_ = nullptr;
+      return "";
+    }
+    kvEntry* e = nullptr;
+    if (kvStore_Get(&e, kv_, "trainer") != NATS_OK) return "";
+    pb::fleet::FleetLease lease;
+    const bool ok = kvEntry_Operation(e) == kvOp_Put &&
+                    lease.ParseFromArray(kvEntry_Value(e), kvEntry_ValueLen(e));
+    if (revision != nullptr) *revision = kvEntry_Revision(e);
+    kvEntry_Destroy(e);
+    return ok ? lease.member() : "";
+  }
+  // Waits until the key holds a lease with a revision other than
+  // `old_revision` (a new claim); returns the holder ("" on timeout).
+  std::string WaitNewHolder(uint64_t old_revision, absl::Duration timeout) {
+    const absl::Time deadline = absl::Now() + timeout;
+    while (absl::Now() < deadline) {
+      uint64_t rev = 0;
+      const std::string h = Holder(&rev);
+      // A renewal also changes the revision: a new claim is a create, which
+      // the holder's acquired time tells apart; the revision is what we
+      // can check without parsing times, so accept any holder whose key
+      // was re-created after expiring (rev > old and lease younger than
+      // the kill, checked by the caller through takeover timing).
+      if (!h.empty() && rev != old_revision) return h;
+      // No watch here: the key may not exist between expiry and a claim,
+      // and a KV watcher on a bucket that is being re-elected after a NATS
+      // node kill reconnects slowly. Poll the replicated value.
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+    return "";
+  }
+
+ private:
+  natsConnection* nc_ = nullptr;
+  jsCtx* js_ = nullptr;
+  kvStore* kv_ = nullptr;
+};
+
+struct Member {
+  std::string id;
+  std::string dir;
+  int port = 0;
+  Leapd d;
+};
+
+struct Weights {
+  int64_t version = 0;
+  uint64_t fleet_seq = 0;
+  int64_t learned = 0;
+  std::string w;  // dim float32, as served
+  double bias = 0;
+  std::string cause;
+};
+
+// Follows WatchReadout(include_weights) on `m` until a version with
+// fleet_seq >= `seq` (and, when `version` > 0, that version number or a
+// later one) is served; false on timeout.
+bool WaitServed(Member& m, uint64_t seq, int64_t version, Weights* out,
+                absl::Duration timeout = absl::Seconds(60)) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+  pb::WatchReadoutRequest req;
+  req.set_readout("r");
+  req.set_include_weights(true);
+  auto watch = m.d.predictor->WatchReadout(&ctx, req);
+  pb::ReadoutVersion v;
+  bool ok = false;
+  while (watch->Read(&v)) {
+    if (v.fleet_seq() >= seq && v.version() >= version) {
+      ok = true;
+      break;
+    }
+  }
+  ctx.TryCancel();
+  if (ok) {
+    out->version = v.version();
+    out->fleet_seq = v.fleet_seq();
+    out->learned = v.completions_learned();
+    out->w = v.w();
+    out->bias = v.bias();
+    out->cause = v.cause();
+  }
+  return ok;
+}
+
+// theta* = (lambda I + sum u u')^-1 sum u y, u = [x; 1] (cold start),
+// accumulated over the acknowledged completions read so far.
+class Reference {
+ public:
+  Reference()
+      : a_(kLambda * Eigen::MatrixXd::Identity(kDim + 1, kDim + 1)),
+        b_(Eigen::VectorXd::Zero(kDim + 1)) {}
+  // Reads the lines engines appended to `path` since the last call.
+  void ReadNew(const std::string& path) {
+    std::ifstream f(path);
+    f.seekg(offsets_[path]);
+    std::string line;
+    while (std::getline(f, line)) {
+      if (f.eof()) break;  // a partial last line: engines are paused, none
+      offsets_[path] = f.tellg();
+      std::istringstream in(line);
+      std::string tag, id, target_s;
+      unsigned long long seq = 0;
+      int learned = 0, dup = 0;
+      in >> tag >> id >> seq >> learned >> dup >> target_s;
+      ASSERT_EQ(tag, "A") << line;
+      ASSERT_TRUE(ids_.insert(id).second) << "acknowledged twice: " << id;
+      if (learned == 0 && dup == 0) continue;  // skipped by rule: none here
+      Eigen::VectorXd u(kDim + 1);
+      for (int64_t k = 0; k < kDim; ++k) {
+        std::string xs;
+        in >> xs;
+        u[k] = std::strtod(xs.c_str(), nullptr);
+      }
+      u[kDim] = 1.0;
+      const double y = std::strtod(target_s.c_str(), nullptr);
+      a_ += u * u.transpose();
+      b_ += y * u;
+      ++n_;
+      duplicates_ += dup;
+      max_seq_ = std::max<uint64_t>(max_seq_, seq);
+      EXPECT_GT(seq, 0u) << "acknowledged without a fleet_seq: " << line;
+    }
+  }
+  Eigen::VectorXd Theta() const { return a_.llt().solve(b_); }
+  int64_t n() const { return n_; }
+  int64_t duplicates() const { return duplicates_; }
+  uint64_t max_seq() const { return max_seq_; }
+
+ private:
+  Eigen::MatrixXd a_;
+  Eigen::VectorXd b_;
+  std::map<std::string, std::streamoff> offsets_;
+  std::set<std::string> ids_;
+  int64_t n_ = 0, duplicates_ = 0;
+  uint64_t max_seq_ = 0;
+};
+
+class FleetTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = testing::TempDir("fleet");
+    testing::NatsClusterOptions o;
+    o.nodes = 3;
+    o.dir = dir_ + "/nats";
+    auto c = testing::NatsCluster::Start(o);
+    ASSERT_TRUE(c.ok()) << c.status();
+    nats_ = std::move(*c);
+    std::printf("NATS cluster: %s\n", nats_->urls().c_str());
+    for (int i = 0; i < kMembers; ++i) {
+      members_[i].id = absl::StrCat("m", i);
+      members_[i].dir = absl::StrCat(dir_, "/", members_[i].id);
+      auto port = testing::FreeLoopbackPort();
+      ASSERT_TRUE(port.ok());
+      members_[i].port = *port;
+      ASSERT_TRUE(StartMember(i));
+    }
+    lease_ = std::make_unique<LeaseReader>(*nats_);
+  }
+
+  std::vector<std::string> MemberArgs(int i) {
+    return {absl::StrCat("--listen=127.0.0.1:", members_[i].port),
+            "--data_dir=" + members_[i].dir,
+            "--fleet=" + nats_->urls(),
+            absl::StrCat("--fleet_name=", kFleet),
+            "--fleet_member=" + members_[i].id,
+            "--fleet_replicas=3",
+            "--fleet_lease_ms=1000",
+            "--fleet_version_interval_ms=100"};
+  }
+  bool StartMember(int i) {
+    return members_[i].d.Start(LEAPD_PATH, MemberArgs(i));
+  }
+  void KillMember(int i) {
+    members_[i].d.proc->Signal(SIGKILL);
+    members_[i].d.proc->Wait();
+    members_[i].d.proc.reset();
+  }
+  int MemberIndex(const std::string& id) {
+    for (int i = 0; i < kMembers; ++i) {
+      if (members_[i].id == id) return i;
+    }
+    return -1;
+  }
+
+  void CreateReadout(int via) {
+    grpc::ClientContext ctx;
+    pb::CreateReadoutRequest req;
+    req.set_name("r");
+    req.mutable_cold_start()->set_dim(kDim);
+    req.mutable_cold_start()->set_lambda(kLambda);
+    pb::ReadoutInfo info;
+    grpc::Status st = members_[via].d.admin->CreateReadout(&ctx, req, &info);
+    ASSERT_TRUE(st.ok()) << st.error_message();
+    grpc::ClientContext rctx;
+    pb::SetRouteRequest route;
+    auto* arm = route.mutable_route()->add_arms();
+    arm->set_readout("r");
+    arm->set_percent(100);
+    pb::Route out;
+    st = members_[via].d.admin->SetRoute(&rctx, route, &out);
+    ASSERT_TRUE(st.ok()) << st.error_message();
+    // Every member serves it (CONFIG KV + VERSIONS).
+    for (Member& m : members_) {
+      Weights w;
+      ASSERT_TRUE(WaitServed(m, 0, 1, &w, absl::Seconds(30)))
+          << m.id << " never served readout r";
+    }
+  }
+
+  void StartEngines(double rate) {
+    std::vector<std::string> addrs;
+    for (const Member& m : members_) {
+      addrs.push_back(absl::StrCat("127.0.0.1:", m.port));
+    }
+    for (int k = 0; k < kEngines; ++k) {
+      engine_out_[k] = absl::StrCat(dir_, "/engine", k, ".acks");
+      client::ProcessOptions po;
+      po.die_with_parent = true;
+      po.kept_lines = 100;
+      auto p = testing::Process::Start(
+          {FLEET_TEST_ENGINE_PATH, "--members=" + absl::StrJoin(addrs, ","),
+           absl::StrCat("--start=", k), absl::StrCat("--dim=", kDim),
+           absl::StrCat("--seed=", seed_ * 10 + k),
+           absl::StrCat("--instance=engine", k), "--out=" + engine_out_[k],
+           absl::StrCat("--rate=", rate)},
+          po);
+      ASSERT_TRUE(p.ok()) << p.status();
+      engines_[k] = std::move(*p);
+    }
+  }
+  void Pause() {
+    for (auto& e : engines_) e->Signal(SIGUSR1);
+    for (auto& e : engines_) {
+      auto l = e->WaitForLine("paused", absl::Seconds(120));
+      ASSERT_TRUE(l.ok()) << l.status() << " " << e->Tail();
+    }
+  }
+  void Resume() {
+    for (auto& e : engines_) e->Signal(SIGUSR2);
+    for (auto& e : engines_) {
+      ASSERT_TRUE(e->WaitForLine("resumed", absl::Seconds(10)).ok());
+    }
+  }
+  void StopEngines() {
+    for (auto& e : engines_) e->Signal(SIGTERM);
+    for (auto& e : engines_) {
+      auto l = e->WaitForLine("done", absl::Seconds(120));
+      ASSERT_TRUE(l.ok()) << l.status();
+      std::printf("engine: done%s\n", l->c_str());
+      EXPECT_EQ(e->Wait(), 0);
+    }
+  }
+
+  // With the engines paused: every member serves the same weights, equal to
+  // the closed form over every acknowledged completion.
+  void CheckExact(const std::string& when) {
+    for (const std::string& p : engine_out_) ref_.ReadNew(p);
+    const Eigen::VectorXd want = ref_.Theta();
+    Weights first;
+    for (int i = 0; i < kMembers; ++i) {
+      Weights w;
+      ASSERT_TRUE(WaitServed(members_[i], ref_.max_seq(), 0, &w))
+          << when << ": " << members_[i].id << " never served fleet_seq >= "
+          << ref_.max_seq();
+      if (i == 0) {
+        first = w;
+      } else {
+        EXPECT_EQ(w.version, first.version) << when << " " << members_[i].id;
+        EXPECT_EQ(w.fleet_seq, first.fleet_seq) << when << " " << members_[i].id;
+        EXPECT_TRUE(w.w == first.w && w.bias == first.bias)
+            << when << ": " << members_[i].id << " serves other weights";
+      }
+      EXPECT_EQ(w.learned, ref_.n())
+          << when << ": " << members_[i].id << " learned " << w.learned
+          << " != acknowledged " << ref_.n();
+    }
+    ASSERT_EQ(first.w.size(), kDim * sizeof(float));
+    Eigen::VectorXd got(kDim + 1);
+    for (int64_t k = 0; k < kDim; ++k) {
+      float f;
+      std::memcpy(&f, first.w.data() + 4 * k, 4);
+      got[k] = f;
+    }
+    got[kDim] = first.bias;
+    const double err = (got - want).norm() / want.norm();
+    // Served weights are FP32: ~1e-7 of their size.
+    EXPECT_LT(err, 1e-5) << when;
+    // ExportReadout's FP64 theta (each member installs the fleet's theta).
+    double export_err = 0;
+    for (Member& m : members_) {
+      const readout::ReadoutState s = m.d.Export();
+      if (s.theta.size() != kDim + 1) {
+        ADD_FAILURE() << when << ": " << m.id << " export theta size "
+                      << s.theta.size();
+        continue;
+      }
+      export_err = std::max(export_err, (s.theta - want).norm() / want.norm());
+    }
+    EXPECT_LT(export_err, 1e-6) << when;
+    max_err_ = std::max(max_err_, err);
+    max_export_err_ = std::max(max_export_err_, export_err);
+    std::printf("[%6.1f s] %s: %lld acknowledged (%lld resent as duplicates), "
+                "fleet_seq %llu, version %lld, rel err served %.2e export %.2e\n",
+                absl::ToDoubleSeconds(absl::Now() - t0_), when.c_str(),
+                static_cast<long long>(ref_.n()),
+                static_cast<long long>(ref_.duplicates()),
+                static_cast<unsigned long long>(first.fleet_seq),
+                static_cast<long long>(first.version), err, export_err);
+    std::fflush(stdout);
+  }
+
+  std::string dir_;
+  uint64_t seed_ = 1;
+  absl::Time t0_ = absl::Now();
+  std::unique_ptr<testing::NatsCluster> nats_;
+  Member members_[kMembers];
+  std::unique_ptr<LeaseReader> lease_;
+  std::unique_ptr<testing::Process> engines_[kEngines];
+  std::string engine_out_[kEngines];
+  Reference ref_;
+  double max_err_ = 0, max_export_err_ = 0;
+};
+
+TEST_F(FleetTest, FaultsKeepExactnessAndRollbackHoldsFleetWide) {
+  const int faults = EnvInt("LEAP_FLEET_FAULTS", 5);
+  seed_ = static_cast<uint64_t>(EnvInt(
+      "LEAP_FLEET_SEED", static_cast<int>(absl::ToUnixMicros(absl::Now()) % 100000)));
+  std::printf("LEAP_FLEET_SEED=%llu LEAP_FLEET_FAULTS=%d\n",
+              static_cast<unsigned long long>(seed_), faults);
+  std::mt19937_64 rng(seed_);
+  t0_ = absl::Now();
+  ASSERT_NO_FATAL_FAILURE(CreateReadout(0));
+  ASSERT_NO_FATAL_FAILURE(StartEngines(150));
+
+  enum Kind { kTrainer, kMember, kNats };
+  std::vector<Kind> plan;
+  for (int i = 0; i < faults; ++i) {
+    plan.push_back(kTrainer);
+    plan.push_back(kMember);
+    plan.push_back(kNats);
+  }
+  std::shuffle(plan.begin(), plan.end(), rng);
+  std::uniform_int_distribution<int> traffic_ms(300, 1500);
+  std::vector<double> takeovers;
+  int done[3] = {0, 0, 0};
+  for (size_t f = 0; f < plan.size(); ++f) {
+    // Traffic for a random while: the fault lands at a random moment of
+    // the stream (mid-batch, mid-publish, mid-version).
+    absl::SleepFor(absl::Milliseconds(traffic_ms(rng)));
+    std::string what;
+    if (plan[f] == kTrainer) {
+      uint64_t rev = 0;
+      std::string holder;
+      const absl::Time deadline = absl::Now() + absl::Seconds(30);
+      while ((holder = lease_->Holder(&rev)).empty() && absl::Now() < deadline) {
+        absl::SleepFor(absl::Milliseconds(20));
+      }
+      const int t = MemberIndex(holder);
+      ASSERT_GE(t, 0) << "no trainer lease holder: '" << holder << "'";
+      KillMember(t);
+      const absl::Time killed = absl::Now();
+      ASSERT_TRUE(StartMember(t)) << "restart of " << holder;
+      const std::string next = lease_->WaitNewHolder(rev, absl::Seconds(30));
+      ASSERT_FALSE(next.empty()) << "no trainer took over from " << holder;
+      takeovers.push_back(absl::ToDoubleMilliseconds(absl::Now() - killed));
+      what = absl::StrCat("kill -9 trainer ", holder, " -> ", next, " in ",
+                          static_cast<int>(takeovers.back()), " ms");
+    } else if (plan[f] == kMember) {
+      const std::string holder = lease_->Holder();
+      std::vector<int> others;
+      for (int i = 0; i < kMembers; ++i) {
+        if (members_[i].id != holder) others.push_back(i);
+      }
+      const int v = others[rng() % others.size()];
+      KillMember(v);
+      ASSERT_TRUE(StartMember(v)) << "restart of " << members_[v].id;
+      what = absl::StrCat("kill -9 member ", members_[v].id,
+                          " (trainer ", holder, ")");
+    } else {
+      const int n = static_cast<int>(rng() % nats_->size());
+      ASSERT_TRUE(nats_->Kill(n).ok());
+      absl::SleepFor(absl::Milliseconds(traffic_ms(rng)));
+      const absl::Status st = nats_->Restart(n);
+      ASSERT_TRUE(st.ok()) << st;
+      what = absl::StrCat("kill -9 NATS ", nats_->name(n));
+    }
+    ++done[plan[f]];
+    ASSERT_NO_FATAL_FAILURE(Pause());
+    ASSERT_NO_FATAL_FAILURE(CheckExact(absl::StrCat("fault ", f + 1, "/",
+                                                    plan.size(), " (", what, ")")));
+    ASSERT_NO_FATAL_FAILURE(Resume());
+  }
+  std::sort(takeovers.begin(), takeovers.end());
+  std::printf("faults: %d trainer, %d member, %d NATS node; trainer takeover "
+              "ms: %s\n",
+              done[kTrainer], done[kMember], done[kNats],
+              absl::StrJoin(takeovers, " ", [](std::string* o, double v) {
+                absl::StrAppend(o, static_cast<int>(v));
+              }).c_str());
+
+  // Fleet-wide rollback: snapshot through m0 with the engines paused.
+  ASSERT_NO_FATAL_FAILURE(Pause());
+  ASSERT_NO_FATAL_FAILURE(CheckExact("before snapshot"));
+  {
+    grpc::ClientContext ctx;
+    pb::CreateSnapshotRequest req;
+    req.set_readout("r");
+    req.set_label("good");
+    pb::SnapshotInfo info;
+    grpc::Status st = members_[0].d.admin->CreateSnapshot(&ctx, req, &info);
+    ASSERT_TRUE(st.ok()) << st.error_message();
+  }
+  Weights snap;
+  ASSERT_TRUE(WaitServed(members_[0], ref_.max_seq(), 0, &snap));
+  const readout::ReadoutState snap_state = members_[0].d.Export();
+  ASSERT_NO_FATAL_FAILURE(Resume());
+  absl::SleepFor(absl::Milliseconds(1000));  // more learning
+  ASSERT_NO_FATAL_FAILURE(Pause());
+  ASSERT_NO_FATAL_FAILURE(CheckExact("after snapshot"));
+  // A live request on each member, to be rescored by the rollback.
+  std::vector<std::unique_ptr<testing::EngineStream>> live;
+  for (int i = 0; i < kMembers; ++i) {
+    live.push_back(std::make_unique<testing::EngineStream>(
+        members_[i].d.channel, kDim, pb::FEATURE_DTYPE_FLOAT32,
+        absl::StrCat("live", i)));
+    pb::EngineMessage m;
+    auto* rec = m.mutable_features()->add_records();
+    rec->set_request_id("live");
+    std::vector<float> x(kDim, 0.5f);
+    rec->set_features(std::string(reinterpret_cast<const char*>(x.data()),
+                                  x.size() * 4));
+    const pb::SidecarMessage a = live.back()->Call(m);
+    ASSERT_EQ(a.predictions().predictions_size(), 1) << a.DebugString();
+  }
+  int64_t rollback_version = 0;
+  {
+    grpc::ClientContext ctx;
+    pb::RollbackRequest req;
+    req.set_readout("r");
+    req.set_label("good");
+    pb::RollbackResponse resp;
+    grpc::Status st = members_[1].d.admin->Rollback(&ctx, req, &resp);
+    ASSERT_TRUE(st.ok()) << st.error_message();
+    rollback_version = resp.version();
+  }
+  ASSERT_GT(rollback_version, snap.version);
+  for (int i = 0; i < kMembers; ++i) {
+    Weights w;
+    ASSERT_TRUE(WaitServed(members_[i], 0, rollback_version, &w)) << members_[i].id;
+    EXPECT_EQ(w.version, rollback_version) << members_[i].id;
+    EXPECT_TRUE(w.w == snap.w && w.bias == snap.bias)
+        << members_[i].id << " does not serve the snapshot's weights bit for bit";
+    EXPECT_EQ(w.learned, snap.learned) << members_[i].id;
+    const readout::ReadoutState s = members_[i].d.Export();
+    EXPECT_TRUE(s.theta.size() == snap_state.theta.size() &&
+                std::memcmp(s.theta.data(), snap_state.theta.data(),
+                            sizeof(double) * s.theta.size()) == 0)
+        << members_[i].id << ": theta is not the snapshot's";
+    EXPECT_TRUE(live[i]->WaitUntil(
+        [&] { return live[i]->rescores("r").count(rollback_version) > 0; },
+        absl::Seconds(30)))
+        << members_[i].id << " did not rescore its live request";
+  }
+  std::printf("rollback through m1 to version %lld: all %d members serve the "
+              "snapshot (version %lld) bit for bit and rescored\n",
+              static_cast<long long>(rollback_version), kMembers,
+              static_cast<long long>(snap.version));
+  for (auto& l : live) l->Finish();
+  ASSERT_NO_FATAL_FAILURE(Resume());
+  ASSERT_NO_FATAL_FAILURE(StopEngines());
+  std::printf("max relative error vs FP64 closed form: served %.2e, export %.2e; "
+              "wall %.1f s\n",
+              max_err_, max_export_err_, absl::ToDoubleSeconds(absl::Now() - t0_));
+}
+
+}  // namespace
+}  // namespace leap
