@@ -1,0 +1,355 @@
+// Fleet mode benchmark (issue 12): a NATS JetStream cluster on loopback
+// (3 nodes, R3 streams by default), 3 leapd members, one cold readout of
+// width d = 4096, clients in this process sending Predict + Complete to the
+// members in turn.
+//   1. this machine's exact-RLS bound: RlsState::Update in this process,
+//      batches of 64 at d, completions/s (the trainer's ceiling);
+//   2. sustained fleet throughput: closed-loop clients for --seconds; the
+//      acknowledged completions/s and the learned completions/s (from
+//      acknowledgement of the first to a version including the last, on
+//      every member), the trainer's rate as a ratio of the bound;
+//   3. staleness at a steady --rate completions/s fleet-wide: for each
+//      completion, from its acknowledgement (CompleteResponse.fleet_seq) to
+//      the first moment every member's WatchReadout has shown a version with
+//      fleet_seq >= it; p50, p99, max.
+// Prints the CPU model, core count and `uptime` (other load changes figures).
+//   fleet_benchmark [--dim=4096] [--seconds=10] [--rate=500] [--clients=6]
+//                   [--nats_nodes=3] [--trainer_threads=N (OPENBLAS_NUM_THREADS
+//                   of the members; 0 = leave)] [--version_interval_ms=200]
+// A benchmark program, not a ctest test. Release build.
+#include <signal.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <mutex>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "Eigen/Core"
+#include "absl/strings/str_cat.h"
+#include "readout/rls.h"
+#include "tests/support/engine_client.h"
+#include "tests/support/nats_cluster.h"
+#include "tests/support/process.h"
+
+namespace pb = ::leap::v1;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+int64_t IntFlag(int argc, char** argv, const std::string& name, int64_t def) {
+  const std::string pre = "--" + name + "=";
+  for (int i = 1; i < argc; ++i) {
+    if (std::strncmp(argv[i], pre.c_str(), pre.size()) == 0) {
+      return std::atoll(argv[i] + pre.size());
+    }
+  }
+  return def;
+}
+
+double Ms(Clock::duration d) {
+  return std::chrono::duration<double, std::milli>(d).count();
+}
+
+double Pct(std::vector<double> v, double p) {
+  if (v.empty()) return NAN;
+  std::sort(v.begin(), v.end());
+  return v[std::min(v.size() - 1, static_cast<size_t>(p * (v.size() - 1) + 0.5))];
+}
+
+std::string Sh(const std::string& cmd) {
+  std::string out;
+  FILE* f = popen(cmd.c_str(), "r");
+  if (f == nullptr) return "";
+  char buf[512];
+  while (fgets(buf, sizeof(buf), f) != nullptr) out += buf;
+  pclose(f);
+  while (!out.empty() && out.back() == '\n') out.pop_back();
+  return out;
+}
+
+// Versions seen by one member's WatchReadout: (time, fleet_seq, learned).
+struct Seen {
+  Clock::time_point t;
+  uint64_t fleet_seq;
+  int64_t learned;
+};
+
+class Watcher {
+ public:
+  Watcher(const std::string& address) : channel_(leap::testing::MakeChannel(address)) {
+    thread_ = std::thread([this] { Run(); });
+  }
+  ~Watcher() {
+    ctx_.TryCancel();
+    thread_.join();
+  }
+  std::vector<Seen> seen() {
+    std::lock_guard<std::mutex> l(mu_);
+    return seen_;
+  }
+  uint64_t last_seq() {
+    std::lock_guard<std::mutex> l(mu_);
+    return seen_.empty() ? 0 : seen_.back().fleet_seq;
+  }
+
+ private:
+  void Run() {
+    auto stub = pb::Predictor::NewStub(channel_);
+    pb::WatchReadoutRequest req;
+    req.set_readout("r");
+    auto w = stub->WatchReadout(&ctx_, req);
+    pb::ReadoutVersion v;
+    while (w->Read(&v)) {
+      std::lock_guard<std::mutex> l(mu_);
+      seen_.push_back({Clock::now(), v.fleet_seq(), v.completions_learned()});
+    }
+  }
+  std::shared_ptr<grpc::Channel> channel_;
+  grpc::ClientContext ctx_;
+  std::mutex mu_;
+  std::vector<Seen> seen_;
+  std::thread thread_;
+};
+
+struct Acked {
+  Clock::time_point t;
+  uint64_t seq;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const int64_t dim = IntFlag(argc, argv, "dim", 4096);
+  const int64_t seconds = IntFlag(argc, argv, "seconds", 10);
+  const int64_t rate = IntFlag(argc, argv, "rate", 500);
+  const int64_t clients = IntFlag(argc, argv, "clients", 6);
+  const int nats_nodes = static_cast<int>(IntFlag(argc, argv, "nats_nodes", 3));
+  const int64_t trainer_threads = IntFlag(argc, argv, "trainer_threads", 0);
+  const int64_t interval_ms = IntFlag(argc, argv, "version_interval_ms", 200);
+  std::printf("cpu: %s; %ld cores\nuptime: %s\n",
+              Sh("grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ //'").c_str(),
+              sysconf(_SC_NPROCESSORS_ONLN), Sh("uptime").c_str());
+  std::printf("d = %lld, NATS %d node(s) R%d on loopback, 3 members, %lld client "
+              "threads, version interval %lld ms, trainer threads %s\n",
+              static_cast<long long>(dim), nats_nodes, nats_nodes,
+              static_cast<long long>(clients), static_cast<long long>(interval_ms),
+              trainer_threads > 0 ? std::to_string(trainer_threads).c_str() : "default");
+
+  // 1. The exact-RLS bound of this machine (this process's thread settings).
+  double bound = 0;
+  {
+    const int64_t n = dim + 1, k = 64;
+    leap::readout::RlsState rls(Eigen::VectorXd::Zero(n),
+                                leap::readout::SymMatrix::ScaledIdentity(n, 1.0f));
+    std::mt19937_64 rng(1);
+    std::normal_distribution<float> n01;
+    std::vector<float> u(n * k);
+    for (float& v : u) v = n01(rng);
+    for (int64_t j = 0; j < k; ++j) u[j * n + dim] = 1.0f;
+    std::vector<double> y(k, 15.0);
+    int64_t done = 0;
+    const auto t0 = Clock::now();
+    while (Clock::now() - t0 < std::chrono::seconds(3)) {
+      if (!rls.Update(u.data(), n, y).ok()) break;
+      done += k;
+    }
+    bound = done / (Ms(Clock::now() - t0) / 1000);
+    std::printf("exact-RLS bound (batches of %lld, this process): %.0f completions/s\n",
+                static_cast<long long>(k), bound);
+  }
+
+  const std::string dir =
+      (std::filesystem::temp_directory_path() / ("leap-fleet-bench-" + std::to_string(getpid())))
+          .string();
+  std::filesystem::remove_all(dir);
+  leap::testing::NatsClusterOptions no;
+  no.nodes = nats_nodes;
+  no.dir = dir + "/nats";
+  auto nats = leap::testing::NatsCluster::Start(no);
+  if (!nats.ok()) {
+    std::fprintf(stderr, "%s\n", std::string(nats.status().message()).c_str());
+    return 1;
+  }
+  if (trainer_threads > 0) {
+    setenv("OPENBLAS_NUM_THREADS", std::to_string(trainer_threads).c_str(), 1);
+  }
+  std::vector<std::unique_ptr<leap::testing::Process>> members;
+  std::vector<std::string> addrs;
+  for (int i = 0; i < 3; ++i) {
+    std::string addr;
+    auto p = leap::testing::StartLeapd(
+        LEAPD_PATH,
+        {absl::StrCat("--data_dir=", dir, "/m", i), "--fleet=" + (*nats)->urls(),
+         "--fleet_name=bench", absl::StrCat("--fleet_member=m", i),
+         absl::StrCat("--fleet_replicas=", nats_nodes),
+         absl::StrCat("--fleet_version_interval_ms=", interval_ms)},
+        &addr);
+    if (!p.ok()) {
+      std::fprintf(stderr, "member %d: %s\n", i, std::string(p.status().message()).c_str());
+      return 1;
+    }
+    members.push_back(std::move(*p));
+    addrs.push_back(addr);
+  }
+  {
+    grpc::Status st = leap::testing::CreateDefaultReadout(addrs[0], "r", dim);
+    if (!st.ok()) {
+      std::fprintf(stderr, "create: %s\n", st.error_message().c_str());
+      return 1;
+    }
+  }
+  std::vector<std::unique_ptr<Watcher>> watchers;
+  for (const std::string& a : addrs) watchers.push_back(std::make_unique<Watcher>(a));
+
+  // Clients: thread c sends to member c % 3; paced at per_thread_rate when
+  // > 0 (request i due at start + i / rate), closed loop otherwise.
+  std::atomic<int64_t> next_id{0};
+  auto run_clients = [&](double per_thread_rate, std::vector<Acked>* acked,
+                         int64_t* failures) {
+    std::mutex mu;
+    std::vector<std::thread> threads;
+    const auto start = Clock::now();
+    const auto end = start + std::chrono::seconds(seconds);
+    std::atomic<int64_t> failed{0};
+    for (int64_t c = 0; c < clients; ++c) {
+      threads.emplace_back([&, c] {
+        auto stub = pb::Predictor::NewStub(leap::testing::MakeChannel(addrs[c % 3]));
+        std::mt19937_64 rng(c + 1);
+        std::normal_distribution<float> n01;
+        std::vector<float> x(dim);
+        std::vector<Acked> mine;
+        for (int64_t i = 0;; ++i) {
+          if (per_thread_rate > 0) {
+            const auto due = start + std::chrono::microseconds(
+                                         static_cast<int64_t>(i * 1e6 / per_thread_rate));
+            if (due >= end) break;
+            std::this_thread::sleep_until(due);
+          } else if (Clock::now() >= end) {
+            break;
+          }
+          double s = 18;
+          for (int64_t k = 0; k < dim; ++k) {
+            x[k] = n01(rng);
+            if (k < 16) s += 0.5 * x[k];
+          }
+          const std::string id = absl::StrCat("b", next_id.fetch_add(1));
+          pb::PredictRequest preq;
+          preq.mutable_record()->set_request_id(id);
+          preq.mutable_record()->set_features(
+              std::string(reinterpret_cast<const char*>(x.data()), x.size() * 4));
+          pb::PredictResponse presp;
+          grpc::ClientContext pctx;
+          if (!stub->Predict(&pctx, preq, &presp).ok()) {
+            ++failed;
+            continue;
+          }
+          pb::CompleteRequest creq;
+          creq.mutable_completion()->set_request_id(id);
+          creq.mutable_completion()->set_output_tokens(
+              std::clamp<int64_t>(std::llround(s * s), 1, 4000));
+          creq.mutable_completion()->set_reason(pb::FINISH_REASON_STOP);
+          pb::CompleteResponse cresp;
+          grpc::ClientContext cctx;
+          if (!stub->Complete(&cctx, creq, &cresp).ok() || cresp.fleet_seq() == 0) {
+            ++failed;
+            continue;
+          }
+          mine.push_back({Clock::now(), cresp.fleet_seq()});
+        }
+        std::lock_guard<std::mutex> l(mu);
+        acked->insert(acked->end(), mine.begin(), mine.end());
+      });
+    }
+    for (auto& t : threads) t.join();
+    *failures = failed.load();
+    return Ms(Clock::now() - start) / 1000;
+  };
+  // Waits until every member served fleet_seq >= seq; the time it happened.
+  auto wait_all = [&](uint64_t seq) {
+    const auto deadline = Clock::now() + std::chrono::seconds(300);
+    while (Clock::now() < deadline) {
+      bool all = true;
+      for (auto& w : watchers) all &= w->last_seq() >= seq;
+      if (all) return true;
+      // Benchmark bookkeeping, not a test: a short poll of in-process state.
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    return false;
+  };
+  // First time every member has shown fleet_seq >= seq, from their logs.
+  auto served_at = [&](const std::vector<std::vector<Seen>>& logs, uint64_t seq) {
+    Clock::time_point worst = Clock::time_point::min();
+    for (const auto& log : logs) {
+      auto it = std::find_if(log.begin(), log.end(),
+                             [&](const Seen& s) { return s.fleet_seq >= seq; });
+      if (it == log.end()) return Clock::time_point::max();
+      worst = std::max(worst, it->t);
+    }
+    return worst;
+  };
+
+  // 2. Sustained throughput (closed loop).
+  {
+    std::vector<Acked> acked;
+    int64_t failures = 0;
+    const auto start = Clock::now();
+    const double secs = run_clients(0, &acked, &failures);
+    uint64_t max_seq = 0;
+    for (const Acked& a : acked) max_seq = std::max(max_seq, a.seq);
+    if (!wait_all(max_seq)) {
+      std::fprintf(stderr, "members never served fleet_seq %llu\n",
+                   static_cast<unsigned long long>(max_seq));
+      return 1;
+    }
+    std::vector<std::vector<Seen>> logs;
+    for (auto& w : watchers) logs.push_back(w->seen());
+    const double learn_secs = Ms(served_at(logs, max_seq) - start) / 1000;
+    const double ack_rate = acked.size() / secs;
+    const double learn_rate = acked.size() / learn_secs;
+    std::printf("sustained (closed loop, %lld clients, %.1f s): %zu acknowledged "
+                "(%.0f/s, %lld failed), learned and served fleet-wide %.0f/s "
+                "(last served %.2f s after start); trainer at %.2f of the RLS bound\n",
+                static_cast<long long>(clients), secs, acked.size(), ack_rate,
+                static_cast<long long>(failures), learn_rate, learn_secs,
+                learn_rate / bound);
+  }
+
+  // 3. Staleness at a steady rate.
+  {
+    std::vector<Acked> acked;
+    int64_t failures = 0;
+    const double secs = run_clients(static_cast<double>(rate) / clients, &acked, &failures);
+    uint64_t max_seq = 0;
+    for (const Acked& a : acked) max_seq = std::max(max_seq, a.seq);
+    if (!wait_all(max_seq)) {
+      std::fprintf(stderr, "members never served fleet_seq %llu\n",
+                   static_cast<unsigned long long>(max_seq));
+      return 1;
+    }
+    std::vector<std::vector<Seen>> logs;
+    for (auto& w : watchers) logs.push_back(w->seen());
+    std::vector<double> stale;
+    for (const Acked& a : acked) stale.push_back(Ms(served_at(logs, a.seq) - a.t));
+    std::printf("steady %lld/s target: %zu acknowledged in %.1f s (%.0f/s, %lld failed); "
+                "staleness ack -> served by all 3 members: p50 %.0f ms, p99 %.0f ms, "
+                "max %.0f ms\n",
+                static_cast<long long>(rate), acked.size(), secs, acked.size() / secs,
+                static_cast<long long>(failures), Pct(stale, 0.5), Pct(stale, 0.99),
+                Pct(stale, 1.0));
+  }
+  std::printf("uptime after: %s\n", Sh("uptime").c_str());
+  watchers.clear();
+  members.clear();
+  std::filesystem::remove_all(dir);
+  return 0;
+}
