@@ -19,7 +19,15 @@ Kubernetes (every overlay rendered with the real `kubectl kustomize`):
   - Prometheus annotations name the metrics port leapd listens on;
   - the routes files of each overlay (mounted as a ConfigMap) route its
     product line, and routes-ab.json splits it over two arms;
-  - the overlays' selectors do not overlap.
+  - the overlays' selectors do not overlap;
+  - fleet mode (overlays whose leapd has --fleet): --fleet names every pod
+    of the overlay's NATS StatefulSet (headless service, client port),
+    --fleet_replicas = 3 <= the odd number of NATS nodes, no --fleet_member
+    (the pod name is the id); the NATS config (ConfigMap) routes to every
+    node by DNS name, uses the declared ports, keeps JetStream on the PVC,
+    names each server after its pod, and the real nats-server accepts it
+    (`nats-server -t`); health probes; a PodDisruptionBudget of one; the
+    NetworkPolicy lets the leap pods reach the client port.
 Docker (deploy/docker/Dockerfile, no image is built; its commands are run
 here instead of asserting its text):
   - the build stage's CMake configuration (the flags of its scripts/build
@@ -455,7 +463,11 @@ class ManifestTest(unittest.TestCase):
         return [o for o in self.rendered[name] if o["kind"] == kind]
 
     def pod(self, name):
-        sts = self.objects(name, "StatefulSet")
+        # The StatefulSet with the leapd sidecar (the fleet overlay also
+        # renders its NATS cluster's).
+        sts = [s for s in self.objects(name, "StatefulSet")
+               if any(c["name"] == "leapd" for c in
+                      s["spec"]["template"]["spec"].get("initContainers", []))]
         self.assertEqual(len(sts), 1, name)
         spec = sts[0]["spec"]["template"]["spec"]
         leapd = [c for c in spec.get("initContainers", [])
@@ -625,7 +637,10 @@ class ManifestTest(unittest.TestCase):
             sts, spec, leapd, engine = self.pod(name)
             env = {e["name"]: e.get("value") for e in engine["env"]}
             line = env["LEAP_PRODUCT_LINE"]
-            self.assertEqual(line, name)
+            # The overlay's product line (its name, or its label where the
+            # overlay is named after a deployment mode, e.g. fleet).
+            self.assertEqual(line, sts["metadata"]["labels"].get(
+                "leap.dev/product-line", name))
             files = {}
             for f in ("routes.json", "routes-ab.json"):
                 with open(os.path.join(d, f)) as fh:
@@ -641,7 +656,8 @@ class ManifestTest(unittest.TestCase):
             self.assertAlmostEqual(sum(a["percent"] for a in serving), 100)
             self.assertGreaterEqual(len({a["readout"] for a in serving}), 2)
             # The ConfigMap carries both, mounted in leapd.
-            cms = self.objects(name, "ConfigMap")
+            cms = [c for c in self.objects(name, "ConfigMap")
+                   if "routes-ab.json" in c.get("data", {})]
             self.assertEqual(len(cms), 1)
             self.assertEqual(json.loads(cms[0]["data"]["routes-ab.json"]),
                              files["routes-ab.json"])
@@ -657,11 +673,11 @@ class ManifestTest(unittest.TestCase):
             sts, *_ = self.pod(name)
             selectors[name] = sts["spec"]["selector"]["matchLabels"]
             self.assertEqual(sts["metadata"]["namespace"], "leap")
-            svc = self.objects(name, "Service")[0]
+            svc = [o for o in self.objects(name, "Service")
+                   if o["metadata"]["name"] == sts["spec"]["serviceName"]][0]
             self.assertEqual(svc["spec"]["selector"], selectors[name])
-            self.assertEqual(sts["spec"]["serviceName"],
-                             svc["metadata"]["name"])
-            np = self.objects(name, "NetworkPolicy")[0]
+            np = [o for o in self.objects(name, "NetworkPolicy")
+                  if o["metadata"]["name"] == sts["metadata"]["name"]][0]
             self.assertEqual(np["spec"]["podSelector"]["matchLabels"],
                              selectors[name])
         names = list(selectors)
@@ -670,6 +686,150 @@ class ManifestTest(unittest.TestCase):
                 sa, sb = selectors[a], selectors[b]
                 self.assertTrue(any(k in sb and sb[k] != v
                                     for k, v in sa.items()), (a, b))
+
+
+class FleetManifestTest(unittest.TestCase):
+    """The overlays with leapd --fleet: their NATS JetStream cluster (or the
+    one --fleet names) matches what leapd is told."""
+
+    @classmethod
+    def setUpClass(cls):
+        root = os.path.join(ARGS.source_dir, "deploy", "k8s", "overlays")
+        cls.fleets = {}
+        for name in sorted(os.listdir(root)):
+            objs = render(os.path.join(root, name))
+            for o in objs:
+                if o["kind"] != "StatefulSet":
+                    continue
+                for c in o["spec"]["template"]["spec"].get("initContainers", []):
+                    if c["name"] == "leapd" and flag_values(c.get("args", []), "fleet"):
+                        cls.fleets[name] = (objs, o, c)
+
+    def test_a_fleet_overlay_exists(self):
+        self.assertIn("fleet", self.fleets)
+
+    def nats(self, objs):
+        sts = [o for o in objs if o["kind"] == "StatefulSet" and any(
+            c["name"] == "nats" for c in o["spec"]["template"]["spec"]["containers"])]
+        self.assertEqual(len(sts), 1)
+        return sts[0]
+
+    def test_fleet_flags(self):
+        for name, (objs, sts, leapd) in self.fleets.items():
+            args = leapd["args"]
+            fleet_name = flag_values(args, "fleet_name")
+            self.assertEqual(len(fleet_name), 1, name)
+            self.assertRegex(fleet_name[0], r"^[A-Za-z0-9_-]{1,32}$")
+            # Member ids default to $HOSTNAME: the pod name, unique.
+            self.assertEqual(flag_values(args, "fleet_member"), [], name)
+            self.assertGreaterEqual(sts["spec"]["replicas"], 2, name)
+            nats = self.nats(objs)
+            replicas = int(flag_values(args, "fleet_replicas")[0])
+            self.assertEqual(replicas, 3, name)
+            self.assertGreaterEqual(nats["spec"]["replicas"], replicas)
+            self.assertEqual(nats["spec"]["replicas"] % 2, 1, "RAFT quorum")
+            # --fleet names every NATS pod by its stable DNS name and the
+            # client port.
+            svc = [o for o in objs if o["kind"] == "Service" and
+                   o["metadata"]["name"] == nats["spec"]["serviceName"]]
+            self.assertEqual(len(svc), 1, name)
+            self.assertEqual(svc[0]["spec"].get("clusterIP"), "None")
+            self.assertTrue(svc[0]["spec"].get("publishNotReadyAddresses"))
+            self.assertEqual(svc[0]["spec"]["selector"],
+                             nats["spec"]["selector"]["matchLabels"])
+            c = nats["spec"]["template"]["spec"]["containers"][0]
+            client = [p["containerPort"] for p in c["ports"] if p["name"] == "client"][0]
+            want = ["nats://%s-%d.%s:%d" % (nats["metadata"]["name"], i,
+                                            svc[0]["metadata"]["name"], client)
+                    for i in range(nats["spec"]["replicas"])]
+            self.assertEqual(flag_values(args, "fleet")[0].split(","), want)
+
+    def test_nats_cluster(self):
+        for name, (objs, sts, leapd) in self.fleets.items():
+            nats = self.nats(objs)
+            ns = nats["metadata"]["namespace"]
+            spec = nats["spec"]["template"]["spec"]
+            c = spec["containers"][0]
+            ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+            conf_arg = [a for a in c["args"] if a.startswith("--config=")]
+            self.assertEqual(len(conf_arg), 1)
+            conf_dir, _, conf_file = conf_arg[0][len("--config="):].rpartition("/")
+            mount = [m for m in c["volumeMounts"] if m["mountPath"] == conf_dir][0]
+            vol = [v for v in spec["volumes"] if v["name"] == mount["name"]][0]
+            cm = [o for o in objs if o["kind"] == "ConfigMap" and
+                  o["metadata"]["name"] == vol["configMap"]["name"]][0]
+            conf = cm["data"][conf_file]
+            # Server name = pod name from the downward API.
+            self.assertIn("server_name: $POD_NAME", conf)
+            env = {e["name"]: e for e in c["env"]}
+            self.assertEqual(env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"],
+                             "metadata.name")
+            # Ports of the config = the declared container ports.
+            self.assertIn("listen: 0.0.0.0:%d" % ports["client"], conf)
+            self.assertIn("http: 0.0.0.0:%d" % ports["monitor"], conf)
+            self.assertIn("listen: 0.0.0.0:%d" % ports["cluster"], conf)
+            # Routes to every node by its DNS name in this namespace.
+            svc = nats["spec"]["serviceName"]
+            routes = re.findall(r"nats-route://([^\s,\]]+)", conf)
+            self.assertEqual(routes, ["%s-%d.%s.%s.svc.cluster.local:%d" % (
+                nats["metadata"]["name"], i, svc, ns, ports["cluster"])
+                for i in range(nats["spec"]["replicas"])])
+            # JetStream's file store on the node's PVC.
+            store = re.search(r"store_dir:\s*(\S+)", conf).group(1)
+            claims = {t["metadata"]["name"] for t in nats["spec"]["volumeClaimTemplates"]}
+            data = [m for m in c["volumeMounts"]
+                    if store.startswith(m["mountPath"].rstrip("/") + "/")]
+            self.assertEqual(len(data), 1)
+            self.assertIn(data[0]["name"], claims)
+            # Probes on the monitoring port's JetStream health.
+            for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+                self.assertEqual(c[probe]["httpGet"]["port"], "monitor")
+                self.assertTrue(c[probe]["httpGet"]["path"].startswith("/healthz"))
+            self.assertTrue(c["securityContext"]["readOnlyRootFilesystem"])
+            # At most one node down by a voluntary disruption.
+            pdb = [o for o in objs if o["kind"] == "PodDisruptionBudget"]
+            self.assertEqual(len(pdb), 1)
+            self.assertEqual(pdb[0]["spec"]["maxUnavailable"], 1)
+            self.assertEqual(pdb[0]["spec"]["selector"]["matchLabels"],
+                             nats["spec"]["selector"]["matchLabels"])
+            # The real nats-server accepts the configuration.
+            server = shutil.which("nats-server") or "/usr/sbin/nats-server"
+            if os.path.exists(server):
+                tmp = tempfile.mkdtemp(prefix="leap_deploy_nats_")
+                try:
+                    path = os.path.join(tmp, conf_file)
+                    with open(path, "w") as f:
+                        f.write(conf)
+                    r = subprocess.run([server, "-t", "-c", path],
+                                       capture_output=True, text=True,
+                                       env=dict(os.environ,
+                                                POD_NAME=nats["metadata"]["name"] + "-0"),
+                                       timeout=60)
+                    self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+                finally:
+                    shutil.rmtree(tmp, ignore_errors=True)
+
+    def test_network_policy_lets_members_reach_nats(self):
+        for name, (objs, sts, leapd) in self.fleets.items():
+            nats = self.nats(objs)
+            labels = sts["spec"]["template"]["metadata"]["labels"]
+            client = [p["containerPort"] for p in
+                      nats["spec"]["template"]["spec"]["containers"][0]["ports"]
+                      if p["name"] == "client"][0]
+            nps = [o for o in objs if o["kind"] == "NetworkPolicy" and all(
+                nats["spec"]["template"]["metadata"]["labels"].get(k) == v
+                for k, v in o["spec"]["podSelector"]["matchLabels"].items())]
+            self.assertTrue(nps, name)
+            allowed = False
+            for np in nps:
+                for rule in np["spec"]["ingress"]:
+                    if client not in [p["port"] for p in rule.get("ports", [])]:
+                        continue
+                    for peer in rule["from"]:
+                        exprs = peer.get("podSelector", {}).get("matchExpressions", [])
+                        allowed |= all(labels.get(e["key"]) in e["values"]
+                                       for e in exprs if e["operator"] == "In")
+            self.assertTrue(allowed, name + ": leap pods cannot reach NATS")
 
 
 class PrometheusTest(unittest.TestCase):
