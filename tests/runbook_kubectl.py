@@ -13,6 +13,14 @@ StatefulSet, its volumes mapped to directories:
   - the Secret and ConfigMap volumes -> their files, from what was applied,
 and its TCP listen addresses mapped to 127.0.0.1 (port 0 the first time,
 the same port after a restart, as a pod keeps its port).
+A StatefulSet whose container runs nats-server (the fleet overlay's NATS
+cluster) runs the real nats-server with its mounted configuration, every
+port of every replica mapped to a free 127.0.0.1 port chosen at apply
+time; a pod's DNS name (<pod>.<service>[.<ns>[.svc[.cluster.local]]]:PORT)
+in a configuration or in leapd's arguments (--fleet) becomes that address,
+and $POD_NAME is the pod's name. Such StatefulSets start before the ones
+with leapd, their pods in parallel, ready when their httpGet startup probe
+answers 200.
 
 Supported (anything else exits 2):
   kubectl kustomize DIR                       (the real kubectl)
@@ -22,6 +30,8 @@ Supported (anything else exits 2):
   kubectl -n NS rollout status|restart statefulset/NAME [--timeout=...]
   kubectl -n NS scale statefulset/NAME --replicas=N
   kubectl -n NS delete pvc NAME
+  kubectl -n NS delete pod NAME [--grace-period=0 --force]   (kill -9 with
+      --force, else SIGTERM; the StatefulSet starts it again at once)
   kubectl -n NS port-forward pod/NAME LOCAL:REMOTE   (writes $RUNBOOK_STATE/address)
   kubectl -n NS logs POD -c CONTAINER
 
@@ -35,8 +45,11 @@ import re
 import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
 
 import yaml
 
@@ -44,6 +57,7 @@ STATE = os.environ["RUNBOOK_STATE"]
 REAL_KUBECTL = os.environ["REAL_KUBECTL"]
 LEAPD = os.environ["LEAPD"]
 STATE_FILE = os.path.join(STATE, "cluster.json")
+NATS_SERVER = os.environ.get("NATS_SERVER", "/usr/sbin/nats-server")
 
 
 class KubectlError(Exception):
@@ -90,6 +104,49 @@ def leapd_container(sts):
     raise KubectlError(f"no leapd container in {sts['metadata']['name']}")
 
 
+def nats_container(sts):
+    for c in sts["spec"]["template"]["spec"].get("containers", []):
+        if os.path.basename(c.get("command", [""])[0]) == "nats-server":
+            return c
+    return None
+
+
+def free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def allocate_ports(state, ns, sts):
+    """Fixed local ports for every replica's container ports (the pods'
+    DNS names must resolve before they start: cluster routes)."""
+    c = nats_container(sts)
+    for i in range(replicas(sts)):
+        ports = state["ports"].setdefault(f"{ns}/{sts['metadata']['name']}-{i}", {})
+        for p in c.get("ports", []):
+            ports.setdefault(str(p["containerPort"]), free_port())
+
+
+DNS = re.compile(r"\b([a-z0-9][a-z0-9-]*)\.([a-z0-9][a-z0-9-]*)"
+                 r"(?:\.([a-z0-9][a-z0-9-]*)(?:\.svc(?:\.cluster\.local)?)?)?:(\d+)\b")
+
+
+def resolve(state, ns, text):
+    """<pod>.<service>[.<ns>...]:PORT of a running StatefulSet pod ->
+    127.0.0.1:<its mapped port>."""
+    def sub(m):
+        pod, svc, pod_ns, port = m.group(1), m.group(2), m.group(3) or ns, m.group(4)
+        sts_name = pod.rsplit("-", 1)[0]
+        sts = state["objects"].get(key(pod_ns, "StatefulSet", sts_name))
+        if sts is None or sts["spec"].get("serviceName") != svc:
+            return m.group(0)
+        mapped = state["ports"].get(f"{pod_ns}/{pod}", {}).get(port)
+        if mapped is None:
+            raise KubectlError(f"{m.group(0)}: no such pod port")
+        return f"127.0.0.1:{mapped}"
+    return DNS.sub(sub, text)
+
+
 def pid_alive(pid):
     try:
         os.kill(pid, 0)
@@ -132,7 +189,8 @@ def start_pod(state, ns, sts, ordinal):
     pod_name = f"{name}-{ordinal}"
     pod_key = f"{ns}/{pod_name}"
     spec = sts["spec"]["template"]["spec"]
-    c = leapd_container(sts)
+    nats = nats_container(sts)
+    c = nats if nats is not None else leapd_container(sts)
     volumes = {v["name"]: v for v in spec.get("volumes", [])}
     claims = {t["metadata"]["name"]
               for t in sts["spec"].get("volumeClaimTemplates", [])}
@@ -174,13 +232,16 @@ def start_pod(state, ns, sts, ordinal):
             os.makedirs(d)
             for fname, text in cm.get("data", {}).items():
                 with open(os.path.join(d, fname), "w") as f:
-                    f.write(text)
+                    f.write(resolve(state, ns, text) if nats is not None
+                            else text)
         else:
             raise KubectlError(f"pod {pod_name}: volume '{vname}' mounted by "
                                f"{c['name']} is not defined")
         mapping.append((m["mountPath"].rstrip("/"), d))
     mapping.sort(key=lambda p: -len(p[0]))
 
+    if nats is not None:
+        return start_nats_pod(state, ns, sts, ordinal, c, pod_dir, mapping)
     ports = state["ports"].setdefault(pod_key, {})
     argv = [LEAPD]
     for arg in c["command"][1:] + c.get("args", []):
@@ -193,6 +254,8 @@ def start_pod(state, ns, sts, ordinal):
             arg = f"--listen=127.0.0.1:{ports.get(m.group(2), 0)}"
         if arg.startswith("--metrics_listen=") and arg != "--metrics_listen=":
             arg = "--metrics_listen=127.0.0.1:0"
+        if arg.startswith("--fleet="):
+            arg = resolve(state, ns, arg)
         argv.append(arg)
     tcp_ports = [re.fullmatch(r"--listen=[^/:]+:(\d+)", a).group(1)
                  for a in c["command"][1:] + c.get("args", [])
@@ -243,6 +306,91 @@ def start_pod(state, ns, sts, ordinal):
         "container_ports": [p["containerPort"] for p in c.get("ports", [])]}
 
 
+def start_nats_pod(state, ns, sts, ordinal, c, pod_dir, mapping):
+    """Starts nats-server for pod <sts>-<ordinal> (not waiting: see
+    wait_nats_ready)."""
+    name = sts["metadata"]["name"]
+    pod_name = f"{name}-{ordinal}"
+    ports = state["ports"][f"{ns}/{pod_name}"]
+    # The configuration files were written resolved; map its mount paths
+    # and its 0.0.0.0:PORT listeners too.
+    for mount, d in mapping:
+        for root, _, files in os.walk(d):
+            for fname in files:
+                path = os.path.join(root, fname)
+                if not path.startswith(pod_dir):
+                    continue
+                with open(path) as f:
+                    text = f.read()
+                for m2, d2 in mapping:
+                    text = text.replace(m2 + "/", d2 + "/").replace(m2 + "\n", d2 + "\n")
+                text = re.sub(r"0\.0\.0\.0:(\d+)",
+                              lambda m: f"127.0.0.1:{ports[m.group(1)]}", text)
+                with open(path, "w") as f:
+                    f.write(text)
+    argv = [NATS_SERVER]
+    for arg in c["command"][1:] + c.get("args", []):
+        for mount, d in mapping:
+            arg = arg.replace(mount + "/", d + "/")
+        argv.append(arg)
+    env = dict(os.environ)
+    for e in c.get("env", []):
+        if e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") == "metadata.name":
+            env[e["name"]] = pod_name
+        elif "value" in e:
+            env[e["name"]] = e["value"]
+    log_path = os.path.join(STATE, f"{pod_name}.nats.log")
+    log = open(log_path, "ab")
+    log.write(("$ " + " ".join(argv) + "\n").encode())
+    log.flush()
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
+                            stderr=subprocess.STDOUT, env=env,
+                            start_new_session=True)
+    log.close()
+    state["pods"][f"{ns}/{pod_name}"] = {
+        "pid": proc.pid, "statefulset": name, "log": log_path,
+        "metrics": None, "argv": argv,
+        "container_ports": [p["containerPort"] for p in c.get("ports", [])]}
+
+
+def wait_nats_ready(state, ns, sts, ordinal, timeout_s=60):
+    """The pod's startupProbe (httpGet) answers 200."""
+    c = nats_container(sts)
+    pod_key = f"{ns}/{sts['metadata']['name']}-{ordinal}"
+    probe = c["startupProbe"]["httpGet"]
+    port = probe["port"]
+    if not str(port).isdigit():
+        port = [p["containerPort"] for p in c["ports"] if p["name"] == port][0]
+    url = f"http://127.0.0.1:{state['ports'][pod_key][str(port)]}{probe['path']}"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not pid_alive(state["pods"][pod_key]["pid"]):
+            break
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        # A probe, as the kubelet's: polled.
+        time.sleep(0.05)
+    with open(state["pods"][pod_key]["log"]) as f:
+        tail = f.read()[-2000:]
+    raise KubectlError(f"pod {pod_key}: startup probe failed:\n{tail}")
+
+
+def start_pods(state, ns, sts, ordinals):
+    if nats_container(sts) is None:
+        for i in ordinals:
+            start_pod(state, ns, sts, i)
+        return
+    allocate_ports(state, ns, sts)
+    for i in ordinals:
+        start_pod(state, ns, sts, i)
+    for i in ordinals:
+        wait_nats_ready(state, ns, sts, i)
+
+
 def replicas(sts):
     return int(sts["spec"].get("replicas", 1))
 
@@ -266,6 +414,7 @@ def cmd_apply(state, ns, args):
             raise KubectlError("this stand-in applies only Secrets with -f")
     else:
         raise KubectlError(f"unsupported: apply {' '.join(args)}")
+    to_start = []
     for d in docs:
         d_ns = d["metadata"].get("namespace", ns)
         if d_ns not in state["namespaces"]:
@@ -283,10 +432,13 @@ def cmd_apply(state, ns, args):
               f"{'created' if old is None else 'unchanged' if old == d else 'configured'}")
         if kind == "StatefulSet" and (
                 old is None or old["spec"]["template"] != d["spec"]["template"]):
-            for pod_key in pods_of(state, d_ns, name):
-                stop_pod(state, pod_key)
-            for i in range(replicas(d)):
-                start_pod(state, d_ns, d, i)
+            to_start.append((d_ns, d))
+    # What the leapd pods connect to (NATS) first.
+    to_start.sort(key=lambda x: nats_container(x[1]) is None)
+    for d_ns, d in to_start:
+        for pod_key in pods_of(state, d_ns, d["metadata"]["name"]):
+            stop_pod(state, pod_key)
+        start_pods(state, d_ns, d, range(replicas(d)))
 
 
 def cmd_create(state, ns, args):
@@ -333,8 +485,7 @@ def cmd_rollout(state, ns, args):
     if args[0] == "restart":
         for pod_key in pods_of(state, ns, name):
             stop_pod(state, pod_key)
-        for i in range(replicas(sts)):
-            start_pod(state, ns, sts, i)
+        start_pods(state, ns, sts, range(replicas(sts)))
         print(f"statefulset.apps/{name} restarted")
         return
     running = [k for k in pods_of(state, ns, name)
@@ -355,13 +506,40 @@ def cmd_scale(state, ns, args):
         if int(pod_key.rsplit("-", 1)[1]) >= n:
             stop_pod(state, pod_key)
     sts["spec"]["replicas"] = n
-    for i in range(n):
-        if f"{ns}/{name}-{i}" not in state["pods"]:
-            start_pod(state, ns, sts, i)
+    start_pods(state, ns, sts,
+               [i for i in range(n) if f"{ns}/{name}-{i}" not in state["pods"]])
     print(f"statefulset.apps/{name} scaled")
 
 
+def cmd_delete_pod(state, ns, args):
+    force = "--force" in args
+    rest = [a for a in args if a not in ("--force", "--grace-period=0")]
+    if len(rest) != 1 or len(args) - len(rest) not in (0, 2):
+        raise KubectlError(f"unsupported: delete pod {' '.join(args)}")
+    pod_key = f"{ns}/{rest[0]}"
+    pod = state["pods"].get(pod_key)
+    if pod is None:
+        raise KubectlError(f'Error from server (NotFound): pods "{rest[0]}" '
+                           'not found')
+    if force:
+        if pid_alive(pod["pid"]):
+            os.kill(pod["pid"], signal.SIGKILL)
+            wait_exit(pod["pid"], 10)
+        state["pods"].pop(pod_key)
+        print("Warning: Immediate deletion does not wait for confirmation "
+              "that the running resource has been terminated.")
+        print(f'pod "{rest[0]}" force deleted')
+    else:
+        stop_pod(state, pod_key)
+        print(f'pod "{rest[0]}" deleted')
+    # The StatefulSet controller replaces it (same name, ports, PVC).
+    sts = state["objects"][key(ns, "StatefulSet", pod["statefulset"])]
+    start_pods(state, ns, sts, [int(rest[0].rsplit("-", 1)[1])])
+
+
 def cmd_delete(state, ns, args):
+    if args[:1] in (["pod"], ["pods"]):
+        return cmd_delete_pod(state, ns, args[1:])
     if len(args) != 2 or args[0] not in ("pvc", "persistentvolumeclaim"):
         raise KubectlError(f"unsupported: delete {' '.join(args)}")
     d = os.path.join(STATE, "pvc", args[1])

@@ -44,9 +44,10 @@ SYNTH_MODEL = ["--dim", "64", "--signal", "1.6", "--model-seed", "7",
                "--domain", "chat", "--median", "300", "--log-sigma", "0.9"]
 
 
-def parse_runbook(path):
-    """Returns (blocks, unmarked): blocks as dicts {section, text, line};
-    unmarked: shell-looking fences not marked `runbook`."""
+def parse_runbook(path, tag_wanted="runbook"):
+    """Returns (blocks, unmarked): blocks as dicts {section, text, line}
+    of the fences marked `tag_wanted`; unmarked: shell-looking fences marked
+    neither `runbook` nor `runbook-fleet` (the fleet walk's)."""
     blocks, unmarked = [], []
     section = ""
     with open(path) as f:
@@ -66,11 +67,11 @@ def parse_runbook(path):
                 i += 1
             lang, tag = m.group(1), m.group(2)
             if lang in ("sh", "bash", "shell", "console"):
-                if tag == "runbook":
+                if tag == tag_wanted:
                     blocks.append({"section": section,
                                    "text": "\n".join(body),
                                    "line": start + 1})
-                else:
+                elif tag not in ("runbook", "runbook-fleet"):
                     unmarked.append(start + 1)
         i += 1
     return blocks, unmarked
@@ -87,6 +88,59 @@ def wait_exit(pid, timeout_s):
         return bool(p.poll(timeout_s * 1000))
     finally:
         os.close(fd)
+
+
+
+# The trainer-lost section's last block.
+LAST_FLEET_BLOCK = ("leapctl versions chat --server $LEAP_SERVER\n"
+                    "leapctl readouts get chat")
+# Plays the engines on every fleet member (pods fleet-leap-N of the
+# stand-in's state) and checks that all of them serve one version.
+FLEET_HELPER = r"""
+import json, os, re, subprocess, sys, time
+state = os.environ["RUNBOOK_STATE"]
+def addresses():
+    with open(os.path.join(state, "cluster.json")) as f:
+        c = json.load(f)
+    out = {}
+    for k, ports in sorted(c["ports"].items()):
+        pod = k.split("/", 1)[1]
+        if pod.startswith("fleet-leap-") and k in c["pods"]:
+            out[pod] = "127.0.0.1:%d" % ports["7070"]
+    return out
+def leapctl(args):
+    return subprocess.run([os.environ["LEAPCTL"]] + args, capture_output=True,
+                          text=True, timeout=300)
+cmd = sys.argv[1]
+if cmd == "feed":
+    # feed PREFIX: files PREFIX-<i>_features.npy / _lengths.npy, one per member
+    total = 0
+    for i, (pod, addr) in enumerate(addresses().items()):
+        r = leapctl(["feed", "--features", "%s-%d_features.npy" % (sys.argv[2], i),
+                     "--lengths", "%s-%d_lengths.npy" % (sys.argv[2], i),
+                     "--product-line", "chat", "--server", addr, "--json"])
+        if r.returncode != 0:
+            sys.exit("feed %s: %s" % (pod, r.stderr))
+        total += json.loads(r.stdout)["learned"]
+    print("fed %s: learned %d" % (sys.argv[2], total))
+elif cmd == "same-version":
+    # Every member serves the same version, at least member 0's now.
+    addrs = addresses()
+    def version(addr):
+        r = leapctl(["readouts", "get", "chat", "--server", addr])
+        m = re.search(r"version: (\d+)", r.stdout)
+        return int(m.group(1)) if r.returncode == 0 and m else -1
+    floor = version(addrs["fleet-leap-0"])
+    deadline = time.monotonic() + 60
+    while True:
+        vs = {pod: version(a) for pod, a in addrs.items()}
+        if len(set(vs.values())) == 1 and min(vs.values()) >= floor:
+            break
+        if time.monotonic() > deadline:
+            sys.exit("members disagree: %s" % vs)
+        time.sleep(0.1)  # the members install the version asynchronously
+    print("fleet version %d on %d members" % (min(vs.values()), len(vs)))
+"""
 
 
 class RunbookTest(unittest.TestCase):
@@ -309,6 +363,129 @@ class RunbookTest(unittest.TestCase):
         with open(os.path.join(self.state, "calls.log")) as f:
             calls = [json.loads(line) for line in f]
         self.assertIn(["apply", "-f", "-"], calls)
+
+    def test_walk_the_fleet_sections(self):
+        """The `sh runbook-fleet` blocks (fleet mode: 3 NATS pods, 3 leapd
+        members), after Install's namespace and Secret."""
+        install, _ = parse_runbook(
+            os.path.join(ARGS.source_dir, "deploy", "RUNBOOK.md"))
+        blocks, _ = parse_runbook(
+            os.path.join(ARGS.source_dir, "deploy", "RUNBOOK.md"),
+            "runbook-fleet")
+        self.assertTrue(blocks, "no `sh runbook-fleet` block in RUNBOOK.md")
+        secret = [b for b in install if "create secret generic" in b["text"]]
+        sections = {b["section"] for b in blocks}
+        for want in ("fleet: roll back a product line", "fleet: NATS node lost",
+                     "fleet: trainer lost"):
+            self.assertIn(want, sections)
+        self.synth("chat", 3000, 1)
+        hooks_fed = []
+        for hook in range(4):
+            for i in range(3):
+                r = self.leapctl(["synth", "--out-features",
+                                  "fleet%d-%d_features.npy" % (hook, i),
+                                  "--out-lengths",
+                                  "fleet%d-%d_lengths.npy" % (hook, i),
+                                  "--n", "300", "--seed",
+                                  str(100 + 10 * hook + i)] + SYNTH_MODEL)
+                self.assertEqual(r.returncode, 0, r.stderr)
+        helper = os.path.join(self.tmp, "fleet_members.py")
+        with open(helper, "w") as f:
+            f.write(FLEET_HELPER)
+        members = "/usr/bin/python3 " + helper
+        hooks = [
+            # The engines' traffic on every member, then all serve one version.
+            ("overlays/fleet/routes.json", ["feed fleet0", "same-version"]),
+            ("snapshot list", ["feed fleet1", "same-version"]),
+            ("leapctl rollback", ["same-version"]),
+            ("delete pod fleet-nats-1", ["feed fleet2", "same-version"]),
+            (LAST_FLEET_BLOCK, ["feed fleet3", "same-version"]),
+        ]
+        script = ["set -euo pipefail", secret[0]["text"]]
+        used = set()
+        for i, b in enumerate(blocks):
+            text = b["text"].replace(
+                SERVER_EXPORT,
+                'export LEAP_SERVER=$(cat "$RUNBOOK_STATE/address")')
+            script += [f'echo "::block {i}"', text, f'echo "::end {i}"']
+            for marker, cmds in hooks:
+                if marker in text and marker not in used:
+                    used.add(marker)
+                    script += [f'echo "::hook {i}"'] + [
+                        f"{members} {c}" for c in cmds]
+        self.assertEqual(used, {m for m, _ in hooks})
+        with open(os.path.join(self.tmp, "fleet.sh"), "w") as f:
+            f.write("\n".join(script) + "\n")
+        run = subprocess.run(["bash", os.path.join(self.tmp, "fleet.sh")],
+                             cwd=self.work, env=self.env,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True, timeout=900)
+        out, hook_out = {}, {}
+        current, target = None, out
+        ended = set()
+        for line in run.stdout.split("\n"):
+            m = re.fullmatch(r"::(block|end|hook) (\d+)", line)
+            if m:
+                if m.group(1) == "end":
+                    ended.add(int(m.group(2)))
+                    current = None
+                else:
+                    current = int(m.group(2))
+                    target = out if m.group(1) == "block" else hook_out
+                    target.setdefault(current, "")
+                continue
+            if current is not None:
+                target[current] += line + "\n"
+        failed = [i for i in range(len(blocks)) if i not in ended]
+        if run.returncode != 0 or failed:
+            i = failed[0] if failed else len(blocks) - 1
+            self.fail("fleet runbook block %d (RUNBOOK.md line %d, section "
+                      "'%s') failed, exit %d:\n%s\n--- output:\n%s\n--- "
+                      "hook:\n%s\n--- all:\n%s" % (
+                          i, blocks[i]["line"], blocks[i]["section"],
+                          run.returncode, blocks[i]["text"], out.get(i, ""),
+                          hook_out.get(i - 1, ""), run.stdout[-4000:]))
+
+        def index_of(command):
+            for i, b in enumerate(blocks):
+                if command in b["text"]:
+                    return i
+            self.fail("no fleet runbook block runs " + command)
+
+        def fleet_version(i):
+            m = re.search(r"fleet version (\d+) on 3 members", hook_out[i])
+            self.assertIsNotNone(m, hook_out[i])
+            return int(m.group(1))
+
+        def learned(i):
+            m = re.search(r"learned (\d+)", hook_out[i])
+            self.assertIsNotNone(m, hook_out[i])
+            return int(m.group(1))
+
+        self.assertIn("statefulset/fleet-nats created",
+                      out[index_of("kubectl apply -k deploy/k8s/overlays/fleet")])
+        imported = index_of("overlays/fleet/routes.json")
+        self.assertIn("created readout chat version 1", out[imported])
+        self.assertGreater(learned(imported), 0)
+        v_fed = fleet_version(imported)
+        self.assertGreater(v_fed, 1)
+        snap = index_of("snapshot list")
+        self.assertIn("before-rollout", out[snap])
+        rb = index_of("leapctl rollback")
+        m = re.search(r"rolled readout chat back to snapshot before-rollout "
+                      r"as version (\d+)", out[rb])
+        self.assertIsNotNone(m, out[rb])
+        # Every member serves the rollback's version.
+        self.assertEqual(fleet_version(rb), int(m.group(1)))
+        nats_lost = index_of("delete pod fleet-nats-1")
+        self.assertIn('pod "fleet-nats-1" force deleted', out[nats_lost])
+        self.assertGreater(learned(nats_lost), 0)
+        self.assertGreater(fleet_version(nats_lost), fleet_version(rb))
+        self.assertIn('pod "fleet-leap-0" force deleted',
+                      out[index_of("delete pod fleet-leap-0")])
+        last = index_of(LAST_FLEET_BLOCK)
+        self.assertGreater(learned(last), 0)
+        self.assertGreater(fleet_version(last), fleet_version(nats_lost))
 
 
 def main():
