@@ -317,9 +317,13 @@ absl::StatusOr<std::unique_ptr<NatsClient>> NatsClient::Connect(
 }
 
 NatsClient::~NatsClient() {
+  // No callback reaches the owner from now on; the closed callback is the
+  // last one nats.c delivers, so after it this object may go.
+  closing_.store(true);
   if (js_ != nullptr) jsCtx_Destroy(js_);
   if (nc_ != nullptr) {
     natsConnection_Close(nc_);
+    closed_.WaitForNotificationWithTimeout(absl::Seconds(5));
     natsConnection_Destroy(nc_);
   }
   if (opts_ != nullptr) natsOptions_Destroy(opts_);
@@ -331,7 +335,9 @@ void NatsClient::SetConnected(bool c) {
     absl::MutexLock l(&mu_);
     connected_cv_ = c;
   }
-  if (options_.on_connection_change) options_.on_connection_change(c);
+  if (options_.on_connection_change && !closing_.load()) {
+    options_.on_connection_change(c);
+  }
 }
 
 void NatsClient::OnDisconnected(natsConnection*, void* closure) {
@@ -346,7 +352,9 @@ void NatsClient::OnConnected(natsConnection*, void* closure) {
   static_cast<NatsClient*>(closure)->SetConnected(true);
 }
 void NatsClient::OnClosed(natsConnection*, void* closure) {
-  static_cast<NatsClient*>(closure)->connected_.store(false);
+  auto* self = static_cast<NatsClient*>(closure);
+  self->connected_.store(false);
+  if (!self->closed_.HasBeenNotified()) self->closed_.Notify();
 }
 
 absl::Status NatsClient::WaitConnected(int64_t timeout_ms) {
@@ -383,13 +391,9 @@ absl::Status NatsClient::EnsureStream(const StreamSpec& spec) {
     return absl::OkStatus();
   }
   if (jerr == JSStreamNameExistErr) {
-    jerr = static_cast<jsErrCode>(0);
-    s = js_UpdateStream(&si, js_, &cfg, nullptr, &jerr);
-    if (s == NATS_OK) {
-      jsStreamInfo_Destroy(si);
-      return absl::OkStatus();
-    }
-    return NatsError(s, jerr, absl::StrCat("update stream ", spec.name));
+    // It exists with another configuration (created by another member or an
+    // operator): used as it is.
+    return absl::OkStatus();
   }
   return NatsError(s, jerr, absl::StrCat("create stream ", spec.name));
 }
@@ -400,7 +404,7 @@ absl::StatusOr<std::unique_ptr<KvBucket>> NatsClient::EnsureKv(
   kvConfig_Init(&cfg);
   cfg.Bucket = spec.bucket.c_str();
   cfg.History = static_cast<uint8_t>(std::clamp(spec.history, 1, 64));
-  cfg.TTL = spec.ttl_ms;
+  cfg.TTL = spec.ttl_ms * 1'000'000;  // nanoseconds (the stream's MaxAge)
   cfg.Replicas = spec.replicas;
   cfg.StorageType = js_FileStorage;
   kvStore* kv = nullptr;

@@ -23,6 +23,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 
 // nats.c types, declared here so that users of this header need not include
 // <nats/nats.h> (they may, for the raw handles).
@@ -310,6 +311,8 @@ class NatsClient {
   __natsConnection* nc_ = nullptr;
   __jsCtx* js_ = nullptr;
   std::atomic<bool> connected_{false};
+  std::atomic<bool> closing_{false};
+  absl::Notification closed_;
   std::atomic<int64_t> disconnects_{0};
   absl::Mutex mu_;
   bool connected_cv_ ABSL_GUARDED_BY(mu_) = false;
