@@ -244,6 +244,7 @@ int main(int argc, char** argv) {
           }
           const std::string id = absl::StrCat("b", next_id.fetch_add(1));
           pb::PredictRequest preq;
+          preq.set_dtype(pb::FEATURE_DTYPE_FLOAT32);
           preq.mutable_record()->set_request_id(id);
           preq.mutable_record()->set_features(
               std::string(reinterpret_cast<const char*>(x.data()), x.size() * 4));

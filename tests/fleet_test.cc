@@ -590,5 +590,111 @@ TEST_F(FleetTest, FaultsKeepExactnessAndRollbackHoldsFleetWide) {
               max_err_, max_export_err_, absl::ToDoubleSeconds(absl::Now() - t0_));
 }
 
+// NATS unreachable: the member keeps predicting with the last weights,
+// refuses completions with UNAVAILABLE, says it is degraded (metrics,
+// GetStats); once NATS is back, the refused completion's resend is
+// acknowledged (the outbox publishes it: as a duplicate when that came
+// first) with a stream sequence, and the member is no longer degraded.
+TEST(FleetDegraded, NatsDownRefusesCompletionsKeepsPredicting) {
+  const std::string dir = testing::TempDir("fleet-degraded");
+  testing::NatsClusterOptions o;
+  o.nodes = 1;
+  o.dir = dir + "/nats";
+  auto c = testing::NatsCluster::Start(o);
+  ASSERT_TRUE(c.ok()) << c.status();
+  testing::NatsCluster& nats = **c;
+  Member m;
+  m.id = "solo";
+  ASSERT_TRUE(m.d.Start(LEAPD_PATH, {"--data_dir=" + dir + "/m",
+                                     "--fleet=" + nats.url(0),
+                                     absl::StrCat("--fleet_name=", kFleet),
+                                     "--fleet_member=solo",
+                                     "--fleet_version_interval_ms=50"}));
+  ASSERT_TRUE(testing::CreateDefaultReadout(m.d.address, "r", kDim).ok());
+  Weights w;
+  ASSERT_TRUE(WaitServed(m, 0, 1, &w, absl::Seconds(30)));
+  std::vector<float> x(kDim, 0.25f);
+  auto predict = [&](const std::string& id, pb::PredictResponse* out) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+    pb::PredictRequest req;
+    req.set_instance_id("e");
+    req.set_dtype(pb::FEATURE_DTYPE_FLOAT32);
+    req.mutable_record()->set_request_id(id);
+    req.mutable_record()->set_features(
+        std::string(reinterpret_cast<const char*>(x.data()), x.size() * 4));
+    return m.d.predictor->Predict(&ctx, req, out);
+  };
+  auto complete = [&](const std::string& id, pb::CompleteResponse* out) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(20)));
+    pb::CompleteRequest req;
+    req.set_instance_id("e");
+    req.mutable_completion()->set_request_id(id);
+    req.mutable_completion()->set_output_tokens(300);
+    req.mutable_completion()->set_reason(pb::FINISH_REASON_STOP);
+    return m.d.predictor->Complete(&ctx, req, out);
+  };
+  pb::PredictResponse p;
+  pb::CompleteResponse cr;
+  // The route reaches the member through the CONFIG bucket's watch.
+  grpc::Status ps;
+  for (const absl::Time until = absl::Now() + absl::Seconds(30);
+       !(ps = predict("a", &p)).ok() &&
+       ps.error_code() != grpc::StatusCode::INVALID_ARGUMENT &&
+       absl::Now() < until;) {
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  ASSERT_TRUE(ps.ok()) << ps.error_message();
+  ASSERT_TRUE(complete("a", &cr).ok());
+  const uint64_t seq_a = cr.fleet_seq();
+  EXPECT_GT(seq_a, 0u);
+  auto metric = [&](const std::string& name) {
+    const std::string text = m.d.MetricsText();
+    const size_t at = text.find("\n" + name + " ");
+    return at == std::string::npos
+               ? -1.0
+               : std::stod(text.substr(at + name.size() + 2));
+  };
+  EXPECT_EQ(metric("leap_fleet_degraded"), 0.0);
+
+  ASSERT_TRUE(nats.Kill(0).ok());
+  // Predictions go on with the last weights.
+  ASSERT_TRUE(predict("b", &p).ok());
+  EXPECT_EQ(p.prediction().readout(), "r");
+  // The completion is refused with UNAVAILABLE (the engine keeps it).
+  grpc::Status st = complete("b", &cr);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::UNAVAILABLE) << st.error_message();
+  EXPECT_EQ(metric("leap_fleet_degraded"), 1.0);
+  {
+    grpc::ClientContext ctx;
+    pb::StatsResponse stats;
+    ASSERT_TRUE(m.d.admin->GetStats(&ctx, pb::GetStatsRequest(), &stats).ok());
+    EXPECT_TRUE(stats.fleet().degraded());
+    EXPECT_FALSE(stats.fleet().degraded_reason().empty());
+  }
+
+  ASSERT_TRUE(nats.Restart(0).ok());
+  // The engine resends until acknowledged (the member reconnects on its own).
+  const absl::Time deadline = absl::Now() + absl::Seconds(60);
+  while (true) {
+    st = complete("b", &cr);
+    if (st.ok() || absl::Now() > deadline) break;
+    ASSERT_EQ(st.error_code(), grpc::StatusCode::UNAVAILABLE) << st.error_message();
+    absl::SleepFor(absl::Milliseconds(100));  // the engine's resend pause
+  }
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  EXPECT_GT(cr.fleet_seq(), seq_a);
+  EXPECT_TRUE(cr.learned() || cr.duplicate());
+  // Sent again: the same stream sequence, a duplicate, not a new message.
+  pb::CompleteResponse again;
+  ASSERT_TRUE(complete("b", &again).ok());
+  EXPECT_TRUE(again.duplicate());
+  EXPECT_EQ(metric("leap_fleet_degraded"), 0.0);
+  std::printf("NATS down: predictions served, completion refused UNAVAILABLE, "
+              "degraded; back: resend acked at fleet_seq %llu (duplicate=%d)\n",
+              static_cast<unsigned long long>(cr.fleet_seq()), cr.duplicate() ? 1 : 0);
+}
+
 }  // namespace
 }  // namespace leap
