@@ -489,10 +489,10 @@ void FleetMember::InstallVersionMsg(const std::string& readout,
   if (!r.ok()) return;
   absl::StatusOr<Eigen::VectorXd> theta = DecodeTheta(v.theta());
   absl::StatusOr<bool> installed = absl::InternalError("no theta");
-  if (v.cause().rfind("error", 0) == 0) {
-    // The trainer's answer to an operation it refused: nothing to serve.
-    installed = false;
-  } else if (theta.ok()) {
+  // (A trainer's refusal of an operation, cause "error...", carries the
+  // unchanged state under a new number: served like any version, so every
+  // member reports the same number.)
+  if (theta.ok()) {
     sidecar::InstalledVersion iv;
     iv.version = v.version();
     iv.theta = std::move(*theta);
