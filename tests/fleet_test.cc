@@ -41,6 +41,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
+#include "grpc/health/v1/health.grpc.pb.h"
 #include "gtest/gtest.h"
 #include "leap/v1/fleet.pb.h"
 #include "tests/support/engine_client.h"
@@ -657,6 +658,17 @@ TEST(FleetDegraded, NatsDownRefusesCompletionsKeepsPredicting) {
                : std::stod(text.substr(at + name.size() + 2));
   };
   EXPECT_EQ(metric("leap_fleet_degraded"), 0.0);
+  auto fleet_health = [&]() {
+    auto stub = grpc::health::v1::Health::NewStub(m.d.channel);
+    grpc::ClientContext ctx;
+    grpc::health::v1::HealthCheckRequest req;
+    req.set_service("leap.v1.Fleet");
+    grpc::health::v1::HealthCheckResponse resp;
+    grpc::Status hs = stub->Check(&ctx, req, &resp);
+    return hs.ok() ? resp.status()
+                   : grpc::health::v1::HealthCheckResponse::UNKNOWN;
+  };
+  EXPECT_EQ(fleet_health(), grpc::health::v1::HealthCheckResponse::SERVING);
 
   ASSERT_TRUE(nats.Kill(0).ok());
   // Predictions go on with the last weights.
@@ -666,6 +678,7 @@ TEST(FleetDegraded, NatsDownRefusesCompletionsKeepsPredicting) {
   grpc::Status st = complete("b", &cr);
   EXPECT_EQ(st.error_code(), grpc::StatusCode::UNAVAILABLE) << st.error_message();
   EXPECT_EQ(metric("leap_fleet_degraded"), 1.0);
+  EXPECT_EQ(fleet_health(), grpc::health::v1::HealthCheckResponse::NOT_SERVING);
   {
     grpc::ClientContext ctx;
     pb::StatsResponse stats;
@@ -691,6 +704,7 @@ TEST(FleetDegraded, NatsDownRefusesCompletionsKeepsPredicting) {
   ASSERT_TRUE(complete("b", &again).ok());
   EXPECT_TRUE(again.duplicate());
   EXPECT_EQ(metric("leap_fleet_degraded"), 0.0);
+  EXPECT_EQ(fleet_health(), grpc::health::v1::HealthCheckResponse::SERVING);
   std::printf("NATS down: predictions served, completion refused UNAVAILABLE, "
               "degraded; back: resend acked at fleet_seq %llu (duplicate=%d)\n",
               static_cast<unsigned long long>(cr.fleet_seq()), cr.duplicate() ? 1 : 0);
