@@ -36,10 +36,13 @@
 
 #include "Eigen/Core"
 #include "absl/strings/str_cat.h"
+#include "readout/internal/machine_probe.h"
 #include "readout/rls.h"
 #include "tests/support/engine_client.h"
 #include "tests/support/nats_cluster.h"
 #include "tests/support/process.h"
+
+extern "C" void openblas_set_num_threads(int);
 
 namespace pb = ::leap::v1;
 using Clock = std::chrono::steady_clock;
@@ -137,7 +140,7 @@ int main(int argc, char** argv) {
   const int64_t trainer_threads = IntFlag(argc, argv, "trainer_threads", 0);
   const int64_t interval_ms = IntFlag(argc, argv, "version_interval_ms", 200);
   std::printf("cpu: %s; %ld cores\nuptime: %s\n",
-              Sh("grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ //'").c_str(),
+              leap::readout::internal::CpuDescription().c_str(),
               sysconf(_SC_NPROCESSORS_ONLN), Sh("uptime").c_str());
   std::printf("d = %lld, NATS %d node(s) R%d on loopback, 3 members, %lld client "
               "threads, version interval %lld ms, trainer threads %s\n",
@@ -145,7 +148,18 @@ int main(int argc, char** argv) {
               static_cast<long long>(clients), static_cast<long long>(interval_ms),
               trainer_threads > 0 ? std::to_string(trainer_threads).c_str() : "default");
 
-  // 1. The exact-RLS bound of this machine (this process's thread settings).
+  // 1. The exact-RLS bound of this machine: its FP32 FMA peak over the
+  // 1.5 (d+1)^2 FMAs an exact rank-1 update costs (readout/rls_benchmark's
+  // definition), for one core and for all cores; and what RlsState::Update
+  // does here on one thread with batches of 64.
+  openblas_set_num_threads(1);
+  const double fma_peak = leap::readout::internal::MeasureFmaPeak();
+  const double bound1 = fma_peak / (1.5 * double(dim + 1) * double(dim + 1));
+  const long cores = sysconf(_SC_NPROCESSORS_ONLN);
+  std::printf("exact-RLS bound at d = %lld: %.0f completions/s on one core "
+              "(FMA peak %.1f GFMA/s), %.0f on %ld cores\n",
+              static_cast<long long>(dim), bound1, fma_peak / 1e9, bound1 * cores,
+              cores);
   double bound = 0;
   {
     const int64_t n = dim + 1, k = 64;
@@ -164,8 +178,9 @@ int main(int argc, char** argv) {
       done += k;
     }
     bound = done / (Ms(Clock::now() - t0) / 1000);
-    std::printf("exact-RLS bound (batches of %lld, this process): %.0f completions/s\n",
-                static_cast<long long>(k), bound);
+    std::printf("RlsState::Update here, one thread, batches of %lld: %.0f "
+                "completions/s (%.2f of the one-core bound)\n",
+                static_cast<long long>(k), bound, bound / bound1);
   }
 
   const std::string dir =
@@ -319,10 +334,11 @@ int main(int argc, char** argv) {
     const double learn_rate = acked.size() / learn_secs;
     std::printf("sustained (closed loop, %lld clients, %.1f s): %zu acknowledged "
                 "(%.0f/s, %lld failed), learned and served fleet-wide %.0f/s "
-                "(last served %.2f s after start); trainer at %.2f of the RLS bound\n",
+                "(last served %.2f s after start); trainer at %.2f of the one-core "
+                "exact-RLS bound, %.2f of the %ld-core bound\n",
                 static_cast<long long>(clients), secs, acked.size(), ack_rate,
                 static_cast<long long>(failures), learn_rate, learn_secs,
-                learn_rate / bound);
+                learn_rate / bound1, learn_rate / (bound1 * cores), cores);
   }
 
   // 3. Staleness at a steady rate.
