@@ -62,6 +62,16 @@ absl::Status NatsError(const std::string& what, natsStatus s, jsErrCode code) {
   return absl::InternalError(text);
 }
 
+uint64_t StreamSequence(natsMsg* m) {
+  jsMsgMetaData* meta = nullptr;
+  if (natsMsg_GetMetaData(&meta, m) == NATS_OK && meta != nullptr) {
+    const uint64_t seq = meta->Sequence.Stream;
+    jsMsgMetaData_Destroy(meta);
+    return seq;
+  }
+  return natsMsg_GetSequence(m);
+}
+
 std::string FeedbackStream(const std::string& fleet) {
   return absl::StrCat("LEAP_", fleet, "_FEEDBACK");
 }
@@ -246,7 +256,7 @@ absl::StatusOr<FleetState> ReadNewestState(jsCtx* js, const std::string& stream,
       break;
     }
     MsgPtr m(raw);
-    const uint64_t seq = natsMsg_GetSequence(m.get());
+    const uint64_t seq = StreamSequence(m.get());
     leap::v1::fleet::FleetStateChunk c;
     if (c.ParseFromArray(natsMsg_GetData(m.get()), natsMsg_GetDataLength(m.get()))) {
       const std::string& id = c.state_id();

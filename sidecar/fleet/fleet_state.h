@@ -81,6 +81,10 @@ absl::StatusOr<FleetState> ReadNewestState(
 absl::Status EnsureFleetStreams(jsCtx* js, const std::string& fleet,
                                 int replicas, int64_t lease_ms);
 
+// The stream sequence of a message, whether it came from a consumer (reply
+// subject metadata) or a direct get; 0 when it has neither.
+uint64_t StreamSequence(natsMsg* m);
+
 // "nats: <text> (status N, JetStream error E)".
 absl::Status NatsError(const std::string& what, natsStatus s,
                        jsErrCode code = static_cast<jsErrCode>(0));

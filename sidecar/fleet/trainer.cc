@@ -312,7 +312,10 @@ class Trainer::Worker {
   }
 
   absl::Status Subscribe() {
-    const std::string filter = absl::StrCat("leap.", fleet(), ".*.", r_.name);
+    // nats-server 2.9 takes one filter subject per consumer, within one of
+    // the stream's subjects: fb.<readout> and ctl.<readout> together need
+    // the whole stream (other readouts' messages are passed over).
+    const std::string filter = ">";
     jsSubOptions so;
     jsSubOptions_Init(&so);
     const std::string stream = FeedbackStream(fleet());
@@ -393,9 +396,10 @@ class Trainer::Worker {
   }
 
   void Process(const std::vector<MsgPtr>& msgs) {
-    const std::string ctl_prefix = absl::StrCat("leap.", fleet(), ".ctl.");
+    const std::string fb_subject = FeedbackSubject(fleet(), r_.name);
+    const std::string ctl_subject = ControlSubject(fleet(), r_.name);
     for (const MsgPtr& m : msgs) {
-      const uint64_t seq = natsMsg_GetSequence(m.get());
+      const uint64_t seq = StreamSequence(m.get());
       uint64_t done;
       {
         absl::MutexLock lock(&mu_);
@@ -403,8 +407,9 @@ class Trainer::Worker {
       }
       if (seq <= done || seq <= pos_) continue;  // already in the state
       pos_ = seq;
-      const char* subject = natsMsg_GetSubject(m.get());
-      if (absl::string_view(subject).substr(0, ctl_prefix.size()) == ctl_prefix) {
+      const absl::string_view subject = natsMsg_GetSubject(m.get());
+      if (subject != fb_subject && subject != ctl_subject) continue;
+      if (subject == ctl_subject) {
         ApplyBatch();
         FleetControl c;
         if (!c.ParseFromArray(natsMsg_GetData(m.get()), natsMsg_GetDataLength(m.get()))) {
