@@ -111,26 +111,43 @@ def addresses():
 def leapctl(args):
     return subprocess.run([os.environ["LEAPCTL"]] + args, capture_output=True,
                           text=True, timeout=300)
+def version(addr):
+    r = leapctl(["readouts", "get", "chat", "--server", addr])
+    m = re.search(r"version: (\d+)", r.stdout)
+    return int(m.group(1)) if r.returncode == 0 and m else -1
+before_file = os.path.join(state, "fleet_version_before_feed")
 cmd = sys.argv[1]
 if cmd == "feed":
+    with open(before_file, "w") as f:
+        f.write(str(version(addresses()["fleet-leap-0"])))
     # feed PREFIX: files PREFIX-<i>_features.npy / _lengths.npy, one per member
     total = 0
     for i, (pod, addr) in enumerate(addresses().items()):
-        r = leapctl(["feed", "--features", "%s-%d_features.npy" % (sys.argv[2], i),
-                     "--lengths", "%s-%d_lengths.npy" % (sys.argv[2], i),
-                     "--product-line", "chat", "--server", addr, "--json"])
+        # Completions refused with UNAVAILABLE (a NATS stream electing its
+        # leader after a node loss) are fed again, as an engine resends.
+        deadline = time.monotonic() + 60
+        while True:
+            r = leapctl(["feed", "--features", "%s-%d_features.npy" % (sys.argv[2], i),
+                         "--lengths", "%s-%d_lengths.npy" % (sys.argv[2], i),
+                         "--product-line", "chat", "--server", addr, "--json"])
+            if r.returncode == 0 or "UNAVAILABLE" not in r.stderr or \
+                    time.monotonic() > deadline:
+                break
+            print("feed %s refused (UNAVAILABLE), again" % pod)
+            time.sleep(0.5)
         if r.returncode != 0:
             sys.exit("feed %s: %s" % (pod, r.stderr))
         total += json.loads(r.stdout)["learned"]
     print("fed %s: learned %d" % (sys.argv[2], total))
 elif cmd == "same-version":
-    # Every member serves the same version, at least member 0's now.
+    # Every member serves the same version: at least member 0's now, and
+    # after a feed a newer one than before it (the fed completions learned).
     addrs = addresses()
-    def version(addr):
-        r = leapctl(["readouts", "get", "chat", "--server", addr])
-        m = re.search(r"version: (\d+)", r.stdout)
-        return int(m.group(1)) if r.returncode == 0 and m else -1
     floor = version(addrs["fleet-leap-0"])
+    if os.path.exists(before_file):
+        with open(before_file) as f:
+            floor = max(floor, int(f.read()) + 1)
+        os.unlink(before_file)
     deadline = time.monotonic() + 60
     while True:
         vs = {pod: version(a) for pod, a in addrs.items()}
