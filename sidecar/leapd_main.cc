@@ -41,7 +41,9 @@
 #include "sidecar/grpc/admin_auth.h"
 #include "sidecar/core/core.h"
 #include "sidecar/grpc/grpc_service.h"
+#include "sidecar/fleet/fleet_state.h"
 #include "sidecar/fleet/member.h"
+#include "sidecar/fleet/trainer.h"
 #include "sidecar/shm/shm_server.h"
 #include "storage/rocksdb_store.h"
 
@@ -709,6 +711,8 @@ int main(int argc, char** argv) {
   }
 
   std::unique_ptr<leap::fleet::FleetMember> fleet;
+  std::unique_ptr<leap::storage::StateStore> trainer_store;
+  std::unique_ptr<leap::fleet::Trainer> trainer;
   if (fleet_options->has_value()) {
     leap::fleet::FleetMemberOptions fo = std::move(**fleet_options);
     grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService();
@@ -721,6 +725,69 @@ int main(int argc, char** argv) {
     auto created = leap::fleet::FleetMember::Create(&core, std::move(fo));
     if (!created.ok()) return Fail(std::string(created.status().message()));
     fleet = std::move(*created);
+    leap::fleet::FleetMember* member = fleet.get();
+    const std::string fleet_name = member->options().fleet;
+    // A new readout's creation state (theta, P) goes to STATE as checkpoint
+    // "create", where the trainer starts from.
+    member->SetCreateStateWriter(
+        [fleet_name](leap::fleet::NatsClient& nats, const std::string& readout,
+                     const leap::readout::ReadoutState& state,
+                     uint64_t fleet_seq) -> absl::Status {
+          leap::fleet::FleetState fs;
+          fs.theta = state.theta;
+          fs.p = state.p;
+          fs.version = std::max<int64_t>(state.version, 1);
+          fs.completions_learned = state.completions_learned;
+          fs.fleet_seq = fleet_seq;
+          fs.frozen = !state.p.has_value();
+          fs.unix_ms = state.created_unix_ms;
+          return leap::fleet::PublishState(
+                     nats.raw_jetstream(), leap::fleet::StateStream(fleet_name),
+                     leap::fleet::CheckpointSubject(fleet_name, readout), readout,
+                     "create", fs)
+              .status();
+        });
+    if (absl::GetFlag(FLAGS_fleet_trainer) == "auto") {
+      // The trainer's own checkpoint store, beside the member's.
+      leap::storage::RocksStoreOptions tso;
+      tso.sync_log = absl::GetFlag(FLAGS_sync_log);
+      const std::string tdir = absl::GetFlag(FLAGS_data_dir) + "/trainer";
+      std::error_code ec;
+      std::filesystem::create_directories(tdir, ec);
+      auto opened = leap::storage::OpenRocksStore(tdir, tso);
+      if (!opened.ok()) return Fail(std::string(opened.status().message()));
+      trainer_store = std::move(*opened);
+      leap::fleet::TrainerOptions to;
+      to.fleet = fleet_name;
+      to.member = member->options().member;
+      to.replicas = member->options().replicas;
+      to.lease_ms = member->options().lease_ms;
+      to.version_interval_ms = absl::GetFlag(FLAGS_fleet_version_interval_ms);
+      to.checkpoint_every_ms = absl::GetFlag(FLAGS_fleet_checkpoint_every_s) * 1000;
+      to.local_store = trainer_store.get();
+      to.registry = metrics.registry();
+      to.on_role = [member](bool trainer) { member->SetRole(trainer); };
+      auto started = leap::fleet::Trainer::Start(member->nats().raw_connection(),
+                                                 std::move(to));
+      if (!started.ok()) {
+        std::fprintf(stderr,
+                     "leapd: warning: fleet trainer not started (this member "
+                     "serves but does not train): %s\n",
+                     std::string(started.status().message()).c_str());
+      } else {
+        trainer = std::move(*started);
+        leap::fleet::Trainer* t = trainer.get();
+        member->SetReadoutsListener(
+            [t](const std::vector<leap::fleet::FleetReadoutEntry>& list) {
+              std::vector<leap::fleet::TrainerReadout> readouts;
+              for (const auto& e : list) {
+                readouts.push_back({e.name, e.spec, e.standardizer,
+                                    e.created_unix_ms});
+              }
+              t->SetReadouts(std::move(readouts));
+            });
+      }
+    }
     core.SetFleet(fleet.get());
     size_t unconfirmed = 0;
     for (const auto& [name, records] : outbox) unconfirmed += records.size();
@@ -814,6 +881,9 @@ int main(int argc, char** argv) {
   server->Shutdown(std::chrono::system_clock::now() +
                    absl::ToChronoSeconds(absl::GetFlag(FLAGS_drain_timeout)));
   if (fleet != nullptr) {
+    // The trainer first (final checkpoints, the lease released so another
+    // member takes over at once), then the member and its connection.
+    trainer.reset();
     core.SetFleet(nullptr);
     fleet->Stop();
   }
