@@ -15,6 +15,7 @@
 #include <cstring>
 #include <map>
 #include <filesystem>
+#include <thread>
 #include <memory>
 #include <optional>
 #include <random>
@@ -41,8 +42,8 @@
 #include "sidecar/grpc/admin_auth.h"
 #include "sidecar/core/core.h"
 #include "sidecar/grpc/grpc_service.h"
-#include "sidecar/fleet/fleet_state.h"
 #include "sidecar/fleet/member.h"
+#include "sidecar/fleet/trainer.h"
 #include "sidecar/fleet/trainer.h"
 #include "sidecar/shm/shm_server.h"
 #include "storage/rocksdb_store.h"
@@ -356,6 +357,85 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> TcpCredentials(
   if (processor != nullptr) creds->SetAuthMetadataProcessor(processor);
   return creds;
 }
+
+// Fleet mode, --fleet_trainer=auto: the trainer (it competes for the lease
+// and trains while it holds it), started once NATS answers (retried every
+// second until then), fed with the fleet's readouts by the member.
+class TrainerRunner {
+ public:
+  TrainerRunner(leap::fleet::FleetMember* member, leap::fleet::TrainerOptions o)
+      : member_(member), options_(std::move(o)) {
+    thread_ = std::thread([this] { Loop(); });
+  }
+  ~TrainerRunner() {
+    {
+      absl::MutexLock lock(&mu_);
+      stop_ = true;
+    }
+    thread_.join();
+    {
+      // The member's listener (it may outlive this object) sees null from
+      // here.
+      absl::MutexLock lock(&holder_->mu);
+      holder_->trainer = nullptr;
+    }
+    absl::MutexLock lock(&mu_);
+    trainer_.reset();
+  }
+
+ private:
+  void Loop() {
+    bool logged = false;
+    for (;;) {
+      absl::StatusOr<std::unique_ptr<leap::fleet::Trainer>> t =
+          leap::fleet::Trainer::Start(member_->nats().raw_connection(), options_);
+      {
+        absl::MutexLock lock(&mu_);
+        if (stop_) return;
+        if (t.ok()) {
+          trainer_ = std::move(*t);
+          break;
+        }
+      }
+      if (!logged) {
+        std::fprintf(stderr, "leapd: fleet trainer not started yet (retried): %s\n",
+                     std::string(t.status().message()).c_str());
+        logged = true;
+      }
+      absl::MutexLock lock(&mu_);
+      auto stopping = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_; };
+      mu_.AwaitWithTimeout(absl::Condition(&stopping), absl::Seconds(1));
+      if (stop_) return;
+    }
+    {
+      absl::MutexLock lock(&mu_);
+      absl::MutexLock hold(&holder_->mu);
+      holder_->trainer = trainer_.get();
+    }
+    member_->SetReadoutsListener(
+        [holder = holder_](const std::vector<leap::fleet::FleetReadoutEntry>& entries) {
+          std::vector<leap::fleet::TrainerReadout> rs;
+          for (const auto& e : entries) {
+            rs.push_back({e.name, e.spec, e.standardizer, e.created_unix_ms});
+          }
+          absl::MutexLock lock(&holder->mu);
+          if (holder->trainer != nullptr) holder->trainer->SetReadouts(std::move(rs));
+        });
+  }
+
+  struct Holder {
+    absl::Mutex mu;
+    leap::fleet::Trainer* trainer ABSL_GUARDED_BY(mu) = nullptr;
+  };
+
+  leap::fleet::FleetMember* const member_;
+  const leap::fleet::TrainerOptions options_;
+  absl::Mutex mu_;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::unique_ptr<leap::fleet::Trainer> trainer_ ABSL_GUARDED_BY(mu_);
+  std::shared_ptr<Holder> holder_ = std::make_shared<Holder>();
+  std::thread thread_;
+};
 
 // The fleet flags, validated (an error names the flag); nullopt without
 // --fleet.
@@ -712,7 +792,7 @@ int main(int argc, char** argv) {
 
   std::unique_ptr<leap::fleet::FleetMember> fleet;
   std::unique_ptr<leap::storage::StateStore> trainer_store;
-  std::unique_ptr<leap::fleet::Trainer> trainer;
+  std::unique_ptr<TrainerRunner> trainer;
   if (fleet_options->has_value()) {
     leap::fleet::FleetMemberOptions fo = std::move(**fleet_options);
     grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService();
@@ -725,69 +805,13 @@ int main(int argc, char** argv) {
     auto created = leap::fleet::FleetMember::Create(&core, std::move(fo));
     if (!created.ok()) return Fail(std::string(created.status().message()));
     fleet = std::move(*created);
-    leap::fleet::FleetMember* member = fleet.get();
-    const std::string fleet_name = member->options().fleet;
-    // A new readout's creation state (theta, P) goes to STATE as checkpoint
-    // "create", where the trainer starts from.
-    member->SetCreateStateWriter(
-        [fleet_name](leap::fleet::NatsClient& nats, const std::string& readout,
-                     const leap::readout::ReadoutState& state,
-                     uint64_t fleet_seq) -> absl::Status {
-          leap::fleet::FleetState fs;
-          fs.theta = state.theta;
-          fs.p = state.p;
-          fs.version = std::max<int64_t>(state.version, 1);
-          fs.completions_learned = state.completions_learned;
-          fs.fleet_seq = fleet_seq;
-          fs.frozen = !state.p.has_value();
-          fs.unix_ms = state.created_unix_ms;
-          return leap::fleet::PublishState(
-                     nats.raw_jetstream(), leap::fleet::StateStream(fleet_name),
-                     leap::fleet::CheckpointSubject(fleet_name, readout), readout,
-                     "create", fs)
-              .status();
+    fleet->SetCreateStateWriter(
+        [fleet_name = fleet->options().fleet](
+            leap::fleet::NatsClient& nats, const std::string& readout,
+            const leap::readout::ReadoutState& state, uint64_t fleet_seq) {
+          return leap::fleet::WriteCreateState(nats.raw_jetstream(), fleet_name,
+                                               readout, state, fleet_seq);
         });
-    if (absl::GetFlag(FLAGS_fleet_trainer) == "auto") {
-      // The trainer's own checkpoint store, beside the member's.
-      leap::storage::RocksStoreOptions tso;
-      tso.sync_log = absl::GetFlag(FLAGS_sync_log);
-      const std::string tdir = absl::GetFlag(FLAGS_data_dir) + "/trainer";
-      std::error_code ec;
-      std::filesystem::create_directories(tdir, ec);
-      auto opened = leap::storage::OpenRocksStore(tdir, tso);
-      if (!opened.ok()) return Fail(std::string(opened.status().message()));
-      trainer_store = std::move(*opened);
-      leap::fleet::TrainerOptions to;
-      to.fleet = fleet_name;
-      to.member = member->options().member;
-      to.replicas = member->options().replicas;
-      to.lease_ms = member->options().lease_ms;
-      to.version_interval_ms = absl::GetFlag(FLAGS_fleet_version_interval_ms);
-      to.checkpoint_every_ms = absl::GetFlag(FLAGS_fleet_checkpoint_every_s) * 1000;
-      to.local_store = trainer_store.get();
-      to.registry = metrics.registry();
-      to.on_role = [member](bool trainer) { member->SetRole(trainer); };
-      auto started = leap::fleet::Trainer::Start(member->nats().raw_connection(),
-                                                 std::move(to));
-      if (!started.ok()) {
-        std::fprintf(stderr,
-                     "leapd: warning: fleet trainer not started (this member "
-                     "serves but does not train): %s\n",
-                     std::string(started.status().message()).c_str());
-      } else {
-        trainer = std::move(*started);
-        leap::fleet::Trainer* t = trainer.get();
-        member->SetReadoutsListener(
-            [t](const std::vector<leap::fleet::FleetReadoutEntry>& list) {
-              std::vector<leap::fleet::TrainerReadout> readouts;
-              for (const auto& e : list) {
-                readouts.push_back({e.name, e.spec, e.standardizer,
-                                    e.created_unix_ms});
-              }
-              t->SetReadouts(std::move(readouts));
-            });
-      }
-    }
     core.SetFleet(fleet.get());
     size_t unconfirmed = 0;
     for (const auto& [name, records] : outbox) unconfirmed += records.size();
@@ -795,6 +819,27 @@ int main(int argc, char** argv) {
                                       absl::GetFlag(FLAGS_fleet_wait_ms));
         !s.ok()) {
       return Fail(std::string(s.message()));
+    }
+    if (absl::GetFlag(FLAGS_fleet_trainer) == "auto") {
+      // The trainer's own checkpoint store (its log stays empty), beside
+      // the member's.
+      const std::string dir = absl::GetFlag(FLAGS_data_dir) + "/fleet_trainer";
+      std::error_code ec;
+      std::filesystem::create_directories(dir, ec);
+      auto opened = leap::storage::OpenRocksStore(dir);
+      if (!opened.ok()) return Fail(std::string(opened.status().message()));
+      trainer_store = std::move(*opened);
+      leap::fleet::TrainerOptions to;
+      to.fleet = fleet->options().fleet;
+      to.member = fleet->options().member;
+      to.replicas = fleet->options().replicas;
+      to.lease_ms = fleet->options().lease_ms;
+      to.version_interval_ms = absl::GetFlag(FLAGS_fleet_version_interval_ms);
+      to.checkpoint_every_ms = absl::GetFlag(FLAGS_fleet_checkpoint_every_s) * 1000;
+      to.local_store = trainer_store.get();
+      to.registry = metrics.registry();
+      to.on_role = [member = fleet.get()](bool lead) { member->SetRole(lead); };
+      trainer = std::make_unique<TrainerRunner>(fleet.get(), std::move(to));
     }
     std::printf("fleet %s: member %s, %s; %zu outbox records republished\n",
                 fleet->options().fleet.c_str(), fleet->options().member.c_str(),
@@ -880,10 +925,11 @@ int main(int argc, char** argv) {
   if (shm_server != nullptr) shm_server->Stop();
   server->Shutdown(std::chrono::system_clock::now() +
                    absl::ToChronoSeconds(absl::GetFlag(FLAGS_drain_timeout)));
+  // The trainer first (final checkpoints, the lease released), while NATS
+  // is still connected.
+  trainer.reset();
+  trainer_store.reset();
   if (fleet != nullptr) {
-    // The trainer first (final checkpoints, the lease released so another
-    // member takes over at once), then the member and its connection.
-    trainer.reset();
     core.SetFleet(nullptr);
     fleet->Stop();
   }

@@ -14,16 +14,6 @@ namespace {
 constexpr char kMagic[4] = {'L', 'F', 'S', '1'};
 constexpr size_t kHeader = 12;  // magic, n (u32), has_p, frozen, 2 spare
 
-bool PlainLabel(const std::string& label) {
-  if (label.empty() || label.size() > 64) return false;
-  for (char c : label) {
-    const bool ok = (c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z') ||
-                    (c >= '0' && c <= '9') || c == '_' || c == '-';
-    if (!ok) return false;
-  }
-  return true;
-}
-
 struct MsgDel {
   void operator()(natsMsg* m) const { natsMsg_Destroy(m); }
 };
@@ -41,12 +31,12 @@ absl::Status EnsureStream(jsCtx* js, jsStreamConfig* cfg) {
     if (si != nullptr) jsStreamInfo_Destroy(si);
     if (s == NATS_OK) return absl::OkStatus();
   }
-  return NatsError(absl::StrCat("creating stream ", cfg->Name), s, code);
+  return NatsFailure(absl::StrCat("creating stream ", cfg->Name), s, code);
 }
 
 }  // namespace
 
-absl::Status NatsError(const std::string& what, natsStatus s, jsErrCode code) {
+absl::Status NatsFailure(const std::string& what, natsStatus s, jsErrCode code) {
   std::string text = absl::StrCat("nats: ", what, ": ", natsStatus_GetText(s));
   if (const char* last = nats_GetLastError(nullptr); last != nullptr && *last) {
     absl::StrAppend(&text, " (", last, ")");
@@ -62,44 +52,14 @@ absl::Status NatsError(const std::string& what, natsStatus s, jsErrCode code) {
   return absl::InternalError(text);
 }
 
-std::string FeedbackStream(const std::string& fleet) {
-  return absl::StrCat("LEAP_", fleet, "_FEEDBACK");
-}
-std::string VersionsStream(const std::string& fleet) {
-  return absl::StrCat("LEAP_", fleet, "_VERSIONS");
-}
-std::string StateStream(const std::string& fleet) {
-  return absl::StrCat("LEAP_", fleet, "_STATE");
-}
-std::string LeaseBucket(const std::string& fleet) {
-  return absl::StrCat("LEAP_", fleet, "_LEASE");
-}
-std::string FeedbackSubject(const std::string& fleet, const std::string& r) {
-  return absl::StrCat("leap.", fleet, ".fb.", r);
-}
-std::string ControlSubject(const std::string& fleet, const std::string& r) {
-  return absl::StrCat("leap.", fleet, ".ctl.", r);
-}
-std::string VersionSubject(const std::string& fleet, const std::string& r) {
-  return absl::StrCat("leap.", fleet, ".ver.", r);
-}
-std::string CheckpointSubject(const std::string& fleet, const std::string& r) {
-  return absl::StrCat("leap.", fleet, ".ckpt.", r);
-}
-std::string SnapshotSubject(const std::string& fleet, const std::string& r,
-                            const std::string& label) {
-  std::string token;
-  if (PlainLabel(label)) {
-    token = label;
-  } else {
-    static constexpr char kHex[] = "0123456789abcdef";
-    token = "=";
-    for (unsigned char c : label) {
-      token.push_back(kHex[c >> 4]);
-      token.push_back(kHex[c & 15]);
-    }
+uint64_t StreamSequence(natsMsg* m) {
+  jsMsgMetaData* meta = nullptr;
+  if (natsMsg_GetMetaData(&meta, m) == NATS_OK && meta != nullptr) {
+    const uint64_t seq = meta->Sequence.Stream;
+    jsMsgMetaData_Destroy(meta);
+    return seq;
   }
-  return absl::StrCat("leap.", fleet, ".snap.", r, ".", token);
+  return natsMsg_GetSequence(m);
 }
 
 std::string EncodeStatePayload(const FleetState& s) {
@@ -193,7 +153,7 @@ absl::StatusOr<int32_t> PublishState(jsCtx* js, const std::string& stream,
                                static_cast<int>(bytes.size()), &po, &code);
     if (ack != nullptr) jsPubAck_Destroy(ack);
     if (st != NATS_OK) {
-      return NatsError(absl::StrCat("publishing state ", state_id, " chunk ", i,
+      return NatsFailure(absl::StrCat("publishing state ", state_id, " chunk ", i,
                                     " on ", subject),
                        st, code);
     }
@@ -215,7 +175,7 @@ absl::StatusOr<FleetState> ReadNewestState(jsCtx* js, const std::string& stream,
       if (st == NATS_NOT_FOUND || code == JSNoMessageFoundErr) {
         return absl::NotFoundError(absl::StrCat("no state on ", subject));
       }
-      return NatsError(absl::StrCat("reading the last message of ", subject), st,
+      return NatsFailure(absl::StrCat("reading the last message of ", subject), st,
                        code);
     }
     last_seq = natsMsg_GetSequence(m);
@@ -232,7 +192,7 @@ absl::StatusOr<FleetState> ReadNewestState(jsCtx* js, const std::string& stream,
   jsErrCode code = static_cast<jsErrCode>(0);
   natsStatus st = js_SubscribeSync(&sub, js, subject.c_str(), nullptr, &so, &code);
   if (st != NATS_OK) {
-    return NatsError(absl::StrCat("subscribing to ", subject), st, code);
+    return NatsFailure(absl::StrCat("subscribing to ", subject), st, code);
   }
   std::map<std::string, std::string> partial;  // state_id -> data so far
   std::map<std::string, int32_t> next_index;
@@ -242,11 +202,11 @@ absl::StatusOr<FleetState> ReadNewestState(jsCtx* js, const std::string& stream,
     natsMsg* raw = nullptr;
     st = natsSubscription_NextMsg(&raw, sub, 10000);
     if (st != NATS_OK) {
-      err = NatsError(absl::StrCat("reading ", subject), st);
+      err = NatsFailure(absl::StrCat("reading ", subject), st);
       break;
     }
     MsgPtr m(raw);
-    const uint64_t seq = natsMsg_GetSequence(m.get());
+    const uint64_t seq = StreamSequence(m.get());
     leap::v1::fleet::FleetStateChunk c;
     if (c.ParseFromArray(natsMsg_GetData(m.get()), natsMsg_GetDataLength(m.get()))) {
       const std::string& id = c.state_id();
@@ -357,7 +317,7 @@ absl::Status EnsureFleetStreams(jsCtx* js, const std::string& fleet,
       }
     }
     if (kv != nullptr) kvStore_Destroy(kv);
-    if (st != NATS_OK) return NatsError("creating bucket " + bucket, st);
+    if (st != NATS_OK) return NatsFailure("creating bucket " + bucket, st);
   }
   return absl::OkStatus();
 }

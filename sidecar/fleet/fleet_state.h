@@ -19,6 +19,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "readout/rls.h"
+#include "sidecar/fleet/nats_client.h"
 
 namespace leap::fleet {
 
@@ -41,21 +42,7 @@ struct FleetState {
   int32_t chunks = 0;    // as read or written
 };
 
-// Stream and subject names of fleet `fleet` (the contract in
-// proto/leap/v1/fleet.proto).
-std::string FeedbackStream(const std::string& fleet);
-std::string VersionsStream(const std::string& fleet);
-std::string StateStream(const std::string& fleet);
-std::string LeaseBucket(const std::string& fleet);
-std::string FeedbackSubject(const std::string& fleet, const std::string& readout);
-std::string ControlSubject(const std::string& fleet, const std::string& readout);
-std::string VersionSubject(const std::string& fleet, const std::string& readout);
-std::string CheckpointSubject(const std::string& fleet,
-                              const std::string& readout);
-// Labels of [A-Za-z0-9_-]{1,64} are used as they are; any other label is
-// written as "=" followed by its bytes in hex (so every label is one token).
-std::string SnapshotSubject(const std::string& fleet, const std::string& readout,
-                            const std::string& label);
+// Stream, bucket and subject names: sidecar/fleet/nats_client.h.
 
 // theta, P and the flags as one byte string (little-endian), and back.
 std::string EncodeStatePayload(const FleetState& s);
@@ -81,8 +68,12 @@ absl::StatusOr<FleetState> ReadNewestState(
 absl::Status EnsureFleetStreams(jsCtx* js, const std::string& fleet,
                                 int replicas, int64_t lease_ms);
 
+// The stream sequence of a message, whether it came from a consumer (reply
+// subject metadata) or a direct get; 0 when it has neither.
+uint64_t StreamSequence(natsMsg* m);
+
 // "nats: <text> (status N, JetStream error E)".
-absl::Status NatsError(const std::string& what, natsStatus s,
+absl::Status NatsFailure(const std::string& what, natsStatus s,
                        jsErrCode code = static_cast<jsErrCode>(0));
 
 }  // namespace leap::fleet

@@ -70,16 +70,30 @@ absl::Status TrainerOptions::Validate() const {
   return absl::OkStatus();
 }
 
+absl::Status WriteCreateState(jsCtx* js, const std::string& fleet,
+                              const std::string& readout,
+                              const readout::ReadoutState& state,
+                              uint64_t fleet_seq) {
+  FleetState s;
+  s.theta = state.theta;
+  s.p = state.p;
+  s.version = state.version;
+  s.completions_learned = state.completions_learned;
+  s.fleet_seq = fleet_seq;
+  s.frozen = !state.p.has_value();
+  s.unix_ms = UnixMs();
+  // One id per incarnation: a re-created name is never de-duplicated away.
+  absl::StatusOr<int32_t> n =
+      PublishState(js, StateStream(fleet), CheckpointSubject(fleet, readout), readout,
+                   absl::StrCat("create-", readout, "-", state.created_unix_ms), s);
+  return n.status();
+}
+
 // ---- Metrics ----------------------------------------------------------------
 
 struct Trainer::Families {
   explicit Families(prometheus::Registry& r)
-      : role(prometheus::BuildGauge()
-                 .Name("leap_fleet_trainer")
-                 .Help("1 while this member holds the fleet's trainer lease")
-                 .Register(r)
-                 .Add({})),
-        takeovers(prometheus::BuildCounter()
+      :         takeovers(prometheus::BuildCounter()
                       .Name("leap_fleet_trainer_terms_total")
                       .Help("Times this member won the trainer lease")
                       .Register(r)
@@ -117,7 +131,6 @@ struct Trainer::Families {
                         .Help("Checkpoints written, per readout and where "
                               "(local, fleet)")
                         .Register(r)) {}
-  prometheus::Gauge& role;
   prometheus::Counter& takeovers;
   prometheus::Counter& lease_lost;
   prometheus::Family<prometheus::Gauge>& applied_seq;
@@ -247,7 +260,7 @@ class Trainer::Worker {
       } else if (st == NATS_NOT_FOUND || code == JSNoMessageFoundErr) {
         read_fleet = false;
       } else {
-        return NatsError("reading the last checkpoint chunk of " + subject, st,
+        return NatsFailure("reading the last checkpoint chunk of " + subject, st,
                          code);
       }
     }
@@ -298,7 +311,7 @@ class Trainer::Worker {
       return absl::OkStatus();
     }
     if (st != NATS_OK) {
-      return NatsError("reading the last version of " + subject, st, code);
+      return NatsFailure("reading the last version of " + subject, st, code);
     }
     MsgPtr m(raw);
     FleetVersion v;
@@ -312,7 +325,10 @@ class Trainer::Worker {
   }
 
   absl::Status Subscribe() {
-    const std::string filter = absl::StrCat("leap.", fleet(), ".*.", r_.name);
+    // nats-server 2.9 takes one filter subject per consumer, within one of
+    // the stream's subjects: fb.<readout> and ctl.<readout> together need
+    // the whole stream (other readouts' messages are passed over).
+    const std::string filter = ">";
     jsSubOptions so;
     jsSubOptions_Init(&so);
     const std::string stream = FeedbackStream(fleet());
@@ -327,7 +343,7 @@ class Trainer::Worker {
     natsStatus st = js_SubscribeSync(&sub_, t_->js_, filter.c_str(), nullptr, &so, &code);
     if (st != NATS_OK) {
       sub_ = nullptr;
-      return NatsError("subscribing to " + filter, st, code);
+      return NatsFailure("subscribing to " + filter, st, code);
     }
     natsSubscription_SetPendingLimits(sub_, -1, -1);
     return absl::OkStatus();
@@ -393,9 +409,10 @@ class Trainer::Worker {
   }
 
   void Process(const std::vector<MsgPtr>& msgs) {
-    const std::string ctl_prefix = absl::StrCat("leap.", fleet(), ".ctl.");
+    const std::string fb_subject = FeedbackSubject(fleet(), r_.name);
+    const std::string ctl_subject = ControlSubject(fleet(), r_.name);
     for (const MsgPtr& m : msgs) {
-      const uint64_t seq = natsMsg_GetSequence(m.get());
+      const uint64_t seq = StreamSequence(m.get());
       uint64_t done;
       {
         absl::MutexLock lock(&mu_);
@@ -403,8 +420,9 @@ class Trainer::Worker {
       }
       if (seq <= done || seq <= pos_) continue;  // already in the state
       pos_ = seq;
-      const char* subject = natsMsg_GetSubject(m.get());
-      if (absl::string_view(subject).substr(0, ctl_prefix.size()) == ctl_prefix) {
+      const absl::string_view subject = natsMsg_GetSubject(m.get());
+      if (subject != fb_subject && subject != ctl_subject) continue;
+      if (subject == ctl_subject) {
         ApplyBatch();
         FleetControl c;
         if (!c.ParseFromArray(natsMsg_GetData(m.get()), natsMsg_GetDataLength(m.get()))) {
@@ -660,7 +678,7 @@ class Trainer::Worker {
       if (ack != nullptr) jsPubAck_Destroy(ack);
       if (code != JSStreamWrongLastSequenceErr) {
         Log(absl::StrCat("version ", v.version(), " not published (retried): ",
-                         NatsError("publish", st, code).message()));
+                         NatsFailure("publish", st, code).message()));
         last_publish_ms_ = SteadyMs();  // retry after an interval
         return false;
       }
@@ -747,7 +765,7 @@ class Trainer::Worker {
       natsStatus st = js_PurgeStream(t_->js_, StateStream(fleet()).c_str(), &jo, &code);
       if (st != NATS_OK) {
         Log(absl::StrCat("pruning old checkpoints: ",
-                         NatsError("purge", st, code).message()));
+                         NatsFailure("purge", st, code).message()));
       }
     }
   }
@@ -852,7 +870,7 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Start(natsConnection* nc,
   jsOptions_Init(&jo);
   jo.Wait = 10000;
   if (natsStatus st = natsConnection_JetStream(&js, nc, &jo); st != NATS_OK) {
-    return NatsError("JetStream context", st);
+    return NatsFailure("JetStream context", st);
   }
   if (absl::Status s = EnsureFleetStreams(js, options.fleet, options.replicas,
                                           options.lease_ms);
@@ -864,7 +882,7 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Start(natsConnection* nc,
   if (natsStatus st = js_KeyValue(&kv, js, LeaseBucket(options.fleet).c_str());
       st != NATS_OK) {
     jsCtx_Destroy(js);
-    return NatsError("opening bucket " + LeaseBucket(options.fleet), st);
+    return NatsFailure("opening bucket " + LeaseBucket(options.fleet), st);
   }
   std::map<std::string, storage::RecoveredReadout> local;
   if (options.local_store != nullptr) {
@@ -923,7 +941,7 @@ void Trainer::StopAll(bool final_checkpoint, bool release) {
     kvStore_Delete(kv_, kLeaseKey);
   }
   leader_.store(false);
-  if (families_ != nullptr) families_->role.Set(0);
+  if (was_leader && options_.on_role) options_.on_role(false);
 }
 
 void Trainer::Abandon() { StopAll(/*final_checkpoint=*/false, /*release=*/false); }
@@ -1035,10 +1053,7 @@ void Trainer::LeaseLoop() {
       std::fprintf(stderr, "leapd: fleet trainer: %s holds the trainer lease\n",
                    options_.member.c_str());
       last_renew_ms_.store(sent);
-      if (families_ != nullptr) {
-        families_->role.Set(1);
-        families_->takeovers.Increment();
-      }
+      if (families_ != nullptr) families_->takeovers.Increment();
       {
         absl::MutexLock lock(&mu_);
         lease_rev_.store(rev);
@@ -1070,10 +1085,7 @@ void Trainer::LeaseLoop() {
                  "leapd: fleet trainer: %s lost the trainer lease (%s); training "
                  "stopped\n",
                  options_.member.c_str(), natsStatus_GetText(st));
-    if (families_ != nullptr) {
-      families_->lease_lost.Increment();
-      families_->role.Set(0);
-    }
+    if (families_ != nullptr) families_->lease_lost.Increment();
     Demote(/*final_checkpoint=*/false);
     if (options_.on_role) options_.on_role(false);
   }

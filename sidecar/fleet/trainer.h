@@ -37,6 +37,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "prometheus/registry.h"
+#include "readout/artifact.h"
 #include "readout/readout.h"
 #include "sidecar/fleet/fleet_state.h"
 #include "storage/state_store.h"
@@ -81,6 +82,15 @@ struct TrainerOptions {
 
   absl::Status Validate() const;
 };
+
+// Writes a new readout's creation state into STATE as checkpoint "create"
+// (FleetMember::SetCreateStateWriter): the state every trainer starts from
+// when nothing newer exists. fleet_seq is the FEEDBACK position the readout
+// starts after.
+absl::Status WriteCreateState(jsCtx* js, const std::string& fleet,
+                              const std::string& readout,
+                              const readout::ReadoutState& state,
+                              uint64_t fleet_seq);
 
 // What a readout's trainer has reached (for stats and tests).
 struct TrainerReadoutStatus {
