@@ -29,6 +29,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "leap_build_info.h"
@@ -85,6 +86,15 @@ ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:9464",
 ABSL_FLAG(std::vector<std::string>, import, {},
           "Readout artifact (.leapr) to load at start, as FILE or NAME=FILE "
           "(NAME defaults to the file name without extension). Repeatable.");
+ABSL_FLAG(std::string, on_unrecoverable_state, "fail",
+          "With --data_dir: what to do when the stored state is corrupt beyond "
+          "what recovery repairs (a DATA_LOSS when opening or loading it; a "
+          "held lock or an I/O error always fails). 'fail': exit with the "
+          "reason. 'move_aside': rename the directory to "
+          "DIR.unrecoverable-<UTC time> (kept for inspection), print a "
+          "'recovery:' line and start with an empty state, so that leapd "
+          "serves again (after an import) without anyone scaling the pod "
+          "down. The parent of --data_dir must be writable.");
 ABSL_FLAG(bool, import_optional, false,
           "A --import FILE that does not exist is reported ('--import FILE: "
           "not there; skipped') and skipped instead of failing the start: for "
@@ -447,14 +457,45 @@ int Run(int argc, char** argv) {
     so.dedup_window_ms =
         absl::ToInt64Milliseconds(absl::GetFlag(FLAGS_dedup_window));
     if (so.dedup_window_ms < 0) return Fail("--dedup_window must be >= 0");
-    std::error_code ec;
-    std::filesystem::create_directories(absl::GetFlag(FLAGS_data_dir), ec);
-    auto opened = leap::storage::OpenRocksStore(absl::GetFlag(FLAGS_data_dir), so);
-    if (!opened.ok()) return Fail(std::string(opened.status().message()));
-    store = std::move(*opened);
-    auto loaded = store->Load();
-    if (!loaded.ok()) return Fail(std::string(loaded.status().message()));
-    recovered = std::move(*loaded);
+    const std::string dir = absl::GetFlag(FLAGS_data_dir);
+    const std::string policy = absl::GetFlag(FLAGS_on_unrecoverable_state);
+    if (policy != "fail" && policy != "move_aside") {
+      return Fail(absl::StrCat("--on_unrecoverable_state must be fail or "
+                               "move_aside, got '", policy, "'"));
+    }
+    auto open_and_load = [&]() -> absl::Status {
+      std::error_code ec;
+      std::filesystem::create_directories(dir, ec);
+      auto opened = leap::storage::OpenRocksStore(dir, so);
+      if (!opened.ok()) return opened.status();
+      store = std::move(*opened);
+      auto loaded = store->Load();
+      if (!loaded.ok()) {
+        store.reset();
+        return loaded.status();
+      }
+      recovered = std::move(*loaded);
+      return absl::OkStatus();
+    };
+    absl::Status st = open_and_load();
+    if (st.code() == absl::StatusCode::kDataLoss && policy == "move_aside") {
+      // Corrupt beyond what recovery repairs (not a held lock or an I/O
+      // error: those stay fatal). Keep it for inspection, start empty.
+      const std::string aside = absl::StrCat(
+          dir, ".unrecoverable-",
+          absl::FormatTime("%Y%m%dT%H%M%SZ", absl::Now(), absl::UTCTimeZone()));
+      std::error_code ec;
+      std::filesystem::rename(dir, aside, ec);
+      if (ec) {
+        return Fail(absl::StrCat(st.message(), "; cannot move ", dir, " aside: ",
+                                 ec.message()));
+      }
+      std::printf("recovery: state in %s cannot be recovered (%s); moved to %s; "
+                  "starting with an empty state\n",
+                  dir.c_str(), std::string(st.message()).c_str(), aside.c_str());
+      st = open_and_load();
+    }
+    if (!st.ok()) return Fail(std::string(st.message()));
     for (const std::string& p : recovered.problems) {
       std::printf("recovery: %s\n", p.c_str());
     }

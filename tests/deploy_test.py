@@ -771,8 +771,11 @@ class ManifestTest(unittest.TestCase):
             self.assertEqual(len(data_dir), 1)
             claims = {t["metadata"]["name"]: t
                       for t in sts["spec"]["volumeClaimTemplates"]}
+            # The volume's root or a directory in it (move_aside renames
+            # the state directory, which a mount point cannot be).
             mount = [m for m in leapd["volumeMounts"]
-                     if m["mountPath"].rstrip("/") == data_dir[0].rstrip("/")]
+                     if (data_dir[0].rstrip("/") + "/").startswith(
+                         m["mountPath"].rstrip("/") + "/")]
             self.assertEqual(len(mount), 1, name)
             self.assertIn(mount[0]["name"], claims)
             self.assertNotIn(mount[0]["name"],
