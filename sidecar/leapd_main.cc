@@ -107,7 +107,8 @@ ABSL_FLAG(bool, allow_hello_mismatch, false,
           "the metadata (model id, layer) of a readout of its width. Without "
           "it such a hello is refused with FAILED_PRECONDITION naming both "
           "(gRPC Connect and shm attach alike); hellos and readouts that "
-          "declare no model id (or layer -1) are not compared.");
+          "declare no model id (an empty one; a hello layer <= 0, a readout "
+          "layer -1) are not compared.");
 ABSL_FLAG(std::string, default_readout, "",
           "Readout serving the default route (product line \"\"). Default: "
           "the first --import.");

@@ -103,6 +103,7 @@ TEST(HelloIdentity, MismatchRefusedOverGrpcAndShmNamingBoth) {
       {"", -1, false},                   // declares nothing
       {kModel, -1, false},               // model only
       {"", kLayer, false},               // layer only
+      {kModel, 0, false},                // 0: proto3's unset layer
       {"meta-llama/Llama-3-8B", kLayer, true},
       {kModel, 20, true},
       {"meta-llama/Llama-3-8B", 20, true},

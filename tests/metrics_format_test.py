@@ -185,7 +185,7 @@ class MetricsFormatTest(unittest.TestCase):
         """(metric, {label: [values]}) from README.md's Metrics paragraph."""
         with open(os.path.join(ARGS.source_dir, "README.md")) as f:
             readme = f.read()
-        start = readme.index("Metrics (`/metrics`):")
+        start = readme.index("Metrics (`/metrics`)")
         end = readme.index("\n\n", start)
         para = readme[start:end]
         out = {}
@@ -238,12 +238,17 @@ class MetricsFormatTest(unittest.TestCase):
             for _, labels, value in fams[g]["samples"]:
                 self.assertIn(tuple(sorted(labels.items())), have, g)
                 self.assertIn("readout", labels, g)
-        # After the feed (400 completions): the windows hold them.
+        # After the feed (400 requests): the windows hold every learned
+        # completion (censored ones are not judged).
+        learned = [v for _, l, v in fams["leap_completions_total"]["samples"]
+                   if l == {"readout": "r", "outcome": "learned"}]
+        self.assertEqual(len(learned), 1)
+        self.assertGreater(learned[0], 300)
         n = {tuple(sorted(l.items())): v for _, l, v in
              fams["leap_readout_spearman_samples"]["samples"]}
-        self.assertEqual(n[(("readout", "r"),)], 400)
+        self.assertEqual(n[(("readout", "r"),)], learned[0])
         arm = fams["leap_arm_spearman_samples"]["samples"]
-        self.assertEqual(sum(v for _, _, v in arm), 400)
+        self.assertEqual(sum(v for _, _, v in arm), learned[0])
 
     def test_buckets_dense_around_alert_thresholds(self):
         with open(os.path.join(ARGS.source_dir, "deploy", "prometheus",

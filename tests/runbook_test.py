@@ -223,7 +223,8 @@ class RunbookTest(unittest.TestCase):
             self.fail("runbook block %d (RUNBOOK.md line %d, section '%s') "
                       "failed, exit %d:\n%s\n--- output:\n%s" % (
                           i, blocks[i]["line"], blocks[i]["section"],
-                          run.returncode, blocks[i]["text"], out.get(i, "")))
+                          run.returncode, blocks[i]["text"],
+                          out.get(i, "") or run.stdout[-3000:]))
 
         def output_of(command):
             """Output of the first block that contains `command`."""

@@ -84,8 +84,10 @@ absl::Status CheckHelloIdentity(const Core& core, const pb::Hello& hello) {
     const bool model_differs = !hello.model_id().empty() &&
                                !spec.model_id.empty() &&
                                hello.model_id() != spec.model_id;
+    // Hello.layer 0 is proto3's unset value (the shim sends -1 for "not
+    // known"): only a positive layer is compared.
     const bool layer_differs =
-        hello.layer() >= 0 && spec.layer >= 0 && hello.layer() != spec.layer;
+        hello.layer() > 0 && spec.layer >= 0 && hello.layer() != spec.layer;
     if (!model_differs && !layer_differs) continue;
     absl::StrAppend(&mismatch, mismatch.empty() ? "" : "; ", "readout '",
                     r->name(), "' was trained on model_id '", spec.model_id,
