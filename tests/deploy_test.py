@@ -91,7 +91,7 @@ def kustomize_usable():
     """The real `kubectl kustomize` when it is there and new enough (v4.1+:
     `labels`, `patches`), else None: the manifests are then rendered from
     their YAML sources by render_sources()."""
-    if ARGS.kubectl is None:
+    if ARGS.kubectl is None or shutil.which(ARGS.kubectl) is None:
         return None
     r = subprocess.run([ARGS.kubectl, "version", "--client"],
                        capture_output=True, text=True)
