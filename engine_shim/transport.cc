@@ -376,8 +376,8 @@ absl::Status CheckEndpoint(const std::string& endpoint) {
     if (endpoint[at] != '/') return bad("must name an absolute path");
     return absl::OkStatus();
   }
-  if (starts("unix:") || starts("dns:") || starts("ipv4:") ||
-      starts("ipv6:")) {
+  if (starts("unix:") || starts("unix-abstract:") || starts("dns:") ||
+      starts("ipv4:") || starts("ipv6:")) {
     return absl::OkStatus();
   }
   const size_t scheme = endpoint.find("://");

@@ -46,7 +46,8 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ChannelCredentials(
     const TransportOptions& o);
 
 // OK when `endpoint` names a transport Dial knows: "shm:///abs/path",
-// "unix:///abs/path" (or "unix:path"), "dns:///host:port", "ipv4:..." /
+// "unix:///abs/path" (or "unix:path", "unix-abstract:name"),
+// "dns:///host:port", "ipv4:..." /
 // "ipv6:..." or a plain "host:port". Anything else (e.g. "http://foo", a
 // URL gRPC would try to resolve forever) is InvalidArgument naming the
 // endpoint and the forms accepted.
