@@ -1,15 +1,25 @@
 #!/usr/bin/python3
 """Checks of deploy/ that need neither a cluster nor a Docker engine.
 
-Kubernetes (every overlay rendered with the real `kubectl kustomize`):
+Kubernetes (every overlay rendered with the real `kubectl kustomize`, or,
+without a kubectl whose kustomize is v4.1+, from the YAML sources):
   - leapd is a native sidecar (init container, restartPolicy: Always) and
     the engine a main container; every leapd flag in the manifest is one
     `leapd --help` documents;
   - both containers mount the memory-backed shared volume at the same path,
     leapd's unix socket is in it, and the engine's LEAP_ENDPOINT names it;
-  - the startup, readiness and liveness probes are gRPC health probes on
-    the TCP port leapd is started with (--listen), a declared container port;
-  - the volumeClaimTemplate is mounted at leapd's --data_dir;
+  - fail-open: leapd has no startup or readiness probe (a native
+    sidecar's would gate the engine's start and the pod's readiness), only
+    a liveness probe on the gRPC health service "liveness" on its --listen
+    port; the engine's own probes never involve leapd's ports or tools; the
+    engine container has ports, probes and a GPU;
+  - the NetworkPolicy admits every engine port and opens leapd's ports only
+    to named sources; `Parallel` pod management; per-container users (the
+    engine keeps its image's), the sockets given to the pod's fsGroup;
+  - the first readout comes from an init step before leapd into a volume
+    leapd imports from optionally (no ConfigMap); no deprecated kustomize
+    fields or warnings;
+  - the volumeClaimTemplate is mounted at (or above) leapd's --data_dir;
   - the admin token Secret is mounted and --admin_token_file names the
     mounted key;
   - a restrictive securityContext (non-root with the image's uid, read-only
@@ -35,8 +45,9 @@ here instead of asserting its text):
     temporary directory, TCP ports to 0) use only documented flags, become
     ready and serve /metrics; EXPOSE declares exactly their TCP ports.
 Prometheus (deploy/prometheus): the scrape job keeps the port name and
-annotations the manifests use; every metric an alert uses is one a real
-leapd serves on /metrics; every alert is described in RUNBOOK.md.
+annotations the manifests use; every metric an alert (and the Grafana
+dashboard, deploy/grafana) uses is one a real leapd serves on /metrics;
+every alert is described in RUNBOOK.md.
 
 Run: /usr/bin/python3 tests/deploy_test.py --leapd PATH --leapctl PATH
          --source-dir DIR [--kubectl PATH]
