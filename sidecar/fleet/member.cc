@@ -161,6 +161,10 @@ void FleetMember::Stop() {
     stop_ = true;
   }
   if (maintainer_.joinable()) maintainer_.join();
+  // Closed first: ending the subscriptions then needs no server round trip
+  // (which would wait for its timeout while NATS is unreachable); the
+  // server drops their ephemeral consumers by itself.
+  nats_->Close();
   versions_sub_.reset();
   config_watch_.reset();
   lease_watch_.reset();

@@ -230,6 +230,12 @@ StreamMsg ToStreamMsg(natsMsg* msg) {
 
 // ---------------------------------------------------------------- client
 
+struct NatsClient::Callbacks {
+  absl::Mutex mu;
+  NatsClient* owner ABSL_GUARDED_BY(mu) = nullptr;
+  absl::Notification closed;
+};
+
 absl::StatusOr<std::unique_ptr<NatsClient>> NatsClient::Connect(
     NatsClientOptions options) {
   if (options.servers.empty()) {
@@ -266,11 +272,13 @@ absl::StatusOr<std::unique_ptr<NatsClient>> NatsClient::Connect(
   // Spot a dead server within ~2 s rather than the default 4 minutes.
   natsOptions_SetPingInterval(opts, 1000);
   natsOptions_SetMaxPingsOut(opts, 2);
-  natsOptions_SetDisconnectedCB(opts, &NatsClient::OnDisconnected, c.get());
-  natsOptions_SetReconnectedCB(opts, &NatsClient::OnReconnected, c.get());
-  natsOptions_SetClosedCB(opts, &NatsClient::OnClosed, c.get());
+  c->callbacks_ = new Callbacks();
+  c->callbacks_->owner = c.get();
+  natsOptions_SetDisconnectedCB(opts, &NatsClient::OnDisconnected, c->callbacks_);
+  natsOptions_SetReconnectedCB(opts, &NatsClient::OnReconnected, c->callbacks_);
+  natsOptions_SetClosedCB(opts, &NatsClient::OnClosed, c->callbacks_);
   natsOptions_SetRetryOnFailedConnect(opts, true, &NatsClient::OnConnected,
-                                      c.get());
+                                      c->callbacks_);
   if (!o.creds_file.empty()) {
     if (absl::Status st = check(
             natsOptions_SetUserCredentialsFromFiles(opts, o.creds_file.c_str(),
@@ -316,15 +324,39 @@ absl::StatusOr<std::unique_ptr<NatsClient>> NatsClient::Connect(
   return c;
 }
 
+void NatsClient::Close() {
+  if (closed_once_.exchange(true)) return;
+  if (callbacks_ != nullptr) {
+    // Waits for a callback in progress; none reaches this object after.
+    absl::MutexLock l(&callbacks_->mu);
+    callbacks_->owner = nullptr;
+  }
+  connected_.store(false);
+  if (nc_ != nullptr) natsConnection_Close(nc_);
+}
+
 NatsClient::~NatsClient() {
-  // No callback reaches the owner from now on; the closed callback is the
-  // last one nats.c delivers, so after it this object may go.
-  closing_.store(true);
+  Close();
+  bool closed = true;
   if (js_ != nullptr) jsCtx_Destroy(js_);
   if (nc_ != nullptr) {
-    natsConnection_Close(nc_);
-    closed_.WaitForNotificationWithTimeout(absl::Seconds(5));
+    // The closed callback is the last one nats.c delivers. (While it is
+    // reconnecting it may come late: not waited for long.)
+    if (callbacks_ != nullptr) {
+      closed = callbacks_->closed.WaitForNotificationWithTimeout(
+          absl::Milliseconds(500));
+    }
     natsConnection_Destroy(nc_);
+  }
+  if (callbacks_ != nullptr) {
+    if (closed || nc_ == nullptr) {
+      delete callbacks_;
+    } else {
+      static absl::Mutex kept_mu(absl::kConstInit);
+      static std::vector<Callbacks*>* kept = new std::vector<Callbacks*>();
+      absl::MutexLock l(&kept_mu);
+      kept->push_back(callbacks_);
+    }
   }
   if (opts_ != nullptr) natsOptions_Destroy(opts_);
 }
@@ -335,26 +367,33 @@ void NatsClient::SetConnected(bool c) {
     absl::MutexLock l(&mu_);
     connected_cv_ = c;
   }
-  if (options_.on_connection_change && !closing_.load()) {
-    options_.on_connection_change(c);
-  }
+  if (options_.on_connection_change) options_.on_connection_change(c);
 }
 
 void NatsClient::OnDisconnected(natsConnection*, void* closure) {
-  auto* self = static_cast<NatsClient*>(closure);
-  if (self->connected_.load()) self->disconnects_.fetch_add(1);
-  self->SetConnected(false);
+  auto* cb = static_cast<Callbacks*>(closure);
+  absl::MutexLock l(&cb->mu);
+  if (cb->owner == nullptr) return;
+  if (cb->owner->connected_.load()) cb->owner->disconnects_.fetch_add(1);
+  cb->owner->SetConnected(false);
 }
 void NatsClient::OnReconnected(natsConnection*, void* closure) {
-  static_cast<NatsClient*>(closure)->SetConnected(true);
+  auto* cb = static_cast<Callbacks*>(closure);
+  absl::MutexLock l(&cb->mu);
+  if (cb->owner != nullptr) cb->owner->SetConnected(true);
 }
 void NatsClient::OnConnected(natsConnection*, void* closure) {
-  static_cast<NatsClient*>(closure)->SetConnected(true);
+  auto* cb = static_cast<Callbacks*>(closure);
+  absl::MutexLock l(&cb->mu);
+  if (cb->owner != nullptr) cb->owner->SetConnected(true);
 }
 void NatsClient::OnClosed(natsConnection*, void* closure) {
-  auto* self = static_cast<NatsClient*>(closure);
-  self->connected_.store(false);
-  if (!self->closed_.HasBeenNotified()) self->closed_.Notify();
+  auto* cb = static_cast<Callbacks*>(closure);
+  {
+    absl::MutexLock l(&cb->mu);
+    if (cb->owner != nullptr) cb->owner->connected_.store(false);
+  }
+  if (!cb->closed.HasBeenNotified()) cb->closed.Notify();
 }
 
 absl::Status NatsClient::WaitConnected(int64_t timeout_ms) {

@@ -263,6 +263,9 @@ class NatsClient {
   NatsClient& operator=(const NatsClient&) = delete;
 
   bool connected() const { return connected_.load(); }
+  // Closes the connection (no callback reaches the options' handler after
+  // it; every later call fails). Idempotent; the destructor does it too.
+  void Close();
   // Waits until connected; DEADLINE_EXCEEDED after timeout_ms.
   absl::Status WaitConnected(int64_t timeout_ms);
   // Times the connection was lost so far.
@@ -311,8 +314,12 @@ class NatsClient {
   __natsConnection* nc_ = nullptr;
   __jsCtx* js_ = nullptr;
   std::atomic<bool> connected_{false};
-  std::atomic<bool> closing_{false};
-  absl::Notification closed_;
+  // What nats.c's connection callbacks reach: outlives this object when
+  // nats.c has not delivered the closed callback by the end of the
+  // destructor (then kept, reachable, for any late callback).
+  struct Callbacks;
+  Callbacks* callbacks_ = nullptr;
+  std::atomic<bool> closed_once_{false};
   std::atomic<int64_t> disconnects_{0};
   absl::Mutex mu_;
   bool connected_cv_ ABSL_GUARDED_BY(mu_) = false;
