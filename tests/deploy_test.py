@@ -166,11 +166,17 @@ def render_sources(overlay):
         else:
             with open(path) as f:
                 objects += [d for d in yaml.safe_load_all(f) if d]
-    patches = [p["path"] for p in k.get("patches", [])] + \
-        k.get("patchesStrategicMerge", [])
-    for path in patches:
+    patches = [(p["path"], p.get("target")) for p in k.get("patches", [])] + \
+        [(p, None) for p in k.get("patchesStrategicMerge", [])]
+    for path, target in patches:
         with open(os.path.join(overlay, path)) as f:
             patch = yaml.safe_load(f)
+        if isinstance(patch, list):  # JSON 6902 operations on the target
+            for o in objects:
+                if (o["kind"], o["metadata"]["name"]) == (
+                        target["kind"], target["name"]):
+                    json6902(o, patch)
+            continue
         for i, o in enumerate(objects):
             if (o["kind"], o["metadata"]["name"]) == (
                     patch["kind"], patch["metadata"]["name"]):
@@ -220,7 +226,31 @@ def render_sources(overlay):
             spec["selector"].update(labels)
         elif o["kind"] == "NetworkPolicy":
             spec["podSelector"]["matchLabels"].update(labels)
+        elif o["kind"] == "PodDisruptionBudget":
+            spec["selector"]["matchLabels"].update(labels)
     return objects
+
+
+def json6902(obj, ops):
+    """The JSON patch operations the overlays use: test, add (list index or
+    '-' to append)."""
+    for op in ops:
+        parts = [p.replace("~1", "/").replace("~0", "~")
+                 for p in op["path"].split("/")[1:]]
+        parent = obj
+        for p in parts[:-1]:
+            parent = parent[int(p)] if isinstance(parent, list) else parent[p]
+        last = parts[-1]
+        if op["op"] == "test":
+            got = parent[int(last)] if isinstance(parent, list) else parent[last]
+            assert got == op["value"], (op, got)
+        elif op["op"] == "add":
+            if isinstance(parent, list):
+                parent.insert(len(parent) if last == "-" else int(last), op["value"])
+            else:
+                parent[last] = op["value"]
+        else:
+            raise AssertionError("unsupported JSON patch op %s" % op["op"])
 
 
 def dockerfile_stages(path):
@@ -712,7 +742,12 @@ class ManifestTest(unittest.TestCase):
         some source), and leapd's ports only from named sources."""
         for name in self.overlays:
             sts, spec, leapd, engine = self.pod(name)
-            pols = self.objects(name, "NetworkPolicy")
+            # The policies that select the leap pods (the fleet overlay's
+            # NATS pods have their own).
+            pod_labels = sts["spec"]["template"]["metadata"]["labels"]
+            pols = [np for np in self.objects(name, "NetworkPolicy") if all(
+                pod_labels.get(k) == v for k, v in
+                np["spec"]["podSelector"].get("matchLabels", {}).items())]
             self.assertTrue(pols, name)
             for np in pols:
                 rules = np["spec"].get("ingress", [])
@@ -949,7 +984,7 @@ class FleetManifestTest(unittest.TestCase):
         root = os.path.join(ARGS.source_dir, "deploy", "k8s", "overlays")
         cls.fleets = {}
         for name in sorted(os.listdir(root)):
-            objs = render(os.path.join(root, name))
+            objs = render(os.path.join(root, name))[0]
             for o in objs:
                 if o["kind"] != "StatefulSet":
                     continue
