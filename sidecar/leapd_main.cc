@@ -38,6 +38,7 @@
 #include "readout/artifact.h"
 #include "sidecar/grpc/admin_auth.h"
 #include "sidecar/core/core.h"
+#include "sidecar/leapd_data_flags.h"
 #include "sidecar/grpc/grpc_service.h"
 #include "sidecar/shm/shm_server.h"
 #include "storage/rocksdb_store.h"
@@ -399,6 +400,9 @@ int main(int argc, char** argv) {
     so.versions_kept = absl::GetFlag(FLAGS_versions_kept);
     so.dedup_window_ms =
         absl::ToInt64Milliseconds(absl::GetFlag(FLAGS_dedup_window));
+    if (absl::Status s = leap::sidecar::ApplyDataFlags(&so, &options); !s.ok()) {
+      return Fail(std::string(s.message()));
+    }
     if (so.dedup_window_ms < 0) return Fail("--dedup_window must be >= 0");
     std::error_code ec;
     std::filesystem::create_directories(absl::GetFlag(FLAGS_data_dir), ec);
@@ -564,6 +568,10 @@ int main(int argc, char** argv) {
     }
   }
 
+  auto bootstrap = leap::sidecar::StartBootstrapFromFlags(&core);
+  if (!bootstrap.ok()) {
+    return Fail(absl::StrCat("bootstrap: ", bootstrap.status().message()));
+  }
   core.SetServing(true);
   if (exposer != nullptr) {
     std::string host = absl::GetFlag(FLAGS_metrics_listen);
@@ -594,6 +602,7 @@ int main(int argc, char** argv) {
   if (shm_server != nullptr) shm_server->Stop();
   server->Shutdown(std::chrono::system_clock::now() +
                    absl::ToChronoSeconds(absl::GetFlag(FLAGS_drain_timeout)));
+  bootstrap->reset();  // a fit in progress finishes first
   core.Shutdown(/*drain=*/true);  // applies the backlog, final checkpoints
   std::fprintf(stderr, "leapd: stopped\n");
   return 0;
