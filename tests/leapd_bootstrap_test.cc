@@ -13,6 +13,7 @@
 #include <signal.h>
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <filesystem>
@@ -21,7 +22,9 @@
 
 #include "Eigen/Cholesky"
 #include "Eigen/Core"
+#include "absl/synchronization/notification.h"
 #include "common/npy.h"
+#include "engine_shim/client.h"
 #include "gtest/gtest.h"
 #include "readout/artifact.h"
 #include "readout/target.h"
@@ -146,6 +149,38 @@ pb::EngineMessage Completions(const int64_t* tokens, int64_t from, int64_t to) {
   return m;
 }
 
+// Spearman's rho with average ranks, FP64 (an independent reference).
+double SpearmanRef(const std::vector<double>& a, const std::vector<double>& b) {
+  auto ranks = [](const std::vector<double>& v) {
+    std::vector<size_t> idx(v.size());
+    for (size_t i = 0; i < v.size(); ++i) idx[i] = i;
+    std::sort(idx.begin(), idx.end(), [&](size_t i, size_t j) { return v[i] < v[j]; });
+    std::vector<double> r(v.size());
+    for (size_t i = 0; i < idx.size();) {
+      size_t j = i;
+      while (j + 1 < idx.size() && v[idx[j + 1]] == v[idx[i]]) ++j;
+      for (size_t k = i; k <= j; ++k) r[idx[k]] = (i + j) / 2.0 + 1;
+      i = j + 1;
+    }
+    return r;
+  };
+  const std::vector<double> ra = ranks(a), rb = ranks(b);
+  double ma = 0, mb = 0;
+  for (size_t i = 0; i < ra.size(); ++i) {
+    ma += ra[i];
+    mb += rb[i];
+  }
+  ma /= ra.size();
+  mb /= rb.size();
+  double sab = 0, saa = 0, sbb = 0;
+  for (size_t i = 0; i < ra.size(); ++i) {
+    sab += (ra[i] - ma) * (rb[i] - mb);
+    saa += (ra[i] - ma) * (ra[i] - ma);
+    sbb += (rb[i] - mb) * (rb[i] - mb);
+  }
+  return sab / std::sqrt(saa * sbb);
+}
+
 TEST(LeapdBootstrap, TrainsPublishesAndTheExportReproducesIt) {
   const int64_t d = 48, after = 240, live = 12;
   const std::string dir = TempDir("bootstrap");
@@ -174,6 +209,29 @@ TEST(LeapdBootstrap, TrainsPublishesAndTheExportReproducesIt) {
   EXPECT_EQ(cold.version(), 1);
   EXPECT_TRUE(cold.frozen());
   EXPECT_EQ(cold.frozen_reason().rfind("bootstrap:", 0), 0u) << cold.frozen_reason();
+
+  // An engine on the shim's Client: a cold prediction is not delivered (the
+  // request stays unpredicted: first-come order), the trained readout's
+  // Rescore is its first prediction.
+  struct ShimEvents {
+    absl::Mutex mu;
+    std::vector<shim::Event> events;
+    absl::Notification first;
+  } shim_events;
+  shim::ClientOptions co;
+  co.endpoint = s.address;
+  co.dim = d;
+  auto shim_client = shim::Client::Start(co);
+  ASSERT_TRUE(shim_client.ok()) << shim_client.status();
+  (*shim_client)->SetCallback([&shim_events](const shim::Event& e) {
+    if (e.request_id != "shim-0") return;
+    absl::MutexLock lock(&shim_events.mu);
+    shim_events.events.push_back(e);
+    if (!shim_events.first.HasBeenNotified()) shim_events.first.Notify();
+  });
+  ASSERT_TRUE((*shim_client)->WaitConnected(absl::Seconds(10)));
+  (*shim_client)->Submit({{"shim-0", "", std::string(reinterpret_cast<const char*>(x),
+                                                     d * 4), 0}});
 
   EngineStream engine(s.channel, d);
   // The last `live` requests stay live across the bootstrap: rescored.
@@ -205,6 +263,23 @@ TEST(LeapdBootstrap, TrainsPublishesAndTheExportReproducesIt) {
   EXPECT_EQ(trained.layer(), 20);
   EXPECT_EQ(trained.model_id(), "synth-model");
   const readout::ReadoutState served = ExportReadout(s, "chat");
+  ASSERT_TRUE(shim_events.first.WaitForNotificationWithTimeout(absl::Seconds(30)));
+  {
+    absl::MutexLock lock(&shim_events.mu);
+    // Whatever reached the scheduler came from the trained version 2; the
+    // cold one (if leapd saw the request before the bootstrap, as it does
+    // unless the shim's connection is slower than 240 completions) was kept
+    // back and counted.
+    for (const shim::Event& e : shim_events.events) {
+      EXPECT_EQ(e.version, 2) << static_cast<int>(e.kind);
+    }
+    const bool cold_first = shim_events.events[0].kind == shim::Event::Kind::kRescore;
+    EXPECT_EQ((*shim_client)->stats().cold, cold_first ? 1 : 0);
+    std::printf("shim client: %s\n", cold_first
+                                          ? "cold prediction withheld, first "
+                                            "prediction = the bootstrap Rescore"
+                                          : "predicted after the bootstrap");
+  }
   ASSERT_EQ(served.theta.size(), d + 1);
   ASSERT_TRUE(served.p.has_value());
   // The rescores are the trained readout's predictions.
@@ -322,10 +397,14 @@ TEST(LeapdQuality, SurvivesKillNine) {
     tokens[i] = std::clamp<int64_t>(std::llround(sc * sc), 1, 2000);
   }
   EngineStream engine(s.channel, d);
+  std::vector<double> predicted;
   for (int64_t from = 0; from < n; from += 30) {
     const int64_t to = std::min(n, from + 30);
-    ASSERT_EQ(engine.Call(Features(x.data(), d, from, to)).predictions().predictions_size(),
-              to - from);
+    pb::SidecarMessage preds = engine.Call(Features(x.data(), d, from, to));
+    ASSERT_EQ(preds.predictions().predictions_size(), to - from);
+    for (const auto& p : preds.predictions().predictions()) {
+      predicted.push_back(p.predicted_tokens());
+    }
     ASSERT_EQ(engine.Call(Completions(tokens.data(), from, to)).ack().errors_size(), 0);
     if (from == 180) {
       grpc::ClientContext ctx;
@@ -361,6 +440,14 @@ TEST(LeapdQuality, SurvivesKillNine) {
   EXPECT_EQ(before.windows(8).completions(), 20);
   EXPECT_TRUE(std::isfinite(before.windows(7).spearman()));
   EXPECT_GT(before.windows(7).spearman(), before.windows(0).spearman());
+  // Each window against an FP64 reference over the same completions.
+  for (int w = 0; w < before.windows_size(); ++w) {
+    const int64_t from = w * window, to = std::min(n, from + window);
+    std::vector<double> p(predicted.begin() + from, predicted.begin() + to);
+    std::vector<double> t(tokens.begin() + from, tokens.begin() + to);
+    EXPECT_NEAR(before.windows(w).spearman(), SpearmanRef(p, t), 1e-12) << w;
+    EXPECT_EQ(before.windows(w).first_completion(), from);
+  }
   ASSERT_EQ(before.labels_size(), 1);
   EXPECT_EQ(before.labels(0).label(), "mid");
   EXPECT_GT(before.labels(0).completions(), 0);
