@@ -359,6 +359,58 @@ TEST(LeapdBootstrap, TrainsPublishesAndTheExportReproducesIt) {
   EXPECT_EQ(p2.predictions().predictions(0).version(), 2);
 }
 
+// A kill -9 while collecting: the placeholder comes back cold and the
+// dataset keeps what was collected; the fit happens at the configured total.
+TEST(LeapdBootstrap, CollectingSurvivesKillNine) {
+  const int64_t d = 8, after = 60;
+  const std::string dir = TempDir("bootstrap-kill");
+  std::mt19937_64 rng(11);
+  std::normal_distribution<float> n01;
+  std::vector<float> x(after * d);
+  std::vector<int64_t> tokens(after);
+  for (int64_t i = 0; i < after; ++i) {
+    double sc = 12;
+    for (int64_t j = 0; j < d; ++j) {
+      x[i * d + j] = n01(rng);
+      sc += 1.5 * x[i * d + j];
+    }
+    tokens[i] = std::clamp<int64_t>(std::llround(sc * sc), 1, 2000);
+  }
+  const std::vector<std::string> args = {
+      "--data_dir=" + dir + "/data", "--bootstrap_readout=chat",
+      "--bootstrap_dim=" + std::to_string(d),
+      "--bootstrap_after=" + std::to_string(after)};
+  Leapd s;
+  ASSERT_TRUE(s.Start(args));
+  {
+    EngineStream engine(s.channel, d);
+    ASSERT_EQ(engine.Call(Features(x.data(), d, 0, 40)).predictions().predictions_size(), 40);
+    ASSERT_EQ(engine.Call(Completions(tokens.data(), 0, 40)).ack().errors_size(), 0);
+  }
+  s.Kill9();
+  Leapd again;
+  ASSERT_TRUE(again.Start(args));
+  // Printed before "ready" (StartLeapd read past it): the 40 are kept.
+  bool resumed = false;
+  for (const std::string& l : again.proc->lines()) {
+    resumed |= l.rfind("bootstrap: readout chat collecting (40 of 60 ", 0) == 0;
+  }
+  EXPECT_TRUE(resumed) << again.proc->Tail();
+  pb::ReadoutInfo cold = GetReadout(again, "chat");
+  EXPECT_EQ(cold.version(), 1);
+  EXPECT_TRUE(cold.frozen());
+  EngineStream engine(again.channel, d);
+  pb::SidecarMessage p = engine.Call(Features(x.data(), d, 40, after));
+  ASSERT_EQ(p.predictions().predictions_size(), after - 40);
+  EXPECT_TRUE(p.predictions().predictions(0).cold());
+  ASSERT_EQ(engine.Call(Completions(tokens.data(), 40, after)).ack().errors_size(), 0);
+  auto line = again.proc->WaitForLine("bootstrap: readout chat trained on ",
+                                      absl::Seconds(60));
+  ASSERT_TRUE(line.ok()) << again.proc->Tail();
+  EXPECT_EQ(line->rfind("60 completions", 0), 0u) << *line;
+  EXPECT_EQ(GetReadout(again, "chat").version(), 2);
+}
+
 // Quality that lasts: windows, per-version, per-arm and per-label quality
 // after kill -9 equal what was reported before.
 TEST(LeapdQuality, SurvivesKillNine) {
