@@ -428,7 +428,9 @@ Core::ArmState* Core::Arm(const std::string& product_line,
     slot = std::make_unique<ArmState>(options_.readout.quality_window);
     slot->readout = arm.readout;
     slot->shadow = arm.shadow;
-    slot->gauge = &metrics_->ArmSpearman(product_line, arm.name);
+    slot->gauge = &metrics_->ArmSpearman(arm.readout, product_line, arm.name);
+    slot->samples =
+        &metrics_->ArmSpearmanSamples(arm.readout, product_line, arm.name);
     if (store_ != nullptr) {
       // The arm's quality as it was before a restart.
       int64_t total = 0;
@@ -442,6 +444,7 @@ Core::ArmState* Core::Arm(const std::string& product_line,
         }
         slot->completions = total;
         if (!pairs->empty()) slot->gauge->Set(slot->window.Value());
+        slot->samples->Set(static_cast<double>(slot->window.size()));
       }
     }
   }
@@ -824,6 +827,8 @@ absl::StatusOr<CompletionOutcome> Core::Complete(absl::string_view request_id,
           ait->second->completions++;
           ait->second->window.Add(s.predicted_tokens, truth);
           ait->second->gauge->Set(ait->second->window.Value());
+          ait->second->samples->Set(
+              static_cast<double>(ait->second->window.size()));
           arm_found = true;
         }
       }

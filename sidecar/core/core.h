@@ -37,6 +37,11 @@ struct CoreOptions {
   // With a store: keep the features and true lengths of finished requests
   // (the dataset, docs/STORAGE.md). Default: true
   bool dataset = true;
+  // Serve an engine whose Hello.model_id or Hello.layer differs from the
+  // metadata of a readout of its width (leapd --allow_hello_mismatch);
+  // otherwise such a hello is refused with FAILED_PRECONDITION.
+  // Default: false
+  bool allow_hello_mismatch = false;
 
   absl::Status Validate() const;
 };
@@ -228,6 +233,7 @@ class Core {
     int64_t completions = 0;  // guarded by arms_mu_
     RollingSpearman window;   // guarded by arms_mu_
     prometheus::Gauge* gauge = nullptr;
+    prometheus::Gauge* samples = nullptr;  // completions in `window`
     explicit ArmState(int64_t n) : window(n) {}
   };
   ArmState* Arm(const std::string& product_line, const sidecar::Arm& arm);

@@ -374,7 +374,10 @@ void LiveReadout::RestoreQuality() {
     it->second.Add(p.predicted, p.truth);
     overall_.Add(p.predicted, p.truth);
   }
-  if (!pairs->empty()) metrics_.spearman->Set(overall_.Value());
+  if (!pairs->empty()) {
+    metrics_.spearman->Set(overall_.Value());
+    metrics_.spearman_samples->Set(static_cast<double>(overall_.size()));
+  }
 }
 
 std::vector<QualityWindow> LiveReadout::QualityWindows(int64_t limit) const {
@@ -418,6 +421,7 @@ void LiveReadout::RecordQuality(int64_t version, double predicted_tokens,
     it->second.Add(predicted_tokens, true_tokens);
     overall_.Add(predicted_tokens, true_tokens);
     metrics_.spearman->Set(overall_.Value());
+    metrics_.spearman_samples->Set(static_cast<double>(overall_.size()));
   }
   // Judged only while learning: its actions stop and undo learning.
   if (guardrail_ != nullptr && !frozen_.load()) {
