@@ -69,6 +69,14 @@ absl::Status SchedulerOptions::Validate() const {
     return absl::InvalidArgumentError(absl::StrCat(
         "max_slowdown must be finite and >= 1, got ", max_slowdown));
   }
+  if (tail_window < 0 || tail_window > (1 << 20)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "tail_window must be in [0, 1048576], got ", tail_window));
+  }
+  if (!(tail_quantile >= 0 && tail_quantile <= 1)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tail_quantile must be in [0, 1], got ", tail_quantile));
+  }
   if (!std::isfinite(linear_aging) || linear_aging < 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "linear_aging must be finite and >= 0, got ", linear_aging));
@@ -147,7 +155,8 @@ absl::Status CountdownScheduler::SetPredictionImpl(absl::string_view request_id,
     r.virtual_estimate = estimate;
     const double added = static_cast<double>(r.added_step);
     r.deadline = added + options_.max_slowdown *
-                             std::max(r.virtual_finish - added, 1.0);
+                             std::max({r.virtual_finish - added,
+                                       r.tail_reference, 1.0});
   }
   r.predicted_tokens = value;
   ++r.predictions;
@@ -267,8 +276,26 @@ void CountdownScheduler::AssignDeadlines(double unpredicted_remaining) {
     const double added = static_cast<double>(r.added_step);
     r.virtual_estimate = estimate;
     r.virtual_finish = finish;
-    r.deadline =
-        added + options_.max_slowdown * std::max(finish - added, 1.0);
+    r.tail_reference = 0;
+    const size_t window = static_cast<size_t>(options_.tail_window);
+    if (window > 0) {
+      if (!recent_latency_.empty()) {
+        scratch_.assign(recent_latency_.begin(), recent_latency_.end());
+        const size_t at = static_cast<size_t>(std::floor(
+            options_.tail_quantile * static_cast<double>(scratch_.size() - 1)));
+        std::nth_element(scratch_.begin(), scratch_.begin() + at,
+                         scratch_.end());
+        r.tail_reference = scratch_[at];
+      }
+      if (recent_latency_.size() < window) {
+        recent_latency_.push_back(finish - added);
+      } else {
+        recent_latency_[recent_next_] = finish - added;
+        recent_next_ = (recent_next_ + 1) % window;
+      }
+    }
+    r.deadline = added + options_.max_slowdown *
+                             std::max({finish - added, r.tail_reference, 1.0});
   }
 }
 
@@ -376,6 +403,41 @@ std::vector<std::string> CountdownScheduler::Order(size_t k) {
   for (size_t i = 0; i < k; ++i) {
     out.push_back(live_[candidates_[i].index].id);
   }
+  return out;
+}
+
+absl::StatusOr<std::vector<std::string>> CountdownScheduler::OrderAmong(
+    const std::vector<std::string>& ids) {
+  std::vector<size_t> positions;
+  positions.reserve(ids.size());
+  selected_.assign(live_.size(), 0);
+  for (const std::string& id : ids) {
+    auto it = index_.find(id);
+    if (it == index_.end()) {
+      return absl::NotFoundError(absl::StrCat("request ", id, " is not live"));
+    }
+    if (selected_[it->second]) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("request ", id, " is listed twice"));
+    }
+    selected_[it->second] = 1;
+    positions.push_back(it->second);
+  }
+  std::vector<std::string> out;
+  if (ids.empty()) return out;
+  Rank(0);
+  std::vector<const Candidate*> chosen;
+  chosen.reserve(ids.size());
+  for (const Candidate& c : candidates_) {
+    if (selected_[c.index]) chosen.push_back(&c);
+  }
+  std::sort(chosen.begin(), chosen.end(),
+            [](const Candidate* a, const Candidate* b) {
+              return std::tie(a->tier, a->priority, a->arrival) <
+                     std::tie(b->tier, b->priority, b->arrival);
+            });
+  out.reserve(chosen.size());
+  for (const Candidate* c : chosen) out.push_back(live_[c->index].id);
   return out;
 }
 

@@ -8,9 +8,10 @@
 //      (waiting one more step would finish it after its deadline), earliest
 //      deadline first; ties by arrival. `now` is the number of steps before
 //      this one. The deadline is fixed at a request's
-//      first step: added + S * (F - added), F its finish in a virtual FCFS
-//      system of `slots` servers fed the same requests in arrival order with
-//      their estimates (S = max_slowdown). A request still unpredicted then
+//      first step: added + S * max(F - added, Q), F its finish in a virtual
+//      FCFS system of `slots` servers fed the same requests in arrival order
+//      with their estimates (S = max_slowdown), Q the tail_quantile of the
+//      virtual latencies of the last tail_window requests. A request still unpredicted then
 //      is placed with the unpredicted estimate; its first prediction moves
 //      its own F by the difference (later virtual jobs are not moved).
 //   1. Promoted requests: steps_waited >= waiting_cap (when the cap is on).
@@ -137,9 +138,22 @@ struct SchedulerOptions {
   SchedulingPolicy policy = SchedulingPolicy::kCountdown;
 
   // kBounded: S, the latency a request may have, in steps since Add, as a
-  // multiple of the latency the virtual FCFS system (same slots, same
-  // estimates) gives it. Finite, >= 1. Default: 2
-  double max_slowdown = 2;
+  // multiple of max(the latency the virtual FCFS system (same slots, same
+  // estimates) gives it, the tail reference below). Finite, >= 1.
+  // Default: 2.5
+  double max_slowdown = 2.5;
+
+  // kBounded: the tail reference Q is the `tail_quantile` order statistic
+  // (index floor(q * (m - 1)) of the m sorted values) of the virtual FCFS
+  // latencies of the last `tail_window` requests before this one; a request
+  // may take S x max(its own virtual latency, Q). With tail_window = 0 the
+  // reference is off (every request's bound is its own). The reference is
+  // what a P99 target is judged against: a request FCFS would serve quickly
+  // may wait up to S x the recent FCFS P99, a request in FCFS's own tail up
+  // to S x its FCFS latency. tail_window in [0, 1 << 20], tail_quantile in
+  // [0, 1]. Defaults: 1000, 0.99
+  int tail_window = 1000;
+  double tail_quantile = 0.99;
 
   // kLinearAging: tokens of priority gained per step waited. Finite, >= 0.
   // Default: 1
@@ -242,6 +256,12 @@ class CountdownScheduler {
   // anything. Deadlines of new requests are fixed here as in Select.
   std::vector<std::string> Order(size_t k);
 
+  // The live requests `ids` in the coming step's order (the relative order
+  // Order would give them), without committing anything: O(n + m log m).
+  // kNotFound for an id that is not live, kInvalidArgument for a repeat.
+  absl::StatusOr<std::vector<std::string>> OrderAmong(
+      const std::vector<std::string>& ids);
+
   // Commits one step in which the requests `ran` held a slot (generated += 1,
   // steps_waited = 0) and every other live request waited; the same state
   // change as Select's. kNotFound for an id that is not live (nothing is
@@ -274,9 +294,11 @@ class CountdownScheduler {
     int64_t added_step = 0;
     int64_t waited_total = 0;
     std::optional<double> deadline;
-    // kBounded: the estimate and finish of its virtual FCFS job.
+    // kBounded: the estimate and finish of its virtual FCFS job, and the
+    // tail reference Q when it entered.
     double virtual_estimate = 0;
     double virtual_finish = 0;
+    double tail_reference = 0;
   };
   // Sort key of one live request for one step; compared lexicographically
   // on (tier, priority, arrival).
@@ -317,6 +339,9 @@ class CountdownScheduler {
   // (min-heap, at most `slots` entries).
   std::vector<double> virtual_free_;
   std::vector<size_t> new_requests_;
+  // Virtual FCFS latencies of the last tail_window requests (a ring).
+  std::vector<double> recent_latency_;
+  size_t recent_next_ = 0;
 };
 
 }  // namespace leap::shim

@@ -9,7 +9,6 @@
 #include <random>
 #include <utility>
 
-#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "readout/stats.h"
@@ -409,8 +408,8 @@ absl::StatusOr<SimResult> SimulateVllm(std::span<const SimRequest> requests,
   double t = 0;
   std::vector<PredictionUpdate> updates;
   std::vector<int64_t> joined_last, joined;
-  absl::flat_hash_map<int64_t, int64_t> rank;
   std::vector<int64_t> top_ids;
+  std::vector<std::string> running_keys;
   std::vector<int64_t> scheduled, chunk;  // this step: ids and tokens
   std::vector<const SimRequest*> prefilled;
   std::vector<std::string> committed;
@@ -463,32 +462,22 @@ absl::StatusOr<SimResult> SimulateVllm(std::span<const SimRequest> requests,
     // The scheduler's order of the coming step: the first max_num_seqs hold
     // every admission candidate (at most max_num_seqs - running are
     // admitted, and at most `running` of them are running).
-    rank.clear();
     top_ids.clear();
     for (const std::string& key :
          sched.Order(static_cast<size_t>(e.max_num_seqs))) {
       top_ids.push_back(ParseId(key));
-      rank[top_ids.back()] = static_cast<int64_t>(top_ids.size() - 1);
     }
-    bool full_rank = false;
-    const auto rank_of = [&](int64_t id) {
-      auto it = rank.find(id);
-      return it == rank.end() ? std::numeric_limits<int64_t>::max() : it->second;
-    };
-    const auto ensure_full_rank = [&]() {
-      if (full_rank) return;
-      full_rank = true;
-      const std::vector<std::string> all = sched.Order(sched.size());
-      rank.clear();
-      for (size_t r = 0; r < all.size(); ++r) {
-        rank[ParseId(all[r])] = static_cast<int64_t>(r);
+    // Running requests in the scheduler's order (exact among themselves).
+    if (!running.empty()) {
+      running_keys.clear();
+      for (int64_t id : running) running_keys.push_back(std::to_string(id));
+      absl::StatusOr<std::vector<std::string>> ordered =
+          sched.OrderAmong(running_keys);
+      if (!ordered.ok()) return absl::InternalError(ordered.status().message());
+      for (size_t r = 0; r < ordered->size(); ++r) {
+        running[r] = ParseId((*ordered)[r]);
       }
-    };
-    // Running requests in rank order (unranked ones keep admission order).
-    std::stable_sort(running.begin(), running.end(),
-                     [&](int64_t a, int64_t b) {
-                       return rank_of(a) < rank_of(b);
-                     });
+    }
 
     int64_t budget = e.max_num_batched_tokens;
     scheduled.clear();
@@ -505,17 +494,8 @@ absl::StatusOr<SimResult> SimulateVllm(std::span<const SimRequest> requests,
       const int64_t tokens = std::min(target(i) - computed[i], budget);
       bool self_preempted = false;
       while (blocks_for(i, tokens) > free_blocks) {
-        // Preempt the lowest-ranked running request.
-        ensure_full_rank();
-        size_t worst = 0;
-        for (size_t j = 1; j < running.size(); ++j) {
-          if (rank_of(running[j]) > rank_of(running[worst]) ||
-              (rank_of(running[j]) == rank_of(running[worst]) &&
-               by_id[static_cast<size_t>(running[j])]->arrival_s >=
-                   by_id[static_cast<size_t>(running[worst])]->arrival_s)) {
-            worst = j;
-          }
-        }
+        // Preempt the lowest-ranked running request: the last one.
+        const size_t worst = running.size() - 1;
         const int64_t victim = running[worst];
         const size_t v = static_cast<size_t>(victim);
         auto sit = std::find(scheduled.begin(), scheduled.end(), victim);

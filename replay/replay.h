@@ -52,7 +52,7 @@ struct PolicySpec {
 };
 
 // Default knob of "+bounded" (S) and "+aging" (tokens per step waited).
-inline constexpr double kDefaultSlowdown = 2;
+inline constexpr double kDefaultSlowdown = 2.5;
 inline constexpr double kDefaultLinearAging = 1;
 
 // A named learned-predictor baseline resembling one of the paper's

@@ -439,7 +439,7 @@ TEST(ReplayPolicyTest, ParsesNamesPresetsAndLearnedSpecs) {
   EXPECT_EQ((*d)[0].predictor, "leap");
   EXPECT_EQ((*d)[1].name, "oracle+hrrn");
   EXPECT_EQ((*d)[2].discipline, shim::SchedulingPolicy::kLinearAging);
-  EXPECT_EQ((*d)[3].name, "ltr+bounded=2");
+  EXPECT_EQ((*d)[3].name, "ltr+bounded=2.5");
   EXPECT_EQ((*d)[3].kind, PolicySpec::Kind::kLearned);
   EXPECT_EQ((*d)[4].name, "learned:rho=0.6,cost=2ms+hrrn");
   EXPECT_FALSE(ParsePolicies("fcfs+bounded").ok());

@@ -862,7 +862,7 @@ Not thread-safe: call it from the engine's step loop only.)doc")
            py::arg("aging_rate") = 0.0, py::arg("remaining_floor") = 1.0,
            py::arg("unpredicted") = "median",
            py::arg("unpredicted_tokens") = 256.0,
-           py::arg("policy") = "countdown", py::arg("max_slowdown") = 2.0,
+           py::arg("policy") = "countdown", py::arg("max_slowdown") = 2.5,
            py::arg("linear_aging") = 1.0,
            R"doc(Args:
   slots: decode slots per step taken by select() (>= 1).

@@ -56,7 +56,7 @@ constexpr char kDescription[] =
     "may name a scheduling discipline after a '+' (docs/SCHEDULING.md):\n"
     "  +bounded[=S]  the countdown with the tail bound: no request's latency\n"
     "                (in steps) beyond S x what a virtual FCFS system gives\n"
-    "                it, plus the EDF overflow; default S = 2\n"
+    "                it, plus the EDF overflow; default S = 2.5\n"
     "  +hrrn         highest response ratio next (baseline)\n"
     "  +aging[=A]    remaining - A x steps waited (linear aging baseline)\n"
     "  +countdown    the plain countdown (the default)\n"
