@@ -558,11 +558,11 @@ TEST(CountdownSchedulerTest, OrderAndCommitEqualSelect) {
 // Invariant (by construction, checked every step): while a request r is
 // urgent and not selected, all k slots of the step go to urgent requests
 // with a smaller (deadline, arrival). Consequence: a request q can only ever
-// delay r if d_q <= d_r; since d_q >= added_q + S * 1 > added_q, such q were
-// added before d_r, so the work that can hold r back past its urgency is the
-// remaining work of a finite set of requests fixed by d_r (no later arrival,
-// however short, overtakes r), and r waits at most ceil(W / k) urgent steps,
-// W their total remaining work. With exact predictions and constant slots
+// delay r if d_q <= d_r; since d_q >= added_q + S, such q were added by
+// d_r - S, so the work that can hold r back past its urgency is the
+// remaining work of a finite set of requests fixed by d_r (nothing added
+// after d_r - S, however short, overtakes r), and r waits at most
+// ceil(W / k) urgent steps, W their total remaining work. With exact predictions and constant slots
 // the virtual FCFS system is a real schedule of the same requests, so the
 // deadlines are feasible for S >= 1; the test measures how many are missed
 // and by how much (the latency each request got over its virtual FCFS

@@ -107,7 +107,10 @@ absl::StatusOr<std::vector<PolicySpec>> ParsePolicies(absl::string_view list) {
   for (absl::string_view t : absl::StrSplit(list, ',')) {
     t = absl::StripAsciiWhitespace(t);
     if (t.empty()) continue;
+    // A learned spec's own parameters (rho=, cost=, shift_rho=) continue it.
+    const absl::string_view key = t.substr(0, t.find('='));
     if (!absl::StrContains(t, ':') && absl::StrContains(t, '=') &&
+        (key == "rho" || key == "cost" || key == "shift_rho") &&
         !tokens.empty() && absl::StartsWith(tokens.back(), "learned:")) {
       absl::StrAppend(&tokens.back(), ",", t);
     } else {

@@ -442,6 +442,12 @@ TEST(ReplayPolicyTest, ParsesNamesPresetsAndLearnedSpecs) {
   EXPECT_EQ((*d)[3].name, "ltr+bounded=2.5");
   EXPECT_EQ((*d)[3].kind, PolicySpec::Kind::kLearned);
   EXPECT_EQ((*d)[4].name, "learned:rho=0.6,cost=2ms+hrrn");
+  // A discipline after a learned spec is a new policy, not its parameter.
+  absl::StatusOr<std::vector<PolicySpec>> after =
+      ParsePolicies("learned:rho=0.5,cost=1ms,leap+bounded=2");
+  ASSERT_TRUE(after.ok()) << after.status();
+  ASSERT_EQ(after->size(), 2u);
+  EXPECT_EQ((*after)[1].name, "leap+bounded=2");
   EXPECT_FALSE(ParsePolicies("fcfs+bounded").ok());
   EXPECT_FALSE(ParsePolicies("leap+bounded=0.5").ok());
   EXPECT_FALSE(ParsePolicies("leap+hrrn=2").ok());
@@ -763,7 +769,8 @@ TEST_F(ReplayLeapdTest, SmallReplayThroughTheCli) {
                   "--requests",
                   "600",
                   "--policies",
-                  "fcfs,oracle,leap,leap-rls,learned:rho=0.5,cost=1ms",
+                  "fcfs,oracle,leap,leap-rls,learned:rho=0.5,cost=1ms,"
+                  "leap+bounded=2",
                   "--sweep",
                   "0.8,1.3",
                   "--server",
@@ -788,7 +795,12 @@ TEST_F(ReplayLeapdTest, SmallReplayThroughTheCli) {
   std::ifstream in(json);
   const nlohmann::json j = nlohmann::json::parse(in);
   ASSERT_TRUE(j.is_array());
-  ASSERT_EQ(j.size(), 10u);
+  ASSERT_EQ(j.size(), 12u);
+  // leap+bounded reused the frozen LEAP run's predictions (no leapd run).
+  EXPECT_NE(out.str().find("leap+bounded=2 @ 1.30: predictions of the frozen "
+                           "LEAP run"),
+            std::string::npos)
+      << out.str();
   const std::vector<std::string> keys = {
       "load",        "long_p95_latency", "mean_ptl", "mean_ttft", "p90_latency",
       "p95_latency", "p99_latency",      "policy",   "throughput"};
@@ -809,6 +821,7 @@ TEST_F(ReplayLeapdTest, SmallReplayThroughTheCli) {
   EXPECT_LT(at("oracle"), at("fcfs"));
   EXPECT_LT(at("leap"), at("fcfs"));
   EXPECT_LT(at("leap-rls"), at("fcfs"));
+  EXPECT_LT(at("leap+bounded=2"), at("fcfs"));
 
   std::ifstream svg(plot);
   std::string head(4, '\0');

@@ -842,10 +842,13 @@ Not thread-safe: call it from the engine's step loop only.)doc")
       .def(py::init([](int slots, int waiting_cap, double aging_rate,
                        double remaining_floor, const std::string& unpredicted,
                        double unpredicted_tokens, const std::string& policy,
-                       double max_slowdown, double linear_aging) {
+                       double max_slowdown, double linear_aging,
+                       int tail_window, double tail_quantile) {
              leap::shim::SchedulerOptions o;
              o.policy = ParseSchedulingPolicy(policy);
              o.max_slowdown = max_slowdown;
+             o.tail_window = tail_window;
+             o.tail_quantile = tail_quantile;
              o.linear_aging = linear_aging;
              o.slots = slots;
              o.waiting_cap = waiting_cap;
@@ -863,7 +866,8 @@ Not thread-safe: call it from the engine's step loop only.)doc")
            py::arg("unpredicted") = "median",
            py::arg("unpredicted_tokens") = 256.0,
            py::arg("policy") = "countdown", py::arg("max_slowdown") = 2.5,
-           py::arg("linear_aging") = 1.0,
+           py::arg("linear_aging") = 1.0, py::arg("tail_window") = 1000,
+           py::arg("tail_quantile") = 0.99,
            R"doc(Args:
   slots: decode slots per step taken by select() (>= 1).
   waiting_cap: steps without a slot after which a request is promoted
@@ -882,6 +886,9 @@ Not thread-safe: call it from the engine's step loop only.)doc")
     same slots would give it, goes first, earliest deadline first), "hrrn"
     or "linear-aging" (baselines); see docs/SCHEDULING.md.
   max_slowdown: S of "bounded" (>= 1).
+  tail_window, tail_quantile: "bounded"'s tail reference, the
+    tail_quantile of the virtual FCFS latencies of the last tail_window
+    requests (0 = off); a request may take S x max(its own, that).
   linear_aging: tokens of priority per step waited of "linear-aging".
 
 Raises:
