@@ -197,8 +197,14 @@ TEST(NatsCluster, ThreeNodesR3SurvivesKillNine) {
   kc.Replicas = 3;
   kc.TTL = int64_t{5} * 1000 * 1000 * 1000;  // ns
   kvStore* kv = nullptr;
-  ASSERT_EQ(js_CreateKeyValue(&kv, cl.js, &kc), NATS_OK)
-      << nats_GetLastError(nullptr);
+  // The JetStream meta leader may itself be re-elected after the kill (the
+  // bucket's creation times out meanwhile): retried within a deadline.
+  natsStatus ks = NATS_TIMEOUT;
+  for (const absl::Time until = absl::Now() + absl::Seconds(30);
+       (ks = js_CreateKeyValue(&kv, cl.js, &kc)) != NATS_OK && absl::Now() < until;) {
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+  ASSERT_EQ(ks, NATS_OK) << nats_GetLastError(nullptr);
   uint64_t rev = 0;
   EXPECT_EQ(kvStore_Create(&rev, kv, "trainer", "a", 1), NATS_OK);
   EXPECT_GT(rev, 0u);
