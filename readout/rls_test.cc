@@ -116,7 +116,7 @@ TEST(PanelKernel, MatchesFp64ForEveryKernelAndShape) {
       for (auto& x : u) x = unif(rng);
       for (int k = 1; k <= internal::kPanelMaxVectors; ++k) {
         std::vector<float> v(n * k, -99.0f);
-        kern->panel(p.data(), ld, n, u.data(), n + 3, k, v.data());
+        kern->panel(p.data(), ld, n, n, u.data(), n + 3, k, v.data());
         for (int64_t i = 0; i < n; ++i) {
           for (int c = 0; c < k; ++c) {
             double ref = 0, mag = 0;
