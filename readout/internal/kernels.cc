@@ -586,33 +586,29 @@ bool CpuHasAvx2Fma() {
 #define LEAP_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
 
 // Eight 16-float accumulators (128 floats per iteration) hide the FMA
-// latency at two FMAs per cycle. x is read with aligned loads once it
-// reaches a 64-byte boundary: a misaligned 64-byte load always spans two
-// cache lines, which costs more than the FMA it feeds. The prefix up to the
-// boundary (and the tail) are masked loads, never scalar loops.
+// latency at two FMAs per cycle; the tail is one masked load, never a scalar
+// loop. The weights are 64-byte aligned (FoldedReadout), so only x's loads
+// can span two cache lines. The summation order depends on n only (not on
+// where x lies), so fp16 features give the same result as the same values
+// in fp32.
 template <typename Load16, typename LoadMasked>
-LEAP_AVX512 inline float DotAvx512(const float* w, int64_t n, int64_t head,
-                                   Load16 load16, LoadMasked load_masked) {
+LEAP_AVX512 inline float DotAvx512(const float* w, int64_t n, Load16 load16,
+                                   LoadMasked load_masked) {
   __m512 a[8];
   for (int q = 0; q < 8; ++q) a[q] = _mm512_setzero_ps();
   int64_t i = 0;
-  if (head > 0) {
-    const __mmask16 m = static_cast<__mmask16>((1u << std::min<int64_t>(head, n)) - 1);
-    a[0] = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, w), load_masked(0, m));
-    i = std::min<int64_t>(head, n);
-  }
   for (; i + 128 <= n; i += 128) {
 #pragma GCC unroll 8
     for (int q = 0; q < 8; ++q) {
       a[q] = _mm512_fmadd_ps(_mm512_loadu_ps(w + i + 16 * q), load16(i + 16 * q), a[q]);
     }
   }
-  for (; i + 16 <= n; i += 16) {
-    a[1] = _mm512_fmadd_ps(_mm512_loadu_ps(w + i), load16(i), a[1]);
+  for (int q = 0; i + 16 <= n; i += 16, ++q) {
+    a[q] = _mm512_fmadd_ps(_mm512_loadu_ps(w + i), load16(i), a[q]);
   }
   if (i < n) {
     const __mmask16 m = static_cast<__mmask16>((1u << (n - i)) - 1);
-    a[2] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, w + i), load_masked(i, m), a[2]);
+    a[7] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, w + i), load_masked(i, m), a[7]);
   }
   const __m512 s = _mm512_add_ps(
       _mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3])),
@@ -620,18 +616,9 @@ LEAP_AVX512 inline float DotAvx512(const float* w, int64_t n, int64_t head,
   return _mm512_reduce_add_ps(s);
 }
 
-// Elements before x reaches an `align`-byte boundary (0 when x is not even
-// aligned to its element size).
-inline int64_t HeadTo(const void* x, int64_t elem_bytes, uintptr_t align) {
-  const auto mis = reinterpret_cast<uintptr_t>(x) & (align - 1);
-  if (mis == 0 || mis % elem_bytes != 0) return 0;
-  return static_cast<int64_t>((align - mis) / elem_bytes);
-}
-
 LEAP_AVX512 float DotF32Avx512(const float* w, const float* x, int64_t n) {
   return DotAvx512(
-      w, n, HeadTo(x, 4, 64),
-      [x](int64_t i) LEAP_AVX512 { return _mm512_loadu_ps(x + i); },
+      w, n, [x](int64_t i) LEAP_AVX512 { return _mm512_loadu_ps(x + i); },
       [x](int64_t i, __mmask16 m) LEAP_AVX512 {
         return _mm512_maskz_loadu_ps(m, x + i);
       });
@@ -639,7 +626,7 @@ LEAP_AVX512 float DotF32Avx512(const float* w, const float* x, int64_t n) {
 
 LEAP_AVX512 float DotF16Avx512(const float* w, const uint16_t* x, int64_t n) {
   return DotAvx512(
-      w, n, HeadTo(x, 2, 32),
+      w, n,
       [x](int64_t i) LEAP_AVX512 {
         return _mm512_cvtph_ps(
             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i)));

@@ -73,6 +73,9 @@ class LiveReadoutTest : public ::testing::Test {
   static LiveReadoutOptions Options(int batch, absl::Duration flush = absl::Hours(1)) {
     LiveReadoutOptions o;
     o.rls_batch = batch;
+    // Fixed batches (these tests count versions); the adaptive ones are
+    // tested with rls_batch_max set explicitly.
+    o.rls_batch_max = batch;
     o.flush_after_ns = absl::ToInt64Nanoseconds(flush);
     return o;
   }
@@ -150,6 +153,32 @@ TEST_F(LiveReadoutTest, FrozenQueuesAndResumes) {
   EXPECT_EQ(r->backlog(), 0);
   EXPECT_EQ(r->current()->version, 3);
   EXPECT_LT(testing::RelErr(r->Export().theta, reference.Theta()), 1e-6);
+}
+
+// Adaptive batches: a backlog is applied in batches of up to rls_batch_max,
+// and the result is the closed form whatever the batch sizes.
+TEST_F(LiveReadoutTest, ABacklogIsAppliedInBatchesOfUpToTheMaximum) {
+  for (int max : {2, 256}) {
+    LiveReadoutOptions o = Options(2);
+    o.rls_batch_max = max;
+    o.rls_threads = 2;
+    auto r = Make(o);
+    ASSERT_TRUE(r->SetFrozen(true).ok());
+    testing::ClosedForm reference(state_);
+    for (int i = 0; i < 300; ++i) Learn(*r, &reference);
+    ASSERT_TRUE(r->SetFrozen(false).ok());
+    r->WaitIdle();
+    EXPECT_EQ(r->backlog(), 0);
+    EXPECT_EQ(r->completions_learned(), 300);
+    // 150 batches of 2, or 256 + 44.
+    EXPECT_EQ(r->current()->version, max == 2 ? 151 : 3) << max;
+    const auto versions = r->Versions();
+    if (max == 256) {
+      ASSERT_GE(versions.size(), 2u);
+      EXPECT_EQ(versions[versions.size() - 2].completions_learned, 256);
+    }
+    EXPECT_LT(testing::RelErr(r->Export().theta, reference.Theta()), 1e-6) << max;
+  }
 }
 
 TEST_F(LiveReadoutTest, ACompletionThatCannotBeAppliedIsDroppedWithoutFreezing) {
@@ -437,6 +466,14 @@ TEST(LiveReadoutOptions, Validate) {
   EXPECT_FALSE(o.Validate().ok());
   o = {};
   o.quality_window = 1;
+  EXPECT_FALSE(o.Validate().ok());
+  o = {};
+  o.rls_batch_max = 0;
+  EXPECT_FALSE(o.Validate().ok());
+  o.rls_batch_max = 4097;
+  EXPECT_FALSE(o.Validate().ok());
+  o = {};
+  o.rls_threads = -1;
   EXPECT_FALSE(o.Validate().ok());
 }
 
