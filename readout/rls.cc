@@ -224,16 +224,31 @@ void RlsState::ComputeVt(const float* u, int64_t ldu, int64_t k) {
     });
   }
   if (pending_ > 0) {
-    // Minus the pending part: Vt -= (U W_all) W_all'.
-    const ConstRowsF um(u, k, n, Eigen::OuterStride<>(ldu));
-    const ConstRowsF wt(w_.get(), pending_, n, Eigen::OuterStride<>(ld));
-    const RowMajorF c = um * wt.transpose();  // k x pending
+    // Minus the pending part: Vt -= (U W_all') W_all. C' = W_all U' with U'
+    // copied to kp (k rounded up to 16) zero-padded columns, so both
+    // products run in the blocked kernel.
+    const int64_t kp = (k + 15) / 16 * 16;
+    std::vector<float> ut(static_cast<size_t>(n * kp), 0.0f);
+    for (int64_t a = 0; a < k; ++a) {
+      for (int64_t j = 0; j < n; ++j) ut[j * kp + a] = u[a * ldu + j];
+    }
+    std::vector<float> ct(static_cast<size_t>(pending_ * kp), 0.0f);
+    const int64_t pending = pending_;
+    const int cparts = static_cast<int>(
+        std::min<int64_t>(threads_, std::max<int64_t>(1, pending / 24)));
+    RunParts(cparts, [&](int t) {
+      const auto [q0, q1] = Slice(pending, cparts, t, 12);
+      if (q1 > q0) {
+        kern.gemm_acc(q1 - q0, kp, n, 1.0f, w_.get() + q0 * ld, ld, 1,
+                      ut.data(), kp, ct.data() + q0 * kp, kp);
+      }
+    });
     const int parts = static_cast<int>(
         std::min<int64_t>(threads_, std::max<int64_t>(1, ld / 64)));
     RunParts(parts, [&](int t) {
       const auto [j0, j1] = Slice(ld, parts, t, 64);
       if (j1 > j0) {
-        kern.gemm_acc(k, j1 - j0, pending_, -1.0f, c.data(), pending_, 1,
+        kern.gemm_acc(k, j1 - j0, pending, -1.0f, ct.data(), 1, kp,
                       w_.get() + j0, ld, vt + j0, ld);
       }
     });

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <vector>
 
 #include "common/half.h"
 
@@ -761,29 +762,116 @@ LEAP_AVX512 void DotF64TileAvx512(const float* X, int64_t ldx, const float* Y,
 LEAP_AVX512 void DotF64BlockAvx512(const float* X, int64_t ldx,
                                    const float* Y, int64_t ldy, int64_t k,
                                    int64_t n, double* S, int64_t lds) {
-  int64_t a = 0;
-  for (; a + 4 <= k; a += 4) {
-    int64_t b = a;
-    for (; b + 4 <= k; b += 4) {
-      DotF64TileAvx512<4, 4>(X + a * ldx, ldx, Y + b * ldy, ldy, n,
-                             S + a * lds + b, lds);
+  // Columns in blocks of 256, so that the blocks of X and Y (k x 256 floats
+  // each) stay in L2 while every tile runs over them; S accumulates the
+  // blocks in order.
+  constexpr int64_t kJb = 256;
+  std::vector<double> part(static_cast<size_t>(k * k));
+  for (int64_t a = 0; a < k; ++a) {
+    for (int64_t b = a; b < k; ++b) S[a * lds + b] = 0.0;
+  }
+  for (int64_t j0 = 0; j0 < n; j0 += kJb) {
+    const int64_t jn = std::min(kJb, n - j0);
+    const float* x = X + j0;
+    const float* y = Y + j0;
+    int64_t a = 0;
+    for (; a + 4 <= k; a += 4) {
+      int64_t b = a;
+      for (; b + 4 <= k; b += 4) {
+        DotF64TileAvx512<4, 4>(x + a * ldx, ldx, y + b * ldy, ldy, jn,
+                               part.data() + a * k + b, k);
+      }
+      for (; b < k; ++b) {
+        DotF64TileAvx512<4, 1>(x + a * ldx, ldx, y + b * ldy, ldy, jn,
+                               part.data() + a * k + b, k);
+      }
     }
-    for (; b < k; ++b) {
-      DotF64TileAvx512<4, 1>(X + a * ldx, ldx, Y + b * ldy, ldy, n,
-                             S + a * lds + b, lds);
+    for (; a < k; ++a) {
+      for (int64_t b = a; b < k; ++b) {
+        DotF64TileAvx512<1, 1>(x + a * ldx, ldx, y + b * ldy, ldy, jn,
+                               part.data() + a * k + b, k);
+      }
+    }
+    for (int64_t r = 0; r < k; ++r) {
+      for (int64_t c = r; c < k; ++c) S[r * lds + c] += part[r * k + c];
     }
   }
-  for (; a < k; ++a) {
-    for (int64_t b = a; b < k; ++b) {
-      DotF64TileAvx512<1, 1>(X + a * ldx, ldx, Y + b * ldy, ldy, n,
-                             S + a * lds + b, lds);
+}
+
+// Panel: R (<= 3) rows of P against K (<= 8) vectors over full rows, up to
+// 24 accumulators: per 16 columns 3 loads of P and K of U (from L2) feed 3K
+// FMAs. The next group's rows are prefetched line by line as this group
+// streams (rows are a long stride apart: the hardware prefetcher restarts
+// on every row). Each row's sums run in the same order whatever R is.
+template <int R, int K>
+LEAP_AVX512 inline void PanelRowsAvx512(const float* p, int64_t ldp,
+                                        int64_t cols, const float* U,
+                                        int64_t ldu, float* v, bool prefetch) {
+  __m512 acc[R][K];
+#pragma GCC unroll 3
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int c = 0; c < K; ++c) acc[r][c] = _mm512_setzero_ps();
+  int64_t j = 0;
+  for (; j + 16 <= cols; j += 16) {
+    __m512 pr[R];
+#pragma GCC unroll 3
+    for (int r = 0; r < R; ++r) {
+      pr[r] = _mm512_loadu_ps(p + r * ldp + j);
+      if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(p + (r + 3) * ldp + j), _MM_HINT_T0);
     }
+#pragma GCC unroll 8
+    for (int c = 0; c < K; ++c) {
+      const __m512 uc = _mm512_loadu_ps(U + c * ldu + j);
+#pragma GCC unroll 3
+      for (int r = 0; r < R; ++r) acc[r][c] = _mm512_fmadd_ps(pr[r], uc, acc[r][c]);
+    }
+  }
+  if (j < cols) {
+    const __mmask16 m = static_cast<__mmask16>((1u << (cols - j)) - 1);
+    __m512 pr[R];
+    for (int r = 0; r < R; ++r) pr[r] = _mm512_maskz_loadu_ps(m, p + r * ldp + j);
+    for (int c = 0; c < K; ++c) {
+      const __m512 uc = _mm512_maskz_loadu_ps(m, U + c * ldu + j);
+      for (int r = 0; r < R; ++r) acc[r][c] = _mm512_fmadd_ps(pr[r], uc, acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < K; ++c) v[r * K + c] = _mm512_reduce_add_ps(acc[r][c]);
+}
+
+template <int K>
+LEAP_AVX512 void PanelAvx512K(const float* P, int64_t ldp, int64_t rows,
+                              int64_t cols, const float* U, int64_t ldu,
+                              float* V) {
+  int64_t i = 0;
+  for (; i + 3 <= rows; i += 3) {
+    PanelRowsAvx512<3, K>(P + i * ldp, ldp, cols, U, ldu, V + i * K,
+                          i + 6 <= rows);
+  }
+  for (; i < rows; ++i) {
+    PanelRowsAvx512<1, K>(P + i * ldp, ldp, cols, U, ldu, V + i * K, false);
+  }
+}
+
+LEAP_AVX512 void PanelAvx512(const float* P, int64_t ldp, int64_t rows,
+                             int64_t cols, const float* U, int64_t ldu, int k,
+                             float* V) {
+  switch (k) {
+    case 1: return PanelAvx512K<1>(P, ldp, rows, cols, U, ldu, V);
+    case 2: return PanelAvx512K<2>(P, ldp, rows, cols, U, ldu, V);
+    case 3: return PanelAvx512K<3>(P, ldp, rows, cols, U, ldu, V);
+    case 4: return PanelAvx512K<4>(P, ldp, rows, cols, U, ldu, V);
+    case 5: return PanelAvx512K<5>(P, ldp, rows, cols, U, ldu, V);
+    case 6: return PanelAvx512K<6>(P, ldp, rows, cols, U, ldu, V);
+    case 7: return PanelAvx512K<7>(P, ldp, rows, cols, U, ldu, V);
+    default: return PanelAvx512K<8>(P, ldp, rows, cols, U, ldu, V);
   }
 }
 
 constexpr Kernels kAvx512 = {"avx512",        DotF32Avx512,      DotBf16Avx512,
                              DotF16Avx512,    DotRowsF32Avx2,    DotRowsBf16Avx2,
-                             PanelAvx2,       GemmAccAvx512,     DotF64BlockAvx512};
+                             PanelAvx512,     GemmAccAvx512,     DotF64BlockAvx512};
 
 bool CpuHasAvx512() {
   if (!CpuHasAvx2Fma()) return false;
