@@ -197,13 +197,21 @@ void RlsState::ComputeVt(const float* u, int64_t ldu, int64_t k) {
     // Memory-bound: one pass over P for all k vectors, rows split across
     // threads at multiples of 48 (the panel's 3-row groups stay whole, so
     // no row's summation order depends on the split).
+    // U's rows copied to 64-byte aligned rows of ld floats: the kernel
+    // loads every U row once per 16 columns of P, and rows of a packed
+    // d + 1 stride would split most of those loads across cache lines.
+    std::unique_ptr<float[], void (*)(float*)> ua(AllocFloats(k * ld),
+                                                  FreeFloats);
+    for (int64_t a = 0; a < k; ++a) {
+      std::memcpy(ua.get() + a * ld, u + a * ldu, sizeof(float) * n);
+    }
     std::vector<float> v(static_cast<size_t>(n) * k);
     const int parts = static_cast<int>(
         std::min<int64_t>(threads_, std::max<int64_t>(1, n / 48)));
     RunParts(parts, [&](int t) {
       const auto [i0, i1] = Slice(n, parts, t, 48);
       if (i1 > i0) {
-        kern.panel(p_.data() + i0 * ld, ld, i1 - i0, n, u, ldu,
+        kern.panel(p_.data() + i0 * ld, ld, i1 - i0, n, ua.get(), ld,
                    static_cast<int>(k), v.data() + i0 * k);
       }
     });
