@@ -319,6 +319,11 @@ TEST(Recovery, VersionsNameTheSameStateAcrossKillNine) {
   s.Connect();
   auto health = grpc::health::v1::Health::NewStub(s.channel);
   int not_serving = 0, refused = 0, early_predictions = 0;
+  // Admin changes are refused while recovering. Serving never turns off
+  // again, so a change accepted before a NOT_SERVING health answer would be
+  // one accepted during recovery.
+  int admin_refused = 0;
+  bool admin_accepted = false;
   bool serving = false;
   const absl::Time end = absl::Now() + absl::Seconds(120);
   for (int i = 1; !serving && absl::Now() < end; ++i) {
@@ -329,6 +334,25 @@ TEST(Recovery, VersionsNameTheSameStateAcrossKillNine) {
       serving = true;
     } else if (hs.ok()) {
       ++not_serving;
+      ASSERT_FALSE(admin_accepted)
+          << "an admin change was accepted while leapd was recovering";
+    }
+    if (!serving && !admin_accepted) {
+      grpc::ClientContext actx;
+      pb::SetAdaptationRequest areq;
+      areq.set_name("r");
+      areq.set_frozen(false);
+      pb::ReadoutInfo ainfo;
+      grpc::Status as = s.admin->SetAdaptation(&actx, areq, &ainfo);
+      if (as.ok()) {
+        admin_accepted = true;
+      } else {
+        ASSERT_EQ(as.error_code(), grpc::StatusCode::UNAVAILABLE)
+            << as.error_message();
+        ASSERT_NE(as.error_message().find("recovering"), std::string::npos)
+            << as.error_message();
+        ++admin_refused;
+      }
     }
     pb::PredictResponse got;
     grpc::Status ps = PredictProbe(s, absl::StrCat("probe-", i), probe, &got);
@@ -352,6 +376,11 @@ TEST(Recovery, VersionsNameTheSameStateAcrossKillNine) {
   // (A prediction may be answered between a NOT_SERVING answer and the
   // switch to SERVING; every answered one was checked above.)
   EXPECT_GT(not_serving, 0) << "recovery was never observed as NOT_SERVING";
+  std::printf("recovery test: %d admin changes refused while recovering\n",
+              admin_refused);
+  if (not_serving >= 2) {
+    EXPECT_GT(admin_refused, 0);
+  }
   ASSERT_TRUE(s.proc->WaitForLine("leapd ", absl::Seconds(30)).ok());
 
   // The version after recovery is the crash version, bit for bit.

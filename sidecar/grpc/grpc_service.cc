@@ -576,6 +576,20 @@ grpc::Status AdminService::CheckAdmin(grpc::ServerContext* ctx) {
   return s;
 }
 
+grpc::Status AdminService::CheckAdminWrite(grpc::ServerContext* ctx) {
+  if (grpc::Status s = CheckAdmin(ctx); !s.ok()) return s;
+  // A change made while the feedback log is being replayed would interleave
+  // with the replay (a rollback under it, a route to a readout not yet
+  // back): refused until leapd serves, like the data plane.
+  if (!core_->serving()) {
+    return grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                        "leapd is recovering (replaying its feedback log); "
+                        "admin changes are refused until it serves; retry "
+                        "shortly");
+  }
+  return grpc::Status::OK;
+}
+
 grpc::Status AdminService::ListReadouts(grpc::ServerContext* ctx,
                                         const pb::ListReadoutsRequest*,
                                         pb::ListReadoutsResponse* resp) {
@@ -597,7 +611,7 @@ grpc::Status AdminService::GetReadout(grpc::ServerContext* ctx,
 grpc::Status AdminService::CreateReadout(grpc::ServerContext* ctx,
                                          const pb::CreateReadoutRequest* req,
                                          pb::ReadoutInfo* resp) {
-  if (grpc::Status s = CheckAdmin(ctx); !s.ok()) return s;
+  if (grpc::Status s = CheckAdminWrite(ctx); !s.ok()) return s;
   readout::ReadoutState state;
   if (req->has_cold_start()) {
     const pb::ColdStart& c = req->cold_start();
@@ -637,7 +651,7 @@ grpc::Status AdminService::CreateReadout(grpc::ServerContext* ctx,
 grpc::Status AdminService::DeleteReadout(grpc::ServerContext* ctx,
                                          const pb::DeleteReadoutRequest* req,
                                          pb::DeleteReadoutResponse*) {
-  if (grpc::Status s = CheckAdmin(ctx); !s.ok()) return s;
+  if (grpc::Status s = CheckAdminWrite(ctx); !s.ok()) return s;
   return ToGrpc(core_->DeleteReadout(req->name()));
 }
 
@@ -671,7 +685,7 @@ grpc::Status AdminService::ExportReadout(grpc::ServerContext* ctx,
 grpc::Status AdminService::SetAdaptation(grpc::ServerContext* ctx,
                                          const pb::SetAdaptationRequest* req,
                                          pb::ReadoutInfo* resp) {
-  if (grpc::Status s = CheckAdmin(ctx); !s.ok()) return s;
+  if (grpc::Status s = CheckAdminWrite(ctx); !s.ok()) return s;
   auto r = core_->GetReadout(req->name());
   if (!r.ok()) return ToGrpc(r.status());
   absl::Status s = (*r)->SetFrozen(req->frozen());
@@ -683,7 +697,7 @@ grpc::Status AdminService::SetAdaptation(grpc::ServerContext* ctx,
 grpc::Status AdminService::SetRoute(grpc::ServerContext* ctx,
                                     const pb::SetRouteRequest* req,
                                     pb::Route* resp) {
-  if (grpc::Status s = CheckAdmin(ctx); !s.ok()) return s;
+  if (grpc::Status s = CheckAdminWrite(ctx); !s.ok()) return s;
   Route route;
   route.product_line = req->route().product_line();
   for (const auto& a : req->route().arms()) {
@@ -726,7 +740,7 @@ grpc::Status AdminService::ListRoutes(grpc::ServerContext* ctx,
 grpc::Status AdminService::DeleteRoute(grpc::ServerContext* ctx,
                                        const pb::DeleteRouteRequest* req,
                                        pb::DeleteRouteResponse*) {
-  if (grpc::Status s = CheckAdmin(ctx); !s.ok()) return s;
+  if (grpc::Status s = CheckAdminWrite(ctx); !s.ok()) return s;
   return ToGrpc(core_->DeleteRoute(req->product_line()));
 }
 
@@ -798,7 +812,7 @@ void FillSnapshot(const storage::SnapshotInfo& i, pb::SnapshotInfo* out) {
 grpc::Status AdminService::CreateSnapshot(grpc::ServerContext* ctx,
                                           const pb::CreateSnapshotRequest* req,
                                           pb::SnapshotInfo* resp) {
-  if (grpc::Status s = CheckAdmin(ctx); !s.ok()) return s;
+  if (grpc::Status s = CheckAdminWrite(ctx); !s.ok()) return s;
   auto info = core_->Snapshot(req->readout(), req->label());
   if (!info.ok()) return ToGrpc(info.status());
   FillSnapshot(*info, resp);
@@ -820,7 +834,7 @@ grpc::Status AdminService::ListSnapshots(grpc::ServerContext* ctx,
 grpc::Status AdminService::Rollback(grpc::ServerContext* ctx,
                                     const pb::RollbackRequest* req,
                                     pb::RollbackResponse* resp) {
-  if (grpc::Status s = CheckAdmin(ctx); !s.ok()) return s;
+  if (grpc::Status s = CheckAdminWrite(ctx); !s.ok()) return s;
   auto v = core_->Rollback(req->readout(), req->label());
   if (!v.ok()) return ToGrpc(v.status());
   resp->set_version(*v);

@@ -134,6 +134,8 @@ class AdminService final : public leap::v1::Admin::Service {
 
  private:
   grpc::Status CheckAdmin(grpc::ServerContext* ctx);
+  // CheckAdmin, then UNAVAILABLE while leapd is recovering (for mutations).
+  grpc::Status CheckAdminWrite(grpc::ServerContext* ctx);
 
   Core* const core_;
   const AdminAuth auth_;
