@@ -141,6 +141,11 @@ void GemmDriver(const MicroSet& ms, int64_t m, int64_t N, int64_t K,
                 float alpha, const float* A, int64_t a_rs, int64_t a_cs,
                 const float* B, int64_t ldb, float* C, int64_t ldc) {
   float* buf = PackBuffer();
+  // A packed for the whole block of rows, tile by tile (mr rows, p-major):
+  // rows of A a long stride apart would all fall into the same L1 sets.
+  thread_local std::vector<float> apack;
+  const int64_t tiles = (m + ms.mr - 1) / ms.mr;
+  apack.resize(static_cast<size_t>(tiles * ms.mr * kGemmKc));
   for (int64_t jc = 0; jc < N; jc += kNc) {
     const int64_t nc = std::min(kNc, N - jc);
     for (int64_t pc = 0; pc < K; pc += kGemmKc) {
@@ -154,13 +159,26 @@ void GemmDriver(const MicroSet& ms, int64_t m, int64_t N, int64_t K,
           std::memcpy(dst + p * w, src + p * ldb, sizeof(float) * w);
         }
       }
-      for (int64_t ir = 0; ir < m; ir += ms.mr) {
-        const int rows = static_cast<int>(std::min<int64_t>(ms.mr, m - ir));
-        const float* a = A + ir * a_rs + pc * a_cs;
-        for (int64_t jr = 0; jr < nc; jr += ms.nr) {
-          const int w = static_cast<int>(std::min<int64_t>(ms.nr, nc - jr));
-          ms.micro(rows, w, kc, a, a_rs, a_cs, buf + jr * kc, alpha,
-                   C + ir * ldc + jc + jr, ldc);
+      if (jc == 0 || K > kGemmKc) {  // A's block changes with pc only
+        for (int64_t t = 0; t < tiles; ++t) {
+          const int64_t ir = t * ms.mr;
+          const int rows = static_cast<int>(std::min<int64_t>(ms.mr, m - ir));
+          const float* a = A + ir * a_rs + pc * a_cs;
+          float* dst = apack.data() + t * ms.mr * kc;
+          for (int64_t p = 0; p < kc; ++p) {
+            for (int r = 0; r < rows; ++r) dst[p * ms.mr + r] = a[r * a_rs + p * a_cs];
+          }
+        }
+      }
+      // BLIS order: a B micro-panel stays in L1 while the A tiles stream
+      // from L2 past it.
+      for (int64_t jr = 0; jr < nc; jr += ms.nr) {
+        const int w = static_cast<int>(std::min<int64_t>(ms.nr, nc - jr));
+        for (int64_t t = 0; t < tiles; ++t) {
+          const int64_t ir = t * ms.mr;
+          const int rows = static_cast<int>(std::min<int64_t>(ms.mr, m - ir));
+          ms.micro(rows, w, kc, apack.data() + t * ms.mr * kc, 1, ms.mr,
+                   buf + jr * kc, alpha, C + ir * ldc + jc + jr, ldc);
         }
       }
     }
