@@ -1,5 +1,6 @@
 #include "engine_shim/client.h"
 
+#include <algorithm>
 #include <random>
 
 #include "absl/strings/str_cat.h"
@@ -16,13 +17,16 @@ constexpr int32_t kInvalidArgument = 3;
 }  // namespace
 
 absl::Status ClientOptions::Validate() const {
-  if (endpoint.empty()) return absl::InvalidArgumentError("endpoint is empty");
+  if (absl::Status s = CheckEndpoint(endpoint); !s.ok()) return s;
   if (dim < 1 || dim > 16384) {
     return absl::InvalidArgumentError(
         absl::StrCat("dim must be in [1, 16384], got ", dim));
   }
   if (min_backoff <= absl::ZeroDuration() || max_backoff < min_backoff) {
     return absl::InvalidArgumentError("need 0 < min_backoff <= max_backoff");
+  }
+  if (response_timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("response_timeout must be > 0");
   }
   if (max_batch_records < 1) {
     return absl::InvalidArgumentError("max_batch_records must be >= 1");
@@ -46,6 +50,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Start(ClientOptions options) {
   }
   std::unique_ptr<Client> c(new Client(std::move(options)));
   c->manager_ = std::thread([p = c.get()] { p->ManagerLoop(); });
+  c->watchdog_ = std::thread([p = c.get()] { p->WatchdogLoop(); });
   return c;
 }
 
@@ -53,8 +58,36 @@ Client::~Client() {
   {
     absl::MutexLock lock(&mu_);
     stop_ = true;
+    // A Send blocked on a hung leapd returns once its connection closes.
+    if (current_ != nullptr) current_->Close();
   }
+  if (watchdog_.joinable()) watchdog_.join();
   if (manager_.joinable()) manager_.join();
+}
+
+void Client::NoteSent(uint64_t seq) {
+  if (answered_seq_ >= sent_seq_) awaiting_since_ = absl::Now();
+  sent_seq_ = std::max(sent_seq_, seq);
+}
+
+void Client::WatchdogLoop() {
+  const absl::Duration tick =
+      std::min(options_.response_timeout / 4, absl::Milliseconds(100));
+  absl::MutexLock lock(&mu_);
+  auto stopping = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_; };
+  while (!mu_.AwaitWithTimeout(absl::Condition(&stopping), tick)) {
+    const absl::Duration waited = absl::Now() - awaiting_since_;
+    if (current_ == nullptr || broken_ || waited <= options_.response_timeout) {
+      continue;
+    }
+    broken_ = true;
+    ++stats_.stalls;
+    degraded_reason_ = absl::StrCat(
+        "leapd answered nothing for ", absl::FormatDuration(waited),
+        " (response_timeout ", absl::FormatDuration(options_.response_timeout),
+        "): connection abandoned as hung, reconnecting");
+    current_->Close();
+  }
 }
 
 void Client::Emit(Event e) {
@@ -143,6 +176,8 @@ ClientStats Client::stats() const {
   absl::MutexLock lock(&mu_);
   ClientStats s = stats_;
   s.live = static_cast<int64_t>(live_.size());
+  s.degraded = !connected_.load();
+  if (s.degraded) s.degraded_reason = degraded_reason_;
   return s;
 }
 
@@ -153,6 +188,13 @@ void Client::ReaderLoop(Transport* t, uint64_t generation) {
     {
       absl::MutexLock lock(&mu_);
       if (generation != generation_) break;
+      if (m.seq() > answered_seq_ &&
+          (m.has_predictions() || m.has_ack() || m.has_error())) {
+        // Answers come in the order of the messages they answer.
+        answered_seq_ = m.seq();
+        awaiting_since_ = answered_seq_ >= sent_seq_ ? absl::InfiniteFuture()
+                                                     : absl::Now();
+      }
       switch (m.body_case()) {
         case pb::SidecarMessage::kHelloAck: {
           sidecar_id_ = m.hello_ack().sidecar_id();
@@ -335,12 +377,15 @@ bool Client::Session(Transport* t) {
         }
       }
       if (!completing.empty()) inflight_[seq + 1] = completing;
+      // Features before completions, so a resubmitted request is known when
+      // its completion arrives.
+      features.set_seq(seq++);
+      completions.set_seq(seq++);
+      cancels.set_seq(seq++);
+      if (features.has_features()) NoteSent(features.seq());
+      if (completions.has_completions()) NoteSent(completions.seq());
+      if (cancels.has_cancels()) NoteSent(cancels.seq());
     }
-    // Features before completions, so a resubmitted request is known when
-    // its completion arrives.
-    features.set_seq(seq++);
-    completions.set_seq(seq++);
-    cancels.set_seq(seq++);
     if (features.has_features() && !t->Send(features)) return false;
     if (completions.has_completions() && !t->Send(completions)) return false;
     if (cancels.has_cancels() && !t->Send(cancels)) return false;
@@ -361,17 +406,30 @@ void Client::ManagerLoop() {
                               options_.tls_ca_file, options_.tls_cert_file,
                               options_.tls_key_file});
     bool had_session = false;
-    if (t.ok()) {
+    if (!t.ok()) {
+      absl::MutexLock lock(&mu_);
+      degraded_reason_ = std::string(t.status().message());
+    } else {
       uint64_t generation;
       {
         absl::MutexLock lock(&mu_);
         generation = ++generation_;
         broken_ = false;
         acked_hello_ = false;
+        current_ = t->get();
+        sent_seq_ = answered_seq_ = 0;
+        awaiting_since_ = absl::InfiniteFuture();
+        if (stop_) current_->Close();
       }
       Transport* raw = t->get();
+      int64_t stalls_seen;
+      {
+        absl::MutexLock lock(&mu_);
+        stalls_seen = stats_.stalls;
+      }
       std::thread reader([this, raw, generation] { ReaderLoop(raw, generation); });
       had_session = Session(raw);
+      std::string reason;
       {
         absl::MutexLock lock(&mu_);
         had_session = acked_hello_;
@@ -379,10 +437,17 @@ void Client::ManagerLoop() {
         ++generation_;  // the reader's late messages are ignored
         // Completions in flight lose their ack: resend them next time.
         inflight_.clear();
+        current_ = nullptr;
+        if (stats_.stalls == stalls_seen) {
+          degraded_reason_ = had_session ? "the connection to leapd ended"
+                                         : "leapd did not acknowledge the hello";
+        }
+        reason = degraded_reason_;
       }
       if (connected_.exchange(false)) {
         Event e;
         e.kind = Event::Kind::kDisconnected;
+        e.message = reason;
         Emit(std::move(e));
       }
       raw->Close();

@@ -26,6 +26,17 @@
 
 namespace leap::shim {
 
+// Fail-open: the engine never waits for leapd. Submit, Complete, Cancel,
+// Poll, stats() and the destructor return at once (bounded by the current
+// Dial's connect_timeout for the destructor) whether leapd is up, dead or
+// hung; a leapd that answers nothing for response_timeout while something
+// is outstanding is treated as gone (the connection is abandoned, the
+// client reconnects with backoff and resubmits). While no leapd answers the
+// client is degraded (degraded(), ClientStats::degraded, a kDisconnected
+// event with the reason): requests get no prediction, and the scheduler
+// places them by arrival (CountdownScheduler, UnpredictedPolicy). Once a
+// leapd answers again, predictions resume by themselves.
+//
 // Element type of the features an engine ships and how a request ended
 // (common/wire.h). kStop is learned, kLength only when it reached the
 // budget, kCancelled and kAborted never.
@@ -64,6 +75,11 @@ struct ClientOptions {
   absl::Duration min_backoff = absl::Milliseconds(50);
   absl::Duration max_backoff = absl::Seconds(5);
   absl::Duration connect_timeout = absl::Seconds(1);
+  // A connection on which leapd answered nothing for this long while a
+  // message was waiting for its answer is abandoned as hung (e.g. leapd
+  // SIGSTOPped or wedged): the client reconnects and reports degraded.
+  // Default: 2 s
+  absl::Duration response_timeout = absl::Seconds(2);
   // shm only: feature slots (each live request holds one until it ends) and
   // ring bytes. Default: 1024, 1 MiB
   uint32_t shm_slots = 1024;
@@ -85,6 +101,8 @@ struct ClientOptions {
 
 // Something the sidecar said, delivered asynchronously.
 struct Event {
+  // kDisconnected: the client is degraded from now on (message: why);
+  // kConnected: no longer (message: the sidecar id).
   enum class Kind { kPrediction, kRescore, kError, kConnected, kDisconnected };
   Kind kind = Kind::kPrediction;
   std::string request_id;
@@ -110,6 +128,9 @@ struct ClientStats {
   int64_t rescores = 0;
   int64_t errors = 0;
   int64_t live = 0;          // requests kept for resubmission
+  int64_t stalls = 0;        // connections abandoned as hung (response_timeout)
+  bool degraded = true;      // no leapd answering now (see degraded())
+  std::string degraded_reason;  // why, while degraded
 };
 
 // Threads: the engine's threads may call any public method; the manager
@@ -142,6 +163,10 @@ class Client {
   void SetCallback(std::function<void(const Event&)> cb);
 
   bool connected() const { return connected_.load(); }
+  // True while no leapd is answering: before the first hello is
+  // acknowledged, after a disconnect or a stall, until the next
+  // acknowledged hello. Never blocks.
+  bool degraded() const { return !connected_.load(); }
   // Blocks until connected (tests and startup checks only).
   bool WaitConnected(absl::Duration timeout);
   // Counters since Start.
@@ -162,6 +187,10 @@ class Client {
     std::string request_id;
   };
   void ManagerLoop();
+  // Abandons connections on which leapd stopped answering.
+  void WatchdogLoop();
+  // Before sending a message with sequence number `seq` that leapd answers.
+  void NoteSent(uint64_t seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ReaderLoop(Transport* t, uint64_t generation);
   // Called without mu_: the callback may call Submit, Complete, Cancel.
   void Emit(Event e) ABSL_LOCKS_EXCLUDED(mu_, events_mu_);
@@ -181,12 +210,21 @@ class Client {
   bool acked_hello_ ABSL_GUARDED_BY(mu_) = false;
   uint64_t generation_ ABSL_GUARDED_BY(mu_) = 0;
   ClientStats stats_ ABSL_GUARDED_BY(mu_);
+  // The connection the manager uses now (closed by the watchdog on a stall
+  // and by the destructor), and answer tracking on it: the highest seq
+  // sent and answered, and since when an answer has been awaited.
+  Transport* current_ ABSL_GUARDED_BY(mu_) = nullptr;
+  uint64_t sent_seq_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t answered_seq_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Time awaiting_since_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();
+  std::string degraded_reason_ ABSL_GUARDED_BY(mu_) = "not connected yet";
 
   absl::Mutex events_mu_;  // never held with mu_
   std::deque<Event> events_ ABSL_GUARDED_BY(events_mu_);
   std::function<void(const Event&)> callback_ ABSL_GUARDED_BY(events_mu_);
 
   std::thread manager_;
+  std::thread watchdog_;
 };
 
 }  // namespace leap::shim

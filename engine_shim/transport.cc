@@ -1,5 +1,7 @@
 #include "engine_shim/transport.h"
 
+#include <atomic>
+
 #include <fstream>
 #include <sstream>
 
@@ -8,7 +10,9 @@
 #include <sched.h>
 
 #include <deque>
+#include <thread>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "engine_shim/shm_channel.h"
 #include "absl/synchronization/mutex.h"
@@ -20,36 +24,98 @@ namespace {
 
 namespace pb = ::leap::v1;
 
+// A Connect stream whose Send never blocks the caller: messages are queued
+// and a writer thread of the stream's own writes them. A gRPC Write blocked
+// on a hung leapd's flow control is not released by cancelling the call
+// (measured: it stays blocked until leapd reads again or dies), so it must
+// not be the Client's thread that waits in it. Close cancels the call (the
+// reader's Read returns at once); the destructor joins the writer when it
+// is done, and otherwise leaves it, with the stream it writes to, to finish
+// by itself once leapd moves or goes away.
 class GrpcTransport final : public Transport {
  public:
-  GrpcTransport(std::shared_ptr<grpc::Channel> channel)
-      : stub_(pb::Predictor::NewStub(channel)),
-        stream_(stub_->Connect(&ctx_)) {}
-
-  ~GrpcTransport() override { Close(); }
-
-  bool Send(const pb::EngineMessage& m) override {
-    absl::MutexLock lock(&write_mu_);
-    if (closed_) return false;
-    return stream_->Write(m);
+  explicit GrpcTransport(std::shared_ptr<grpc::Channel> channel)
+      : s_(std::make_shared<State>()) {
+    s_->stub = pb::Predictor::NewStub(channel);
+    s_->stream = s_->stub->Connect(&s_->ctx);
+    writer_ = std::thread([s = s_] { WriterLoop(*s); });
   }
 
-  bool Receive(pb::SidecarMessage* m) override { return stream_->Read(m); }
+  ~GrpcTransport() override {
+    Close();
+    bool done;
+    {
+      absl::MutexLock lock(&s_->mu);
+      auto finished = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(s_->mu) {
+        return s_->writer_done;
+      };
+      done = s_->mu.AwaitWithTimeout(absl::Condition(&finished),
+                                     absl::Milliseconds(100));
+    }
+    if (done) {
+      writer_.join();
+    } else {
+      writer_.detach();  // owns its State: ends when its Write returns
+    }
+  }
+
+  bool Send(const pb::EngineMessage& m) override {
+    absl::MutexLock lock(&s_->mu);
+    if (s_->closed || s_->failed) return false;
+    s_->queue.push_back(m);
+    return true;
+  }
+
+  bool Receive(pb::SidecarMessage* m) override { return s_->stream->Read(m); }
 
   void Close() override {
-    absl::MutexLock lock(&write_mu_);
-    if (closed_) return;
-    closed_ = true;
-    ctx_.TryCancel();
+    {
+      absl::MutexLock lock(&s_->mu);
+      if (s_->closed) return;
+      s_->closed = true;
+    }
+    s_->ctx.TryCancel();
   }
 
  private:
-  grpc::ClientContext ctx_;
-  std::unique_ptr<pb::Predictor::Stub> stub_;
-  std::unique_ptr<grpc::ClientReaderWriter<pb::EngineMessage, pb::SidecarMessage>>
-      stream_;
-  absl::Mutex write_mu_;
-  bool closed_ ABSL_GUARDED_BY(write_mu_) = false;
+  struct State {
+    grpc::ClientContext ctx;
+    std::unique_ptr<pb::Predictor::Stub> stub;
+    std::unique_ptr<
+        grpc::ClientReaderWriter<pb::EngineMessage, pb::SidecarMessage>>
+        stream;
+    absl::Mutex mu;
+    std::deque<pb::EngineMessage> queue ABSL_GUARDED_BY(mu);
+    bool closed ABSL_GUARDED_BY(mu) = false;
+    bool failed ABSL_GUARDED_BY(mu) = false;
+    bool writer_done ABSL_GUARDED_BY(mu) = false;
+  };
+
+  static void WriterLoop(State& s) {
+    for (;;) {
+      pb::EngineMessage m;
+      {
+        absl::MutexLock lock(&s.mu);
+        auto ready = [&s]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu) {
+          return s.closed || !s.queue.empty();
+        };
+        s.mu.Await(absl::Condition(&ready));
+        if (s.closed) break;
+        m = std::move(s.queue.front());
+        s.queue.pop_front();
+      }
+      if (!s.stream->Write(m)) {
+        absl::MutexLock lock(&s.mu);
+        s.failed = true;
+        break;
+      }
+    }
+    absl::MutexLock lock(&s.mu);
+    s.writer_done = true;
+  }
+
+  std::shared_ptr<State> s_;
+  std::thread writer_;
 };
 
 
@@ -292,6 +358,39 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ChannelCredentials(
     *out = bytes.str();
   }
   return grpc::SslCredentials(ssl);
+}
+
+absl::Status CheckEndpoint(const std::string& endpoint) {
+  auto bad = [&](absl::string_view why) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "endpoint '", endpoint, "' ", why,
+        "; use host:port, unix:///path/to/leapd.sock or "
+        "shm:///path/to/leap.shm"));
+  };
+  if (endpoint.empty()) return bad("is empty");
+  auto starts = [&](absl::string_view p) {
+    return endpoint.size() > p.size() && absl::StartsWith(endpoint, p);
+  };
+  if (starts("shm://") || starts("unix://")) {
+    const size_t at = endpoint.find("://") + 3;
+    if (endpoint[at] != '/') return bad("must name an absolute path");
+    return absl::OkStatus();
+  }
+  if (starts("unix:") || starts("unix-abstract:") || starts("dns:") ||
+      starts("ipv4:") || starts("ipv6:")) {
+    return absl::OkStatus();
+  }
+  const size_t scheme = endpoint.find("://");
+  if (scheme != std::string::npos) {
+    return bad(absl::StrCat("has scheme '", endpoint.substr(0, scheme),
+                            "', which leapd does not speak"));
+  }
+  const size_t colon = endpoint.rfind(':');
+  if (colon == std::string::npos || colon + 1 == endpoint.size() ||
+      endpoint.find_first_not_of("0123456789", colon + 1) != std::string::npos) {
+    return bad("has no port");
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::unique_ptr<Transport>> Dial(const std::string& endpoint,

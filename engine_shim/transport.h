@@ -45,6 +45,14 @@ struct TransportOptions {
 absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ChannelCredentials(
     const TransportOptions& o);
 
+// OK when `endpoint` names a transport Dial knows: "shm:///abs/path",
+// "unix:///abs/path" (or "unix:path", "unix-abstract:name"),
+// "dns:///host:port", "ipv4:..." /
+// "ipv6:..." or a plain "host:port". Anything else (e.g. "http://foo", a
+// URL gRPC would try to resolve forever) is InvalidArgument naming the
+// endpoint and the forms accepted.
+absl::Status CheckEndpoint(const std::string& endpoint);
+
 // Opens a connection to `endpoint`, waiting at most `timeout` for it:
 // "shm:///path" attaches to leapd's shared-memory socket at /path (on the
 // hello, which carries dim and dtype); "unix:///path" and "host:port" open

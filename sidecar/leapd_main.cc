@@ -4,6 +4,7 @@
 #include <grp.h>
 #include <malloc.h>
 #include <signal.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -22,13 +23,16 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "leap_build_info.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "grpcpp/security/server_credentials.h"
@@ -82,6 +86,29 @@ ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:9464",
 ABSL_FLAG(std::vector<std::string>, import, {},
           "Readout artifact (.leapr) to load at start, as FILE or NAME=FILE "
           "(NAME defaults to the file name without extension). Repeatable.");
+ABSL_FLAG(std::string, on_unrecoverable_state, "fail",
+          "With --data_dir: what to do when the stored state is corrupt beyond "
+          "what recovery repairs (a DATA_LOSS when opening or loading it; a "
+          "held lock or an I/O error always fails). 'fail': exit with the "
+          "reason. 'move_aside': rename the directory to "
+          "DIR.unrecoverable-<UTC time> (kept for inspection), print a "
+          "'recovery:' line and start with an empty state, so that leapd "
+          "serves again (after an import) without anyone scaling the pod "
+          "down. The parent of --data_dir must be writable.");
+ABSL_FLAG(bool, import_optional, false,
+          "A --import FILE that does not exist is reported ('--import FILE: "
+          "not there; skipped') and skipped instead of failing the start: for "
+          "artifacts an init step fetches, which may have failed (leapd then "
+          "serves what its --data_dir holds, or nothing, and engines keep "
+          "first-come order). A file that exists but does not load still "
+          "fails the start.");
+ABSL_FLAG(bool, allow_hello_mismatch, false,
+          "Serve an engine whose Hello.model_id or Hello.layer differs from "
+          "the metadata (model id, layer) of a readout of its width. Without "
+          "it such a hello is refused with FAILED_PRECONDITION naming both "
+          "(gRPC Connect and shm attach alike); hellos and readouts that "
+          "declare no model id (an empty one; a hello layer <= 0, a readout "
+          "layer -1) are not compared.");
 ABSL_FLAG(std::string, default_readout, "",
           "Readout serving the default route (product line \"\"). Default: "
           "the first --import.");
@@ -178,10 +205,13 @@ ABSL_FLAG(absl::Duration, shm_spin, absl::Microseconds(50),
 ABSL_FLAG(int32_t, shm_max_slots, 65536,
           "Largest feature-slot count one engine may ask for.");
 ABSL_FLAG(std::string, shm_group, "",
-          "Group (name or numeric gid) given the --shm attach socket and "
-          "every segment, both mode 0660: only its members (and leapd's "
-          "user) may attach. leapd must be a member of it (or root). Empty: "
-          "leapd's own group, socket 0660, segments 0600.");
+          "Group (name or numeric gid) given the --shm attach socket, "
+          "every segment and every unix:// --listen socket, all mode 0660: "
+          "only its members (and leapd's user) may attach or connect (an "
+          "engine running as another user, e.g. in Kubernetes with the pod's "
+          "fsGroup). leapd must be a member of it (or root). Empty: leapd's "
+          "own group, attach socket 0660, segments 0600, --listen sockets as "
+          "the umask makes them.");
 ABSL_FLAG(int32_t, shm_max_engines, 64,
           "Engines attached over shm at once.");
 
@@ -310,9 +340,36 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> TcpCredentials(
   return creds;
 }
 
+// What `leapd --version` prints and leap_build_info carries: the CMake
+// project version, the git revision at configure time, the build type.
+std::string VersionLine() {
+  return absl::StrCat("leapd ", LEAP_VERSION, " (revision ", LEAP_GIT_REVISION,
+                      ", ", LEAP_BUILD_TYPE, " build)\n");
+}
+
+// Set by Run once it drained after SIGTERM/SIGINT; main prints "stopped"
+// after Run returned, i.e. once every object of Run (the RocksDB store and
+// its lock included) is gone, so a new leapd may start at once.
+bool g_drained = false;
+
+int Run(int argc, char** argv);
+
 }  // namespace
 
 int main(int argc, char** argv) {
+  const int rc = Run(argc, argv);
+  if (rc == 0 && g_drained) std::fprintf(stderr, "leapd: stopped\n");
+  return rc;
+}
+
+namespace {
+
+int Run(int argc, char** argv) {
+  {
+    absl::FlagsUsageConfig config;
+    config.version_string = VersionLine;
+    absl::SetFlagsUsageConfig(config);
+  }
   absl::SetProgramUsageMessage(
       "the LEAP sidecar: length predictions from the serving model's hidden "
       "states, corrected online by RLS.\n"
@@ -352,6 +409,7 @@ int main(int argc, char** argv) {
   options.cache.ttl_ns =
       absl::ToInt64Nanoseconds(absl::GetFlag(FLAGS_feature_cache_ttl));
   options.max_batch_bytes = absl::GetFlag(FLAGS_max_batch_bytes);
+  options.allow_hello_mismatch = absl::GetFlag(FLAGS_allow_hello_mismatch);
   options.readout.checkpoint_every_batches =
       absl::GetFlag(FLAGS_checkpoint_every_batches);
   options.readout.checkpoint_every_ns =
@@ -409,20 +467,52 @@ int main(int argc, char** argv) {
     so.dedup_window_ms =
         absl::ToInt64Milliseconds(absl::GetFlag(FLAGS_dedup_window));
     if (so.dedup_window_ms < 0) return Fail("--dedup_window must be >= 0");
-    std::error_code ec;
-    std::filesystem::create_directories(absl::GetFlag(FLAGS_data_dir), ec);
-    auto opened = leap::storage::OpenRocksStore(absl::GetFlag(FLAGS_data_dir), so);
-    if (!opened.ok()) return Fail(std::string(opened.status().message()));
-    store = std::move(*opened);
-    auto loaded = store->Load();
-    if (!loaded.ok()) return Fail(std::string(loaded.status().message()));
-    recovered = std::move(*loaded);
+    const std::string dir = absl::GetFlag(FLAGS_data_dir);
+    const std::string policy = absl::GetFlag(FLAGS_on_unrecoverable_state);
+    if (policy != "fail" && policy != "move_aside") {
+      return Fail(absl::StrCat("--on_unrecoverable_state must be fail or "
+                               "move_aside, got '", policy, "'"));
+    }
+    auto open_and_load = [&]() -> absl::Status {
+      std::error_code ec;
+      std::filesystem::create_directories(dir, ec);
+      auto opened = leap::storage::OpenRocksStore(dir, so);
+      if (!opened.ok()) return opened.status();
+      store = std::move(*opened);
+      auto loaded = store->Load();
+      if (!loaded.ok()) {
+        store.reset();
+        return loaded.status();
+      }
+      recovered = std::move(*loaded);
+      return absl::OkStatus();
+    };
+    absl::Status st = open_and_load();
+    if (st.code() == absl::StatusCode::kDataLoss && policy == "move_aside") {
+      // Corrupt beyond what recovery repairs (not a held lock or an I/O
+      // error: those stay fatal). Keep it for inspection, start empty.
+      const std::string aside = absl::StrCat(
+          dir, ".unrecoverable-",
+          absl::FormatTime("%Y%m%dT%H%M%SZ", absl::Now(), absl::UTCTimeZone()));
+      std::error_code ec;
+      std::filesystem::rename(dir, aside, ec);
+      if (ec) {
+        return Fail(absl::StrCat(st.message(), "; cannot move ", dir, " aside: ",
+                                 ec.message()));
+      }
+      std::printf("recovery: state in %s cannot be recovered (%s); moved to %s; "
+                  "starting with an empty state\n",
+                  dir.c_str(), std::string(st.message()).c_str(), aside.c_str());
+      st = open_and_load();
+    }
+    if (!st.ok()) return Fail(std::string(st.message()));
     for (const std::string& p : recovered.problems) {
       std::printf("recovery: %s\n", p.c_str());
     }
   }
 
   leap::sidecar::Metrics metrics;
+  metrics.SetBuildInfo(LEAP_VERSION, LEAP_GIT_REVISION, LEAP_BUILD_TYPE);
   std::unique_ptr<prometheus::Exposer> exposer;
   if (!absl::GetFlag(FLAGS_metrics_listen).empty()) {
     try {
@@ -499,6 +589,16 @@ int main(int argc, char** argv) {
       addr = absl::StrCat(addr.substr(0, addr.rfind(':')), ":", ports[i]);
     }
     std::printf("listening on %s\n", addr.c_str());
+    if (shm_gid >= 0 && addr.rfind("unix:", 0) == 0) {
+      std::string path = addr.substr(5);
+      if (path.rfind("//", 0) == 0) path = path.substr(2);
+      if (chown(path.c_str(), static_cast<uid_t>(-1),
+                static_cast<gid_t>(shm_gid)) != 0 ||
+          chmod(path.c_str(), 0660) != 0) {
+        return Fail(absl::StrCat("--shm_group: cannot give ", path, " to gid ",
+                                 shm_gid, ": ", std::strerror(errno)));
+      }
+    }
   }
   std::unique_ptr<leap::sidecar::ShmServer> shm_server;
   if (!absl::GetFlag(FLAGS_shm).empty()) {
@@ -516,6 +616,10 @@ int main(int argc, char** argv) {
   // Health says NOT_SERVING (and the data plane "recovering") until every
   // readout replayed its log.
   server->GetHealthCheckService()->SetServingStatus(false);
+  // Service "liveness": SERVING from here on, through recovery, until the
+  // drain: what a liveness probe asks (a hung leapd answers nothing), while
+  // service "" tells whether predictions are served.
+  server->GetHealthCheckService()->SetServingStatus("liveness", true);
   std::fflush(stdout);
   if (store != nullptr) {
     size_t replayed = 0;
@@ -552,6 +656,14 @@ int main(int argc, char** argv) {
                   absl::GetFlag(FLAGS_data_dir).c_str(), path.c_str());
       continue;
     }
+    if (absl::GetFlag(FLAGS_import_optional)) {
+      std::error_code ec;
+      if (!std::filesystem::exists(path, ec)) {
+        std::printf("--import %s: not there; skipped (--import_optional)\n",
+                    spec.c_str());
+        continue;
+      }
+    }
     auto state = leap::readout::ReadArtifact(path);
     if (!state.ok()) return Fail(std::string(state.status().message()));
     const int64_t dim = state->spec.dim;
@@ -580,6 +692,12 @@ int main(int argc, char** argv) {
     std::printf("metrics on http://%s:%d/metrics\n", host.c_str(),
                 exposer->GetListeningPorts().at(0));
   }
+  // leap_storage_bytes{family} from the first scrape on (refreshed below).
+  if (store != nullptr) {
+    for (const auto& [family, bytes] : store->BytesPerFamily()) {
+      metrics.StorageBytes(family).Set(static_cast<double>(bytes));
+    }
+  }
   server->GetHealthCheckService()->SetServingStatus(true);
   std::printf("leapd %s ready\n", sidecar_id.c_str());
   std::fflush(stdout);
@@ -604,6 +722,10 @@ int main(int argc, char** argv) {
   server->Shutdown(std::chrono::system_clock::now() +
                    absl::ToChronoSeconds(absl::GetFlag(FLAGS_drain_timeout)));
   core.Shutdown(/*drain=*/true);  // applies the backlog, final checkpoints
-  std::fprintf(stderr, "leapd: stopped\n");
+  // "leapd: stopped" is printed by main once everything here, the RocksDB
+  // store last, is destroyed.
+  g_drained = true;
   return 0;
 }
+
+}  // namespace

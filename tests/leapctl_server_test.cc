@@ -327,6 +327,20 @@ TEST_F(LeapctlServerTest, ErrorsExitWithCodesAndChangeNothing) {
                                    "cannot reach leapd at " +
                                    nowhere));
 
+  // $LEAP_SERVER stands in for --server (the runbook exports it); --server
+  // wins over it.
+  setenv("LEAP_SERVER", address_.c_str(), 1);
+  RunResult by_env = RunLeapctl(dir_, {"readouts", "list"});
+  EXPECT_EQ(by_env.exit_code, 0) << Describe(by_env);
+  setenv("LEAP_SERVER", nowhere.c_str(), 1);
+  RunResult flag_wins =
+      RunLeapctl(dir_, {"readouts", "list", "--server", address_});
+  EXPECT_EQ(flag_wins.exit_code, 0) << Describe(flag_wins);
+  RunResult env_down = RunLeapctl(dir_, {"readouts", "list"});
+  EXPECT_EQ(env_down.exit_code, 1) << Describe(env_down);
+  EXPECT_THAT(env_down.err, HasSubstr("cannot reach leapd at " + nowhere));
+  unsetenv("LEAP_SERVER");
+
   // Usage errors: exit 2, nothing sent.
   Ok({"readouts", "create", "cold", "--cold-start", "--dim", "64", "--lambda",
       "1"});

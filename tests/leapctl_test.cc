@@ -300,6 +300,31 @@ TEST(LeapctlTest, SynthTrainEvalAdaptEval) {
   EXPECT_EQ(st3->completions_learned, 4000);
 }
 
+// An --out that cannot be written is reported before the fit (which can take
+// minutes at d = 4096), not after it: no "fitting" progress line, nothing
+// left behind.
+TEST(LeapctlTest, TrainChecksOutBeforeFitting) {
+  ScratchDir dir;
+  Synth(dir, "src", 300, 1);
+  for (const std::string& out :
+       {dir.File("no-such-dir/r.leapr"), dir.path()}) {
+    RunResult t = RunLeapctl(dir, {"train", "--features", dir.File("src.npy"),
+                                   "--lengths", dir.File("src_len.npy"),
+                                   "--out", out});
+    EXPECT_EQ(t.exit_code, 1) << Describe(t);
+    EXPECT_NE(t.err.find("cannot write " + out), std::string::npos) << t.err;
+    EXPECT_EQ(t.err.find("fitting ridge readout"), std::string::npos) << t.err;
+    EXPECT_EQ(t.out.find("lambda"), std::string::npos) << t.out;
+  }
+  std::vector<std::string> left;
+  for (const auto& e : std::filesystem::directory_iterator(dir.path())) {
+    if (e.path().filename().string().find("probe") != std::string::npos) {
+      left.push_back(e.path());
+    }
+  }
+  EXPECT_TRUE(left.empty());
+}
+
 TEST(LeapctlTest, BatchSizeDoesNotChangeTheAdaptedReadout) {
   ScratchDir dir;
   Synth(dir, "src", 1500, 1);

@@ -391,7 +391,7 @@ TEST(LeapdEndToEnd, TenThousandRequestsMatchAnchoredClosedForm) {
         std::string("leap_completions_total{outcome=\"learned\",readout=\"r\"} 8911"),
         std::string("leap_completions_total{outcome=\"skipped_cancelled\",readout=\"r\"} 495"),
         std::string("leap_readout_version{readout=\"r\"} ") + std::to_string(final_version),
-        std::string("leap_feature_cache{unit=\"entries\"} 100"),
+        std::string("leap_feature_cache_entries 100"),
         std::string("leap_rls_batch_seconds_count"), std::string("leap_readout_spearman{readout=\"r\"}"),
         std::string("leap_prediction_latency_seconds_bucket"), std::string("leap_connected_engines")}) {
     EXPECT_NE(body->find(want), std::string::npos) << "missing: " << want;

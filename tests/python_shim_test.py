@@ -562,9 +562,21 @@ class BadInputTest(unittest.TestCase):
             self.client.poll(max=-1)
         with self.assertRaisesRegex(ValueError, "timeout_s"):
             self.client.poll(timeout_s=-1.0)
-        # Not connected: wait_connected answers False at its deadline.
+        # Endpoints leapd does not speak are refused, with the forms it does.
+        for bad, why in (("http://foo", "scheme 'http'"),
+                         ("https://foo:443", "scheme 'https'"),
+                         ("foo", "no port"),
+                         ("shm://relative/path", "absolute path")):
+            with self.assertRaisesRegex(ValueError, why) as cm:
+                leap_shim.Client(bad, DIM)
+            self.assertIn("unix:///path/to/leapd.sock", str(cm.exception))
+        # Not connected: wait_connected answers False at its deadline, and
+        # the client says it is degraded (fail-open: nothing waits).
         self.assertFalse(self.client.wait_connected(0.05))
         self.assertFalse(self.client.connected)
+        self.assertTrue(self.client.degraded)
+        self.assertTrue(self.client.stats["degraded"])
+        self.assertTrue(self.client.stats["degraded_reason"])
         with leap_shim.Client("unix:///nowhere", DIM) as c:
             self.assertEqual((c.dim, c.dtype), (DIM, "float32"))
         self.assertTrue(c.closed)

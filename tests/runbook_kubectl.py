@@ -182,8 +182,16 @@ def start_pod(state, ns, sts, ordinal):
     mapping.sort(key=lambda p: -len(p[0]))
 
     ports = state["ports"].setdefault(pod_key, {})
+    env = {e["name"]: e.get("value", "") for e in c.get("env", [])}
     argv = [LEAPD]
     for arg in c["command"][1:] + c.get("args", []):
+        # The kubelet expands $(VAR) from the container's env.
+        arg = re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)),
+                     arg)
+        # The pod's fsGroup is a group of leapd here only when run as root:
+        # give the sockets to our own group instead.
+        if arg.startswith("--shm_group="):
+            arg = "--shm_group=%d" % os.getgid()
         for mount, d in mapping:
             arg = arg.replace(mount + "/", d + "/")
             if arg.endswith("=" + mount):

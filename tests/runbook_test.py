@@ -161,7 +161,17 @@ class RunbookTest(unittest.TestCase):
         feed = ('"$LEAPCTL" feed --features traffic_features.npy '
                 '--lengths traffic_lengths.npy --product-line chat '
                 '--server "$LEAP_SERVER" --json > {out}')
+        # Disaster: leapd crashes and its state on the volume is found
+        # corrupt (its RocksDB MANIFEST overwritten); the kubelet restarts
+        # the leapd container (here: the stand-in's pod start).
+        crash = os.path.join(self.tmp, "crash_and_corrupt.py")
+        with open(crash, "w") as f:
+            f.write(CRASH_AND_CORRUPT)
         hooks = {
+            # After the backups: the state is lost.
+            "mkdir -p backups": '/usr/bin/python3 %s && kubectl -n leap '
+                                'rollout restart statefulset/chat-leap '
+                                '> hook-restart.txt' % crash,
             # After the first import and routes: the engine's traffic.
             "deploy/k8s/overlays/chat/routes.json --server": feed.format(
                 out="hook-feed-1.json"),
@@ -213,7 +223,8 @@ class RunbookTest(unittest.TestCase):
             self.fail("runbook block %d (RUNBOOK.md line %d, section '%s') "
                       "failed, exit %d:\n%s\n--- output:\n%s" % (
                           i, blocks[i]["line"], blocks[i]["section"],
-                          run.returncode, blocks[i]["text"], out.get(i, "")))
+                          run.returncode, blocks[i]["text"],
+                          out.get(i, "") or run.stdout[-3000:]))
 
         def output_of(command):
             """Output of the first block that contains `command`."""
@@ -286,8 +297,15 @@ class RunbookTest(unittest.TestCase):
         m = re.search(r"exported readout chat version (\d+)", backup)
         self.assertIsNotNone(m, backup)
         recovered = output_of("backups/routes.json --server")
-        self.assertIn("persistentvolumeclaim \"data-chat-leap-0\" deleted",
-                      output_of("delete pvc"))
+        # leapd moved the corrupt state aside by itself and started empty;
+        # nothing was scaled down.
+        logs = output_of("logs chat-leap-0 -c leapd")
+        self.assertRegex(logs, r"recovery: state in \S+/state cannot be "
+                         r"recovered \(.*\); moved to \S+/state\.unrecoverable-"
+                         r"\d{8}T\d{6}Z; starting with an empty state")
+        for b in blocks:
+            self.assertNotRegex(b["text"], r"scale .*--replicas=0",
+                                "a runbook step scales serving down")
         self.assertIn("version: %s\n" % m.group(1), recovered)
         self.assertIn("applied 2 route(s)", recovered)
 
@@ -309,6 +327,25 @@ class RunbookTest(unittest.TestCase):
         with open(os.path.join(self.state, "calls.log")) as f:
             calls = [json.loads(line) for line in f]
         self.assertIn(["apply", "-f", "-"], calls)
+
+
+CRASH_AND_CORRUPT = r"""
+import glob, json, os, select, signal
+state = os.environ["RUNBOOK_STATE"]
+with open(os.path.join(state, "cluster.json")) as f:
+    pods = json.load(f)["pods"]
+pid = pods["leap/chat-leap-0"]["pid"]
+exited = os.pidfd_open(pid)  # readable once the process has exited
+os.kill(pid, signal.SIGKILL)
+assert select.select([exited], [], [], 30)[0], "leapd did not die"
+manifests = glob.glob(os.path.join(state, "pvc", "data-chat-leap-0", "state",
+                                   "MANIFEST-*"))
+assert manifests, "no RocksDB MANIFEST in the volume"
+for m in manifests:
+    size = os.path.getsize(m)
+    with open(m, "r+b") as f:
+        f.write(bytes([0xA5]) * size)
+"""
 
 
 def main():

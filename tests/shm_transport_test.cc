@@ -629,7 +629,7 @@ TEST(ShmTransport, EngineKilledIsReclaimedAndOthersKeepServing) {
   EXPECT_EQ(CountSegments(l.dir), 2);
   auto body = testing::HttpGet(metrics, "/metrics");
   ASSERT_TRUE(body.ok()) << body.status();
-  EXPECT_EQ(Metric(*body, "leap_feature_cache{unit=\"entries\"}"), 51);
+  EXPECT_EQ(Metric(*body, "leap_feature_cache_entries"), 51);
   EXPECT_EQ(Metric(*body, "leap_connected_engines"), 2);
 
   (*engine)->Signal(SIGKILL);
@@ -641,7 +641,7 @@ TEST(ShmTransport, EngineKilledIsReclaimedAndOthersKeepServing) {
   EXPECT_EQ(CountSegments(l.dir), 1);
   body = testing::HttpGet(metrics, "/metrics");
   ASSERT_TRUE(body.ok());
-  EXPECT_EQ(Metric(*body, "leap_feature_cache{unit=\"entries\"}"), 1);
+  EXPECT_EQ(Metric(*body, "leap_feature_cache_entries"), 1);
   EXPECT_EQ(Metric(*body, "leap_connected_engines"), 1);
   EXPECT_EQ(Metric(*body, "leap_shm_reclaimed_requests_total"), 50);
   EXPECT_EQ(Metric(*body, "leap_shm_detached_total{reason=\"hangup\"}"), 1);

@@ -316,6 +316,7 @@ class PyClient {
   }
 
   bool connected() const { return client_ != nullptr && client_->connected(); }
+  bool degraded() const { return client_ == nullptr || client_->degraded(); }
 
   py::dict Stats() {
     std::shared_ptr<Client> client = Live();
@@ -329,6 +330,9 @@ class PyClient {
     d["rescores"] = s.rescores;
     d["errors"] = s.errors;
     d["live"] = s.live;
+    d["stalls"] = s.stalls;
+    d["degraded"] = s.degraded;
+    d["degraded_reason"] = s.degraded_reason;
     d["cuda_captures_in_flight"] = pending_.size();
     return d;
   }
@@ -685,7 +689,9 @@ through poll(). Usable as a context manager (close() on exit).)doc")
            R"doc(Starts the client; connecting happens in the background.
 
 Args:
-  endpoint: leapd's address, "host:port" or "unix:///path/to/socket".
+  endpoint: leapd's address, "host:port", "unix:///path/to/socket" or
+    "shm:///path/to/leap.shm"; anything else (e.g. "http://host") raises
+    ValueError.
   dim: feature width d (the model's hidden size); every captured row must
     have exactly d values.
   dtype: element type shipped to leapd: "float32" (default), "bfloat16" or
@@ -796,9 +802,16 @@ RuntimeError. Queued, unsent work is dropped.)doc")
           "stats", &PyClient::Stats,
           R"doc(Counters since start, as a dict: connected, connects, resubmitted
 (features resent after a sidecar restart), predictions, rescores, errors,
-live (requests kept for resubmission), cuda_captures_in_flight.)doc")
+live (requests kept for resubmission), stalls (connections abandoned because
+leapd answered nothing for 2 s), degraded, degraded_reason,
+cuda_captures_in_flight.)doc")
       .def_property_readonly("connected", &PyClient::connected,
                              "True while a session with leapd is up.")
+      .def_property_readonly(
+          "degraded", &PyClient::degraded,
+          "True while no leapd answers (absent, hung, restarting): requests "
+          "get no prediction and the scheduler keeps their arrival order; "
+          "predictions resume by themselves. Never blocks.")
       .def_property_readonly("closed", &PyClient::closed, "True after close().")
       .def_property_readonly("dim", &PyClient::dim, "Feature width d.")
       .def_property_readonly("dtype", &PyClient::dtype,

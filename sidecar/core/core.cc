@@ -352,7 +352,9 @@ Core::ArmState* Core::Arm(const std::string& product_line,
     slot = std::make_unique<ArmState>(options_.readout.quality_window);
     slot->readout = arm.readout;
     slot->shadow = arm.shadow;
-    slot->gauge = &metrics_->ArmSpearman(product_line, arm.name);
+    slot->gauge = &metrics_->ArmSpearman(arm.readout, product_line, arm.name);
+    slot->samples =
+        &metrics_->ArmSpearmanSamples(arm.readout, product_line, arm.name);
   }
   return slot.get();
 }
@@ -732,6 +734,8 @@ absl::StatusOr<CompletionOutcome> Core::Complete(absl::string_view request_id,
           ait->second->completions++;
           ait->second->window.Add(s.predicted_tokens, truth);
           ait->second->gauge->Set(ait->second->window.Value());
+          ait->second->samples->Set(
+              static_cast<double>(ait->second->window.size()));
         }
       }
       if (std::find(learners.begin(), learners.end(), s.readout) !=

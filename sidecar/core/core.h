@@ -34,6 +34,11 @@ struct CoreOptions {
   int64_t max_batch_bytes = int64_t{64} << 20;
   // Longest request id / product line. Default: 256
   int64_t max_id_bytes = 256;
+  // Serve an engine whose Hello.model_id or Hello.layer differs from the
+  // metadata of a readout of its width (leapd --allow_hello_mismatch);
+  // otherwise such a hello is refused with FAILED_PRECONDITION.
+  // Default: false
+  bool allow_hello_mismatch = false;
 
   absl::Status Validate() const;
 };
@@ -200,6 +205,7 @@ class Core {
     int64_t completions = 0;  // guarded by arms_mu_
     RollingSpearman window;   // guarded by arms_mu_
     prometheus::Gauge* gauge = nullptr;
+    prometheus::Gauge* samples = nullptr;  // completions in `window`
     explicit ArmState(int64_t n) : window(n) {}
   };
   ArmState* Arm(const std::string& product_line, const sidecar::Arm& arm);

@@ -1,5 +1,7 @@
 #include "sidecar/core/engine_messages.h"
 
+#include <cstdio>
+
 #include "absl/strings/str_cat.h"
 
 namespace leap::sidecar {
@@ -72,6 +74,39 @@ absl::StatusOr<readout::DType> CheckHello(const pb::Hello& hello) {
                      readout::kMaxDim, "], got ", hello.dim()));
   }
   return *dtype;
+}
+
+absl::Status CheckHelloIdentity(const Core& core, const pb::Hello& hello) {
+  std::string mismatch;
+  for (const auto& r : core.ListReadouts()) {
+    const readout::ReadoutSpec& spec = r->spec();
+    if (spec.dim != hello.dim()) continue;
+    const bool model_differs = !hello.model_id().empty() &&
+                               !spec.model_id.empty() &&
+                               hello.model_id() != spec.model_id;
+    // Hello.layer 0 is proto3's unset value (the shim sends -1 for "not
+    // known"): only a positive layer is compared.
+    const bool layer_differs =
+        hello.layer() > 0 && spec.layer >= 0 && hello.layer() != spec.layer;
+    if (!model_differs && !layer_differs) continue;
+    absl::StrAppend(&mismatch, mismatch.empty() ? "" : "; ", "readout '",
+                    r->name(), "' was trained on model_id '", spec.model_id,
+                    "' layer ", spec.layer);
+  }
+  if (mismatch.empty()) return absl::OkStatus();
+  const std::string msg = absl::StrCat(
+      "hello of engine '", hello.engine_id(), "' declares model_id '",
+      hello.model_id(), "' layer ", hello.layer(), ", but ", mismatch);
+  if (core.options().allow_hello_mismatch) {
+    std::printf("leapd: warning: %s; served anyway (--allow_hello_mismatch)\n",
+                msg.c_str());
+    std::fflush(stdout);
+    return absl::OkStatus();
+  }
+  std::printf("leapd: refused: %s\n", msg.c_str());
+  std::fflush(stdout);
+  return absl::FailedPreconditionError(absl::StrCat(
+      msg, " (start leapd with --allow_hello_mismatch to serve it anyway)"));
 }
 
 void HandleEngineMessage(Core* core, uint64_t session, const pb::Hello& hello,

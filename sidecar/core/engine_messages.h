@@ -39,6 +39,13 @@ void AddRequestError(const std::string& id, const absl::Status& s,
 // INVALID_ARGUMENT otherwise.
 absl::StatusOr<readout::DType> CheckHello(const leap::v1::Hello& hello);
 
+// Checks a Hello's identity against the readouts that take its width:
+// FAILED_PRECONDITION naming both when the hello declares a model_id (or a
+// layer > 0: 0 is proto3's unset value) and such a readout declares a
+// different one (readouts and hellos that declare none are not compared). Logged on stdout either way;
+// OK with CoreOptions::allow_hello_mismatch.
+absl::Status CheckHelloIdentity(const Core& core, const leap::v1::Hello& hello);
+
 // Answers one EngineMessage after the hello (features carried inline,
 // completions, cancels; a second hello or an empty message is a
 // message-level error). `in` may be consumed (feature bytes are moved).

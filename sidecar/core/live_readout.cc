@@ -379,6 +379,7 @@ void LiveReadout::RecordQuality(int64_t version, double predicted_tokens,
     it->second.Add(predicted_tokens, true_tokens);
     overall_.Add(predicted_tokens, true_tokens);
     metrics_.spearman->Set(overall_.Value());
+    metrics_.spearman_samples->Set(static_cast<double>(overall_.size()));
   }
   // Judged only while learning: its actions stop and undo learning.
   if (guardrail_ != nullptr && !frozen_.load()) {

@@ -3,8 +3,28 @@
 namespace leap::sidecar {
 namespace {
 
+// Dense around the alerts' thresholds (deploy/prometheus/alerts.yaml):
+// LeapPredictionLatencyHigh at p99 > 1 ms, LeapRlsBatchSlow at p99 > 0.3 s,
+// LeapCheckpointSlow at p99 > 1 s; histogram_quantile interpolates inside a
+// bucket, so the buckets next to a threshold decide whether it fires.
 const prometheus::Histogram::BucketBoundaries kPredictionBuckets = {
-    1e-6, 2e-6, 5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 1e-3, 1e-2};
+    1e-6, 2e-6,   5e-6, 1e-5, 2e-5,   5e-5, 1e-4, 2e-4,
+    5e-4, 7.5e-4, 1e-3, 1.25e-3, 1.5e-3, 2e-3, 5e-3, 1e-2};
+const prometheus::Histogram::BucketBoundaries kRlsBatchBuckets = {
+    1e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.2, 0.25, 0.3, 0.35, 0.4, 0.5, 1.0};
+const prometheus::Histogram::BucketBoundaries kCheckpointBuckets = {
+    1e-3, 1e-2, 0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2.5, 5.0};
+
+// Label values documented in README.md ("Metrics"), created at zero at
+// start so that rate() and absent() work before the first event.
+const char* const kErrorCodes[] = {
+    "INVALID_ARGUMENT", "NOT_FOUND",     "ALREADY_EXISTS",
+    "FAILED_PRECONDITION", "RESOURCE_EXHAUSTED", "UNAVAILABLE",
+    "UNAUTHENTICATED", "DATA_LOSS",     "DEADLINE_EXCEEDED"};
+const char* const kDuplicateReasons[] = {"resent", "resent_not_live"};
+const char* const kShmDetachReasons[] = {"hangup", "corrupt", "stalled",
+                                         "stopping"};
+const char* const kOutboxStreams[] = {"watch", "connect"};
 
 }  // namespace
 
@@ -87,9 +107,24 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
                           .Register(r);
   arm_spearman_ = &BuildGauge()
                        .Name("leap_arm_spearman")
-                       .Help("Rolling Spearman per product line and A/B arm "
-                             "(shadow arms included)")
+                       .Help("Rolling Spearman per readout, product line and "
+                             "A/B arm (shadow arms included)")
                        .Register(r);
+  arm_spearman_samples_ =
+      &BuildGauge()
+           .Name("leap_arm_spearman_samples")
+           .Help("Completions in the window behind leap_arm_spearman")
+           .Register(r);
+  spearman_samples_ =
+      &BuildGauge()
+           .Name("leap_readout_spearman_samples")
+           .Help("Completions in the window behind leap_readout_spearman")
+           .Register(r);
+  build_info_ = &BuildGauge()
+                     .Name("leap_build_info")
+                     .Help("1; labels: leapd's version, git revision and "
+                           "build type (as leapd --version prints them)")
+                     .Register(r);
   checkpoint_seconds_ = &BuildHistogram()
                              .Name("leap_checkpoint_seconds")
                              .Help("Time to write one checkpoint of theta and P")
@@ -112,12 +147,17 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
            .Help("Time to score one request (routing, dot products, cache)")
            .Register(r)
            .Add({}, kPredictionBuckets);
-  auto& cache = BuildGauge()
-                    .Name("leap_feature_cache")
-                    .Help("Live-request feature cache size")
-                    .Register(r);
-  cache_bytes_ = &cache.Add({{"unit", "bytes"}});
-  cache_entries_ = &cache.Add({{"unit", "entries"}});
+  cache_bytes_ = &BuildGauge()
+                      .Name("leap_feature_cache_bytes")
+                      .Help("Bytes of live-request features held (bounded by "
+                            "--feature_cache_bytes)")
+                      .Register(r)
+                      .Add({});
+  cache_entries_ = &BuildGauge()
+                        .Name("leap_feature_cache_entries")
+                        .Help("Live requests whose features are held")
+                        .Register(r)
+                        .Add({});
   auto& evict = BuildCounter()
                     .Name("leap_feature_cache_evictions_total")
                     .Help("Live requests evicted, by reason (capacity, ttl)")
@@ -174,6 +214,26 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
                          .Help("Consumers dropped as too slow, by stream "
                                "(watch, connect)")
                          .Register(r);
+  for (const char* code : kErrorCodes) request_errors_->Add({{"code", code}});
+  for (const char* reason : kDuplicateReasons) {
+    duplicates_->Add({{"reason", reason}});
+  }
+  for (const char* reason : kShmDetachReasons) {
+    shm_detached_->Add({{"reason", reason}});
+  }
+  for (const char* stream : kOutboxStreams) {
+    outbox_dropped_->Add({{"stream", stream}});
+  }
+}
+
+void Metrics::SetBuildInfo(const std::string& version,
+                           const std::string& revision,
+                           const std::string& build_type) {
+  build_info_
+      ->Add({{"version", version},
+             {"revision", revision},
+             {"build_type", build_type}})
+      .Set(1);
 }
 
 prometheus::Counter& Metrics::OutboxDropped(const std::string& stream) {
@@ -201,18 +261,14 @@ ReadoutMetrics Metrics::ForReadout(const std::string& name) {
       &completions_->Add({{"readout", name}, {"outcome", "skipped_frozen"}});
   m.rls_errors = &rls_errors_->Add({{"readout", name}});
   m.publishes = &publishes_->Add({{"readout", name}});
-  m.rls_batch_seconds = &rls_batch_->Add(
-      {{"readout", name}},
-      prometheus::Histogram::BucketBoundaries{1e-4, 1e-3, 3e-3, 1e-2, 3e-2,
-                                              0.1, 0.3, 1.0});
+  m.rls_batch_seconds = &rls_batch_->Add({{"readout", name}}, kRlsBatchBuckets);
   m.rls_backlog = &rls_backlog_->Add({{"readout", name}});
   m.version = &version_->Add({{"readout", name}});
   m.spearman = &spearman_->Add({{"readout", name}});
+  m.spearman_samples = &spearman_samples_->Add({{"readout", name}});
   m.frozen = &frozen_->Add({{"readout", name}});
-  m.checkpoint_seconds = &checkpoint_seconds_->Add(
-      {{"readout", name}},
-      prometheus::Histogram::BucketBoundaries{1e-3, 1e-2, 0.05, 0.1, 0.25, 0.5,
-                                              1.0, 2.5});
+  m.checkpoint_seconds =
+      &checkpoint_seconds_->Add({{"readout", name}}, kCheckpointBuckets);
   m.checkpoint_bytes = &checkpoint_bytes_->Add({{"readout", name}});
   m.checkpoint_errors = &checkpoint_errors_->Add({{"readout", name}});
   m.guardrail_state = &guardrail_state_->Add({{"readout", name}});
@@ -239,6 +295,7 @@ void Metrics::RemoveReadout(const std::string& name, const ReadoutMetrics& m) {
   rls_backlog_->Remove(m.rls_backlog);
   version_->Remove(m.version);
   spearman_->Remove(m.spearman);
+  spearman_samples_->Remove(m.spearman_samples);
   frozen_->Remove(m.frozen);
   checkpoint_seconds_->Remove(m.checkpoint_seconds);
   checkpoint_bytes_->Remove(m.checkpoint_bytes);
@@ -252,9 +309,18 @@ prometheus::Gauge& Metrics::StorageBytes(const std::string& family) {
   return storage_bytes_->Add({{"family", family}});
 }
 
-prometheus::Gauge& Metrics::ArmSpearman(const std::string& product_line,
+prometheus::Gauge& Metrics::ArmSpearman(const std::string& readout,
+                                        const std::string& product_line,
                                         const std::string& arm) {
-  return arm_spearman_->Add({{"product_line", product_line}, {"arm", arm}});
+  return arm_spearman_->Add(
+      {{"readout", readout}, {"product_line", product_line}, {"arm", arm}});
+}
+
+prometheus::Gauge& Metrics::ArmSpearmanSamples(const std::string& readout,
+                                               const std::string& product_line,
+                                               const std::string& arm) {
+  return arm_spearman_samples_->Add(
+      {{"readout", readout}, {"product_line", product_line}, {"arm", arm}});
 }
 
 prometheus::Counter& Metrics::RequestErrors(const std::string& code) {

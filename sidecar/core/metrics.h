@@ -33,6 +33,7 @@ struct ReadoutMetrics {
   prometheus::Gauge* rls_backlog;
   prometheus::Gauge* version;
   prometheus::Gauge* spearman;
+  prometheus::Gauge* spearman_samples;  // completions behind `spearman`
   prometheus::Gauge* frozen;
   prometheus::Histogram* checkpoint_seconds;
   prometheus::Gauge* checkpoint_bytes;
@@ -56,8 +57,17 @@ class Metrics {
   ReadoutMetrics ForReadout(const std::string& name);
   // Drops one user of `name`'s series; the last one removes them.
   void RemoveReadout(const std::string& name, const ReadoutMetrics& m);
-  prometheus::Gauge& ArmSpearman(const std::string& product_line,
+  // Rolling Spearman of one arm (readout it points at, product line, arm
+  // name) and the completions its window holds.
+  prometheus::Gauge& ArmSpearman(const std::string& readout,
+                                 const std::string& product_line,
                                  const std::string& arm);
+  prometheus::Gauge& ArmSpearmanSamples(const std::string& readout,
+                                        const std::string& product_line,
+                                        const std::string& arm);
+  // leap_build_info{version,revision,build_type} = 1 (leapd sets it once).
+  void SetBuildInfo(const std::string& version, const std::string& revision,
+                    const std::string& build_type);
   prometheus::Counter& RequestErrors(const std::string& code);
   // Completions acknowledged as duplicates (not learned again), by reason:
   // "resent" (the same engine instance, request id, features and outcome
@@ -111,6 +121,9 @@ class Metrics {
   prometheus::Family<prometheus::Gauge>* spearman_;
   prometheus::Family<prometheus::Gauge>* frozen_;
   prometheus::Family<prometheus::Gauge>* arm_spearman_;
+  prometheus::Family<prometheus::Gauge>* arm_spearman_samples_;
+  prometheus::Family<prometheus::Gauge>* spearman_samples_;
+  prometheus::Family<prometheus::Gauge>* build_info_;
   prometheus::Family<prometheus::Histogram>* checkpoint_seconds_;
   prometheus::Family<prometheus::Gauge>* checkpoint_bytes_;
   prometheus::Family<prometheus::Counter>* checkpoint_errors_;

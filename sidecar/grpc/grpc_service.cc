@@ -437,6 +437,10 @@ grpc::Status PredictorService::Connect(
   const pb::Hello hello = in.hello();
   absl::StatusOr<readout::DType> dtype = CheckHello(hello);
   if (!dtype.ok()) return ToGrpc(dtype.status());
+  if (absl::Status s = CheckHelloIdentity(*core_, hello); !s.ok()) {
+    core_->metrics().RequestErrors(absl::StatusCodeToString(s.code())).Increment();
+    return ToGrpc(s);
+  }
   auto session = std::make_shared<ConnectSession>(
       next_session_.fetch_add(1), ctx, stream, &outbox_);
   core_->hub().Subscribe(session);

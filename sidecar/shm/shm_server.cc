@@ -600,6 +600,7 @@ absl::Status ShmServer::Impl::Attach(Attachment& a, const std::string& packet) {
   }
   a.hello = m.hello();
   ASSIGN_OR_RETURN(a.dtype, CheckHello(a.hello));
+  RETURN_IF_ERROR(CheckHelloIdentity(*core, a.hello));
   if (a.hello.dim() != req.dim ||
       static_cast<uint32_t>(a.hello.dtype()) != req.dtype) {
     return absl::InvalidArgumentError(absl::StrCat(

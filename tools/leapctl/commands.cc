@@ -1,5 +1,15 @@
 #include "tools/leapctl/commands.h"
 
+#include <filesystem>
+
+#include <cstring>
+
+#include <cstdio>
+
+#include <cerrno>
+
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -128,9 +138,31 @@ absl::Status TrainOptions::Validate() const {
   return absl::OkStatus();
 }
 
+// Whether `path` can be written, tried with a probe file beside it (and
+// removed): an unwritable --out is reported before a long fit, not after.
+static absl::Status CheckWritable(const std::string& path) {
+  const std::string probe =
+      absl::StrCat(path, ".leapctl-probe-", static_cast<long>(getpid()));
+  std::FILE* f = std::fopen(probe.c_str(), "wb");
+  if (f == nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "cannot write ", path, ": ", std::strerror(errno),
+        " (checked before fitting)"));
+  }
+  std::fclose(f);
+  std::remove(probe.c_str());
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("cannot write ", path, ": it is a directory"));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<TrainReport> RunTrain(const TrainOptions& o,
                                      const ProgressFn& progress) {
   RETURN_IF_ERROR(o.Validate());
+  RETURN_IF_ERROR(CheckWritable(o.out_path));
   const auto t0 = Clock::now();
   Report(progress, absl::StrCat("reading ", o.features_path));
   ASSIGN_OR_RETURN(LoadedFeatures f, LoadFeatures(o.features_path));

@@ -29,8 +29,12 @@ namespace {
 namespace pb = ::leap::v1;
 
 void ServerFlags(FlagSet& flags, ServerOptions* o) {
+  if (const char* env = std::getenv("LEAP_SERVER"); env != nullptr && *env) {
+    o->address = env;
+  }
   flags.String("server", &o->address, "ADDR",
-               "leapd's gRPC address: host:port or unix:///path.");
+               "leapd's gRPC address: host:port or unix:///path. Default: "
+               "$LEAP_SERVER, else 127.0.0.1:7070.");
   flags.Double("timeout", &o->timeout_s, "SECONDS",
                "How long to wait for each answer from leapd.");
   if (const char* env = std::getenv("LEAP_ADMIN_TOKEN_FILE");
