@@ -298,9 +298,17 @@ absl::Status RlsState::UpdateChunk(const float* u, int64_t ldu,
   for (int64_t a = 0; a < k; ++a) s[a * k + a] += 1.0;
   int info = 0;
   dpotrf_("L", &kk, s.data(), &kk, &info);
+  // The smallest pivot, NaN as soon as any pivot is not finite (a
+  // non-finite P u, e.g. an overflowing feature, must reject the batch
+  // whichever row it is in).
   double min_pivot = info == 0 ? s[0] : 0.0;
-  for (int64_t a = 0; info == 0 && a < k; ++a) {
-    min_pivot = std::min(min_pivot, s[a * k + a]);
+  for (int64_t a = 0; info == 0 && a < k && !std::isnan(min_pivot); ++a) {
+    const double d = s[a * k + a];
+    if (!std::isfinite(d)) {
+      min_pivot = std::nan("");
+    } else if (d < min_pivot) {
+      min_pivot = d;
+    }
   }
   if (!(min_pivot * min_pivot >= 0.5)) {
     return absl::FailedPreconditionError(absl::StrCat(

@@ -503,6 +503,29 @@ TEST(Rls, EveryBatchSizeFrom1To256EqualsClosedForm) {
   EXPECT_LT(p_err, 1e-5);
 }
 
+// A feature so large that P u overflows FP32 in any row of a batch makes S
+// non-finite: the batch is rejected and nothing changes, for every kernel.
+TEST_P(KernelVariant, OverflowInAnyRowRejectsTheBatch) {
+  LEAP_REQUIRE_VARIANT();
+  const int64_t n = 40;
+  for (int k : {1, 8, 9, 40}) {
+    for (int bad = 0; bad < k; bad += std::max(1, k / 3)) {
+      RlsOptions opt;
+      opt.kernels = GetParam();
+      RlsState rls(VectorXd::Zero(n), SymMatrix::ScaledIdentity(n, 10.0f), opt);
+      std::vector<float> u(k * n, 0.5f);
+      std::vector<double> y(k, 3.0);
+      u[bad * n + 2] = 3e38f;
+      const absl::Status s = rls.Update(u.data(), n, y);
+      EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition)
+          << GetParam() << " k=" << k << " bad row " << bad << ": " << s;
+      EXPECT_EQ(rls.updates(), 0);
+      EXPECT_EQ(rls.theta(), VectorXd::Zero(n));
+      EXPECT_EQ(rls.pending_columns(), 0);
+    }
+  }
+}
+
 TEST(Rls, OptionsRejectUnknownKernelsAndBadThreads) {
   RlsOptions o;
   o.kernels = "sse9";
