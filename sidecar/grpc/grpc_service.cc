@@ -673,9 +673,11 @@ grpc::Status AdminService::ListVersions(grpc::ServerContext* ctx,
   if (grpc::Status s = CheckAdmin(ctx); !s.ok()) return s;
   auto r = core_->GetReadout(req->name());
   if (!r.ok()) return ToGrpc(r.status());
-  for (const VersionRecord& v : (*r)->Versions()) {
-    FillVersion(v, resp->add_versions());
+  if (req->limit() < 0) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "limit must be >= 0");
   }
+  FillQualityHistory(**r, req->limit(), core_->options().readout.quality_window,
+                     resp);
   return grpc::Status::OK;
 }
 
