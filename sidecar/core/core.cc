@@ -173,6 +173,8 @@ absl::Status Core::CreateReadoutImpl(const std::string& name,
                                      const std::string& reason) {
   RETURN_IF_ERROR(ValidateReadoutName(name));
   RETURN_IF_ERROR(state.Validate());
+  // Fleet mode: the trainer learns; members serve without P.
+  if (options_.readout.serving_only) state.p.reset();
   absl::MutexLock lock(&admin_mu_);
   auto current = readouts_.load();
   if (current->count(name) != 0) {
@@ -186,9 +188,12 @@ absl::Status Core::CreateReadoutImpl(const std::string& name,
   init.meta.spec = state.spec;
   init.meta.standardizer = state.standardizer;
   init.meta.has_p = state.p.has_value();
-  init.meta.frozen = !state.p.has_value();
+  init.meta.frozen = !state.p.has_value() && !options_.readout.serving_only;
   init.meta.frozen_reason = reason;
-  init.meta.created_unix_ms = UnixMs();
+  init.meta.created_unix_ms =
+      state.created_unix_ms > 0 && options_.readout.serving_only
+          ? state.created_unix_ms
+          : UnixMs();
   init.cold = cold;
   init.frozen_reason = reason;
   if (state.version < 1) state.version = 1;
@@ -729,6 +734,16 @@ absl::StatusOr<CompletionOutcome> Core::Complete(absl::string_view request_id,
       absl::StatusOr<bool> seen = store_->WasRecorded(IdKey(instance, request_id));
       if (seen.ok() && *seen) dup_reason = "resent_not_live";
     }
+    uint64_t dup_fleet_seq = 0;
+    if (FleetLink* fleet = fleet_.load(); fleet != nullptr && !dup_reason.empty()) {
+      // Fleet mode: acknowledged once its outbox record is in the fleet's
+      // stream (else UNAVAILABLE, the request left as it is).
+      std::vector<std::string> keys = dedup_keys;
+      keys.push_back(IdKey(instance, request_id));
+      absl::StatusOr<uint64_t> seq = fleet->ResolveDuplicate(keys);
+      if (!seq.ok()) return seq.status();
+      dup_fleet_seq = *seq;
+    }
     if (!dup_reason.empty()) {
       if (peek != nullptr) cache_.TakeIf(key, peek.get());
       metrics_->DuplicateCompletions(dup_reason).Increment();
@@ -746,6 +761,7 @@ absl::StatusOr<CompletionOutcome> Core::Complete(absl::string_view request_id,
       dup.learned = true;
       dup.duplicate = true;
       dup.duplicate_reason = dup_reason;
+      dup.fleet_seq = dup_fleet_seq;
       return dup;
     }
     dedup_keys.push_back(IdKey(instance, request_id));
@@ -842,15 +858,46 @@ absl::StatusOr<CompletionOutcome> Core::Complete(absl::string_view request_id,
       if (std::find(learners.begin(), learners.end(), s.readout) !=
           learners.end()) {
         // Same readout on two arms (serving and shadow): learned once.
-      } else if (ro.frozen()) {
+      } else if (ro.frozen() && fleet_.load() == nullptr) {
+        // (In fleet mode every learnable completion goes to the stream; a
+        // frozen readout's trainer keeps it there without learning it.)
         skip = "frozen";
         ro.metrics().skipped_frozen->Increment();
       } else {
         learners.push_back(s.readout);
-        absl::Status learned = ro.Learn(
-            {r.request_id, x,
-             readout::TargetFromTokens(output_tokens, ro.spec().max_tokens),
-             dedup_keys});
+        uint64_t local_seq = 0;
+        const double target =
+            readout::TargetFromTokens(output_tokens, ro.spec().max_tokens);
+        absl::Status learned =
+            ro.Learn({r.request_id, x, target, dedup_keys, &local_seq});
+        if (FleetLink* fleet = fleet_.load(); fleet != nullptr && learned.ok()) {
+          FleetCompletionRecord c;
+          c.readout = s.readout;
+          c.request_id = r.request_id;
+          c.instance = std::string(instance);
+          c.product_line = r.route_key;
+          c.arm = s.arm;
+          c.dtype = x.dtype;
+          c.features = absl::string_view(
+              static_cast<const char*>(x.data),
+              static_cast<size_t>(x.dim) * readout::DTypeSize(x.dtype));
+          c.target = target;
+          c.predicted_tokens = s.predicted_tokens;
+          c.served_version = s.version;
+          c.true_tokens = truth;
+          c.local_seq = local_seq;
+          c.dedup_keys = dedup_keys;
+          absl::StatusOr<uint64_t> seq = fleet->PublishCompletion(c);
+          if (!seq.ok()) {
+            // Recorded in the outbox, not acknowledged: the engine resends,
+            // and the resend is acknowledged once the record is published.
+            if (i == 0) return seq.status();
+            std::fprintf(stderr, "leapd: shadow readout '%s': %s\n",
+                         ro.name().c_str(), std::string(seq.status().message()).c_str());
+          } else if (i == 0) {
+            outcome.fleet_seq = *seq;
+          }
+        }
         if (!learned.ok()) {
           if (i == 0) {
             // Not acknowledged: keep the request live so a retry can learn it.

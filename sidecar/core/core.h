@@ -19,6 +19,7 @@
 #include "readout/artifact.h"
 #include "readout/target.h"
 #include "sidecar/core/feature_cache.h"
+#include "sidecar/core/fleet_link.h"
 #include "sidecar/core/live_readout.h"
 #include "sidecar/core/metrics.h"
 #include "sidecar/core/quality.h"
@@ -99,6 +100,9 @@ struct CompletionOutcome {
   // Why it counts as a duplicate: "resent" or "resent_not_live" (see
   // Metrics::DuplicateCompletions).
   std::string duplicate_reason;
+  // Fleet mode: the FEEDBACK stream sequence of the completion (0 when not
+  // published or no longer known).
+  uint64_t fleet_seq = 0;
 };
 
 // Online quality of one (product line, arm).
@@ -136,6 +140,12 @@ class Core {
   ~Core();
 
   PublishHub& hub() { return hub_; }
+  // Fleet mode (options().readout.serving_only): learnable completions are
+  // published through `fleet` after the local outbox append, and the Admin
+  // service forwards fleet-wide operations to it. Set once, before serving;
+  // `fleet` must outlive the Core's serving.
+  void SetFleet(FleetLink* fleet) { fleet_.store(fleet); }
+  FleetLink* fleet() const { return fleet_.load(); }
   const CoreOptions& options() const { return options_; }
   Metrics& metrics() { return *metrics_; }
 
@@ -265,6 +275,7 @@ class Core {
   std::atomic<int64_t> unknown_{0};
   std::atomic<DatasetObserver*> dataset_observer_{nullptr};
   std::atomic<bool> serving_{true};
+  std::atomic<FleetLink*> fleet_{nullptr};
 };
 
 // Engine instance ids (Hello.instance_id): at most 128 bytes, no NUL.

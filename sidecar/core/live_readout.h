@@ -35,6 +35,9 @@ struct PublishedVersion {
   int64_t completions_learned = 0;
   int64_t published_unix_ms = 0;
   std::string cause;  // "create", "rls", ...
+  // Fleet mode: every FEEDBACK stream message with sequence <= fleet_seq is
+  // in it (0 outside fleet mode).
+  uint64_t fleet_seq = 0;
 };
 
 // Receives every publish of every readout. OnPublish runs on the publishing
@@ -81,6 +84,11 @@ struct LiveReadoutOptions {
   int64_t checkpoint_every_ns = int64_t{60} * 1'000'000'000;
   // The online-quality guardrail (off unless a floor or margin is set).
   GuardrailOptions guardrail;
+  // Fleet mode (docs/FLEET.md): the readout only serves. No RLS here and no
+  // P: Learn records a completion in the feedback log (the member's outbox)
+  // and queues nothing; versions arrive through InstallVersion. Default:
+  // false
+  bool serving_only = false;
 
   absl::Status Validate() const;
 };
@@ -123,6 +131,19 @@ struct Learnable {
   double target = 0;
   // Recorded in the store's dedup index with the log record.
   std::vector<std::string> dedup_keys;
+  // When set, receives the record's sequence in the feedback log.
+  uint64_t* assigned_seq = nullptr;
+};
+
+// A version learned elsewhere (fleet mode: a FleetVersion) to serve as is.
+struct InstalledVersion {
+  int64_t version = 0;
+  Eigen::VectorXd theta;  // standardized space, d + 1, bias last
+  int64_t completions_learned = 0;
+  int64_t published_unix_ms = 0;
+  std::string cause;
+  uint64_t fleet_seq = 0;
+  bool frozen = false;
 };
 
 // Thread-safe unless stated: gRPC handlers, the shm loop and admin calls may
@@ -182,6 +203,18 @@ class LiveReadout {
   void RecoverLog(std::vector<storage::LogRecord> log,
                   const std::vector<storage::VersionEntry>& history,
                   int64_t max_version, std::vector<std::string>* problems);
+
+  // Serving-only readouts (LiveReadoutOptions::serving_only): serves `v`
+  // under its own number and notifies the hub (rescoring, WatchReadout) as
+  // a local publish does; records it in the version history (and the
+  // store). Returns false, changing nothing, for a version not newer than
+  // the current one. INVALID_ARGUMENT for a theta of the wrong size or with
+  // a non-finite value; FAILED_PRECONDITION for a readout that learns.
+  absl::StatusOr<bool> InstallVersion(const InstalledVersion& v);
+  // Serving-only readouts with a store: every log record with seq <= seq is
+  // confirmed in the fleet's stream; writes a checkpoint of the served theta
+  // (no P) at that position, which prunes them from the log.
+  absl::Status ConfirmLog(uint64_t seq);
 
   // Labels the current state (theta, P, version, quality) for rollback.
   absl::StatusOr<storage::SnapshotInfo> Snapshot(const std::string& label);
