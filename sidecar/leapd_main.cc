@@ -45,6 +45,7 @@
 #include "readout/artifact.h"
 #include "sidecar/grpc/admin_auth.h"
 #include "sidecar/core/core.h"
+#include "sidecar/leapd_data_flags.h"
 #include "sidecar/grpc/grpc_service.h"
 #include "sidecar/fleet/member.h"
 #include "sidecar/fleet/trainer.h"
@@ -711,6 +712,9 @@ int Run(int argc, char** argv) {
     so.versions_kept = absl::GetFlag(FLAGS_versions_kept);
     so.dedup_window_ms =
         absl::ToInt64Milliseconds(absl::GetFlag(FLAGS_dedup_window));
+    if (absl::Status s = leap::sidecar::ApplyDataFlags(&so, &options); !s.ok()) {
+      return Fail(std::string(s.message()));
+    }
     if (so.dedup_window_ms < 0) return Fail("--dedup_window must be >= 0");
     const std::string dir = absl::GetFlag(FLAGS_data_dir);
     const std::string policy = absl::GetFlag(FLAGS_on_unrecoverable_state);
@@ -1007,6 +1011,10 @@ int Run(int argc, char** argv) {
     }
   }
 
+  auto bootstrap = leap::sidecar::StartBootstrapFromFlags(&core);
+  if (!bootstrap.ok()) {
+    return Fail(absl::StrCat("bootstrap: ", bootstrap.status().message()));
+  }
   core.SetServing(true);
   if (exposer != nullptr) {
     std::string host = absl::GetFlag(FLAGS_metrics_listen);
@@ -1043,6 +1051,7 @@ int Run(int argc, char** argv) {
   if (shm_server != nullptr) shm_server->Stop();
   server->Shutdown(std::chrono::system_clock::now() +
                    absl::ToChronoSeconds(absl::GetFlag(FLAGS_drain_timeout)));
+  bootstrap->reset();  // a fit in progress finishes first
   // The trainer first (final checkpoints, the lease released), while NATS
   // is still connected.
   trainer.reset();

@@ -49,6 +49,7 @@ void ToPrediction(const ScoreResult& s, const std::string& id,
   p->set_readout(s.readout);
   p->set_version(s.version);
   p->set_arm(s.arm);
+  if (s.cold) p->set_cold(true);
 }
 
 void AddRequestError(const std::string& id, const absl::Status& s,

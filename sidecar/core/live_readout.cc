@@ -68,6 +68,7 @@ LiveReadout::LiveReadout(LiveReadoutInit init, LiveReadoutOptions options,
       standardizer_(init.state.standardizer),
       options_(options),
       adaptive_(init.state.p.has_value() && !options.serving_only),
+      cold_(init.cold),
       created_unix_ms_(init.meta.created_unix_ms > 0 ? init.meta.created_unix_ms
                                                      : UnixMs()),
       metrics_owner_(metrics),
@@ -80,7 +81,8 @@ LiveReadout::LiveReadout(LiveReadoutInit init, LiveReadoutOptions options,
       store_(init.store),
       meta_(init.meta),
       next_seq_(init.last_seq + 1),
-      overall_(options.quality_window) {
+      overall_(options.quality_window),
+      history_(options.quality_kept, options.quality_window) {
   if (frozen_.load()) frozen_reason_ = init.frozen_reason;
   {
     absl::MutexLock lock(&state_mu_);
@@ -120,6 +122,7 @@ LiveReadout::LiveReadout(LiveReadoutInit init, LiveReadoutOptions options,
   metrics_.version->Set(static_cast<double>(version_.load()));
   metrics_.frozen->Set(frozen_.load() ? 1 : 0);
   metrics_.spearman->Set(NAN);
+  RestoreQuality();
   if (options_.guardrail.enabled() && adaptive_) {
     guardrail_ = std::make_unique<ReadoutGuardrail>(
         options_.guardrail, options_.quality_window,
@@ -425,10 +428,67 @@ void LiveReadout::RecoverLog(std::vector<storage::LogRecord> log,
   for (; pos < log.size(); ++pos) Replay(log[pos]);
 }
 
+void LiveReadout::RestoreQuality() {
+  if (store_ == nullptr) return;
+  int64_t total = 0;
+  absl::StatusOr<std::vector<storage::QualityPair>> pairs = store_->LoadQuality(
+      storage::ReadoutQualitySeries(meta_.incarnation), options_.quality_kept,
+      &total);
+  if (!pairs.ok()) {
+    std::fprintf(stderr, "leapd: readout '%s': quality not restored: %s\n",
+                 name_.c_str(), std::string(pairs.status().message()).c_str());
+    return;
+  }
+  absl::MutexLock lock(&quality_mu_);
+  history_.Restore(*pairs, total);
+  for (const storage::QualityPair& p : *pairs) {
+    auto it = per_version_.find(p.version);
+    if (it == per_version_.end()) {
+      it = per_version_.emplace(p.version, RollingSpearman(options_.quality_window))
+               .first;
+      while (per_version_.size() > kVersionWindows) {
+        per_version_.erase(per_version_.begin());
+      }
+    }
+    it->second.Add(p.predicted, p.truth);
+    overall_.Add(p.predicted, p.truth);
+  }
+  if (!pairs->empty()) {
+    metrics_.spearman->Set(overall_.Value());
+    metrics_.spearman_samples->Set(static_cast<double>(overall_.size()));
+  }
+}
+
+std::vector<QualityWindow> LiveReadout::QualityWindows(int64_t limit) const {
+  absl::MutexLock lock(&quality_mu_);
+  return history_.Windows(limit);
+}
+
+std::vector<LabelQuality> LiveReadout::LabelQualities() {
+  std::vector<std::pair<int64_t, std::string>> marks;
+  if (absl::StatusOr<std::vector<storage::SnapshotInfo>> snaps = ListSnapshots();
+      snaps.ok()) {
+    for (const storage::SnapshotInfo& s : *snaps) marks.emplace_back(s.version, s.label);
+  }
+  absl::MutexLock lock(&quality_mu_);
+  return history_.Labels(std::move(marks));
+}
+
 void LiveReadout::RecordQuality(int64_t version, double predicted_tokens,
                                 double true_tokens) {
+  const storage::QualityPair pair{version, predicted_tokens, true_tokens,
+                                  UnixMs()};
+  if (store_ != nullptr) {
+    absl::Status s = store_->AppendQuality(
+        storage::ReadoutQualitySeries(meta_.incarnation), pair);
+    if (!s.ok()) {
+      std::fprintf(stderr, "leapd: readout '%s': quality pair not stored: %s\n",
+                   name_.c_str(), std::string(s.message()).c_str());
+    }
+  }
   {
     absl::MutexLock lock(&quality_mu_);
+    history_.Add(pair);
     auto it = per_version_.find(version);
     if (it == per_version_.end()) {
       it = per_version_.emplace(version, RollingSpearman(options_.quality_window))

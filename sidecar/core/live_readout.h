@@ -23,6 +23,7 @@
 #include "sidecar/core/guardrail.h"
 #include "sidecar/core/metrics.h"
 #include "sidecar/core/quality.h"
+#include "sidecar/core/quality_history.h"
 #include "storage/state_store.h"
 
 namespace leap::sidecar {
@@ -73,6 +74,9 @@ struct LiveReadoutOptions {
   int64_t quality_window = 1000;
   // Version records kept in memory (the oldest are dropped). Default: 10000
   int64_t versions_kept = 10000;
+  // (predicted, true) pairs kept per readout for windowed quality, in
+  // memory and (with a store) on disk. Default: 100000
+  int64_t quality_kept = 100000;
   // With a store: a checkpoint of theta and P is written after this many
   // RLS batches or this much time since the last one, whichever is first.
   // Default: 256 batches, 60 s
@@ -115,6 +119,9 @@ struct LiveReadoutInit {
   uint64_t last_seq = 0;
   // Versions published before (recovered from the store), oldest first.
   std::vector<storage::VersionEntry> history;
+  // A bootstrap placeholder (docs/BOOTSTRAP.md): its predictions are
+  // flagged cold and it records training data until it is replaced.
+  bool cold = false;
 };
 
 // A completion to learn.
@@ -162,6 +169,8 @@ class LiveReadout {
   }
   // True when the readout has P (can learn).
   bool adaptive() const { return adaptive_; }
+  // A bootstrap placeholder: predictions are flagged cold.
+  bool cold() const { return cold_; }
   bool frozen() const { return frozen_.load(); }
   // Why learning is frozen when leapd froze it (an RLS failure, the quality
   // guardrail); "" when it is not frozen or an operator froze it.
@@ -226,6 +235,11 @@ class LiveReadout {
   int64_t created_unix_ms() const { return created_unix_ms_; }
   double spearman(int64_t* n) const;
   std::vector<VersionRecord> Versions() const;
+  // Quality over tumbling windows of quality_window completions (the newest
+  // `limit`, 0 = all kept), and per snapshot label; restored from the store
+  // after a restart.
+  std::vector<QualityWindow> QualityWindows(int64_t limit) const;
+  std::vector<LabelQuality> LabelQualities();
   ReadoutMetrics& metrics() { return metrics_; }
 
   // The full state (theta, P, standardization) as of the last applied batch.
@@ -243,6 +257,8 @@ class LiveReadout {
     uint64_t seq;
   };
   void WorkerLoop();
+  // Refills the quality windows from the store (construction only).
+  void RestoreQuality();
   absl::StatusOr<storage::SnapshotInfo> TakeSnapshot(const std::string& label);
   void CheckpointLoop();
   void Enqueue(const readout::FeatureView& x, double target, uint64_t seq);
@@ -260,6 +276,7 @@ class LiveReadout {
   const readout::Standardizer standardizer_;
   const LiveReadoutOptions options_;
   const bool adaptive_;
+  const bool cold_;
   const int64_t created_unix_ms_;
   Metrics* const metrics_owner_;
   ReadoutMetrics metrics_;
@@ -315,6 +332,7 @@ class LiveReadout {
   std::deque<VersionRecord> versions_ ABSL_GUARDED_BY(quality_mu_);
   std::map<int64_t, RollingSpearman> per_version_ ABSL_GUARDED_BY(quality_mu_);
   RollingSpearman overall_ ABSL_GUARDED_BY(quality_mu_);
+  QualityHistory history_ ABSL_GUARDED_BY(quality_mu_);
 
   // Null unless configured and the readout can learn.
   std::unique_ptr<ReadoutGuardrail> guardrail_;

@@ -673,9 +673,11 @@ grpc::Status AdminService::ListVersions(grpc::ServerContext* ctx,
   if (grpc::Status s = CheckAdmin(ctx); !s.ok()) return s;
   auto r = core_->GetReadout(req->name());
   if (!r.ok()) return ToGrpc(r.status());
-  for (const VersionRecord& v : (*r)->Versions()) {
-    FillVersion(v, resp->add_versions());
+  if (req->limit() < 0) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "limit must be >= 0");
   }
+  FillQualityHistory(**r, req->limit(), core_->options().readout.quality_window,
+                     resp);
   return grpc::Status::OK;
 }
 
@@ -857,7 +859,9 @@ grpc::Status AdminService::ListSnapshots(grpc::ServerContext* ctx,
   if (grpc::Status s = CheckAdmin(ctx); !s.ok()) return s;
   auto r = core_->GetReadout(req->readout());
   if (!r.ok()) return ToGrpc(r.status());
-  auto list = (*r)->ListSnapshots();
+  auto list = core_->fleet() != nullptr
+                  ? core_->fleet()->ListSnapshots(req->readout())
+                  : (*r)->ListSnapshots();
   if (!list.ok()) return ToGrpc(list.status());
   for (const auto& i : *list) FillSnapshot(i, resp->add_snapshots());
   return grpc::Status::OK;
