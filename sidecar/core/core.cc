@@ -627,8 +627,9 @@ void Core::PredictBatch(absl::Span<const ScoreRequest> reqs, uint64_t session,
       LiveRequest& r = *(*lives)[item.i];
       ScoreResult result{item.choice.serving->name, item.serving->name(),
                          v->version,
-                         readout::TokensFromScore(scores[g],
-                                                  item.serving->spec().max_tokens),
+                         readout::RequestTokensFromScore(
+                             scores[g], item.serving->spec().max_tokens,
+                             r.request_max_tokens),
                          scores[g], item.serving->cold()};
       r.scores.push_back({result.arm, result.readout, result.version,
                           result.predicted_tokens, false, sv.readout});
