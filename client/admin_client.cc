@@ -1,5 +1,6 @@
 #include "client/admin_client.h"
 
+#include <algorithm>
 #include <climits>
 #include <utility>
 
@@ -146,10 +147,40 @@ absl::Status AdminClient::DeleteReadout(const std::string& name) {
       .status();
 }
 
+absl::Status AdminClient::ExportDataset(
+    const std::string& readout, int64_t limit,
+    const std::function<bool(const pb::DatasetChunk&)>& on_chunk) {
+  if (!token_.ok()) return token_.status();
+  grpc::ClientContext ctx;
+  if (!token_->empty()) ctx.AddMetadata("authorization", "Bearer " + *token_);
+  ctx.set_deadline(std::chrono::system_clock::now() +
+                   std::chrono::microseconds(static_cast<int64_t>(
+                       std::max(options_.timeout_s, 3600.0) * 1e6)));
+  pb::ExportDatasetRequest req;
+  req.set_readout(readout);
+  req.set_limit(limit);
+  std::unique_ptr<grpc::ClientReader<pb::DatasetChunk>> reader =
+      stub_->ExportDataset(&ctx, req);
+  pb::DatasetChunk chunk;
+  bool stopped = false;
+  while (reader->Read(&chunk)) {
+    if (!on_chunk(chunk)) {
+      stopped = true;
+      ctx.TryCancel();
+      break;
+    }
+  }
+  grpc::Status s = reader->Finish();
+  if (stopped) return absl::CancelledError("export stopped");
+  if (!s.ok()) return FromGrpc(s, options_.address);
+  return absl::OkStatus();
+}
+
 absl::StatusOr<pb::ListVersionsResponse> AdminClient::ListVersions(
-    const std::string& name) {
+    const std::string& name, int64_t limit) {
   pb::ListVersionsRequest req;
   req.set_name(name);
+  req.set_limit(limit);
   return Call<pb::ListVersionsRequest, pb::ListVersionsResponse>(
       &pb::Admin::Stub::ListVersions, req);
 }

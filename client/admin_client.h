@@ -9,6 +9,7 @@
 #ifndef LEAP_CLIENT_ADMIN_CLIENT_H_
 #define LEAP_CLIENT_ADMIN_CLIENT_H_
 
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -74,8 +75,15 @@ class AdminClient {
   absl::StatusOr<v1::ReadoutInfo> CreateReadout(
       const v1::CreateReadoutRequest& request);
   absl::Status DeleteReadout(const std::string& name);
+  // limit: the newest versions and quality windows only (0 = all).
   absl::StatusOr<v1::ListVersionsResponse> ListVersions(
-      const std::string& name);
+      const std::string& name, int64_t limit = 0);
+  // Streams a readout's dataset; `on_chunk` sees every message (the first
+  // has dim and records) and may stop it by returning false (CANCELLED).
+  // The whole stream gets max(timeout, 1 h).
+  absl::Status ExportDataset(
+      const std::string& readout, int64_t limit,
+      const std::function<bool(const v1::DatasetChunk&)>& on_chunk);
   absl::StatusOr<v1::ExportReadoutResponse> ExportReadout(
       const std::string& name);
   absl::StatusOr<v1::ReadoutInfo> SetAdaptation(const std::string& name,

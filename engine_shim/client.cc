@@ -209,6 +209,12 @@ void Client::ReaderLoop(Transport* t, uint64_t generation) {
           for (const auto& p : m.predictions().predictions()) {
             auto it = live_.find(p.request_id());
             if (it != live_.end()) it->second.held_by = sidecar_id_;
+            if (p.cold()) {
+              // A bootstrap placeholder's value means nothing: the request
+              // stays unpredicted (first-come order) until a Rescore.
+              ++stats_.cold;
+              continue;
+            }
             ++stats_.predictions;
             Event e;
             e.request_id = p.request_id();

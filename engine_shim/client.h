@@ -125,6 +125,9 @@ struct ClientStats {
   int64_t connects = 0;
   int64_t resubmitted = 0;   // features resent after a sidecar restart
   int64_t predictions = 0;
+  // Cold predictions (a bootstrapping readout, Prediction.cold): not
+  // delivered as events, the request stays unpredicted (first-come order).
+  int64_t cold = 0;
   int64_t rescores = 0;
   int64_t errors = 0;
   int64_t live = 0;          // requests kept for resubmission

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <tuple>
 #include <utility>
 
@@ -11,6 +12,7 @@ namespace leap::shim {
 namespace {
 
 // Tiers of the sort key, first served first.
+constexpr int kTierUrgent = -1;
 constexpr int kTierPromoted = 0;
 constexpr int kTierUnpredictedFirst = 1;
 constexpr int kTierRanked = 2;
@@ -53,7 +55,47 @@ absl::Status SchedulerOptions::Validate() const {
       return absl::InvalidArgumentError(absl::StrCat(
           "unknown unpredicted policy ", static_cast<int>(unpredicted)));
   }
+  switch (policy) {
+    case SchedulingPolicy::kCountdown:
+    case SchedulingPolicy::kBounded:
+    case SchedulingPolicy::kHrrn:
+    case SchedulingPolicy::kLinearAging:
+      break;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat(
+          "unknown scheduling policy ", static_cast<int>(policy)));
+  }
+  if (!std::isfinite(max_slowdown) || max_slowdown < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "max_slowdown must be finite and >= 1, got ", max_slowdown));
+  }
+  if (tail_window < 0 || tail_window > (1 << 20)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "tail_window must be in [0, 1048576], got ", tail_window));
+  }
+  if (!(tail_quantile >= 0 && tail_quantile <= 1)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tail_quantile must be in [0, 1], got ", tail_quantile));
+  }
+  if (!std::isfinite(linear_aging) || linear_aging < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "linear_aging must be finite and >= 0, got ", linear_aging));
+  }
   return CheckTokens("unpredicted_tokens", unpredicted_tokens);
+}
+
+absl::string_view SchedulingPolicyName(SchedulingPolicy policy) {
+  switch (policy) {
+    case SchedulingPolicy::kCountdown:
+      return "countdown";
+    case SchedulingPolicy::kBounded:
+      return "bounded";
+    case SchedulingPolicy::kHrrn:
+      return "hrrn";
+    case SchedulingPolicy::kLinearAging:
+      return "linear-aging";
+  }
+  return "unknown";
 }
 
 absl::StatusOr<CountdownScheduler> CountdownScheduler::Create(
@@ -71,6 +113,7 @@ absl::Status CountdownScheduler::Add(absl::string_view request_id) {
   Request& r = live_.emplace_back();
   r.id = std::string(request_id);
   r.arrival = next_arrival_++;
+  r.added_step = counters_.steps;
   ++counters_.added;
   return absl::OkStatus();
 }
@@ -101,6 +144,19 @@ absl::Status CountdownScheduler::SetPredictionImpl(absl::string_view request_id,
     return absl::FailedPreconditionError(
         absl::StrCat("request ", request_id, " already has a prediction (",
                      *r.predicted_tokens, "); use Rescore for a new one"));
+  }
+  if (!r.predicted_tokens.has_value() && r.deadline.has_value()) {
+    // Its virtual FCFS finish was placed with the unpredicted estimate: the
+    // first prediction corrects it (for this request only).
+    const double estimate = std::max(
+        1.0, std::max(value - static_cast<double>(r.generated),
+                      options_.remaining_floor));
+    r.virtual_finish += estimate - r.virtual_estimate;
+    r.virtual_estimate = estimate;
+    const double added = static_cast<double>(r.added_step);
+    r.deadline = added + options_.max_slowdown *
+                             std::max({r.virtual_finish - added,
+                                       r.tail_reference, 1.0});
   }
   r.predicted_tokens = value;
   ++r.predictions;
@@ -138,6 +194,9 @@ absl::StatusOr<RequestStats> CountdownScheduler::GetRequest(
   stats.steps_waited = r.steps_waited;
   stats.arrival = r.arrival;
   stats.predictions = r.predictions;
+  stats.added_step = r.added_step;
+  stats.waited_total = r.waited_total;
+  stats.deadline = r.deadline;
   return stats;
 }
 
@@ -186,84 +245,245 @@ int64_t CountdownScheduler::CountAgingPromotions(size_t k) {
   return moved;
 }
 
-std::vector<std::string> CountdownScheduler::Select(int slots) {
+void CountdownScheduler::AssignDeadlines(double unpredicted_remaining) {
+  // New requests enter the virtual FCFS system in arrival order.
+  new_requests_.clear();
+  for (size_t i = 0; i < live_.size(); ++i) {
+    if (!live_[i].deadline.has_value()) new_requests_.push_back(i);
+  }
+  if (new_requests_.empty()) return;
+  std::sort(new_requests_.begin(), new_requests_.end(),
+            [&](size_t a, size_t b) {
+              return live_[a].arrival < live_[b].arrival;
+            });
+  const double now = static_cast<double>(counters_.steps);
+  const size_t servers = static_cast<size_t>(options_.slots);
+  const auto later = std::greater<double>();  // min-heap
+  for (size_t i : new_requests_) {
+    Request& r = live_[i];
+    const double estimate =
+        std::max(1.0, r.predicted_tokens.has_value() ? Remaining(r)
+                                                     : unpredicted_remaining);
+    double start = now;
+    if (virtual_free_.size() >= servers) {
+      std::pop_heap(virtual_free_.begin(), virtual_free_.end(), later);
+      start = std::max(now, virtual_free_.back());
+      virtual_free_.pop_back();
+    }
+    const double finish = start + estimate;
+    virtual_free_.push_back(finish);
+    std::push_heap(virtual_free_.begin(), virtual_free_.end(), later);
+    const double added = static_cast<double>(r.added_step);
+    r.virtual_estimate = estimate;
+    r.virtual_finish = finish;
+    r.tail_reference = 0;
+    const size_t window = static_cast<size_t>(options_.tail_window);
+    if (window > 0) {
+      if (!recent_latency_.empty()) {
+        scratch_.assign(recent_latency_.begin(), recent_latency_.end());
+        const size_t at = static_cast<size_t>(std::floor(
+            options_.tail_quantile * static_cast<double>(scratch_.size() - 1)));
+        std::nth_element(scratch_.begin(), scratch_.begin() + at,
+                         scratch_.end());
+        r.tail_reference = scratch_[at];
+      }
+      if (recent_latency_.size() < window) {
+        recent_latency_.push_back(finish - added);
+      } else {
+        recent_latency_[recent_next_] = finish - added;
+        recent_next_ = (recent_next_ + 1) % window;
+      }
+    }
+    r.deadline = added + options_.max_slowdown *
+                             std::max({finish - added, r.tail_reference, 1.0});
+  }
+}
+
+void CountdownScheduler::Rank(size_t k) {
+  const size_t n = live_.size();
+  bool any_unpredicted = false;
+  for (const Request& r : live_) {
+    any_unpredicted |= !r.predicted_tokens.has_value();
+  }
+  const double unpredicted_remaining =
+      any_unpredicted ? UnpredictedRemaining() : 0;
+  const SchedulingPolicy policy = options_.policy;
+  if (policy == SchedulingPolicy::kBounded) {
+    AssignDeadlines(unpredicted_remaining);
+  }
+  const int64_t cap = options_.waiting_cap;
+  const double rate = options_.aging_rate;
+  const double now = static_cast<double>(counters_.steps);
+
+  candidates_.clear();
+  for (size_t i = 0; i < n; ++i) {
+    const Request& r = live_[i];
+    Candidate c;
+    c.arrival = r.arrival;
+    c.index = static_cast<uint32_t>(i);
+    const double remaining = r.predicted_tokens.has_value()
+                                 ? Remaining(r)
+                                 : unpredicted_remaining;
+    if (policy == SchedulingPolicy::kBounded &&
+        now + remaining > *r.deadline - 1) {
+      c.tier = kTierUrgent;
+      c.priority = *r.deadline;
+    } else if (cap > 0 && r.steps_waited >= cap) {
+      c.tier = kTierPromoted;
+      c.priority = -static_cast<double>(r.steps_waited);
+    } else if (!r.predicted_tokens.has_value() &&
+               options_.unpredicted == UnpredictedPolicy::kFirst) {
+      c.tier = kTierUnpredictedFirst;
+    } else if (!r.predicted_tokens.has_value() &&
+               options_.unpredicted == UnpredictedPolicy::kLast) {
+      c.tier = kTierUnpredictedLast;
+    } else {
+      c.tier = kTierRanked;
+      c.remaining = remaining;
+      const double waited = static_cast<double>(r.waited_total);
+      switch (policy) {
+        case SchedulingPolicy::kHrrn: {
+          const double service = std::max(remaining, 1.0);
+          c.priority = -(waited + service) / service;
+          break;
+        }
+        case SchedulingPolicy::kLinearAging:
+          c.priority = remaining - options_.linear_aging * waited;
+          break;
+        case SchedulingPolicy::kCountdown:
+        case SchedulingPolicy::kBounded:
+          c.priority =
+              rate > 0
+                  ? remaining *
+                        std::exp(-rate * static_cast<double>(r.steps_waited))
+                  : remaining;
+          break;
+      }
+    }
+    candidates_.push_back(c);
+  }
+
+  auto less = [](const Candidate& a, const Candidate& b) {
+    return std::tie(a.tier, a.priority, a.arrival) <
+           std::tie(b.tier, b.priority, b.arrival);
+  };
+  // The key is a total order (arrival is unique), so the first k after
+  // nth_element are exactly the k smallest.
+  if (k < n) {
+    std::nth_element(candidates_.begin(), candidates_.begin() + k,
+                     candidates_.end(), less);
+  }
+  std::sort(candidates_.begin(), candidates_.begin() + k, less);
+}
+
+void CountdownScheduler::CommitSelected() {
   ++counters_.steps;
+  for (size_t i = 0; i < live_.size(); ++i) {
+    Request& r = live_[i];
+    if (selected_[i]) {
+      ++r.generated;
+      r.steps_waited = 0;
+      ++counters_.selections;
+    } else {
+      ++r.steps_waited;
+      ++r.waited_total;
+      counters_.max_steps_waited =
+          std::max(counters_.max_steps_waited, r.steps_waited);
+    }
+  }
+}
+
+std::vector<std::string> CountdownScheduler::Order(size_t k) {
+  const size_t n = live_.size();
+  k = std::min(k, n);
+  std::vector<std::string> out;
+  if (n == 0) return out;
+  Rank(k);
+  out.reserve(k);
+  for (size_t i = 0; i < k; ++i) {
+    out.push_back(live_[candidates_[i].index].id);
+  }
+  return out;
+}
+
+absl::StatusOr<std::vector<std::string>> CountdownScheduler::OrderAmong(
+    const std::vector<std::string>& ids) {
+  std::vector<size_t> positions;
+  positions.reserve(ids.size());
+  selected_.assign(live_.size(), 0);
+  for (const std::string& id : ids) {
+    auto it = index_.find(id);
+    if (it == index_.end()) {
+      return absl::NotFoundError(absl::StrCat("request ", id, " is not live"));
+    }
+    if (selected_[it->second]) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("request ", id, " is listed twice"));
+    }
+    selected_[it->second] = 1;
+    positions.push_back(it->second);
+  }
+  std::vector<std::string> out;
+  if (ids.empty()) return out;
+  Rank(0);
+  std::vector<const Candidate*> chosen;
+  chosen.reserve(ids.size());
+  for (const Candidate& c : candidates_) {
+    if (selected_[c.index]) chosen.push_back(&c);
+  }
+  std::sort(chosen.begin(), chosen.end(),
+            [](const Candidate* a, const Candidate* b) {
+              return std::tie(a->tier, a->priority, a->arrival) <
+                     std::tie(b->tier, b->priority, b->arrival);
+            });
+  out.reserve(chosen.size());
+  for (const Candidate* c : chosen) out.push_back(live_[c->index].id);
+  return out;
+}
+
+absl::Status CountdownScheduler::Commit(const std::vector<std::string>& ran) {
+  selected_.assign(live_.size(), 0);
+  for (const std::string& id : ran) {
+    auto it = index_.find(id);
+    if (it == index_.end()) {
+      return absl::NotFoundError(absl::StrCat("request ", id, " is not live"));
+    }
+    if (selected_[it->second]) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("request ", id, " is listed twice"));
+    }
+    selected_[it->second] = 1;
+  }
+  CommitSelected();
+  return absl::OkStatus();
+}
+
+std::vector<std::string> CountdownScheduler::Select(int slots) {
   const size_t n = live_.size();
   const size_t k = slots <= 0 ? 0 : std::min(static_cast<size_t>(slots), n);
   std::vector<std::string> chosen;
   selected_.assign(n, 0);
 
   if (k > 0) {
-    bool any_unpredicted = false;
-    for (const Request& r : live_) {
-      any_unpredicted |= !r.predicted_tokens.has_value();
-    }
-    const double unpredicted_remaining =
-        any_unpredicted ? UnpredictedRemaining() : 0;
-    const int64_t cap = options_.waiting_cap;
-    const double rate = options_.aging_rate;
-
-    candidates_.clear();
-    for (size_t i = 0; i < n; ++i) {
-      const Request& r = live_[i];
-      Candidate c;
-      c.arrival = r.arrival;
-      c.index = static_cast<uint32_t>(i);
-      if (cap > 0 && r.steps_waited >= cap) {
-        c.tier = kTierPromoted;
-        c.priority = -static_cast<double>(r.steps_waited);
-      } else if (!r.predicted_tokens.has_value() &&
-                 options_.unpredicted == UnpredictedPolicy::kFirst) {
-        c.tier = kTierUnpredictedFirst;
-      } else if (!r.predicted_tokens.has_value() &&
-                 options_.unpredicted == UnpredictedPolicy::kLast) {
-        c.tier = kTierUnpredictedLast;
-      } else {
-        c.tier = kTierRanked;
-        c.remaining = r.predicted_tokens.has_value() ? Remaining(r)
-                                                     : unpredicted_remaining;
-        c.priority =
-            rate > 0 ? c.remaining *
-                           std::exp(-rate * static_cast<double>(r.steps_waited))
-                     : c.remaining;
-      }
-      candidates_.push_back(c);
-    }
-
-    auto less = [](const Candidate& a, const Candidate& b) {
-      return std::tie(a.tier, a.priority, a.arrival) <
-             std::tie(b.tier, b.priority, b.arrival);
-    };
-    // The key is a total order (arrival is unique), so the first k after
-    // nth_element are exactly the k smallest.
-    if (k < n) {
-      std::nth_element(candidates_.begin(), candidates_.begin() + k,
-                       candidates_.end(), less);
-    }
-    std::sort(candidates_.begin(), candidates_.begin() + k, less);
-
+    Rank(k);
     chosen.reserve(k);
     for (size_t i = 0; i < k; ++i) {
       const Candidate& c = candidates_[i];
       counters_.cap_promotions += c.tier == kTierPromoted;
+      counters_.urgent_selections += c.tier == kTierUrgent;
       selected_[c.index] = 1;
       chosen.push_back(live_[c.index].id);
     }
-    if (rate > 0) counters_.aging_promotions += CountAgingPromotions(k);
-    counters_.selections += static_cast<int64_t>(k);
-  }
-
-  for (size_t i = 0; i < n; ++i) {
-    Request& r = live_[i];
-    if (selected_[i]) {
-      ++r.generated;
-      r.steps_waited = 0;
-    } else {
-      ++r.steps_waited;
-      counters_.max_steps_waited =
-          std::max(counters_.max_steps_waited, r.steps_waited);
+    if (options_.aging_rate > 0 &&
+        options_.policy != SchedulingPolicy::kHrrn &&
+        options_.policy != SchedulingPolicy::kLinearAging) {
+      counters_.aging_promotions += CountAgingPromotions(k);
     }
+  } else if (options_.policy == SchedulingPolicy::kBounded && n > 0) {
+    // Requests present at this step still get their deadline now.
+    Rank(0);
   }
+  CommitSelected();
   return chosen;
 }
 

@@ -1,14 +1,30 @@
 // CountdownScheduler: decides, step by step, which live requests get a decode
-// slot (docs/SCHEDULING.md): the paper's countdown with a waiting cap.
+// slot (docs/SCHEDULING.md): the paper's countdown with a waiting cap, and
+// optionally a tail bound (SchedulingPolicy::kBounded) or one of two
+// baselines (HRRN, linear aging).
 //
 // Ordering of one step, first to last:
+//   0. (kBounded only) Urgent requests: now + remaining > deadline - 1
+//      (waiting one more step would finish it after its deadline), earliest
+//      deadline first; ties by arrival. `now` is the number of steps before
+//      this one. The deadline is fixed at a request's
+//      first step: added + S * max(F - added, Q), F its finish in a virtual
+//      FCFS system of `slots` servers fed the same requests in arrival order
+//      with their estimates (S = max_slowdown), Q the tail_quantile of the
+//      virtual latencies of the last tail_window requests. A request still unpredicted then
+//      is placed with the unpredicted estimate; its first prediction moves
+//      its own F by the difference (later virtual jobs are not moved).
 //   1. Promoted requests: steps_waited >= waiting_cap (when the cap is on).
 //      Most steps waited first; ties by arrival (FCFS).
 //   2. Everybody else by effective priority, smallest first; ties by arrival:
 //        remaining = max(L̂ − generated, remaining_floor)
-//        priority  = remaining * exp(-aging_rate * steps_waited)
-//      (with aging_rate == 0 the priority is exactly `remaining`). Requests
-//      without a prediction yet are placed by `UnpredictedPolicy`.
+//        kCountdown, kBounded: remaining * exp(-aging_rate * steps_waited)
+//        kHrrn:         -(waited + max(remaining, 1)) / max(remaining, 1)
+//        kLinearAging:  remaining - linear_aging * waited
+//      (waited: all steps without a slot since Add; with aging_rate == 0 the
+//      countdown priority is exactly `remaining`). Requests without a
+//      prediction yet are placed by `UnpredictedPolicy` (the ranked policies
+//      use the unpredicted remaining as their remaining).
 // Every key ends in the arrival counter, so the order is total and the result
 // is deterministic: it does not depend on hash order or on the order in which
 // requests were added, removed or rescored.
@@ -70,6 +86,21 @@ enum class UnpredictedPolicy {
   kLast,
 };
 
+// How the ranked tier is ordered, and whether the tail bound applies
+// (docs/SCHEDULING.md, "Tail bound").
+enum class SchedulingPolicy {
+  // Shortest predicted remaining first (the paper's countdown). The default.
+  kCountdown,
+  // The countdown plus the slowdown bound: a request whose remaining work no
+  // longer fits before its deadline (see the file comment) is served ahead of
+  // everybody, earliest deadline first. Knob: max_slowdown.
+  kBounded,
+  // Highest response ratio next, on predicted remaining work (baseline).
+  kHrrn,
+  // Remaining minus linear_aging tokens per step waited (baseline).
+  kLinearAging,
+};
+
 // Configuration of a CountdownScheduler. All fields are validated by
 // Validate(); CountdownScheduler::Create rejects invalid options.
 struct SchedulerOptions {
@@ -102,9 +133,38 @@ struct SchedulerOptions {
   // Default: 256
   double unpredicted_tokens = 256;
 
+  // Order of the ranked tier and the tail bound; see SchedulingPolicy.
+  // Default: kCountdown
+  SchedulingPolicy policy = SchedulingPolicy::kCountdown;
+
+  // kBounded: S, the latency a request may have, in steps since Add, as a
+  // multiple of max(the latency the virtual FCFS system (same slots, same
+  // estimates) gives it, the tail reference below). Finite, >= 1.
+  // Default: 2.5
+  double max_slowdown = 2.5;
+
+  // kBounded: the tail reference Q is the `tail_quantile` order statistic
+  // (index floor(q * (m - 1)) of the m sorted values) of the virtual FCFS
+  // latencies of the last `tail_window` requests before this one; a request
+  // may take S x max(its own virtual latency, Q). With tail_window = 0 the
+  // reference is off (every request's bound is its own). The reference is
+  // what a P99 target is judged against: a request FCFS would serve quickly
+  // may wait up to S x the recent FCFS P99, a request in FCFS's own tail up
+  // to S x its FCFS latency. tail_window in [0, 1 << 20], tail_quantile in
+  // [0, 1]. Defaults: 1000, 0.99
+  int tail_window = 1000;
+  double tail_quantile = 0.99;
+
+  // kLinearAging: tokens of priority gained per step waited. Finite, >= 0.
+  // Default: 1
+  double linear_aging = 1;
+
   // OK, or kInvalidArgument naming the first bad field and its value.
   absl::Status Validate() const;
 };
+
+// "countdown", "bounded", "hrrn", "linear-aging".
+absl::string_view SchedulingPolicyName(SchedulingPolicy policy);
 
 // A snapshot of one live request.
 struct RequestStats {
@@ -118,6 +178,13 @@ struct RequestStats {
   uint64_t arrival = 0;
   // Number of SetPrediction/Rescore calls that changed L̂.
   int64_t predictions = 0;
+  // Steps (Select/Commit calls) before the request was added.
+  int64_t added_step = 0;
+  // All steps without a slot since Add.
+  int64_t waited_total = 0;
+  // kBounded: the deadline in steps (absent before the request's first
+  // step, and under other policies).
+  std::optional<double> deadline;
 };
 
 // Monotonic counters since creation (for metrics).
@@ -133,6 +200,8 @@ struct SchedulerCounters {
   int64_t aging_promotions = 0;
   // Largest steps_waited any request has reached.
   int64_t max_steps_waited = 0;
+  // kBounded: selections of urgent requests (Select only).
+  int64_t urgent_selections = 0;
   // Add calls that succeeded / Remove calls that succeeded.
   int64_t added = 0;
   int64_t removed = 0;
@@ -181,6 +250,24 @@ class CountdownScheduler {
   // Select(options().slots).
   std::vector<std::string> Select() { return Select(options_.slots); }
 
+  // For engines that do not hand out slots (every admitted request decodes
+  // each step, as in vLLM): the first `k` live requests of the coming step in
+  // the order Select would use (all when k >= size()), without committing
+  // anything. Deadlines of new requests are fixed here as in Select.
+  std::vector<std::string> Order(size_t k);
+
+  // The live requests `ids` in the coming step's order (the relative order
+  // Order would give them), without committing anything: O(n + m log m).
+  // kNotFound for an id that is not live, kInvalidArgument for a repeat.
+  absl::StatusOr<std::vector<std::string>> OrderAmong(
+      const std::vector<std::string>& ids);
+
+  // Commits one step in which the requests `ran` held a slot (generated += 1,
+  // steps_waited = 0) and every other live request waited; the same state
+  // change as Select's. kNotFound for an id that is not live (nothing is
+  // committed then), kInvalidArgument for a repeated id.
+  absl::Status Commit(const std::vector<std::string>& ran);
+
   // Number of live requests.
   size_t size() const { return live_.size(); }
 
@@ -204,6 +291,14 @@ class CountdownScheduler {
     int64_t steps_waited = 0;
     uint64_t arrival = 0;
     int64_t predictions = 0;
+    int64_t added_step = 0;
+    int64_t waited_total = 0;
+    std::optional<double> deadline;
+    // kBounded: the estimate and finish of its virtual FCFS job, and the
+    // tail reference Q when it entered.
+    double virtual_estimate = 0;
+    double virtual_finish = 0;
+    double tail_reference = 0;
   };
   // Sort key of one live request for one step; compared lexicographically
   // on (tier, priority, arrival).
@@ -222,6 +317,12 @@ class CountdownScheduler {
   double Remaining(const Request& r) const;
   double UnpredictedRemaining();
   int64_t CountAgingPromotions(size_t k);
+  // Fills candidates_ for the coming step (assigning new deadlines first)
+  // and puts the k smallest first, sorted.
+  void Rank(size_t k);
+  // The state change of one step; selected_[i] marks live_[i] as chosen.
+  void CommitSelected();
+  void AssignDeadlines(double unpredicted_remaining);
 
   SchedulerOptions options_;
   // Live requests, unordered (swap-remove); index_ maps id to position.
@@ -234,6 +335,13 @@ class CountdownScheduler {
   std::vector<double> scratch_;
   std::vector<std::pair<double, uint64_t>> raw_keys_;
   std::vector<char> selected_;
+  // kBounded: free times of the busy servers of the virtual FCFS system
+  // (min-heap, at most `slots` entries).
+  std::vector<double> virtual_free_;
+  std::vector<size_t> new_requests_;
+  // Virtual FCFS latencies of the last tail_window requests (a ring).
+  std::vector<double> recent_latency_;
+  size_t recent_next_ = 0;
 };
 
 }  // namespace leap::shim

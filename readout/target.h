@@ -37,6 +37,17 @@ inline double TokensFromScore(double score, int64_t max_tokens) {
   return s * s;
 }
 
+// The prediction served for a request: TokensFromScore capped by the
+// request's own output cap (its decoding max_tokens; 0 = none), since it
+// cannot produce more than that.
+inline double RequestTokensFromScore(double score, int64_t max_tokens,
+                                     int64_t request_max_tokens) {
+  const double tokens = TokensFromScore(score, max_tokens);
+  return request_max_tokens > 0 && tokens > static_cast<double>(request_max_tokens)
+             ? static_cast<double>(request_max_tokens)
+             : tokens;
+}
+
 // Why a request ended, as reported by the engine (common/wire.h).
 using ::leap::FinishReason;
 using ::leap::FinishReasonName;

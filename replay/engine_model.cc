@@ -71,6 +71,23 @@ absl::Status EngineOptions::Validate() const {
     return absl::InvalidArgumentError(absl::StrCat(
         "capture_fraction must be in [0, 1], got ", capture_fraction));
   }
+  if (kind != EngineKind::kSlots && kind != EngineKind::kVllm) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("unknown engine kind ", static_cast<int>(kind)));
+  }
+  if (max_num_seqs < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_num_seqs must be >= 1, got ", max_num_seqs));
+  }
+  if (max_num_batched_tokens < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "max_num_batched_tokens must be >= 1, got ", max_num_batched_tokens));
+  }
+  if (block_size < 1 || kv_blocks < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("block_size and kv_blocks must be >= 1, got ", block_size,
+                     " and ", kv_blocks));
+  }
   return absl::OkStatus();
 }
 
@@ -81,6 +98,14 @@ TablePredictor::TablePredictor(std::vector<double> values, double latency_s,
       on_gpu_(on_gpu),
       gpu_ms_(gpu_ms) {}
 
+TablePredictor::TablePredictor(std::vector<double> values,
+                               std::vector<double> latencies)
+    : values_(std::move(values)),
+      latency_s_(0),
+      on_gpu_(false),
+      gpu_ms_(0),
+      latencies_(std::move(latencies)) {}
+
 absl::Status TablePredictor::Prefilled(
     std::span<const SimRequest* const> requests, double capture_s,
     double end_s) {
@@ -88,6 +113,12 @@ absl::Status TablePredictor::Prefilled(
     if (r->id < 0 || static_cast<size_t>(r->id) >= values_.size()) {
       return absl::InternalError(
           absl::StrCat("no prediction for request ", r->id));
+    }
+    const size_t i = static_cast<size_t>(r->id);
+    if (!latencies_.empty()) {
+      if (i >= latencies_.size() || !std::isfinite(values_[i])) continue;
+      pending_.push_back({r->id, capture_s + latencies_[i]});
+      continue;
     }
     pending_.push_back({r->id, on_gpu_ ? end_s : capture_s + latency_s_});
   }
@@ -112,11 +143,22 @@ absl::Status TablePredictor::Finished(const SimRequest& request) {
   return absl::OkStatus();
 }
 
+namespace {
+
+absl::StatusOr<SimResult> SimulateVllm(std::span<const SimRequest> requests,
+                                       const SimOptions& options,
+                                       Predictor& predictor);
+
+}  // namespace
+
 absl::StatusOr<SimResult> Simulate(std::span<const SimRequest> requests,
                                    const SimOptions& options,
                                    Predictor& predictor) {
   const EngineOptions& e = options.engine;
   RETURN_IF_ERROR(e.Validate());
+  if (e.kind == EngineKind::kVllm) {
+    return SimulateVllm(requests, options, predictor);
+  }
   ASSIGN_OR_RETURN(shim::CountdownScheduler sched,
                    shim::CountdownScheduler::Create(options.scheduler));
   const size_t n = requests.size();
@@ -305,6 +347,298 @@ absl::StatusOr<SimResult> Simulate(std::span<const SimRequest> requests,
   return result;
 }
 
+namespace {
+
+absl::StatusOr<SimResult> SimulateVllm(std::span<const SimRequest> requests,
+                                       const SimOptions& options,
+                                       Predictor& predictor) {
+  const EngineOptions& e = options.engine;
+  shim::SchedulerOptions so = options.scheduler;
+  so.slots = e.max_num_seqs;  // the virtual FCFS of the tail bound
+  ASSIGN_OR_RETURN(shim::CountdownScheduler sched,
+                   shim::CountdownScheduler::Create(so));
+  const size_t n = requests.size();
+  const int64_t bs = e.block_size;
+  const int64_t cache_tokens = e.kv_blocks * bs;
+  std::vector<const SimRequest*> by_id(n, nullptr);
+  for (const SimRequest& r : requests) {
+    if (r.id < 0 || static_cast<size_t>(r.id) >= n ||
+        by_id[static_cast<size_t>(r.id)] != nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "request ids must be 0..", n - 1, " without repeats; got ", r.id));
+    }
+    if (!std::isfinite(r.arrival_s) || r.arrival_s < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("request ", r.id,
+                       ": arrival must be finite and >= 0, got ", r.arrival_s));
+    }
+    const int64_t need =
+        std::max<int64_t>(r.prompt_tokens, 1) + std::max<int64_t>(r.output_tokens, 1);
+    if (need > cache_tokens) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "request ", r.id, " needs ", need, " tokens of KV cache, more than "
+          "the whole cache (", e.kv_blocks, " blocks of ", bs, ")"));
+    }
+    by_id[static_cast<size_t>(r.id)] = &r;
+  }
+  std::vector<const SimRequest*> order = by_id;
+  std::stable_sort(order.begin(), order.end(),
+                   [](const SimRequest* a, const SimRequest* b) {
+                     return a->arrival_s < b->arrival_s;
+                   });
+  SimResult result;
+  result.requests.resize(n);
+  for (const SimRequest& r : requests) {
+    RequestResult& o = result.requests[static_cast<size_t>(r.id)];
+    o.id = r.id;
+    o.segment = r.segment;
+    o.arrival_s = r.arrival_s;
+    o.output_tokens = std::max<int64_t>(r.output_tokens, 1);
+    o.predicted_tokens = kNaN;
+  }
+  // Per request: KV tokens computed, output tokens produced, blocks held,
+  // running flag, admission counter (running order among unranked ones).
+  std::vector<int64_t> computed(n, 0), produced(n, 0), blocks(n, 0);
+  std::vector<char> running_flag(n, 0), predicted(n, 0), live(n, 0),
+      prefilled_once(n, 0);
+  std::vector<int64_t> running;  // ids
+  std::vector<int64_t> waiting;  // ids (unordered; the scheduler ranks)
+  int64_t free_blocks = e.kv_blocks;
+  size_t next = 0, finished = 0;
+  double t = 0;
+  std::vector<PredictionUpdate> updates;
+  std::vector<int64_t> joined_last, joined;
+  std::vector<int64_t> top_ids;
+  std::vector<std::string> running_keys;
+  std::vector<int64_t> scheduled, chunk;  // this step: ids and tokens
+  std::vector<const SimRequest*> prefilled;
+  std::vector<std::string> committed;
+  const auto target = [&](size_t i) {
+    return std::max<int64_t>(by_id[i]->prompt_tokens, 1) + produced[i];
+  };
+  const auto remove_from = [](std::vector<int64_t>& v, int64_t id) {
+    auto it = std::find(v.begin(), v.end(), id);
+    if (it != v.end()) v.erase(it);
+  };
+
+  while (finished < n) {
+    while (next < n && order[next]->arrival_s <= t) {
+      const int64_t id = order[next++]->id;
+      absl::Status s = sched.Add(std::to_string(id));
+      if (!s.ok()) return absl::InternalError(s.message());
+      live[static_cast<size_t>(id)] = 1;
+      waiting.push_back(id);
+    }
+    if (running.empty() && waiting.empty()) {
+      t = order[next]->arrival_s;
+      continue;
+    }
+    updates.clear();
+    RETURN_IF_ERROR(predictor.Collect(t, &updates));
+    for (const PredictionUpdate& u : updates) {
+      if (u.id < 0 || static_cast<size_t>(u.id) >= n) {
+        return absl::InternalError(
+            absl::StrCat("prediction for unknown request ", u.id));
+      }
+      const size_t i = static_cast<size_t>(u.id);
+      if (!live[i]) continue;
+      if (predicted[i] && !u.rescore) continue;
+      absl::Status s = sched.Rescore(std::to_string(u.id), u.tokens);
+      if (!s.ok()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("prediction for request ", u.id, ": ", s.message()));
+      }
+      if (!predicted[i]) {
+        predicted[i] = 1;
+        result.requests[i].predicted_tokens = u.tokens;
+      }
+    }
+    for (int64_t id : joined_last) {
+      if (live[static_cast<size_t>(id)] && !predicted[static_cast<size_t>(id)]) {
+        ++result.late_predictions;
+      }
+    }
+
+    // The scheduler's order of the coming step: the first max_num_seqs hold
+    // every admission candidate (at most max_num_seqs - running are
+    // admitted, and at most `running` of them are running).
+    top_ids.clear();
+    for (const std::string& key :
+         sched.Order(static_cast<size_t>(e.max_num_seqs))) {
+      top_ids.push_back(ParseId(key));
+    }
+    // Running requests in the scheduler's order (exact among themselves).
+    if (!running.empty()) {
+      running_keys.clear();
+      for (int64_t id : running) running_keys.push_back(std::to_string(id));
+      absl::StatusOr<std::vector<std::string>> ordered =
+          sched.OrderAmong(running_keys);
+      if (!ordered.ok()) return absl::InternalError(ordered.status().message());
+      for (size_t r = 0; r < ordered->size(); ++r) {
+        running[r] = ParseId((*ordered)[r]);
+      }
+    }
+
+    int64_t budget = e.max_num_batched_tokens;
+    scheduled.clear();
+    chunk.clear();
+    bool preempted_any = false;
+    const auto blocks_for = [&](size_t i, int64_t tokens) {
+      const int64_t want = (computed[i] + tokens + bs - 1) / bs;
+      return std::max<int64_t>(want - blocks[i], 0);
+    };
+    // 1. Running requests.
+    for (size_t idx = 0; idx < running.size() && budget > 0;) {
+      const int64_t id = running[idx];
+      const size_t i = static_cast<size_t>(id);
+      const int64_t tokens = std::min(target(i) - computed[i], budget);
+      bool self_preempted = false;
+      while (blocks_for(i, tokens) > free_blocks) {
+        // Preempt the lowest-ranked running request: the last one.
+        const size_t worst = running.size() - 1;
+        const int64_t victim = running[worst];
+        const size_t v = static_cast<size_t>(victim);
+        auto sit = std::find(scheduled.begin(), scheduled.end(), victim);
+        if (sit != scheduled.end()) {
+          const size_t pos = static_cast<size_t>(sit - scheduled.begin());
+          budget += chunk[pos];
+          scheduled.erase(sit);
+          chunk.erase(chunk.begin() + static_cast<long>(pos));
+        }
+        free_blocks += blocks[v];
+        blocks[v] = 0;
+        result.recomputed_tokens += computed[v];
+        computed[v] = 0;
+        running_flag[v] = 0;
+        running.erase(running.begin() + static_cast<long>(worst));
+        if (worst < idx) --idx;
+        waiting.push_back(victim);
+        ++result.preemptions;
+        preempted_any = true;
+        if (victim == id) {
+          self_preempted = true;
+          break;
+        }
+      }
+      if (self_preempted) break;
+      const int64_t need = blocks_for(i, tokens);
+      free_blocks -= need;
+      blocks[i] += need;
+      scheduled.push_back(id);
+      chunk.push_back(tokens);
+      budget -= tokens;
+      ++idx;
+    }
+    // 2. Admission, only when nobody was preempted.
+    if (!preempted_any) {
+      // The ranked prefix holds every candidate: at most `running` of its
+      // max_num_seqs entries run, and at most max_num_seqs - running are
+      // admitted.
+      for (int64_t id : top_ids) {
+        if (budget <= 0 ||
+            static_cast<int64_t>(running.size()) >= e.max_num_seqs) {
+          break;
+        }
+        if (running_flag[static_cast<size_t>(id)]) continue;
+        const size_t i = static_cast<size_t>(id);
+        const int64_t tokens = std::min(target(i) - computed[i], budget);
+        const int64_t need = blocks_for(i, tokens);
+        if (need > free_blocks) break;
+        free_blocks -= need;
+        blocks[i] += need;
+        remove_from(waiting, id);
+        running.push_back(id);
+        running_flag[i] = 1;
+        scheduled.push_back(id);
+        chunk.push_back(tokens);
+        budget -= tokens;
+      }
+    }
+    if (scheduled.empty()) {
+      return absl::InternalError(absl::StrCat(
+          "vllm model: nothing could be scheduled at t=", t, " (", running.size(),
+          " running, ", waiting.size(), " waiting, ", free_blocks,
+          " free blocks)"));
+    }
+
+    // Step time and effects.
+    int64_t prefill_tokens = 0, decoding = 0;
+    for (size_t s2 = 0; s2 < scheduled.size(); ++s2) {
+      const size_t i = static_cast<size_t>(scheduled[s2]);
+      const bool decode = produced[i] > 0 && target(i) - computed[i] == 1 &&
+                          computed[i] > 0;
+      if (decode) {
+        ++decoding;
+      } else {
+        prefill_tokens += chunk[s2];
+      }
+    }
+    const double prefill_ms =
+        e.prefill_per_token_ms * static_cast<double>(prefill_tokens);
+    const double step_ms = e.step_base_ms +
+                           e.step_per_seq_ms * static_cast<double>(decoding) +
+                           prefill_ms;
+    const double end = t + step_ms / 1000.0;
+    const double capture =
+        end - (1.0 - e.capture_fraction) * prefill_ms / 1000.0;
+    committed.clear();
+    prefilled.clear();
+    joined.clear();
+    std::vector<int64_t> done;
+    for (size_t s2 = 0; s2 < scheduled.size(); ++s2) {
+      const int64_t id = scheduled[s2];
+      const size_t i = static_cast<size_t>(id);
+      computed[i] += chunk[s2];
+      if (computed[i] < target(i)) continue;  // a prefill chunk
+      // A token.
+      if (produced[i] == 0) {
+        result.requests[i].first_token_s = end;
+      } else {
+        committed.push_back(std::to_string(id));
+      }
+      ++produced[i];
+      if (!prefilled_once[i]) {
+        prefilled_once[i] = 1;
+        prefilled.push_back(by_id[i]);
+        joined.push_back(id);
+      }
+      if (produced[i] >= result.requests[i].output_tokens) done.push_back(id);
+    }
+    absl::Status cs = sched.Commit(committed);
+    if (!cs.ok()) return absl::InternalError(cs.message());
+    if (!prefilled.empty()) {
+      RETURN_IF_ERROR(predictor.Prefilled(prefilled, capture, end));
+    }
+    for (int64_t id : done) {
+      const size_t i = static_cast<size_t>(id);
+      result.requests[i].completion_s = end;
+      free_blocks += blocks[i];
+      blocks[i] = 0;
+      running_flag[i] = 0;
+      live[i] = 0;
+      remove_from(running, id);
+      absl::Status s = sched.Remove(std::to_string(id));
+      if (!s.ok()) return absl::InternalError(s.message());
+      ++finished;
+      RETURN_IF_ERROR(predictor.Finished(*by_id[i]));
+    }
+    joined_last.swap(joined);
+    result.max_live =
+        std::max(result.max_live, static_cast<int64_t>(sched.size()));
+    t = end;
+    ++result.steps;
+    if (options.progress && options.progress_every_steps > 0 &&
+        result.steps % options.progress_every_steps == 0) {
+      options.progress(static_cast<int64_t>(finished), static_cast<int64_t>(n));
+    }
+  }
+  result.end_s = t;
+  result.counters = sched.counters();
+  return result;
+}
+
+}  // namespace
+
 absl::StatusOr<double> MeasureCapacity(std::span<const SimRequest> requests,
                                        const EngineOptions& engine) {
   if (requests.empty()) {
@@ -317,7 +651,8 @@ absl::StatusOr<double> MeasureCapacity(std::span<const SimRequest> requests,
   }
   SimOptions o;
   o.engine = engine;
-  o.scheduler.slots = engine.slots;
+  o.scheduler.slots =
+      engine.kind == EngineKind::kVllm ? engine.max_num_seqs : engine.slots;
   o.scheduler.waiting_cap = 0;
   o.scheduler.unpredicted = shim::UnpredictedPolicy::kFixed;
   NoPredictor none;

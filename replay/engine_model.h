@@ -50,8 +50,21 @@ struct SimRequest {
   int segment = 0;
 };
 
+// Which engine the replay models.
+enum class EngineKind {
+  // The paper's setup (the file comment): `resident` requests in memory,
+  // admitted FCFS, `slots` of them decoded per step, chosen by the scheduler.
+  kSlots,
+  // Shaped like vLLM V1's scheduler (vllm/v1/core/sched/scheduler.py):
+  // continuous batching, every running request advances each step, see
+  // SimulateVllm.
+  kVllm,
+};
+
 // The engine's shape and step-time model (see the file comment).
 struct EngineOptions {
+  // Default: kSlots
+  EngineKind kind = EngineKind::kSlots;
   // Requests held in memory at once. Default: 512
   int resident = 512;
   // Decode slots per step. Default: 64
@@ -69,6 +82,17 @@ struct EngineOptions {
   // Fraction of a step's prefill done when the captured layer's hidden state
   // exists (layer 30 of Qwen3-8B's 36). In [0, 1]. Default: 30/36
   double capture_fraction = 30.0 / 36.0;
+
+  // ---- kVllm only
+  // Running requests at most (vLLM's max_num_seqs). Default: 256
+  int max_num_seqs = 256;
+  // Tokens scheduled per step at most, decode and prefill chunks together
+  // (max_num_batched_tokens; prefills are chunked to fit). Default: 8192
+  int64_t max_num_batched_tokens = 8192;
+  // KV cache: blocks of block_size tokens. Defaults: 16 and 22000 (352k
+  // tokens: Qwen3-8B's 144 KiB per token in ~50 GB of an 80 GB GPU).
+  int block_size = 16;
+  int64_t kv_blocks = 22000;
 
   // InvalidArgument naming the first bad field.
   absl::Status Validate() const;
@@ -123,6 +147,9 @@ class TablePredictor : public Predictor {
  public:
   TablePredictor(std::vector<double> values, double latency_s, bool on_gpu,
                  double gpu_ms);
+  // Per-request latencies (latencies[id], seconds; NaN values = never
+  // predicted), e.g. recorded from a LEAP run.
+  TablePredictor(std::vector<double> values, std::vector<double> latencies);
   double GpuMsPerPrediction() const override { return on_gpu_ ? gpu_ms_ : 0; }
   absl::Status Prefilled(std::span<const SimRequest* const> requests,
                          double capture_s, double end_s) override;
@@ -139,6 +166,7 @@ class TablePredictor : public Predictor {
   double latency_s_;
   bool on_gpu_;
   double gpu_ms_;
+  std::vector<double> latencies_;
   std::vector<Pending> pending_;
 };
 
@@ -178,13 +206,40 @@ struct SimResult {
   // Predictions that were not known at the start of the first step after
   // the request's prefill (the request waited unpredicted).
   int64_t late_predictions = 0;
+  // kVllm: preemptions (each one frees the request's KV cache; it is
+  // recomputed when readmitted) and the tokens recomputed.
+  int64_t preemptions = 0;
+  int64_t recomputed_tokens = 0;
   shim::SchedulerCounters counters;
   // Per step: ids decoded, in the scheduler's order (record_order only).
   std::vector<std::vector<int64_t>> decode_order;
 };
 
 // Runs the engine over `requests` (ids 0..n-1 in any order; arrivals >= 0).
-// Errors come from the options or the predictor.
+// Errors come from the options or the predictor. Dispatches on
+// options.engine.kind.
+//
+// kVllm (SimulateVllm), after vLLM V1's Scheduler.schedule(): every request
+// joins the CountdownScheduler at arrival (unpredicted until its prefill's
+// capture point plus the prediction latency), in a waiting queue. Each step,
+// with a budget of max_num_batched_tokens:
+//  1. Running requests, in the scheduler's order, each get the tokens they
+//     need (1 when decoding, else the rest of their prompt [+ output to
+//     recompute], cut to the budget: chunked prefill). KV blocks are
+//     allocated for them; when the cache is full the lowest-ranked running
+//     request is preempted (blocks freed, progress lost, back to waiting;
+//     vLLM's priority policy picks max (priority, arrival) the same way), and
+//     if that was the request itself it waits.
+//  2. Only if nobody was preempted: waiting requests in the scheduler's order
+//     are admitted while running < max_num_seqs, budget remains and their
+//     first chunk's blocks fit; the first that does not fit stops admission.
+// A request whose computed tokens reach prompt + output so far produces a
+// token (the first one ends TTFT); those that produced a later token are
+// committed to the scheduler as having held a slot. The step takes
+// step_base_ms + step_per_seq_ms * decoding + prefill_per_token_ms * prefill
+// tokens (recomputation included). FCFS (no predictions, equal remaining) is
+// then vLLM's FCFS policy except that the request preempted is the latest
+// arrival rather than the latest admission.
 absl::StatusOr<SimResult> Simulate(std::span<const SimRequest> requests,
                                    const SimOptions& options,
                                    Predictor& predictor);

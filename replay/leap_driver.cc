@@ -268,6 +268,7 @@ void LeapPredictor::OnEvent(const shim::Event& e) {
               .count();
       it->second.tokens = e.predicted_tokens;
       latencies_.push_back(it->second.latency_s);
+      recorded_[it->first] = {e.predicted_tokens, it->second.latency_s};
       --outstanding_;
       break;
     }
@@ -313,6 +314,9 @@ absl::Status LeapPredictor::Prefilled(
     f.product_line = options_.product_line;
     f.bytes.assign(reinterpret_cast<const char*>(options_.features.data() + at),
                    row);
+    if (static_cast<size_t>(r->id) < options_.max_tokens.size()) {
+      f.max_tokens = options_.max_tokens[static_cast<size_t>(r->id)];
+    }
     batch.push_back(std::move(f));
   }
   {
@@ -407,6 +411,11 @@ std::string LeapPredictor::first_error() const {
 int64_t LeapPredictor::max_version() const {
   absl::MutexLock lock(&mu_);
   return max_version_;
+}
+absl::flat_hash_map<int64_t, std::pair<double, double>>
+LeapPredictor::recorded() const {
+  absl::MutexLock lock(&mu_);
+  return recorded_;
 }
 int64_t LeapPredictor::rescores() const {
   absl::MutexLock lock(&mu_);

@@ -108,6 +108,9 @@ struct LeapPredictorOptions {
   // Features of request id i at features[i * dim, (i + 1) * dim).
   int64_t dim = 0;
   std::span<const float> features;
+  // Optional per-request decoding max_tokens (max_tokens[id]; 0 = none),
+  // sent with the features. Empty = none.
+  std::span<const int64_t> max_tokens;
   // How long to wait for the Client's first connection. Default: 10 s
   absl::Duration connect_timeout = absl::Seconds(10);
   // Longest wall time the simulation waits for one prediction; one that
@@ -147,6 +150,8 @@ class LeapPredictor : public Predictor {
   int64_t max_version() const;
   // Rescore events received.
   int64_t rescores() const;
+  // Per request id: the first prediction and its measured latency (s).
+  absl::flat_hash_map<int64_t, std::pair<double, double>> recorded() const;
 
  private:
   using Clock = std::chrono::steady_clock;
@@ -173,6 +178,8 @@ class LeapPredictor : public Predictor {
   std::string first_error_ ABSL_GUARDED_BY(mu_);
   int64_t max_version_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t rescores_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::flat_hash_map<int64_t, std::pair<double, double>> recorded_
+      ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace leap::replay

@@ -107,7 +107,10 @@ absl::StatusOr<std::vector<PolicySpec>> ParsePolicies(absl::string_view list) {
   for (absl::string_view t : absl::StrSplit(list, ',')) {
     t = absl::StripAsciiWhitespace(t);
     if (t.empty()) continue;
+    // A learned spec's own parameters (rho=, cost=, shift_rho=) continue it.
+    const absl::string_view key = t.substr(0, t.find('='));
     if (!absl::StrContains(t, ':') && absl::StrContains(t, '=') &&
+        (key == "rho" || key == "cost" || key == "shift_rho") &&
         !tokens.empty() && absl::StartsWith(tokens.back(), "learned:")) {
       absl::StrAppend(&tokens.back(), ",", t);
     } else {
@@ -136,9 +139,54 @@ absl::StatusOr<std::vector<PolicySpec>> ParsePolicies(absl::string_view list) {
     p.cost_ms = lp.cost_ms;
     return p;
   };
-  for (const std::string& t : tokens) {
+  for (const std::string& token : tokens) {
+    std::string t = token;
+    std::string disc;
+    if (const size_t plus = token.find('+'); plus != std::string::npos) {
+      t = token.substr(0, plus);
+      disc = token.substr(plus + 1);
+    }
     PolicySpec p;
     p.name = t;
+    if (!disc.empty() || token.find('+') != std::string::npos) {
+      if (t == "fcfs" || t == "baselines") {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "policy '", token, "': ", t, " takes no discipline"));
+      }
+      std::pair<absl::string_view, absl::string_view> kv =
+          absl::StrSplit(disc, absl::MaxSplits('=', 1));
+      const bool has_value = disc.find('=') != std::string::npos;
+      double v = 0;
+      if (has_value &&
+          (!absl::SimpleAtod(kv.second, &v) || !std::isfinite(v))) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "policy '", token, "': bad knob '", kv.second, "'"));
+      }
+      p.has_discipline = true;
+      if (kv.first == "bounded") {
+        p.discipline = shim::SchedulingPolicy::kBounded;
+        p.knob = has_value ? v : kDefaultSlowdown;
+        if (p.knob < 1) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "policy '", token, "': the slowdown S must be >= 1"));
+        }
+      } else if (kv.first == "aging") {
+        p.discipline = shim::SchedulingPolicy::kLinearAging;
+        p.knob = has_value ? v : kDefaultLinearAging;
+        if (p.knob < 0) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "policy '", token, "': the aging rate must be >= 0"));
+        }
+      } else if (kv.first == "hrrn" && !has_value) {
+        p.discipline = shim::SchedulingPolicy::kHrrn;
+      } else if (kv.first == "countdown" && !has_value) {
+        p.discipline = shim::SchedulingPolicy::kCountdown;
+      } else {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "policy '", token, "': unknown discipline '", disc,
+            "' (bounded[=S], aging[=A], hrrn, countdown)"));
+      }
+    }
     if (t == "fcfs") {
       p.kind = PolicySpec::Kind::kFcfs;
     } else if (t == "oracle") {
@@ -208,7 +256,22 @@ absl::StatusOr<std::vector<PolicySpec>> ParsePolicies(absl::string_view list) {
             "' (fcfs, oracle, leap, leap-rls, tie, ssjf, ltr, trail, egtp, "
             "baselines, learned:rho=R,cost=Cms[,shift_rho=S])"));
       }
-      p = preset(*it);
+      PolicySpec q = preset(*it);
+      q.has_discipline = p.has_discipline;
+      q.discipline = p.discipline;
+      q.knob = p.knob;
+      p = std::move(q);
+    }
+    p.predictor = p.name;
+    if (p.has_discipline) {
+      absl::StrAppend(&p.name, "+",
+                      p.discipline == shim::SchedulingPolicy::kLinearAging
+                          ? "aging"
+                          : shim::SchedulingPolicyName(p.discipline));
+      if (p.discipline == shim::SchedulingPolicy::kBounded ||
+          p.discipline == shim::SchedulingPolicy::kLinearAging) {
+        absl::StrAppendFormat(&p.name, "=%g", p.knob);
+      }
     }
     RETURN_IF_ERROR(add(std::move(p)));
   }
@@ -256,6 +319,11 @@ absl::Status ReplayOptions::Validate() const {
   if (!(metrics_from >= 0 && metrics_from < 1)) {
     return bad("--metrics-from must be in [0, 1), got ", metrics_from);
   }
+  if (!tradeoff_plot_path.empty() &&
+      !absl::EndsWith(tradeoff_plot_path, ".svg")) {
+    return bad("--tradeoff-plot must end in .svg, got '", tradeoff_plot_path,
+               "'");
+  }
   if (!plot_path.empty() && !absl::EndsWith(plot_path, ".png") &&
       !absl::EndsWith(plot_path, ".svg")) {
     return bad("--plot must end in .png or .svg, got '", plot_path, "'");
@@ -270,6 +338,7 @@ absl::StatusOr<ReplayReport> RunReplay(const ReplayOptions& o,
     if (progress) progress(s);
   };
   ReplayReport rep;
+  rep.engine = o.engine.kind;
   rep.policies = o.policies;
   ASSIGN_OR_RETURN(readout::SynthDomain dom0, readout::BuiltinDomain(o.domain));
   readout::SynthDomain dom1 = dom0;
@@ -301,7 +370,7 @@ absl::StatusOr<ReplayReport> RunReplay(const ReplayOptions& o,
     trace = SyntheticTrace(n, dom0, dom1, k, o.max_tokens, o.seed);
     pool_from(SyntheticTrace(o.train_rows, dom0, dom0, o.train_rows,
                              o.max_tokens, o.seed + 3));
-    rep.trace = absl::StrFormat("synthetic: %d requests, %s (median %g tokens)",
+  rep.trace = absl::StrFormat("synthetic: %d requests, %s (median %g tokens)",
                                 n, dom0.name, dom0.median_tokens);
     if (k < n) {
       absl::StrAppendFormat(&rep.trace, " then %s (median %g) from request %d",
@@ -492,6 +561,7 @@ absl::StatusOr<ReplayReport> RunReplay(const ReplayOptions& o,
   ASSIGN_OR_RETURN(shim::UnpredictedPolicy unpredicted,
                    ParseUnpredicted(o.unpredicted));
   const std::string run_id = client::RandomRunId("replay");
+  std::vector<double> recorded_values, recorded_latency;
   int run_no = 0;
   const int64_t metrics_first =
       static_cast<int64_t>(std::ceil(o.metrics_from * static_cast<double>(n)));
@@ -529,6 +599,14 @@ absl::StatusOr<ReplayReport> RunReplay(const ReplayOptions& o,
       so.scheduler.waiting_cap = static_cast<int>(o.waiting_cap);
       so.scheduler.aging_rate = o.aging_rate;
       so.scheduler.unpredicted = unpredicted;
+      if (spec.has_discipline) {
+        so.scheduler.policy = spec.discipline;
+        if (spec.discipline == shim::SchedulingPolicy::kBounded) {
+          so.scheduler.max_slowdown = spec.knob;
+        } else if (spec.discipline == shim::SchedulingPolicy::kLinearAging) {
+          so.scheduler.linear_aging = spec.knob;
+        }
+      }
       if (spec.kind == PolicySpec::Kind::kFcfs) {
         // No predictions: arrival order. The cap would only reshuffle it.
         so.scheduler.waiting_cap = 0;
@@ -563,6 +641,16 @@ absl::StatusOr<ReplayReport> RunReplay(const ReplayOptions& o,
           break;
         case PolicySpec::Kind::kLeap:
         case PolicySpec::Kind::kLeapRls: {
+          if (spec.kind == PolicySpec::Kind::kLeap && spec.has_discipline &&
+              !recorded_values.empty()) {
+            // The frozen readout's predictions do not depend on the order:
+            // reuse those of the first frozen LEAP run, with their measured
+            // latencies.
+            predictor = std::make_unique<TablePredictor>(recorded_values,
+                                                         recorded_latency);
+            row.reused_predictions = true;
+            break;
+          }
           const std::string name = absl::StrCat(run_id, run_no++);
           ASSIGN_OR_RETURN(
               arm, LeapArm::Create(server, name, artifact,
@@ -589,6 +677,9 @@ absl::StatusOr<ReplayReport> RunReplay(const ReplayOptions& o,
             [](const RequestResult& r) { return r.segment == 1; });
       }
       if (spec.kind != PolicySpec::Kind::kFcfs) row.late = sim.late_predictions;
+      row.preemptions = sim.preemptions;
+      row.recomputed_tokens = sim.recomputed_tokens;
+      row.urgent_selections = sim.counters.urgent_selections;
       if (leap != nullptr) {
         const std::vector<double> lat = leap->latencies();
         if (!lat.empty()) {
@@ -598,6 +689,16 @@ absl::StatusOr<ReplayReport> RunReplay(const ReplayOptions& o,
         row.errors = leap->errors();
         row.max_version = leap->max_version();
         row.rescores = leap->rescores();
+        if (spec.kind == PolicySpec::Kind::kLeap && recorded_values.empty() &&
+            row.errors == 0) {
+          recorded_values.assign(static_cast<size_t>(n), kNaN);
+          recorded_latency.assign(static_cast<size_t>(n), kNaN);
+          for (const auto& [id, v] : leap->recorded()) {
+            if (id < 0 || id >= n) continue;
+            recorded_values[static_cast<size_t>(id)] = v.first;
+            recorded_latency[static_cast<size_t>(id)] = v.second;
+          }
+        }
         if (row.errors > 0) {
           say(absl::StrCat("  ", spec.name, ": ", row.errors,
                            " prediction errors; first: ", leap->first_error()));
@@ -624,6 +725,10 @@ absl::StatusOr<ReplayReport> RunReplay(const ReplayOptions& o,
   if (!o.plot_path.empty()) {
     ASSIGN_OR_RETURN(rep.plot_written, WriteReplayPlot(rep, o.plot_path));
   }
+  if (!o.tradeoff_plot_path.empty()) {
+    ASSIGN_OR_RETURN(rep.tradeoff_plot_written,
+                     WriteTradeoffPlot(rep, o.tradeoff_plot_path));
+  }
   return rep;
 }
 
@@ -631,6 +736,10 @@ absl::StatusOr<ReplayReport> RunReplay(const ReplayOptions& o,
 
 std::string FormatReplayTable(const ReplayReport& r) {
   std::string s = absl::StrCat("trace: ", r.trace, "\n");
+  s += r.engine == EngineKind::kVllm
+           ? "engine: vllm-shaped (continuous batching, KV blocks, "
+             "preemption)\n"
+           : "engine: slots (resident requests, decode slots per step)\n";
   absl::StrAppendFormat(&s, "FCFS capacity: %.3f requests/s", r.capacity);
   if (r.capacity_after.has_value()) {
     absl::StrAppendFormat(&s, " before the shift, %.3f after",
@@ -703,8 +812,83 @@ std::string FormatReplayTable(const ReplayReport& r) {
     absl::StrAppendFormat(&s, ", %g ms GPU per prediction (assumed)\n",
                           p.cost_ms);
   }
+  for (const ReplayRow& row : r.rows) {
+    if (row.preemptions == 0 && row.urgent_selections == 0 &&
+        !row.reused_predictions) {
+      continue;
+    }
+    absl::StrAppendFormat(&s, "%s @ %.2f:", row.policy, row.load);
+    if (row.reused_predictions) s += " predictions of the frozen LEAP run;";
+    if (row.preemptions > 0) {
+      absl::StrAppendFormat(&s, " %d preemptions (%d tokens recomputed);",
+                            row.preemptions, row.recomputed_tokens);
+    }
+    if (row.urgent_selections > 0) {
+      absl::StrAppendFormat(&s, " %d urgent selections;",
+                            row.urgent_selections);
+    }
+    s += "\n";
+  }
+  if (const std::string t = FormatTradeoffTable(r); !t.empty()) {
+    s += "\n" + t;
+  }
   if (!r.plot_written.empty())
     s += absl::StrCat("plot: ", r.plot_written, "\n");
+  if (!r.tradeoff_plot_written.empty())
+    s += absl::StrCat("trade-off plot: ", r.tradeoff_plot_written, "\n");
+  return s;
+}
+
+std::vector<TradeoffPoint> Tradeoff(const ReplayReport& r) {
+  std::vector<TradeoffPoint> out;
+  std::map<double, const ReplayRow*> fcfs, oracle;
+  for (const ReplayRow& row : r.rows) {
+    if (row.policy == "fcfs") fcfs[row.load] = &row;
+    if (row.policy == "oracle") oracle[row.load] = &row;
+  }
+  for (const ReplayRow& row : r.rows) {
+    auto f = fcfs.find(row.load);
+    auto o = oracle.find(row.load);
+    if (f == fcfs.end() || o == oracle.end()) continue;
+    const Metrics& fm = f->second->metrics;
+    const Metrics& om = o->second->metrics;
+    TradeoffPoint p;
+    p.policy = row.policy;
+    p.load = row.load;
+    const double span = fm.mean_ptl - om.mean_ptl;
+    p.gain = span != 0 ? (fm.mean_ptl - row.metrics.mean_ptl) / span : kNaN;
+    p.p99_ratio = row.metrics.p99_latency / fm.p99_latency;
+    if (row.metrics.long_p95_latency.has_value() &&
+        fm.long_p95_latency.has_value()) {
+      p.long_p95_ratio = *row.metrics.long_p95_latency / *fm.long_p95_latency;
+    }
+    out.push_back(std::move(p));
+  }
+  return out;
+}
+
+std::string FormatTradeoffTable(const ReplayReport& r) {
+  const std::vector<TradeoffPoint> points = Tradeoff(r);
+  if (points.empty()) return "";
+  size_t w = 6;
+  for (const TradeoffPoint& p : points) w = std::max(w, p.policy.size());
+  std::string s = absl::StrFormat(
+      "trade-off: share of the oracle's mean-PTL gain over FCFS captured, and "
+      "latency ratios to FCFS\n%-*s %5s %7s %9s %13s\n",
+      w, "policy", "load", "gain", "P99/fcfs", "longP95/fcfs");
+  double last_load = kNaN;
+  for (const TradeoffPoint& p : points) {
+    if (!std::isnan(last_load) && p.load != last_load) s += "\n";
+    last_load = p.load;
+    absl::StrAppendFormat(
+        &s, "%-*s %5.2f %7s %9s %13s\n", w, p.policy, p.load,
+        std::isfinite(p.gain) ? absl::StrFormat("%.3f", p.gain) : "-",
+        std::isfinite(p.p99_ratio) ? absl::StrFormat("%.2f", p.p99_ratio)
+                                   : "-",
+        p.long_p95_ratio.has_value() && std::isfinite(*p.long_p95_ratio)
+            ? absl::StrFormat("%.2f", *p.long_p95_ratio)
+            : "-");
+  }
   return s;
 }
 
@@ -888,6 +1072,120 @@ std::string GnuplotQuote(absl::string_view s) {
 }
 
 }  // namespace
+
+absl::StatusOr<std::string> WriteTradeoffPlot(const ReplayReport& r,
+                                              const std::string& path) {
+  const std::vector<TradeoffPoint> points = Tradeoff(r);
+  // Series: predictor+discipline at one load, points in knob order.
+  struct Point {
+    double knob, x, y;
+  };
+  std::map<double, std::map<std::string, std::vector<Point>>> panels;
+  for (const TradeoffPoint& p : points) {
+    if (!std::isfinite(p.gain) || !std::isfinite(p.p99_ratio)) continue;
+    auto spec = std::find_if(r.policies.begin(), r.policies.end(),
+                             [&](const PolicySpec& q) { return q.name == p.policy; });
+    std::string series = p.policy;
+    double knob = 0;
+    if (spec != r.policies.end() && spec->has_discipline) {
+      const size_t eq = p.policy.rfind('=');
+      if (eq != std::string::npos && eq > p.policy.rfind('+')) {
+        series = p.policy.substr(0, eq);
+      }
+      knob = spec->knob;
+    }
+    panels[p.load][series].push_back({knob, p.p99_ratio, p.gain});
+  }
+  const double W = 520, H = 420, L = 70, R = 20, T = 50, B = 60, legend = 250;
+  const double total_w = W * static_cast<double>(std::max<size_t>(panels.size(), 1)) + legend;
+  std::string s = absl::StrFormat(
+      "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%g\" height=\"%g\" "
+      "font-family=\"sans-serif\" font-size=\"12\">\n"
+      "<rect width=\"100%%\" height=\"100%%\" fill=\"white\"/>\n",
+      total_w, H);
+  std::map<std::string, size_t> color_of;
+  size_t panel = 0;
+  for (auto& [load, series] : panels) {
+    double x1 = 1.0, y0 = 0, y1 = 1.0;
+    for (auto& [name, pts] : series) {
+      std::sort(pts.begin(), pts.end(),
+                [](const Point& a, const Point& b) { return a.knob < b.knob; });
+      for (const Point& q : pts) {
+        x1 = std::max(x1, q.x);
+        y0 = std::min(y0, q.y);
+        y1 = std::max(y1, q.y);
+      }
+    }
+    x1 = std::ceil(x1 * 1.05 * 4) / 4;
+    const double x0 = 0.5;
+    const double ox = W * static_cast<double>(panel++);
+    const auto px = [&](double x) { return ox + L + (x - x0) / (x1 - x0) * (W - L - R); };
+    const auto py = [&](double y) { return H - B - (y - y0) / (y1 * 1.05 - y0) * (H - T - B); };
+    absl::StrAppendFormat(
+        &s,
+        "<text x=\"%g\" y=\"28\" font-size=\"14\" text-anchor=\"middle\">load "
+        "%.2f</text>\n<rect x=\"%g\" y=\"%g\" width=\"%g\" height=\"%g\" "
+        "fill=\"none\" stroke=\"black\"/>\n"
+        "<text x=\"%g\" y=\"%g\" text-anchor=\"middle\">P99 latency / "
+        "FCFS's</text>\n<text x=\"%g\" y=\"%g\" text-anchor=\"middle\" "
+        "transform=\"rotate(-90 %g %g)\">share of the oracle's PTL "
+        "gain</text>\n",
+        ox + (L + W - R) / 2, load, ox + L, T, W - L - R, H - T - B,
+        ox + (L + W - R) / 2, H - 20, ox + 20, (T + H - B) / 2, ox + 20,
+        (T + H - B) / 2);
+    const double xs = TickStep(x1 - x0, 6), ys = TickStep(y1 - y0, 6);
+    for (double x = std::ceil(x0 / xs) * xs; x <= x1 + 1e-9; x += xs) {
+      absl::StrAppendFormat(&s,
+                            "<line x1=\"%.1f\" y1=\"%g\" x2=\"%.1f\" y2=\"%g\" "
+                            "stroke=\"#ddd\"/><text x=\"%.1f\" y=\"%g\" "
+                            "text-anchor=\"middle\">%g</text>\n",
+                            px(x), T, px(x), H - B, px(x), H - B + 16, x);
+    }
+    for (double y = std::ceil(y0 / ys) * ys; y <= y1 * 1.05 + 1e-9; y += ys) {
+      absl::StrAppendFormat(&s,
+                            "<line x1=\"%g\" y1=\"%.1f\" x2=\"%g\" y2=\"%.1f\" "
+                            "stroke=\"#ddd\"/><text x=\"%g\" y=\"%.1f\" "
+                            "text-anchor=\"end\">%g</text>\n",
+                            ox + L, py(y), ox + W - R, py(y), ox + L - 4,
+                            py(y) + 4, y);
+    }
+    for (const auto& [name, pts] : series) {
+      auto [it, inserted] = color_of.emplace(name, color_of.size());
+      const char* c = kColors[it->second % (sizeof(kColors) / sizeof(kColors[0]))];
+      std::string poly;
+      for (const Point& q : pts) absl::StrAppendFormat(&poly, "%.1f,%.1f ", px(q.x), py(q.y));
+      absl::StrAppendFormat(&s,
+                            "<polyline points=\"%s\" fill=\"none\" "
+                            "stroke=\"%s\" stroke-width=\"1.5\"/>\n",
+                            poly, c);
+      for (const Point& q : pts) {
+        absl::StrAppendFormat(&s,
+                              "<circle cx=\"%.1f\" cy=\"%.1f\" r=\"3.5\" "
+                              "fill=\"%s\"/>",
+                              px(q.x), py(q.y), c);
+        if (q.knob > 0) {
+          absl::StrAppendFormat(&s,
+                                "<text x=\"%.1f\" y=\"%.1f\" "
+                                "font-size=\"9\">%g</text>",
+                                px(q.x) + 4, py(q.y) - 4, q.knob);
+        }
+        s += "\n";
+      }
+    }
+  }
+  for (const auto& [name, idx] : color_of) {
+    const char* c = kColors[idx % (sizeof(kColors) / sizeof(kColors[0]))];
+    const double ly = T + 10 + 18 * static_cast<double>(idx);
+    const double lx = total_w - legend + 10;
+    absl::StrAppendFormat(&s,
+                          "<circle cx=\"%g\" cy=\"%g\" r=\"4\" fill=\"%s\"/>"
+                          "<text x=\"%g\" y=\"%g\">%s</text>\n",
+                          lx, ly, c, lx + 10, ly + 4, XmlEscape(name));
+  }
+  s += "</svg>\n";
+  RETURN_IF_ERROR(WriteFileAtomically(path, s));
+  return path;
+}
 
 absl::StatusOr<std::string> WriteReplayPlot(const ReplayReport& r,
                                             const std::string& path) {

@@ -41,7 +41,19 @@ struct PolicySpec {
   double rho = 0;
   std::optional<double> shift_rho;
   double cost_ms = 0;
+  // The scheduling discipline ("+bounded=S", "+hrrn", "+aging=A",
+  // "+countdown" after the predictor's name; default: the countdown with
+  // --waiting-cap and --aging-rate), and its knob (S or A).
+  shim::SchedulingPolicy discipline = shim::SchedulingPolicy::kCountdown;
+  double knob = 0;
+  bool has_discipline = false;
+  // The predictor's part of the name ("leap" in "leap+bounded=2").
+  std::string predictor;
 };
+
+// Default knob of "+bounded" (S) and "+aging" (tokens per step waited).
+inline constexpr double kDefaultSlowdown = 2.5;
+inline constexpr double kDefaultLinearAging = 1;
 
 // A named learned-predictor baseline resembling one of the paper's
 // separate predictors. The numbers are assumptions (see README, "Replay
@@ -57,7 +69,9 @@ const std::vector<LearnedPreset>& LearnedPresets();
 
 // Parses a comma-separated policy list: fcfs, oracle, leap, leap-rls,
 // presets (tie, ssjf, ltr, trail, egtp), "baselines" (all presets) and
-// learned:rho=R,cost=Cms[,shift_rho=S] (its own commas are understood).
+// learned:rho=R,cost=Cms[,shift_rho=S] (its own commas are understood), each
+// but fcfs optionally followed by a discipline: +bounded[=S] (S >= 1),
+// +hrrn, +aging[=A] (linear, A >= 0 tokens per step waited), +countdown.
 // InvalidArgument for an unknown name, a bad parameter or a repeat.
 absl::StatusOr<std::vector<PolicySpec>> ParsePolicies(absl::string_view list);
 
@@ -107,6 +121,10 @@ struct ReplayOptions {
   uint64_t seed = 1;
 
   EngineOptions engine;
+  // Print the trade-off table (gain captured vs P99 ratio to FCFS) and, with
+  // tradeoff_plot_path, plot it (one series per predictor+discipline, one
+  // point per knob value). Needs fcfs and oracle among the policies.
+  std::string tradeoff_plot_path;
   // Output budget M: longer outputs are cut to M. Default: 2048
   int64_t max_tokens = 2048;
   // Scheduler of every length-aware policy (FCFS runs with the cap off).
@@ -151,6 +169,13 @@ struct ReplayRow {
   int64_t errors = 0;
   int64_t max_version = 0;
   int64_t rescores = 0;
+  // Reused the predictions (and measured latencies) of the run's first
+  // frozen LEAP arm instead of asking leapd again.
+  bool reused_predictions = false;
+  // kVllm: preemptions and recomputed tokens; kBounded: urgent selections.
+  int64_t preemptions = 0;
+  int64_t recomputed_tokens = 0;
+  int64_t urgent_selections = 0;
   double seconds = 0;
 };
 
@@ -166,6 +191,8 @@ struct ReplayReport {
   std::vector<ReplayRow> rows;
   std::vector<PolicySpec> policies;
   std::string plot_written;  // actual plot path ("" when none)
+  std::string tradeoff_plot_written;
+  EngineKind engine = EngineKind::kSlots;
 };
 
 // Runs the replay. Progress goes to `progress` (stderr in the CLI).
@@ -174,6 +201,22 @@ absl::StatusOr<ReplayReport> RunReplay(const ReplayOptions& options,
 
 // The table printed on stdout.
 std::string FormatReplayTable(const ReplayReport& report);
+// Per load, every policy's share of the oracle's mean-PTL gain over FCFS,
+// (PTL_fcfs - PTL) / (PTL_fcfs - PTL_oracle), and its P99 latency and
+// long-request P95 as ratios to FCFS's. Empty without fcfs and oracle rows.
+struct TradeoffPoint {
+  std::string policy;
+  double load = 0;
+  double gain = 0;
+  double p99_ratio = 0;
+  std::optional<double> long_p95_ratio;
+};
+std::vector<TradeoffPoint> Tradeoff(const ReplayReport& report);
+std::string FormatTradeoffTable(const ReplayReport& report);
+// SVG: gain captured (y) vs P99 ratio to FCFS (x), one panel per load, one
+// series per predictor+discipline (points joined in knob order).
+absl::StatusOr<std::string> WriteTradeoffPlot(const ReplayReport& report,
+                                              const std::string& path);
 // A JSON array: one object per policy and load with exactly the keys
 // policy, load, mean_ptl (s/token), p90_latency, p95_latency, p99_latency,
 // mean_ttft (s), throughput (output tokens/s), long_p95_latency (s; null

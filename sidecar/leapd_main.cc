@@ -12,8 +12,11 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <map>
 #include <filesystem>
+#include <thread>
 #include <memory>
 #include <optional>
 #include <random>
@@ -42,7 +45,11 @@
 #include "readout/artifact.h"
 #include "sidecar/grpc/admin_auth.h"
 #include "sidecar/core/core.h"
+#include "sidecar/leapd_data_flags.h"
 #include "sidecar/grpc/grpc_service.h"
+#include "sidecar/fleet/member.h"
+#include "sidecar/fleet/trainer.h"
+#include "sidecar/fleet/trainer.h"
 #include "sidecar/shm/shm_server.h"
 #include "storage/rocksdb_store.h"
 
@@ -215,6 +222,55 @@ ABSL_FLAG(std::string, shm_group, "",
 ABSL_FLAG(int32_t, shm_max_engines, 64,
           "Engines attached over shm at once.");
 
+// Fleet mode (docs/FLEET.md).
+ABSL_FLAG(std::string, fleet, "",
+          "Fleet mode: nats://HOST:PORT[,nats://HOST:PORT...] (tls://... "
+          "too), the NATS JetStream servers of the fleet. Every leapd of the "
+          "fleet serves the same readouts, versions and routes; one of them "
+          "(the trainer) learns from every member's completions. A learnable "
+          "completion is acknowledged only once it is in the local outbox "
+          "(--data_dir, required) and in the fleet's FEEDBACK stream; while "
+          "NATS is unreachable completions get UNAVAILABLE (engines resend "
+          "them) and predictions go on with the last weights. Empty: no "
+          "fleet, leapd learns alone.");
+ABSL_FLAG(std::string, fleet_name, "",
+          "Fleet mode: the fleet's name, [A-Za-z0-9_-]{1,32}; it names the "
+          "streams (LEAP_<name>_FEEDBACK, ...) and subjects (leap.<name>.*).");
+ABSL_FLAG(std::string, fleet_member, "",
+          "Fleet mode: this member's id, unique in the fleet, "
+          "[A-Za-z0-9_.-]{1,64}. Default: $HOSTNAME.");
+ABSL_FLAG(int32_t, fleet_replicas, 1,
+          "Fleet mode: JetStream replicas of the streams and buckets a member "
+          "creates when they do not exist yet (1 to 5; 3 for a 3-node NATS "
+          "cluster). Existing ones are used as they are.");
+ABSL_FLAG(int64_t, fleet_lease_ms, 2000,
+          "Fleet mode: the trainer lease's time to live; a dead trainer is "
+          "replaced within about this plus a third of it.");
+ABSL_FLAG(int64_t, fleet_version_interval_ms, 200,
+          "Fleet mode: minimum time between two versions of a readout the "
+          "trainer publishes (batches applied meanwhile go into the next "
+          "one); control operations are published at once.");
+ABSL_FLAG(std::string, fleet_trainer, "auto",
+          "Fleet mode: 'auto' (this member competes for the trainer lease) or "
+          "'never' (it serves but never trains).");
+ABSL_FLAG(std::string, fleet_creds, "",
+          "Fleet mode: NATS credentials file (JWT and NKey seed).");
+ABSL_FLAG(std::string, fleet_tls_ca, "",
+          "Fleet mode: PEM CA bundle to verify the NATS servers (turns TLS "
+          "on).");
+ABSL_FLAG(std::string, fleet_tls_cert, "",
+          "Fleet mode: PEM client certificate for mutual TLS with NATS "
+          "(with --fleet_tls_key).");
+ABSL_FLAG(std::string, fleet_tls_key, "",
+          "Fleet mode: PEM private key of --fleet_tls_cert.");
+ABSL_FLAG(int64_t, fleet_checkpoint_every_s, 30,
+          "Fleet mode: how often the trainer writes a checkpoint of theta, P "
+          "and its stream position into the fleet's STATE stream.");
+ABSL_FLAG(int64_t, fleet_wait_ms, 10000,
+          "Fleet mode: at start, how long to wait for NATS and the fleet's "
+          "readouts, routes and versions before serving the local state "
+          "(degraded until NATS answers).");
+
 namespace {
 
 using leap::sidecar::Core;
@@ -340,6 +396,198 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> TcpCredentials(
   return creds;
 }
 
+// Fleet mode, --fleet_trainer=auto: the trainer (it competes for the lease
+// and trains while it holds it), started once NATS answers (retried every
+// second until then), fed with the fleet's readouts by the member.
+class TrainerRunner {
+ public:
+  TrainerRunner(leap::fleet::FleetMember* member, leap::fleet::TrainerOptions o)
+      : member_(member), options_(std::move(o)) {
+    thread_ = std::thread([this] { Loop(); });
+  }
+  ~TrainerRunner() {
+    {
+      absl::MutexLock lock(&mu_);
+      stop_ = true;
+    }
+    thread_.join();
+    {
+      // The member's listener (it may outlive this object) sees null from
+      // here.
+      absl::MutexLock lock(&holder_->mu);
+      holder_->trainer = nullptr;
+    }
+    absl::MutexLock lock(&mu_);
+    trainer_.reset();
+  }
+
+ private:
+  void Loop() {
+    bool logged = false;
+    for (;;) {
+      absl::StatusOr<std::unique_ptr<leap::fleet::Trainer>> t =
+          leap::fleet::Trainer::Start(member_->nats().raw_connection(), options_);
+      {
+        absl::MutexLock lock(&mu_);
+        if (stop_) return;
+        if (t.ok()) {
+          trainer_ = std::move(*t);
+          break;
+        }
+      }
+      if (!logged) {
+        std::fprintf(stderr, "leapd: fleet trainer not started yet (retried): %s\n",
+                     std::string(t.status().message()).c_str());
+        logged = true;
+      }
+      absl::MutexLock lock(&mu_);
+      auto stopping = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_; };
+      mu_.AwaitWithTimeout(absl::Condition(&stopping), absl::Seconds(1));
+      if (stop_) return;
+    }
+    {
+      absl::MutexLock lock(&mu_);
+      absl::MutexLock hold(&holder_->mu);
+      holder_->trainer = trainer_.get();
+    }
+    member_->SetReadoutsListener(
+        [holder = holder_](const std::vector<leap::fleet::FleetReadoutEntry>& entries) {
+          std::vector<leap::fleet::TrainerReadout> rs;
+          for (const auto& e : entries) {
+            rs.push_back({e.name, e.spec, e.standardizer, e.created_unix_ms});
+          }
+          absl::MutexLock lock(&holder->mu);
+          if (holder->trainer != nullptr) holder->trainer->SetReadouts(std::move(rs));
+        });
+  }
+
+  struct Holder {
+    absl::Mutex mu;
+    leap::fleet::Trainer* trainer ABSL_GUARDED_BY(mu) = nullptr;
+  };
+
+  leap::fleet::FleetMember* const member_;
+  const leap::fleet::TrainerOptions options_;
+  absl::Mutex mu_;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::unique_ptr<leap::fleet::Trainer> trainer_ ABSL_GUARDED_BY(mu_);
+  std::shared_ptr<Holder> holder_ = std::make_shared<Holder>();
+  std::thread thread_;
+};
+
+// The fleet flags, validated (an error names the flag); nullopt without
+// --fleet.
+absl::StatusOr<std::optional<leap::fleet::FleetMemberOptions>> FleetOptions() {
+  const std::string servers = absl::GetFlag(FLAGS_fleet);
+  if (servers.empty()) {
+    for (const auto& [flag, value] :
+         {std::pair<std::string, std::string>{"fleet_name",
+                                              absl::GetFlag(FLAGS_fleet_name)},
+          {"fleet_member", absl::GetFlag(FLAGS_fleet_member)},
+          {"fleet_creds", absl::GetFlag(FLAGS_fleet_creds)},
+          {"fleet_tls_ca", absl::GetFlag(FLAGS_fleet_tls_ca)},
+          {"fleet_tls_cert", absl::GetFlag(FLAGS_fleet_tls_cert)},
+          {"fleet_tls_key", absl::GetFlag(FLAGS_fleet_tls_key)}}) {
+      if (!value.empty()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("--", flag, " needs --fleet"));
+      }
+    }
+    return std::nullopt;
+  }
+  leap::fleet::FleetMemberOptions o;
+  for (absl::string_view url : absl::StrSplit(servers, ',')) {
+    const std::string u(url);
+    const size_t scheme = u.find("://");
+    const std::string rest = scheme == std::string::npos ? "" : u.substr(scheme + 3);
+    const size_t colon = rest.rfind(':');
+    int port = 0;
+    if ((u.rfind("nats://", 0) != 0 && u.rfind("tls://", 0) != 0) ||
+        colon == std::string::npos || colon == 0 ||
+        !absl::SimpleAtoi(rest.substr(colon + 1), &port) || port < 1 ||
+        port > 65535) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--fleet=", servers, ": \"", u,
+          "\" is not nats://HOST:PORT or tls://HOST:PORT"));
+    }
+    o.nats.servers.push_back(u);
+  }
+  if (absl::GetFlag(FLAGS_data_dir).empty()) {
+    return absl::InvalidArgumentError(
+        "--fleet needs --data_dir (the outbox of completions not yet in the "
+        "fleet's stream)");
+  }
+  o.fleet = absl::GetFlag(FLAGS_fleet_name);
+  if (o.fleet.empty()) return absl::InvalidArgumentError("--fleet needs --fleet_name");
+  if (absl::Status s = leap::fleet::ValidateFleetName(o.fleet); !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("--fleet_name: ", s.message()));
+  }
+  o.member = absl::GetFlag(FLAGS_fleet_member);
+  if (o.member.empty()) {
+    const char* host = std::getenv("HOSTNAME");
+    if (host != nullptr) o.member = host;
+    if (o.member.empty()) {
+      char buf[256] = {};
+      if (gethostname(buf, sizeof(buf) - 1) == 0) o.member = buf;
+    }
+  }
+  if (absl::Status s = leap::fleet::ValidateMemberId(o.member); !s.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--fleet_member (default $HOSTNAME): ", s.message()));
+  }
+  o.replicas = absl::GetFlag(FLAGS_fleet_replicas);
+  if (o.replicas < 1 || o.replicas > 5) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--fleet_replicas must be in [1, 5], got ", o.replicas));
+  }
+  o.lease_ms = absl::GetFlag(FLAGS_fleet_lease_ms);
+  if (o.lease_ms < 300 || o.lease_ms > 600'000) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--fleet_lease_ms must be in [300, 600000], got ", o.lease_ms));
+  }
+  if (const int64_t v = absl::GetFlag(FLAGS_fleet_version_interval_ms);
+      v < 0 || v > 3'600'000) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--fleet_version_interval_ms must be in [0, 3600000], got ", v));
+  }
+  if (const std::string t = absl::GetFlag(FLAGS_fleet_trainer);
+      t != "auto" && t != "never") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--fleet_trainer must be 'auto' or 'never', got '", t, "'"));
+  }
+  if (const int64_t c = absl::GetFlag(FLAGS_fleet_checkpoint_every_s);
+      c < 1 || c > 86'400) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--fleet_checkpoint_every_s must be in [1, 86400], got ", c));
+  }
+  if (absl::GetFlag(FLAGS_fleet_wait_ms) < 0) {
+    return absl::InvalidArgumentError("--fleet_wait_ms must be >= 0");
+  }
+  o.nats.creds_file = absl::GetFlag(FLAGS_fleet_creds);
+  o.nats.tls_ca = absl::GetFlag(FLAGS_fleet_tls_ca);
+  o.nats.tls_cert = absl::GetFlag(FLAGS_fleet_tls_cert);
+  o.nats.tls_key = absl::GetFlag(FLAGS_fleet_tls_key);
+  if (o.nats.tls_cert.empty() != o.nats.tls_key.empty()) {
+    return absl::InvalidArgumentError(
+        "--fleet_tls_cert and --fleet_tls_key go together");
+  }
+  for (const auto& [flag, path] :
+       {std::pair<std::string, std::string>{"fleet_creds", o.nats.creds_file},
+        {"fleet_tls_ca", o.nats.tls_ca},
+        {"fleet_tls_cert", o.nats.tls_cert},
+        {"fleet_tls_key", o.nats.tls_key}}) {
+    if (path.empty()) continue;
+    std::FILE* f = std::fopen(path.c_str(), "rb");
+    if (f == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--", flag, "=", path, ": cannot read: ", std::strerror(errno)));
+    }
+    std::fclose(f);
+  }
+  o.nats.name = "leapd-" + o.member;
+  return std::optional<leap::fleet::FleetMemberOptions>(std::move(o));
+}
+
 // What `leapd --version` prints and leap_build_info carries: the CMake
 // project version, the git revision at configure time, the build type.
 std::string VersionLine() {
@@ -431,6 +679,13 @@ int Run(int argc, char** argv) {
   if (absl::Status s = options.Validate(); !s.ok()) {
     return Fail(std::string(s.message()));
   }
+  absl::StatusOr<std::optional<leap::fleet::FleetMemberOptions>> fleet_options =
+      FleetOptions();
+  if (!fleet_options.ok()) {
+    return Fail(std::string(fleet_options.status().message()));
+  }
+  // Fleet mode: the readouts here only serve; the trainer learns.
+  options.readout.serving_only = fleet_options->has_value();
   // The shm group and the admin token first: bad ones fail before any
   // state is opened.
   int64_t shm_gid = -1;
@@ -466,6 +721,9 @@ int Run(int argc, char** argv) {
     so.versions_kept = absl::GetFlag(FLAGS_versions_kept);
     so.dedup_window_ms =
         absl::ToInt64Milliseconds(absl::GetFlag(FLAGS_dedup_window));
+    if (absl::Status s = leap::sidecar::ApplyDataFlags(&so, &options); !s.ok()) {
+      return Fail(std::string(s.message()));
+    }
     if (so.dedup_window_ms < 0) return Fail("--dedup_window must be >= 0");
     const std::string dir = absl::GetFlag(FLAGS_data_dir);
     const std::string policy = absl::GetFlag(FLAGS_on_unrecoverable_state);
@@ -621,6 +879,7 @@ int Run(int argc, char** argv) {
   // service "" tells whether predictions are served.
   server->GetHealthCheckService()->SetServingStatus("liveness", true);
   std::fflush(stdout);
+  std::map<std::string, std::vector<leap::storage::LogRecord>> outbox;
   if (store != nullptr) {
     size_t replayed = 0;
     std::vector<std::string> names;
@@ -631,6 +890,13 @@ int Run(int argc, char** argv) {
                                    " log records)"));
     }
     const size_t routes = recovered.routes.size();
+    if (fleet_options->has_value()) {
+      // The log records left are the outbox: completions acknowledged or
+      // refused before, maybe not yet in the fleet's stream.
+      for (const auto& r : recovered.readouts) {
+        if (!r.log.empty()) outbox[r.meta.name] = r.log;
+      }
+    }
     if (absl::Status s = core.Recover(std::move(recovered)); !s.ok()) {
       return Fail(std::string(s.message()));
     }
@@ -639,6 +905,64 @@ int Run(int argc, char** argv) {
                 names.size(), routes, absl::GetFlag(FLAGS_data_dir).c_str(),
                 names.empty() ? "" : ": ", absl::StrJoin(names, ", ").c_str(),
                 replayed);
+  }
+
+  std::unique_ptr<leap::fleet::FleetMember> fleet;
+  std::unique_ptr<leap::storage::StateStore> trainer_store;
+  std::unique_ptr<TrainerRunner> trainer;
+  if (fleet_options->has_value()) {
+    leap::fleet::FleetMemberOptions fo = std::move(**fleet_options);
+    grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService();
+    // The service "leap.v1.Fleet" of the health service says NOT_SERVING
+    // while the member is degraded (predictions are still served).
+    fo.on_degraded = [health](bool degraded) {
+      health->SetServingStatus("leap.v1.Fleet", !degraded);
+    };
+    health->SetServingStatus("leap.v1.Fleet", false);
+    auto created = leap::fleet::FleetMember::Create(&core, std::move(fo));
+    if (!created.ok()) return Fail(std::string(created.status().message()));
+    fleet = std::move(*created);
+    fleet->SetCreateStateWriter(
+        [fleet_name = fleet->options().fleet](
+            leap::fleet::NatsClient& nats, const std::string& readout,
+            const leap::readout::ReadoutState& state, uint64_t fleet_seq) {
+          return leap::fleet::WriteCreateState(nats.raw_jetstream(), fleet_name,
+                                               readout, state, fleet_seq);
+        });
+    core.SetFleet(fleet.get());
+    size_t unconfirmed = 0;
+    for (const auto& [name, records] : outbox) unconfirmed += records.size();
+    if (absl::Status s = fleet->Start(std::move(outbox),
+                                      absl::GetFlag(FLAGS_fleet_wait_ms));
+        !s.ok()) {
+      return Fail(std::string(s.message()));
+    }
+    if (absl::GetFlag(FLAGS_fleet_trainer) == "auto") {
+      // The trainer's own checkpoint store (its log stays empty), beside
+      // the member's.
+      const std::string dir = absl::GetFlag(FLAGS_data_dir) + "/fleet_trainer";
+      std::error_code ec;
+      std::filesystem::create_directories(dir, ec);
+      auto opened = leap::storage::OpenRocksStore(dir);
+      if (!opened.ok()) return Fail(std::string(opened.status().message()));
+      trainer_store = std::move(*opened);
+      leap::fleet::TrainerOptions to;
+      to.fleet = fleet->options().fleet;
+      to.member = fleet->options().member;
+      to.replicas = fleet->options().replicas;
+      to.lease_ms = fleet->options().lease_ms;
+      to.version_interval_ms = absl::GetFlag(FLAGS_fleet_version_interval_ms);
+      to.checkpoint_every_ms = absl::GetFlag(FLAGS_fleet_checkpoint_every_s) * 1000;
+      to.local_store = trainer_store.get();
+      to.registry = metrics.registry();
+      to.on_role = [member = fleet.get()](bool lead) { member->SetRole(lead); };
+      trainer = std::make_unique<TrainerRunner>(fleet.get(), std::move(to));
+    }
+    std::printf("fleet %s: member %s, %s; %zu outbox records republished\n",
+                fleet->options().fleet.c_str(), fleet->options().member.c_str(),
+                fleet->degraded() ? "degraded (NATS not reachable yet)"
+                                  : "connected",
+                unconfirmed);
   }
 
   // Readouts to load.
@@ -667,7 +991,16 @@ int Run(int argc, char** argv) {
     auto state = leap::readout::ReadArtifact(path);
     if (!state.ok()) return Fail(std::string(state.status().message()));
     const int64_t dim = state->spec.dim;
-    if (absl::Status s = core.CreateReadout(name, std::move(*state)); !s.ok()) {
+    if (fleet != nullptr) {
+      // Fleet mode: created for the whole fleet unless it exists there.
+      absl::Status s = fleet->CreateReadout(name, std::move(*state));
+      if (!s.ok()) {
+        std::fprintf(stderr, "leapd: warning: --import %s: not created in the "
+                     "fleet: %s\n", spec.c_str(), std::string(s.message()).c_str());
+        continue;
+      }
+    } else if (absl::Status s = core.CreateReadout(name, std::move(*state));
+               !s.ok()) {
       return Fail(absl::StrCat("--import ", spec, ": ", s.message()));
     }
     std::printf("imported readout %s (d=%lld) from %s\n", name.c_str(),
@@ -680,11 +1013,17 @@ int Run(int argc, char** argv) {
   if (!def.empty() && core.ListRoutes().empty()) {
     leap::sidecar::Route r;
     r.arms.push_back({def, def, 100.0, false});
-    if (absl::Status s = core.SetRoute(r); !s.ok()) {
+    if (absl::Status s = fleet != nullptr && fleet->ready() ? fleet->SetRoute(r)
+                                                            : core.SetRoute(r);
+        !s.ok()) {
       return Fail(absl::StrCat("default route: ", s.message()));
     }
   }
 
+  auto bootstrap = leap::sidecar::StartBootstrapFromFlags(&core);
+  if (!bootstrap.ok()) {
+    return Fail(absl::StrCat("bootstrap: ", bootstrap.status().message()));
+  }
   core.SetServing(true);
   if (exposer != nullptr) {
     std::string host = absl::GetFlag(FLAGS_metrics_listen);
@@ -721,6 +1060,15 @@ int Run(int argc, char** argv) {
   if (shm_server != nullptr) shm_server->Stop();
   server->Shutdown(std::chrono::system_clock::now() +
                    absl::ToChronoSeconds(absl::GetFlag(FLAGS_drain_timeout)));
+  bootstrap->reset();  // a fit in progress finishes first
+  // The trainer first (final checkpoints, the lease released), while NATS
+  // is still connected.
+  trainer.reset();
+  trainer_store.reset();
+  if (fleet != nullptr) {
+    core.SetFleet(nullptr);
+    fleet->Stop();
+  }
   core.Shutdown(/*drain=*/true);  // applies the backlog, final checkpoints
   // "leapd: stopped" is printed by main once everything here, the RocksDB
   // store last, is destroyed.

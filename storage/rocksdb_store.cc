@@ -21,8 +21,11 @@ using nlohmann::json;
 
 constexpr const char* kFamilies[] = {"default",  "meta",      "checkpoints",
                                      "log",      "versions",  "snapshots",
-                                     "dedup"};
-enum Cf { kDefault = 0, kMeta, kCheckpoints, kLog, kVersions, kSnapshots, kDedup };
+                                     "dedup",    "dataset",   "quality"};
+enum Cf {
+  kDefault = 0, kMeta, kCheckpoints, kLog, kVersions, kSnapshots, kDedup,
+  kDataset, kQuality
+};
 
 void PutU64(std::string& s, uint64_t v) {
   for (int i = 7; i >= 0; --i) s.push_back(static_cast<char>((v >> (8 * i)) & 0xFF));
@@ -92,7 +95,30 @@ absl::Status RocksStoreOptions::Validate() const {
   if (chunk_bytes < 4096 || chunk_bytes % 4 != 0) {
     return absl::InvalidArgumentError("chunk_bytes must be >= 4096, multiple of 4");
   }
+  if (dataset_max_records < 0) {
+    return absl::InvalidArgumentError("dataset_max_records must be >= 0");
+  }
+  if (dataset_max_bytes < 1) {
+    return absl::InvalidArgumentError("dataset_max_bytes must be >= 1");
+  }
+  if (quality_kept < 1) return absl::InvalidArgumentError("quality_kept must be >= 1");
   return absl::OkStatus();
+}
+
+std::string ReadoutQualitySeries(uint64_t incarnation) {
+  return absl::StrCat("R", Prefix(incarnation));
+}
+
+std::string ArmQualitySeries(const std::string& product_line,
+                             const std::string& arm,
+                             const std::string& readout) {
+  std::string s = "A" + product_line;
+  s.push_back('\0');
+  s += arm;
+  s.push_back('\0');
+  s += readout;
+  s.push_back('\0');
+  return s;
 }
 
 // Thread-safe (any thread: admin handlers, RLS workers, checkpointers); mu_
@@ -183,6 +209,8 @@ class RocksStore final : public StateStore {
     for (int cf : {kCheckpoints, kLog, kVersions, kSnapshots}) {
       b.DeleteRange(h_[cf], Prefix(meta.incarnation), Prefix(meta.incarnation + 1));
     }
+    b.DeleteRange(h_[kQuality], ReadoutQualitySeries(meta.incarnation),
+                  ReadoutQualitySeries(meta.incarnation + 1));
     rocksdb::WriteOptions wo;
     wo.sync = true;
     return FromRocks(db_->Write(wo, &b), "delete readout");
@@ -638,9 +666,207 @@ class RocksStore final : public StateStore {
     return out;
   }
 
+  // -------------------------------------------------------------- dataset
+  // Keys: NAME NUL seq (u64 big-endian) per record; NAME \x01 holds the
+  // stats (first_seq, next_seq, records, bytes as u64), in the same batch.
+  static std::string DsKey(const std::string& name, uint64_t seq) {
+    std::string k = name;
+    k.push_back('\0');
+    PutU64(k, seq);
+    return k;
+  }
+  static std::string DsStatsKey(const std::string& name) {
+    std::string k = name;
+    k.push_back('\x01');
+    return k;
+  }
+
+  absl::StatusOr<DatasetStats> DatasetStatsLocked(const std::string& name)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(ds_mu_) {
+    auto it = ds_stats_.find(name);
+    if (it != ds_stats_.end()) return it->second;
+    DatasetStats st;
+    std::string v;
+    auto s = db_->Get(rocksdb::ReadOptions(), h_[kDataset], DsStatsKey(name), &v);
+    if (s.ok() && v.size() == 32) {
+      st.first_seq = GetU64(v.data());
+      st.next_seq = GetU64(v.data() + 8);
+      st.records = static_cast<int64_t>(GetU64(v.data() + 16));
+      st.bytes = static_cast<int64_t>(GetU64(v.data() + 24));
+    } else if (!s.ok() && !s.IsNotFound()) {
+      return FromRocks(s, "dataset stats");
+    }
+    ds_stats_[name] = st;
+    return st;
+  }
+
+  absl::StatusOr<DatasetStats> AppendDataset(const std::string& name,
+                                             DatasetRecord r) override {
+    if (o_.dataset_max_records == 0) {
+      return absl::FailedPreconditionError("no dataset is kept (--dataset_max_records=0)");
+    }
+    absl::MutexLock lock(&ds_mu_);
+    ASSIGN_OR_RETURN(DatasetStats st, DatasetStatsLocked(name));
+    std::string v;
+    v.reserve(r.features.size() + 21);
+    v.append(4, '\0');
+    v.push_back(static_cast<char>(r.dtype));
+    Append(v, r.tokens);
+    Append(v, r.unix_ms);
+    v += r.features;
+    const uint32_t crc = Crc32c(v.data() + 4, v.size() - 4);
+    std::memcpy(v.data(), &crc, 4);
+    rocksdb::WriteBatch b;
+    if (st.records == 0) st.first_seq = st.next_seq;
+    r.seq = st.next_seq++;
+    b.Put(h_[kDataset], DsKey(name, r.seq), v);
+    st.records += 1;
+    st.bytes += static_cast<int64_t>(v.size());
+    // Retention: drop the oldest beyond either bound.
+    uint64_t cut = st.first_seq;
+    if (st.records > o_.dataset_max_records || st.bytes > o_.dataset_max_bytes) {
+      std::unique_ptr<rocksdb::Iterator> it(
+          db_->NewIterator(rocksdb::ReadOptions(), h_[kDataset]));
+      const std::string end = DsKey(name, r.seq);
+      for (it->Seek(DsKey(name, st.first_seq));
+           it->Valid() && it->key().compare(end) < 0 &&
+           (st.records > o_.dataset_max_records || st.bytes > o_.dataset_max_bytes);
+           it->Next()) {
+        st.records -= 1;
+        st.bytes -= static_cast<int64_t>(it->value().size());
+        cut = GetU64(it->key().data() + it->key().size() - 8) + 1;
+      }
+      b.DeleteRange(h_[kDataset], DsKey(name, st.first_seq), DsKey(name, cut));
+      st.first_seq = cut;
+    }
+    std::string sv;
+    PutU64(sv, st.first_seq);
+    PutU64(sv, st.next_seq);
+    PutU64(sv, static_cast<uint64_t>(st.records));
+    PutU64(sv, static_cast<uint64_t>(st.bytes));
+    b.Put(h_[kDataset], DsStatsKey(name), sv);
+    rocksdb::WriteOptions wo;
+    wo.sync = o_.sync_log;
+    RETURN_IF_ERROR(FromRocks(db_->Write(wo, &b), "append dataset"));
+    ds_stats_[name] = st;
+    return st;
+  }
+
+  absl::StatusOr<DatasetStats> GetDatasetStats(const std::string& name) override {
+    absl::MutexLock lock(&ds_mu_);
+    return DatasetStatsLocked(name);
+  }
+
+  absl::Status ScanDataset(const std::string& name, int64_t limit,
+                           const std::function<bool(const DatasetRecord&)>& fn,
+                           int64_t* corrupt) override {
+    uint64_t from = 0;
+    {
+      absl::MutexLock lock(&ds_mu_);
+      ASSIGN_OR_RETURN(DatasetStats st, DatasetStatsLocked(name));
+      from = st.first_seq;
+      if (limit > 0 && st.records > limit) {
+        from = st.next_seq - static_cast<uint64_t>(limit);
+      }
+    }
+    if (corrupt != nullptr) *corrupt = 0;
+    // An iterator reads one consistent view of the store.
+    std::unique_ptr<rocksdb::Iterator> it(
+        db_->NewIterator(rocksdb::ReadOptions(), h_[kDataset]));
+    std::string pre = name;
+    pre.push_back('\0');
+    for (it->Seek(DsKey(name, from)); it->Valid() && it->key().starts_with(pre);
+         it->Next()) {
+      const rocksdb::Slice v = it->value();
+      if (it->key().size() != pre.size() + 8) continue;
+      if (v.size() < 21 || Crc32c(v.data() + 4, v.size() - 4) != Read<uint32_t>(v.data())) {
+        if (corrupt != nullptr) ++*corrupt;
+        continue;
+      }
+      DatasetRecord r;
+      r.seq = GetU64(it->key().data() + pre.size());
+      r.dtype = static_cast<readout::DType>(v[4]);
+      r.tokens = Read<int64_t>(v.data() + 5);
+      r.unix_ms = Read<int64_t>(v.data() + 13);
+      r.features.assign(v.data() + 21, v.size() - 21);
+      if (!fn(r)) break;
+    }
+    return FromRocks(it->status(), "scan dataset");
+  }
+
+  // -------------------------------------------------------------- quality
+  // Keys: series + seq (u64 big-endian); value: version i64, predicted
+  // f64, truth f64, unix_ms i64. The newest quality_kept per series stay.
+  absl::Status AppendQuality(const std::string& series,
+                             const QualityPair& p) override {
+    uint64_t seq;
+    {
+      absl::MutexLock lock(&q_mu_);
+      auto it = q_next_.find(series);
+      if (it == q_next_.end()) {
+        int64_t total = 0;
+        LastQualitySeq(series, &total);
+        it = q_next_.emplace(series, static_cast<uint64_t>(total) + 1).first;
+      }
+      seq = it->second++;
+    }
+    std::string v;
+    Append(v, p.version);
+    Append(v, p.predicted);
+    Append(v, p.truth);
+    Append(v, p.unix_ms);
+    rocksdb::WriteBatch b;
+    std::string key = series;
+    PutU64(key, seq);
+    b.Put(h_[kQuality], key, v);
+    const uint64_t kept = static_cast<uint64_t>(o_.quality_kept);
+    if (seq > kept && seq % 256 == 0) {
+      std::string from = series, to = series;
+      PutU64(from, 0);
+      PutU64(to, seq - kept);
+      b.DeleteRange(h_[kQuality], from, to);
+    }
+    return FromRocks(db_->Write(rocksdb::WriteOptions(), &b), "append quality");
+  }
+
+  void LastQualitySeq(const std::string& series, int64_t* total) {
+    *total = 0;
+    std::unique_ptr<rocksdb::Iterator> it(
+        db_->NewIterator(rocksdb::ReadOptions(), h_[kQuality]));
+    std::string end = series;
+    PutU64(end, ~uint64_t{0});
+    it->SeekForPrev(end);
+    if (it->Valid() && it->key().size() == series.size() + 8 &&
+        it->key().starts_with(series)) {
+      *total = static_cast<int64_t>(GetU64(it->key().data() + series.size()));
+    }
+  }
+
+  absl::StatusOr<std::vector<QualityPair>> LoadQuality(const std::string& series,
+                                                       int64_t max,
+                                                       int64_t* total) override {
+    int64_t last = 0;
+    LastQualitySeq(series, &last);
+    if (total != nullptr) *total = last;
+    std::vector<QualityPair> out;
+    const uint64_t first = last > max ? static_cast<uint64_t>(last - max) + 1 : 0;
+    std::string from = series;
+    PutU64(from, first);
+    std::unique_ptr<rocksdb::Iterator> it(
+        db_->NewIterator(rocksdb::ReadOptions(), h_[kQuality]));
+    for (it->Seek(from); it->Valid() && it->key().starts_with(series); it->Next()) {
+      if (it->key().size() != series.size() + 8 || it->value().size() != 32) continue;
+      const char* v = it->value().data();
+      out.push_back({Read<int64_t>(v), Read<double>(v + 8), Read<double>(v + 16),
+                     Read<int64_t>(v + 24)});
+    }
+    RETURN_IF_ERROR(FromRocks(it->status(), "load quality"));
+    return out;
+  }
+
   std::map<std::string, int64_t> BytesPerFamily() override {
     std::map<std::string, int64_t> out;
-    for (int cf = kMeta; cf <= kDedup; ++cf) {
+    for (int cf = kMeta; cf <= kQuality; ++cf) {
       uint64_t sst = 0, mem = 0;
       db_->GetIntProperty(h_[cf], rocksdb::DB::Properties::kTotalSstFilesSize, &sst);
       db_->GetIntProperty(h_[cf], rocksdb::DB::Properties::kCurSizeAllMemTables, &mem);
@@ -660,6 +886,10 @@ class RocksStore final : public StateStore {
   uint64_t next_inc_ ABSL_GUARDED_BY(mu_) = 1;
   std::map<uint64_t, uint64_t> next_ckpt_ ABSL_GUARDED_BY(mu_);
   int64_t last_dedup_prune_ms_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Mutex ds_mu_;  // dataset appends are serialized per store
+  std::map<std::string, DatasetStats> ds_stats_ ABSL_GUARDED_BY(ds_mu_);
+  absl::Mutex q_mu_;
+  std::map<std::string, uint64_t> q_next_ ABSL_GUARDED_BY(q_mu_);
 };
 
 absl::StatusOr<std::unique_ptr<StateStore>> OpenRocksStore(

@@ -1,6 +1,7 @@
 // StateStore on an embedded RocksDB, one column family per kind of data:
 // meta (readouts, routes), checkpoints (P in 1 MiB chunks), log (feedback),
-// versions, snapshots, dedup (recently recorded request ids).
+// versions, snapshots, dedup (recently recorded request ids), dataset
+// (features and true lengths kept for training), quality (online pairs).
 #ifndef LEAP_STORAGE_ROCKSDB_STORE_H_
 #define LEAP_STORAGE_ROCKSDB_STORE_H_
 
@@ -28,6 +29,13 @@ struct RocksStoreOptions {
   int64_t dedup_window_ms = 3600 * 1000;
   // Bytes per stored chunk of P. Default: 1 MiB
   int64_t chunk_bytes = int64_t{1} << 20;
+  // Dataset retention per readout name (leapd --dataset_max_records,
+  // --dataset_max_bytes): the oldest records are deleted beyond either
+  // bound. 0 records: no dataset is kept. Default: 100000 records, 1 GiB
+  int64_t dataset_max_records = 100000;
+  int64_t dataset_max_bytes = int64_t{1} << 30;
+  // Quality pairs kept per series (a readout, a route arm). Default: 100000
+  int64_t quality_kept = 100000;
 
   absl::Status Validate() const;
 };

@@ -381,5 +381,88 @@ TEST_F(RocksStoreTest, OptionsAreValidated) {
   EXPECT_FALSE(OpenRocksStore(dir_, o).ok());
 }
 
+// The dataset keeps the newest records within both bounds, survives a
+// reopen (stats and records), and reads back what was written.
+TEST_F(RocksStoreTest, DatasetRetentionByCountAndBytes) {
+  RocksStoreOptions o;
+  o.dataset_max_records = 5;
+  o.dataset_max_bytes = 1 << 20;
+  Open(o);
+  auto rec = [](int64_t i, size_t bytes) {
+    DatasetRecord r;
+    r.dtype = readout::DType::kFloat32;
+    r.features.assign(bytes, static_cast<char>('a' + i % 26));
+    r.tokens = 100 + i;
+    r.unix_ms = i;
+    return r;
+  };
+  for (int64_t i = 0; i < 8; ++i) {
+    auto st = store_->AppendDataset("chat", rec(i, 64));
+    ASSERT_TRUE(st.ok()) << st.status();
+    EXPECT_EQ(st->records, std::min<int64_t>(i + 1, 5));
+  }
+  ASSERT_TRUE(store_->AppendDataset("other", rec(0, 64)).ok());
+  Close();
+  Open(o);
+  auto st = store_->GetDatasetStats("chat");
+  ASSERT_TRUE(st.ok());
+  EXPECT_EQ(st->records, 5);
+  EXPECT_EQ(st->first_seq, 4u);
+  EXPECT_EQ(st->next_seq, 9u);
+  EXPECT_EQ(st->bytes, 5 * (64 + 21));
+  std::vector<int64_t> tokens;
+  ASSERT_TRUE(store_->ScanDataset("chat", 0, [&](const DatasetRecord& r) {
+    tokens.push_back(r.tokens);
+    EXPECT_EQ(r.features, std::string(64, static_cast<char>('a' + (r.tokens - 100) % 26)));
+    return true;
+  }).ok());
+  EXPECT_EQ(tokens, (std::vector<int64_t>{103, 104, 105, 106, 107}));
+  tokens.clear();
+  ASSERT_TRUE(store_->ScanDataset("chat", 2, [&](const DatasetRecord& r) {
+    tokens.push_back(r.tokens);
+    return true;
+  }).ok());
+  EXPECT_EQ(tokens, (std::vector<int64_t>{106, 107}));
+  // The byte bound: 3 records of 1000 bytes fit in 3200, a 4th pushes one out.
+  o.dataset_max_bytes = 3200;
+  Open(o);
+  for (int64_t i = 0; i < 4; ++i) ASSERT_TRUE(store_->AppendDataset("big", rec(i, 1000)).ok());
+  st = store_->GetDatasetStats("big");
+  ASSERT_TRUE(st.ok());
+  EXPECT_EQ(st->records, 3);
+  EXPECT_LE(st->bytes, 3200);
+  // Off: refused.
+  o.dataset_max_records = 0;
+  Open(o);
+  EXPECT_EQ(store_->AppendDataset("chat", rec(9, 8)).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+}
+
+// Quality pairs: the newest come back in order with the count ever
+// appended, after a reopen.
+TEST_F(RocksStoreTest, QualityPairsPersist) {
+  Open();
+  const std::string series = ReadoutQualitySeries(3);
+  for (int64_t i = 0; i < 10; ++i) {
+    ASSERT_TRUE(store_->AppendQuality(series, {i / 4, 1.0 * i, 2.0 * i, i}).ok());
+  }
+  ASSERT_TRUE(store_->AppendQuality(ArmQualitySeries("", "a", "r"), {1, 1, 1, 1}).ok());
+  Close();
+  Open();
+  int64_t total = 0;
+  auto pairs = store_->LoadQuality(series, 4, &total);
+  ASSERT_TRUE(pairs.ok());
+  EXPECT_EQ(total, 10);
+  ASSERT_EQ(pairs->size(), 4u);
+  EXPECT_EQ((*pairs)[0].predicted, 6.0);
+  EXPECT_EQ((*pairs)[3].truth, 18.0);
+  EXPECT_EQ((*pairs)[3].version, 2);
+  ASSERT_TRUE(store_->AppendQuality(series, {5, 0, 0, 0}).ok());
+  pairs = store_->LoadQuality(series, 100, &total);
+  ASSERT_TRUE(pairs.ok());
+  EXPECT_EQ(total, 11);
+  EXPECT_EQ(pairs->size(), 11u);
+}
+
 }  // namespace
 }  // namespace leap::storage

@@ -15,6 +15,7 @@
 #define LEAP_STORAGE_STATE_STORE_H_
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <optional>
 #include <span>
@@ -107,6 +108,33 @@ struct RecoveredState {
   std::vector<std::string> problems;
 };
 
+// One finished request kept for training (the "dataset" family, see
+// docs/STORAGE.md): raw features and the true output length, for
+// `leapctl dataset export` and bootstrap training.
+struct DatasetRecord {
+  uint64_t seq = 0;  // assigned by the store, increasing per readout name
+  readout::DType dtype = readout::DType::kFloat32;
+  std::string features;  // raw little-endian values
+  int64_t tokens = 0;    // true output tokens (not clipped)
+  int64_t unix_ms = 0;
+};
+
+// What the dataset of one readout name holds now.
+struct DatasetStats {
+  int64_t records = 0;
+  int64_t bytes = 0;          // record values, features included
+  uint64_t first_seq = 0;     // oldest kept record (when records > 0)
+  uint64_t next_seq = 1;      // the next record's seq
+};
+
+// One (predicted, true) pair of the online quality, as persisted.
+struct QualityPair {
+  int64_t version = 0;  // the readout version that predicted it
+  double predicted = 0;
+  double truth = 0;
+  int64_t unix_ms = 0;
+};
+
 // Thread-safe: leapd calls it from admin handlers, the RLS worker and the
 // checkpoint thread of each readout, concurrently.
 class StateStore {
@@ -157,7 +185,49 @@ class StateStore {
   virtual absl::StatusOr<RecoveredState> Load() = 0;
   // Approximate bytes on disk per kind of data.
   virtual std::map<std::string, int64_t> BytesPerFamily() = 0;
+
+  // --- dataset: (features, true tokens) of finished requests, per readout
+  // name, oldest pruned beyond the retention bounds. Unimplemented by
+  // default (stores without it keep no dataset).
+  virtual absl::StatusOr<DatasetStats> AppendDataset(
+      const std::string& /*readout*/, DatasetRecord /*record*/) {
+    return absl::UnimplementedError("this store keeps no dataset");
+  }
+  virtual absl::StatusOr<DatasetStats> GetDatasetStats(
+      const std::string& /*readout*/) {
+    return absl::UnimplementedError("this store keeps no dataset");
+  }
+  // Calls `fn` for the records, oldest first (the newest `limit` when
+  // limit > 0), from one consistent view; stops early when fn returns
+  // false. Corrupt records are skipped and counted in *corrupt.
+  virtual absl::Status ScanDataset(
+      const std::string& /*readout*/, int64_t /*limit*/,
+      const std::function<bool(const DatasetRecord&)>& /*fn*/,
+      int64_t* /*corrupt*/ = nullptr) {
+    return absl::UnimplementedError("this store keeps no dataset");
+  }
+
+  // --- quality: (predicted, true) pairs of a series (a readout
+  // incarnation, or a route arm), the newest kept per the retention bound.
+  virtual absl::Status AppendQuality(const std::string& /*series*/,
+                                     const QualityPair& /*pair*/) {
+    return absl::OkStatus();
+  }
+  // The newest `max` pairs of a series (oldest first) and, in *total, how
+  // many were ever appended to it.
+  virtual absl::StatusOr<std::vector<QualityPair>> LoadQuality(
+      const std::string& /*series*/, int64_t /*max*/, int64_t* total) {
+    if (total != nullptr) *total = 0;
+    return std::vector<QualityPair>{};
+  }
 };
+
+// Quality series names: a readout's (by incarnation, so a re-created name
+// starts fresh) and a route arm's (product line, arm, readout).
+std::string ReadoutQualitySeries(uint64_t incarnation);
+std::string ArmQualitySeries(const std::string& product_line,
+                             const std::string& arm,
+                             const std::string& readout);
 
 }  // namespace leap::storage
 

@@ -212,13 +212,18 @@ TEST_F(LeapctlServerTest, OperatorWorkflow) {
   EXPECT_THAT(fed.out, HasSubstr("completions: learned 4000, skipped 0"));
   EXPECT_THAT(fed.out, HasSubstr("final: readout chat version "));
 
-  nlohmann::json versions = Json({"versions", "chat", "--json"});
+  nlohmann::json versions = Json({"versions", "chat", "--json", "--limit", "0"});
   ASSERT_GT(versions["versions"].size(), 1u);
   EXPECT_EQ(versions["versions"][0]["cause"], "create");
   EXPECT_EQ(versions["versions"].back()["cause"], "rls");
-  RunResult versions_text = Ok({"versions", "chat"});
+  RunResult versions_text = Ok({"versions", "chat", "--limit", "0"});
   EXPECT_THAT(versions_text.out, HasSubstr("VERSION"));
   EXPECT_THAT(versions_text.out, HasSubstr(" create "));
+  // --limit: only the newest versions.
+  nlohmann::json newest = Json({"versions", "chat", "--json", "--limit", "1"});
+  ASSERT_EQ(newest["versions"].size(), 1u);
+  EXPECT_EQ(newest["versions"][0]["version"], versions["versions"].back()["version"]);
+  EXPECT_EQ(newest["total_versions"], versions["versions"].size());
 
   // Freeze: more traffic is measured, not learned; the version stays.
   RunResult frozen = Ok({"freeze", "chat", "--wait"});

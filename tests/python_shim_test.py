@@ -588,6 +588,36 @@ class BadInputTest(unittest.TestCase):
             leap_shim.Scheduler(unpredicted="random")
         with self.assertRaisesRegex(ValueError, "aging_rate"):
             leap_shim.Scheduler(aging_rate=-1.0)
+        with self.assertRaisesRegex(ValueError, "policy must be"):
+            leap_shim.Scheduler(policy="fifo")
+        with self.assertRaisesRegex(ValueError, "max_slowdown"):
+            leap_shim.Scheduler(policy="bounded", max_slowdown=0.5)
+        # The tail bound: a long request admitted first is served before
+        # later short ones once its deadline (S x its FCFS latency) nears.
+        b = leap_shim.Scheduler(slots=1, waiting_cap=0, policy="bounded",
+                                max_slowdown=2.0)
+        b.add("long")
+        b.set_prediction("long", 10.0)
+        served = []
+        for step in range(40):
+            b.add(f"s{step}")
+            b.set_prediction(f"s{step}", 1.0)
+            served += b.select()
+            if served[-1] != "long":
+                b.remove(served[-1])  # a short one is done
+        # Deadline 0 + 2 * 10 = 20: it runs its 10 tokens by step 20.
+        self.assertEqual(served[:20].count("long"), 10)
+        c = leap_shim.Scheduler(slots=1, waiting_cap=0)
+        c.add("long")
+        c.set_prediction("long", 10.0)
+        served = []
+        for step in range(40):
+            c.add(f"s{step}")
+            c.set_prediction(f"s{step}", 1.0)
+            served += c.select()
+            if served[-1] != "long":
+                c.remove(served[-1])
+        self.assertNotIn("long", served)  # the countdown starves it
         s = leap_shim.Scheduler()
         s.add("a")
         with self.assertRaises(ValueError):

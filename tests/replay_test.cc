@@ -288,6 +288,104 @@ TEST(ReplaySimTest, PredictionLatencyIsChargedOnTheTimeline) {
   EXPECT_NE(a->decode_order, c->decode_order);
 }
 
+// The tail bound at engine level: on the overloaded replay the countdown
+// starves the long request; +bounded serves it within a small multiple of
+// what FCFS gives it, and keeps most of the mean-latency gain.
+TEST(ReplaySimTest, BoundedPolicyCutsTheTail) {
+  const std::vector<SimRequest> reqs = Overloaded(1500, 5);
+  const std::vector<double> truth = Lengths(reqs);
+  const auto run = [&](shim::SchedulingPolicy policy, bool fcfs) {
+    SimOptions o = Small(0);
+    o.scheduler.policy = policy;
+    o.scheduler.max_slowdown = 1.5;
+    if (fcfs) o.scheduler.unpredicted = shim::UnpredictedPolicy::kFixed;
+    NoPredictor none;
+    TablePredictor oracle(truth, 0, false, 0);
+    absl::StatusOr<SimResult> r =
+        Simulate(reqs, o, fcfs ? static_cast<Predictor&>(none) : oracle);
+    EXPECT_TRUE(r.ok()) << r.status();
+    return *std::move(r);
+  };
+  const SimResult f = run(shim::SchedulingPolicy::kCountdown, true);
+  const SimResult c = run(shim::SchedulingPolicy::kCountdown, false);
+  const SimResult b = run(shim::SchedulingPolicy::kBounded, false);
+  const auto latency = [](const SimResult& r, int64_t id) {
+    return r.requests[id].completion_s - r.requests[id].arrival_s;
+  };
+  const Metrics fm = ComputeMetrics(f.requests), cm = ComputeMetrics(c.requests),
+                bm = ComputeMetrics(b.requests);
+  std::printf(
+      "mean PTL fcfs %.4f countdown %.4f bounded %.4f; long request's "
+      "latency %.1f %.1f %.1f s; urgent selections %lld\n",
+      fm.mean_ptl, cm.mean_ptl, bm.mean_ptl, latency(f, 3), latency(c, 3),
+      latency(b, 3), static_cast<long long>(b.counters.urgent_selections));
+  // The countdown starves the 2,000-token request; the bound serves it
+  // within S = 1.5 of its FCFS latency (steps are ~10 ms here, so seconds
+  // follow steps up to prefill time), and most of the mean gain stays.
+  EXPECT_GT(latency(c, 3), 2 * latency(f, 3));
+  EXPECT_LT(latency(b, 3), 1.5 * 1.05 * latency(f, 3));
+  EXPECT_GT(b.counters.urgent_selections, 0);
+  EXPECT_LT(bm.mean_ptl, fm.mean_ptl);
+  EXPECT_LT(cm.mean_ptl, bm.mean_ptl);
+}
+
+// vLLM-shaped engine: a hand-computed request, then invariants under KV
+// pressure (every request finishes, preemptions happen and are recomputed).
+TEST(ReplayVllmTest, HandComputedChunkedPrefillAndDecode) {
+  SimOptions o;
+  o.engine.kind = EngineKind::kVllm;
+  o.engine.max_num_batched_tokens = 64;
+  o.engine.step_base_ms = 12;
+  o.engine.step_per_seq_ms = 0.12;
+  o.engine.prefill_per_token_ms = 0.05;
+  std::vector<SimRequest> reqs = {{0, 0.0, 100, 5, 0}};
+  NoPredictor none;
+  absl::StatusOr<SimResult> r = Simulate(reqs, o, none);
+  ASSERT_TRUE(r.ok()) << r.status();
+  // Prefill in chunks of 64 and 36 (first token), then 4 decode steps.
+  EXPECT_EQ(r->steps, 6);
+  EXPECT_NEAR(r->requests[0].first_token_s, 0.0152 + 0.0138, 1e-12);
+  EXPECT_NEAR(r->requests[0].completion_s, 0.0152 + 0.0138 + 4 * 0.01212,
+              1e-12);
+  EXPECT_EQ(r->preemptions, 0);
+}
+
+TEST(ReplayVllmTest, KvPressurePreemptsAndEveryRequestFinishes) {
+  std::vector<SimRequest> reqs = Overloaded(600, 11);
+  SimOptions o;
+  o.engine.kind = EngineKind::kVllm;
+  o.engine.max_num_seqs = 32;
+  o.engine.max_num_batched_tokens = 512;
+  o.engine.block_size = 16;
+  o.engine.kv_blocks = 300;  // 4,800 tokens: less than 32 requests need
+  o.scheduler.waiting_cap = 0;
+  for (const bool oracle : {false, true}) {
+    const std::vector<double> truth = Lengths(reqs);
+    NoPredictor none;
+    TablePredictor table(truth, 0, false, 0);
+    SimOptions so = o;
+    if (!oracle) so.scheduler.unpredicted = shim::UnpredictedPolicy::kFixed;
+    absl::StatusOr<SimResult> r =
+        Simulate(reqs, so, oracle ? static_cast<Predictor&>(table) : none);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_GT(r->preemptions, 0);
+    EXPECT_GT(r->recomputed_tokens, 0);
+    for (const RequestResult& q : r->requests) {
+      EXPECT_GT(q.completion_s, 0) << q.id;
+      EXPECT_GE(q.first_token_s, q.arrival_s) << q.id;
+      // output - 1 decode steps of at least step_base_ms each.
+      EXPECT_GE(q.completion_s - q.first_token_s + 1e-9,
+                static_cast<double>(q.output_tokens - 1) * 0.012)
+          << q.id;
+    }
+  }
+  // A request larger than the whole cache is refused.
+  std::vector<SimRequest> big = {{0, 0.0, 100000, 5, 0}};
+  NoPredictor none;
+  EXPECT_EQ(Simulate(big, o, none).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 // ---- learned-predictor copula and policies
 // ---------------------------------------
 
@@ -328,6 +426,33 @@ TEST(ReplayPolicyTest, ParsesNamesPresetsAndLearnedSpecs) {
   EXPECT_FALSE(ParsePolicies("learned:cost=2ms").ok());
   EXPECT_FALSE(ParsePolicies("learned:rho=1.5").ok());
   EXPECT_FALSE(ParsePolicies("learned:rho=0.5,speed=3").ok());
+
+  // Disciplines after '+'.
+  absl::StatusOr<std::vector<PolicySpec>> d = ParsePolicies(
+      "leap+bounded=1.5,oracle+hrrn,leap+aging=0.5,ltr+bounded,"
+      "learned:rho=0.6,cost=2ms+hrrn");
+  ASSERT_TRUE(d.ok()) << d.status();
+  ASSERT_EQ(d->size(), 5u);
+  EXPECT_EQ((*d)[0].name, "leap+bounded=1.5");
+  EXPECT_EQ((*d)[0].discipline, shim::SchedulingPolicy::kBounded);
+  EXPECT_DOUBLE_EQ((*d)[0].knob, 1.5);
+  EXPECT_EQ((*d)[0].predictor, "leap");
+  EXPECT_EQ((*d)[1].name, "oracle+hrrn");
+  EXPECT_EQ((*d)[2].discipline, shim::SchedulingPolicy::kLinearAging);
+  EXPECT_EQ((*d)[3].name, "ltr+bounded=2.5");
+  EXPECT_EQ((*d)[3].kind, PolicySpec::Kind::kLearned);
+  EXPECT_EQ((*d)[4].name, "learned:rho=0.6,cost=2ms+hrrn");
+  // A discipline after a learned spec is a new policy, not its parameter.
+  absl::StatusOr<std::vector<PolicySpec>> after =
+      ParsePolicies("learned:rho=0.5,cost=1ms,leap+bounded=2");
+  ASSERT_TRUE(after.ok()) << after.status();
+  ASSERT_EQ(after->size(), 2u);
+  EXPECT_EQ((*after)[1].name, "leap+bounded=2");
+  EXPECT_FALSE(ParsePolicies("fcfs+bounded").ok());
+  EXPECT_FALSE(ParsePolicies("leap+bounded=0.5").ok());
+  EXPECT_FALSE(ParsePolicies("leap+hrrn=2").ok());
+  EXPECT_FALSE(ParsePolicies("leap+fifo").ok());
+  EXPECT_FALSE(ParsePolicies("leap+aging=-1").ok());
 }
 
 // ---- trace parsers
@@ -570,6 +695,67 @@ TEST_F(ReplayLeapdTest, ExactReadoutGivesTheOracleDecodeOrder) {
   EXPECT_NE(fcfs->decode_order, exact->decode_order);
 }
 
+// A request's decoding max_tokens caps its prediction, end to end: features
+// with a cap go through the shim Client to leapd, and the prediction that
+// comes back is min(readout's prediction, cap). Without a cap it is not.
+TEST_F(ReplayLeapdTest, RequestMaxTokensCapsThePrediction) {
+  constexpr int64_t kDim = 4;
+  readout::ReadoutState state;
+  state.spec.dim = kDim;
+  state.spec.max_tokens = 2048;
+  state.spec.lambda = 1;
+  state.standardizer = readout::Standardizer::Identity(kDim);
+  state.theta = Eigen::VectorXd::Zero(kDim + 1);
+  state.theta[0] = 1;
+  state.version = 1;
+  absl::StatusOr<std::string> artifact = readout::SerializeArtifact(state);
+  ASSERT_TRUE(artifact.ok()) << artifact.status();
+
+  std::vector<SimRequest> reqs = Overloaded(120, 29);
+  std::vector<float> x(reqs.size() * kDim, 0.0f);
+  std::vector<int64_t> caps(reqs.size(), 0);
+  std::vector<double> want(reqs.size());
+  for (SimRequest& r : reqs) {
+    const int root = 10 + static_cast<int>(r.id % 30);  // 100..1521 tokens
+    r.output_tokens = 5;
+    r.prompt_tokens = 1000;
+    x[r.id * kDim] = static_cast<float>(root);
+    const double readout_tokens = static_cast<double>(root * root);
+    // Every third request: a cap below the readout's prediction; every
+    // third: a cap above it (no effect); the rest: none.
+    if (r.id % 3 == 0) caps[r.id] = 50 + r.id;
+    if (r.id % 3 == 1) caps[r.id] = 2000;
+    want[r.id] = caps[r.id] > 0
+                     ? std::min(readout_tokens, static_cast<double>(caps[r.id]))
+                     : readout_tokens;
+  }
+  absl::StatusOr<std::unique_ptr<LeapArm>> arm =
+      LeapArm::Create(Server(), "capped", *artifact, /*frozen=*/true);
+  ASSERT_TRUE(arm.ok()) << arm.status();
+  LeapPredictorOptions lo;
+  lo.endpoint = address_;
+  lo.product_line = "capped";
+  lo.dim = kDim;
+  lo.features = x;
+  lo.max_tokens = caps;
+  absl::StatusOr<std::unique_ptr<LeapPredictor>> leap =
+      LeapPredictor::Create(std::move(lo));
+  ASSERT_TRUE(leap.ok()) << leap.status();
+  SimOptions o = Small(20);
+  o.engine.prefill_per_token_ms = 1;
+  absl::StatusOr<SimResult> sim = Simulate(reqs, o, **leap);
+  ASSERT_TRUE(sim.ok()) << sim.status();
+  EXPECT_EQ((*leap)->errors(), 0) << (*leap)->first_error();
+  int capped = 0;
+  for (const RequestResult& r : sim->requests) {
+    ASSERT_EQ(r.predicted_tokens, want[r.id]) << "request " << r.id;
+    capped += caps[r.id] > 0 && want[r.id] < 100;
+  }
+  EXPECT_GT(capped, 10);
+  leap->reset();
+  EXPECT_TRUE((*arm)->Remove().ok());
+}
+
 std::string TempPath(const std::string& name) {
   return absl::StrCat(::testing::TempDir(), "/replay-", getpid(), "-", name);
 }
@@ -583,7 +769,8 @@ TEST_F(ReplayLeapdTest, SmallReplayThroughTheCli) {
                   "--requests",
                   "600",
                   "--policies",
-                  "fcfs,oracle,leap,leap-rls,learned:rho=0.5,cost=1ms",
+                  "fcfs,oracle,leap,leap-rls,learned:rho=0.5,cost=1ms,"
+                  "leap+bounded=2",
                   "--sweep",
                   "0.8,1.3",
                   "--server",
@@ -608,7 +795,12 @@ TEST_F(ReplayLeapdTest, SmallReplayThroughTheCli) {
   std::ifstream in(json);
   const nlohmann::json j = nlohmann::json::parse(in);
   ASSERT_TRUE(j.is_array());
-  ASSERT_EQ(j.size(), 10u);
+  ASSERT_EQ(j.size(), 12u);
+  // leap+bounded reused the frozen LEAP run's predictions (no leapd run).
+  EXPECT_NE(out.str().find("leap+bounded=2 @ 1.30: predictions of the frozen "
+                           "LEAP run"),
+            std::string::npos)
+      << out.str();
   const std::vector<std::string> keys = {
       "load",        "long_p95_latency", "mean_ptl", "mean_ttft", "p90_latency",
       "p95_latency", "p99_latency",      "policy",   "throughput"};
@@ -629,6 +821,7 @@ TEST_F(ReplayLeapdTest, SmallReplayThroughTheCli) {
   EXPECT_LT(at("oracle"), at("fcfs"));
   EXPECT_LT(at("leap"), at("fcfs"));
   EXPECT_LT(at("leap-rls"), at("fcfs"));
+  EXPECT_LT(at("leap+bounded=2"), at("fcfs"));
 
   std::ifstream svg(plot);
   std::string head(4, '\0');
@@ -641,8 +834,38 @@ TEST_F(ReplayLeapdTest, SmallReplayThroughTheCli) {
   EXPECT_EQ(list->readouts_size(), 0);
 }
 
+TEST(ReplayCliTest, VllmEngineDisciplinesAndTradeoff) {
+  const std::string plot = TempPath("tradeoff.svg");
+  std::ostringstream out, err;
+  const int rc = RunLeapctl(
+      {"replay", "--requests", "500", "--policies",
+       "fcfs,oracle,oracle+bounded=1.5,oracle+bounded=3,oracle+hrrn,"
+       "oracle+aging=0.5",
+       "--sweep", "1.2", "--engine", "vllm", "--max-num-seqs", "16",
+       "--max-num-batched-tokens", "1024", "--kv-blocks", "800",
+       "--tradeoff-plot", plot},
+      out, err);
+  ASSERT_EQ(rc, 0) << err.str();
+  const std::string o = out.str();
+  EXPECT_NE(o.find("engine: vllm"), std::string::npos) << o;
+  EXPECT_NE(o.find("trade-off:"), std::string::npos) << o;
+  EXPECT_NE(o.find("oracle+bounded=1.5"), std::string::npos) << o;
+  EXPECT_NE(o.find("oracle+aging=0.5"), std::string::npos) << o;
+  EXPECT_NE(o.find("preemptions"), std::string::npos) << o;
+  EXPECT_NE(o.find("trade-off plot: " + plot), std::string::npos) << o;
+  std::ifstream svg(plot);
+  std::string head(4, '\0');
+  svg.read(head.data(), 4);
+  EXPECT_EQ(head, "<svg");
+}
+
 TEST(ReplayCliTest, UsageErrors) {
   std::ostringstream out, err;
+  EXPECT_EQ(RunLeapctl({"replay", "--engine", "sglang"}, out, err), kExitUsage);
+  EXPECT_EQ(RunLeapctl({"replay", "--tradeoff-plot", "x.png"}, out, err),
+            kExitUsage);
+  EXPECT_EQ(RunLeapctl({"replay", "--policies", "fcfs+hrrn"}, out, err),
+            kExitUsage);
   EXPECT_EQ(RunLeapctl({"replay", "--policies", "fifo"}, out, err), kExitUsage);
   EXPECT_NE(err.str().find("unknown policy 'fifo'"), std::string::npos);
   EXPECT_EQ(RunLeapctl({"replay", "--load", "1", "--sweep", "1,2"}, out, err),

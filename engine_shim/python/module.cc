@@ -570,6 +570,17 @@ UnpredictedPolicy ParsePolicy(const std::string& p) {
       "'"));
 }
 
+leap::shim::SchedulingPolicy ParseSchedulingPolicy(const std::string& p) {
+  using leap::shim::SchedulingPolicy;
+  if (p == "countdown") return SchedulingPolicy::kCountdown;
+  if (p == "bounded") return SchedulingPolicy::kBounded;
+  if (p == "hrrn") return SchedulingPolicy::kHrrn;
+  if (p == "linear-aging") return SchedulingPolicy::kLinearAging;
+  throw py::value_error(absl::StrCat(
+      "policy must be 'countdown', 'bounded', 'hrrn' or 'linear-aging', got '",
+      p, "'"));
+}
+
 std::string EventRepr(const Event& e) {
   std::string s = absl::StrCat("Event(kind='", KindName(e.kind), "'");
   if (!e.request_id.empty())
@@ -843,8 +854,15 @@ steps_waited)). Requests without a prediction yet are placed by
 Not thread-safe: call it from the engine's step loop only.)doc")
       .def(py::init([](int slots, int waiting_cap, double aging_rate,
                        double remaining_floor, const std::string& unpredicted,
-                       double unpredicted_tokens) {
+                       double unpredicted_tokens, const std::string& policy,
+                       double max_slowdown, double linear_aging,
+                       int tail_window, double tail_quantile) {
              leap::shim::SchedulerOptions o;
+             o.policy = ParseSchedulingPolicy(policy);
+             o.max_slowdown = max_slowdown;
+             o.tail_window = tail_window;
+             o.tail_quantile = tail_quantile;
+             o.linear_aging = linear_aging;
              o.slots = slots;
              o.waiting_cap = waiting_cap;
              o.aging_rate = aging_rate;
@@ -860,6 +878,9 @@ Not thread-safe: call it from the engine's step loop only.)doc")
            py::arg("aging_rate") = 0.0, py::arg("remaining_floor") = 1.0,
            py::arg("unpredicted") = "median",
            py::arg("unpredicted_tokens") = 256.0,
+           py::arg("policy") = "countdown", py::arg("max_slowdown") = 2.5,
+           py::arg("linear_aging") = 1.0, py::arg("tail_window") = 1000,
+           py::arg("tail_quantile") = 0.99,
            R"doc(Args:
   slots: decode slots per step taken by select() (>= 1).
   waiting_cap: steps without a slot after which a request is promoted
@@ -872,6 +893,16 @@ Not thread-safe: call it from the engine's step loop only.)doc")
     or "last".
   unpredicted_tokens: remaining assumed by "fixed", and by "median" while
     nothing is predicted.
+  policy: "countdown" (the default), "bounded" (the countdown with the tail
+    bound: a request whose remaining work no longer fits before its
+    deadline, max_slowdown times the latency a virtual FCFS system with the
+    same slots would give it, goes first, earliest deadline first), "hrrn"
+    or "linear-aging" (baselines); see docs/SCHEDULING.md.
+  max_slowdown: S of "bounded" (>= 1).
+  tail_window, tail_quantile: "bounded"'s tail reference, the
+    tail_quantile of the virtual FCFS latencies of the last tail_window
+    requests (0 = off); a request may take S x max(its own, that).
+  linear_aging: tokens of priority per step waited of "linear-aging".
 
 Raises:
   ValueError: an option out of range.)doc")

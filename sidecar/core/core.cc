@@ -99,8 +99,82 @@ Core::~Core() { Shutdown(/*drain=*/false); }
 
 absl::Status Core::CreateReadout(const std::string& name,
                                  readout::ReadoutState state) {
+  return CreateReadoutImpl(name, std::move(state), false, "");
+}
+
+absl::Status Core::CreateColdReadout(const std::string& name,
+                                     readout::ReadoutState state,
+                                     const std::string& reason) {
+  state.p.reset();
+  return CreateReadoutImpl(name, std::move(state), true, reason);
+}
+
+absl::Status Core::ReplaceReadout(const std::string& name,
+                                  readout::ReadoutState state,
+                                  const std::string& cause) {
+  RETURN_IF_ERROR(state.Validate());
+  std::shared_ptr<LiveReadout> old;
+  {
+    absl::MutexLock lock(&admin_mu_);
+    auto current = readouts_.load();
+    auto it = current->find(name);
+    if (it == current->end()) {
+      return absl::NotFoundError(absl::StrCat("unknown readout '", name, "'"));
+    }
+    old = it->second;
+    if (old->spec().dim != state.spec.dim) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "readout '", name, "' reads dim ", old->spec().dim,
+          "; the replacement has dim ", state.spec.dim));
+    }
+    state.version = old->current()->version + 1;
+    LiveReadoutInit init;
+    init.name = name;
+    init.store = store_;
+    init.meta.name = name;
+    init.meta.spec = state.spec;
+    init.meta.standardizer = state.standardizer;
+    init.meta.has_p = state.p.has_value();
+    init.meta.frozen = !state.p.has_value();
+    init.meta.created_unix_ms = UnixMs();
+    init.cause = cause;
+    if (store_ != nullptr) {
+      storage::ReadoutCheckpoint initial;
+      initial.version = state.version;
+      initial.completions_learned = state.completions_learned;
+      initial.unix_ms = init.meta.created_unix_ms;
+      initial.theta = state.theta;
+      initial.p = state.p;
+      // Not atomic: a crash in between leaves no readout `name` (a
+      // bootstrap then starts again from its dataset, which is kept).
+      RETURN_IF_ERROR(store_->DeleteReadout(old->meta()));
+      RETURN_IF_ERROR(store_->CreateReadout(&init.meta, initial));
+      storage::VersionEntry v{state.version, state.completions_learned,
+                              init.meta.created_unix_ms, cause};
+      v.has_last_seq = true;
+      store_->PutVersion(init.meta, v, state.theta).IgnoreError();
+      init.history.push_back(v);
+    }
+    init.frozen = init.meta.frozen;
+    init.state = std::move(state);
+    auto next = std::make_shared<ReadoutMap>(*current);
+    auto live = std::make_shared<LiveReadout>(std::move(init), options_.readout,
+                                              metrics_, &hub_);
+    (*next)[name] = live;
+    readouts_.store(std::move(next));
+    hub_.Notify(name, live->current());
+  }
+  old->Stop(/*drain=*/false);
+  return absl::OkStatus();
+}
+
+absl::Status Core::CreateReadoutImpl(const std::string& name,
+                                     readout::ReadoutState state, bool cold,
+                                     const std::string& reason) {
   RETURN_IF_ERROR(ValidateReadoutName(name));
   RETURN_IF_ERROR(state.Validate());
+  // Fleet mode: the trainer learns; members serve without P.
+  if (options_.readout.serving_only) state.p.reset();
   absl::MutexLock lock(&admin_mu_);
   auto current = readouts_.load();
   if (current->count(name) != 0) {
@@ -114,8 +188,14 @@ absl::Status Core::CreateReadout(const std::string& name,
   init.meta.spec = state.spec;
   init.meta.standardizer = state.standardizer;
   init.meta.has_p = state.p.has_value();
-  init.meta.frozen = !state.p.has_value();
-  init.meta.created_unix_ms = UnixMs();
+  init.meta.frozen = !state.p.has_value() && !options_.readout.serving_only;
+  init.meta.frozen_reason = reason;
+  init.meta.created_unix_ms =
+      state.created_unix_ms > 0 && options_.readout.serving_only
+          ? state.created_unix_ms
+          : UnixMs();
+  init.cold = cold;
+  init.frozen_reason = reason;
   if (state.version < 1) state.version = 1;
   if (store_ != nullptr) {
     storage::ReadoutCheckpoint initial;
@@ -149,6 +229,7 @@ absl::Status Core::Recover(storage::RecoveredState state) {
     init.meta = r.meta;
     init.frozen = r.meta.frozen;
     init.frozen_reason = r.meta.frozen_reason;
+    init.cold = !r.meta.has_p && r.meta.frozen_reason.rfind("bootstrap:", 0) == 0;
     init.cause = "checkpoint";
     for (const storage::VersionEntry& h : r.versions) {
       if (h.version == r.checkpoint.version) init.cause = h.cause;
@@ -355,6 +436,22 @@ Core::ArmState* Core::Arm(const std::string& product_line,
     slot->gauge = &metrics_->ArmSpearman(arm.readout, product_line, arm.name);
     slot->samples =
         &metrics_->ArmSpearmanSamples(arm.readout, product_line, arm.name);
+    if (store_ != nullptr) {
+      // The arm's quality as it was before a restart.
+      int64_t total = 0;
+      absl::StatusOr<std::vector<storage::QualityPair>> pairs =
+          store_->LoadQuality(
+              storage::ArmQualitySeries(product_line, arm.name, arm.readout),
+              options_.readout.quality_window, &total);
+      if (pairs.ok()) {
+        for (const storage::QualityPair& p : *pairs) {
+          slot->window.Add(p.predicted, p.truth);
+        }
+        slot->completions = total;
+        if (!pairs->empty()) slot->gauge->Set(slot->window.Value());
+        slot->samples->Set(static_cast<double>(slot->window.size()));
+      }
+    }
   }
   return slot.get();
 }
@@ -530,9 +627,10 @@ void Core::PredictBatch(absl::Span<const ScoreRequest> reqs, uint64_t session,
       LiveRequest& r = *(*lives)[item.i];
       ScoreResult result{item.choice.serving->name, item.serving->name(),
                          v->version,
-                         readout::TokensFromScore(scores[g],
-                                                  item.serving->spec().max_tokens),
-                         scores[g]};
+                         readout::RequestTokensFromScore(
+                             scores[g], item.serving->spec().max_tokens,
+                             r.request_max_tokens),
+                         scores[g], item.serving->cold()};
       r.scores.push_back({result.arm, result.readout, result.version,
                           result.predicted_tokens, false, sv.readout});
       (*results)[item.i] = std::move(result);
@@ -636,6 +734,16 @@ absl::StatusOr<CompletionOutcome> Core::Complete(absl::string_view request_id,
       absl::StatusOr<bool> seen = store_->WasRecorded(IdKey(instance, request_id));
       if (seen.ok() && *seen) dup_reason = "resent_not_live";
     }
+    uint64_t dup_fleet_seq = 0;
+    if (FleetLink* fleet = fleet_.load(); fleet != nullptr && !dup_reason.empty()) {
+      // Fleet mode: acknowledged once its outbox record is in the fleet's
+      // stream (else UNAVAILABLE, the request left as it is).
+      std::vector<std::string> keys = dedup_keys;
+      keys.push_back(IdKey(instance, request_id));
+      absl::StatusOr<uint64_t> seq = fleet->ResolveDuplicate(keys);
+      if (!seq.ok()) return seq.status();
+      dup_fleet_seq = *seq;
+    }
     if (!dup_reason.empty()) {
       if (peek != nullptr) cache_.TakeIf(key, peek.get());
       metrics_->DuplicateCompletions(dup_reason).Increment();
@@ -653,6 +761,7 @@ absl::StatusOr<CompletionOutcome> Core::Complete(absl::string_view request_id,
       dup.learned = true;
       dup.duplicate = true;
       dup.duplicate_reason = dup_reason;
+      dup.fleet_seq = dup_fleet_seq;
       return dup;
     }
     dedup_keys.push_back(IdKey(instance, request_id));
@@ -727,6 +836,7 @@ absl::StatusOr<CompletionOutcome> Core::Complete(absl::string_view request_id,
       const double truth = static_cast<double>(
           std::min(output_tokens, ro.spec().max_tokens));
       ro.RecordQuality(s.version, s.predicted_tokens, truth);
+      bool arm_found = false;
       {
         absl::MutexLock lock(&arms_mu_);
         auto ait = arms_.find({r.route_key, s.arm});
@@ -736,20 +846,58 @@ absl::StatusOr<CompletionOutcome> Core::Complete(absl::string_view request_id,
           ait->second->gauge->Set(ait->second->window.Value());
           ait->second->samples->Set(
               static_cast<double>(ait->second->window.size()));
+          arm_found = true;
         }
+      }
+      if (arm_found && store_ != nullptr) {
+        store_->AppendQuality(
+                  storage::ArmQualitySeries(r.route_key, s.arm, s.readout),
+                  {s.version, s.predicted_tokens, truth, UnixMs()})
+            .IgnoreError();  // quality only; the completion is not at stake
       }
       if (std::find(learners.begin(), learners.end(), s.readout) !=
           learners.end()) {
         // Same readout on two arms (serving and shadow): learned once.
-      } else if (ro.frozen()) {
+      } else if (ro.frozen() && fleet_.load() == nullptr) {
+        // (In fleet mode every learnable completion goes to the stream; a
+        // frozen readout's trainer keeps it there without learning it.)
         skip = "frozen";
         ro.metrics().skipped_frozen->Increment();
       } else {
         learners.push_back(s.readout);
-        absl::Status learned = ro.Learn(
-            {r.request_id, x,
-             readout::TargetFromTokens(output_tokens, ro.spec().max_tokens),
-             dedup_keys});
+        uint64_t local_seq = 0;
+        const double target =
+            readout::TargetFromTokens(output_tokens, ro.spec().max_tokens);
+        absl::Status learned =
+            ro.Learn({r.request_id, x, target, dedup_keys, &local_seq});
+        if (FleetLink* fleet = fleet_.load(); fleet != nullptr && learned.ok()) {
+          FleetCompletionRecord c;
+          c.readout = s.readout;
+          c.request_id = r.request_id;
+          c.instance = std::string(instance);
+          c.product_line = r.route_key;
+          c.arm = s.arm;
+          c.dtype = x.dtype;
+          c.features = absl::string_view(
+              static_cast<const char*>(x.data),
+              static_cast<size_t>(x.dim) * readout::DTypeSize(x.dtype));
+          c.target = target;
+          c.predicted_tokens = s.predicted_tokens;
+          c.served_version = s.version;
+          c.true_tokens = truth;
+          c.local_seq = local_seq;
+          c.dedup_keys = dedup_keys;
+          absl::StatusOr<uint64_t> seq = fleet->PublishCompletion(c);
+          if (!seq.ok()) {
+            // Recorded in the outbox, not acknowledged: the engine resends,
+            // and the resend is acknowledged once the record is published.
+            if (i == 0) return seq.status();
+            std::fprintf(stderr, "leapd: shadow readout '%s': %s\n",
+                         ro.name().c_str(), std::string(seq.status().message()).c_str());
+          } else if (i == 0) {
+            outcome.fleet_seq = *seq;
+          }
+        }
         if (!learned.ok()) {
           if (i == 0) {
             // Not acknowledged: keep the request live so a retry can learn it.
@@ -767,7 +915,40 @@ absl::StatusOr<CompletionOutcome> Core::Complete(absl::string_view request_id,
       outcome.skip_reason = skip;
     }
   }
+  RecordDataset(r, x, output_tokens, reason);
   return outcome;
+}
+
+void Core::RecordDataset(const LiveRequest& r, readout::FeatureView x,
+                         int64_t output_tokens, readout::FinishReason reason) {
+  if (store_ == nullptr || !options_.dataset || r.scores.empty()) return;
+  // Kept under the serving readout's name, when its true length is known
+  // (not cancelled, not cut at the request's own max_tokens).
+  const std::string& name = r.scores[0].readout;
+  int64_t budget = readout::kDefaultMaxTokens;
+  if (auto ro = GetReadout(name); ro.ok()) budget = (*ro)->spec().max_tokens;
+  absl::StatusOr<readout::FeedbackAction> action = readout::ClassifyFeedback(
+      output_tokens, reason, r.request_max_tokens, budget);
+  if (!action.ok() || *action == readout::FeedbackAction::kSkipCancelled ||
+      *action == readout::FeedbackAction::kSkipCensored) {
+    return;
+  }
+  storage::DatasetRecord rec;
+  rec.dtype = x.dtype;
+  rec.features.assign(static_cast<const char*>(x.data),
+                      static_cast<size_t>(x.dim) * readout::DTypeSize(x.dtype));
+  rec.tokens = output_tokens;
+  rec.unix_ms = UnixMs();
+  absl::StatusOr<storage::DatasetStats> st =
+      store_->AppendDataset(name, std::move(rec));
+  if (!st.ok()) {
+    std::fprintf(stderr, "leapd: dataset of '%s': record not kept: %s\n",
+                 name.c_str(), std::string(st.status().message()).c_str());
+    return;
+  }
+  if (DatasetObserver* o = dataset_observer_.load(); o != nullptr) {
+    o->OnDatasetRecord(name, *st);
+  }
 }
 
 bool Core::CancelExact(const LiveRequest& r) {

@@ -19,6 +19,7 @@
 #include "readout/artifact.h"
 #include "readout/target.h"
 #include "sidecar/core/feature_cache.h"
+#include "sidecar/core/fleet_link.h"
 #include "sidecar/core/live_readout.h"
 #include "sidecar/core/metrics.h"
 #include "sidecar/core/quality.h"
@@ -34,6 +35,9 @@ struct CoreOptions {
   int64_t max_batch_bytes = int64_t{64} << 20;
   // Longest request id / product line. Default: 256
   int64_t max_id_bytes = 256;
+  // With a store: keep the features and true lengths of finished requests
+  // (the dataset, docs/STORAGE.md). Default: true
+  bool dataset = true;
   // Serve an engine whose Hello.model_id or Hello.layer differs from the
   // metadata of a readout of its width (leapd --allow_hello_mismatch);
   // otherwise such a hello is refused with FAILED_PRECONDITION.
@@ -71,6 +75,17 @@ struct ScoreResult {
   int64_t version = 0;
   double predicted_tokens = 0;
   double score = 0;
+  // The readout is a bootstrap placeholder (Prediction.cold).
+  bool cold = false;
+};
+
+// Told of every record appended to a readout's dataset (on the completing
+// thread; must not block or call into the Core).
+class DatasetObserver {
+ public:
+  virtual ~DatasetObserver() = default;
+  virtual void OnDatasetRecord(const std::string& readout,
+                               const storage::DatasetStats& stats) = 0;
 };
 
 // What happened to a completion.
@@ -85,6 +100,9 @@ struct CompletionOutcome {
   // Why it counts as a duplicate: "resent" or "resent_not_live" (see
   // Metrics::DuplicateCompletions).
   std::string duplicate_reason;
+  // Fleet mode: the FEEDBACK stream sequence of the completion (0 when not
+  // published or no longer known).
+  uint64_t fleet_seq = 0;
 };
 
 // Online quality of one (product line, arm).
@@ -122,6 +140,12 @@ class Core {
   ~Core();
 
   PublishHub& hub() { return hub_; }
+  // Fleet mode (options().readout.serving_only): learnable completions are
+  // published through `fleet` after the local outbox append, and the Admin
+  // service forwards fleet-wide operations to it. Set once, before serving;
+  // `fleet` must outlive the Core's serving.
+  void SetFleet(FleetLink* fleet) { fleet_.store(fleet); }
+  FleetLink* fleet() const { return fleet_.load(); }
   const CoreOptions& options() const { return options_; }
   Metrics& metrics() { return *metrics_; }
 
@@ -130,6 +154,20 @@ class Core {
   absl::Status CreateReadout(const std::string& name,
                              readout::ReadoutState state);
   absl::Status DeleteReadout(const std::string& name);
+  // A bootstrap placeholder (docs/BOOTSTRAP.md): frozen, no P, predictions
+  // flagged cold; `reason` is its frozen reason ("bootstrap: ...").
+  absl::Status CreateColdReadout(const std::string& name,
+                                 readout::ReadoutState state,
+                                 const std::string& reason);
+  // Swaps readout `name` for `state` (a new incarnation in the store): its
+  // first version is numbered after the old one's, published with `cause`
+  // (engines rescore their live requests); routes keep pointing at `name`.
+  // NOT_FOUND for an unknown name, INVALID_ARGUMENT for another width.
+  absl::Status ReplaceReadout(const std::string& name,
+                              readout::ReadoutState state,
+                              const std::string& cause);
+  // At most one; null to stop. Set before traffic.
+  void SetDatasetObserver(DatasetObserver* o) { dataset_observer_.store(o); }
   absl::StatusOr<std::shared_ptr<LiveReadout>> GetReadout(
       absl::string_view name) const;
   std::vector<std::shared_ptr<LiveReadout>> ListReadouts() const;
@@ -210,6 +248,12 @@ class Core {
   };
   ArmState* Arm(const std::string& product_line, const sidecar::Arm& arm);
   absl::Status CheckRequest(const ScoreRequest& r) const;
+  absl::Status CreateReadoutImpl(const std::string& name,
+                                 readout::ReadoutState state, bool cold,
+                                 const std::string& reason);
+  // Keeps a finished request's features and length (when enabled).
+  void RecordDataset(const LiveRequest& r, readout::FeatureView x,
+                     int64_t output_tokens, readout::FinishReason reason);
   absl::Status InstallRouteLocked(Route route, bool persist)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(admin_mu_);
 
@@ -229,7 +273,9 @@ class Core {
       arms_ ABSL_GUARDED_BY(arms_mu_);
 
   std::atomic<int64_t> unknown_{0};
+  std::atomic<DatasetObserver*> dataset_observer_{nullptr};
   std::atomic<bool> serving_{true};
+  std::atomic<FleetLink*> fleet_{nullptr};
 };
 
 // Engine instance ids (Hello.instance_id): at most 128 bytes, no NUL.

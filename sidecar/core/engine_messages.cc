@@ -49,6 +49,7 @@ void ToPrediction(const ScoreResult& s, const std::string& id,
   p->set_readout(s.readout);
   p->set_version(s.version);
   p->set_arm(s.arm);
+  if (s.cold) p->set_cold(true);
 }
 
 void AddRequestError(const std::string& id, const absl::Status& s,
@@ -255,8 +256,8 @@ void RescorePredictions(const std::string& name, const PublishedVersion& v,
     pb::Prediction p;
     p.set_request_id(r->request_id);
     p.set_score(*score);
-    p.set_predicted_tokens(
-        readout::TokensFromScore(*score, v.folded.max_tokens()));
+    p.set_predicted_tokens(readout::RequestTokensFromScore(
+        *score, v.folded.max_tokens(), r->request_max_tokens));
     p.set_readout(name);
     p.set_version(v.version);
     p.set_arm(r->scores[0].arm);

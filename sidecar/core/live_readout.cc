@@ -84,26 +84,29 @@ LiveReadout::LiveReadout(LiveReadoutInit init, LiveReadoutOptions options,
       spec_(init.state.spec),
       standardizer_(init.state.standardizer),
       options_(options),
-      adaptive_(init.state.p.has_value()),
+      adaptive_(init.state.p.has_value() && !options.serving_only),
+      cold_(init.cold),
       created_unix_ms_(init.meta.created_unix_ms > 0 ? init.meta.created_unix_ms
                                                      : UnixMs()),
       metrics_owner_(metrics),
       metrics_(metrics->ForReadout(name_)),
       hub_(hub),
-      frozen_(init.frozen || !init.state.p.has_value()),
+      frozen_(init.frozen ||
+              (!init.state.p.has_value() && !options.serving_only)),
       learned_(init.state.completions_learned),
       version_(std::max<int64_t>(init.state.version, 1)),
       store_(init.store),
       meta_(init.meta),
       next_seq_(init.last_seq + 1),
-      overall_(options.quality_window) {
+      overall_(options.quality_window),
+      history_(options.quality_kept, options.quality_window) {
   if (frozen_.load()) frozen_reason_ = init.frozen_reason;
   {
     absl::MutexLock lock(&state_mu_);
     theta_ = init.state.theta;
     applied_seq_ = init.last_seq;
     last_ckpt_ns_ = NowNs();
-    if (init.state.p.has_value()) {
+    if (adaptive_) {
       rls_.emplace(init.state.theta, std::move(*init.state.p),
                    RlsOptionsOf(options_));
     }
@@ -137,6 +140,7 @@ LiveReadout::LiveReadout(LiveReadoutInit init, LiveReadoutOptions options,
   metrics_.version->Set(static_cast<double>(version_.load()));
   metrics_.frozen->Set(frozen_.load() ? 1 : 0);
   metrics_.spearman->Set(NAN);
+  RestoreQuality();
   if (options_.guardrail.enabled() && adaptive_) {
     guardrail_ = std::make_unique<ReadoutGuardrail>(
         options_.guardrail, options_.quality_window,
@@ -232,8 +236,77 @@ absl::Status LiveReadout::Learn(const Learnable& item) {
     }
   }
   ++next_seq_;
-  Enqueue(item.x, item.target, seq);
+  if (item.assigned_seq != nullptr) *item.assigned_seq = seq;
+  // Serving only: the record waits in the log (the outbox) for the fleet.
+  if (!options_.serving_only) Enqueue(item.x, item.target, seq);
   return absl::OkStatus();
+}
+
+absl::StatusOr<bool> LiveReadout::InstallVersion(const InstalledVersion& v) {
+  if (!options_.serving_only) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "readout '", name_, "' learns here; it cannot install versions"));
+  }
+  if (v.theta.size() != spec_.dim + 1 || !v.theta.allFinite()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "readout '", name_, "' version ", v.version, ": theta has ",
+        v.theta.size(), " values (want ", spec_.dim + 1,
+        ") or a non-finite one"));
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    frozen_.store(v.frozen);
+    frozen_reason_.clear();
+    metrics_.frozen->Set(v.frozen ? 1 : 0);
+  }
+  absl::MutexLock lock(&state_mu_);
+  if (v.version <= version_.load()) return false;
+  auto pv = std::make_shared<PublishedVersion>(PublishedVersion{
+      v.version,
+      readout::FoldedReadout::Fold(standardizer_, v.theta, spec_.max_tokens),
+      v.completions_learned, v.published_unix_ms, v.cause, v.fleet_seq});
+  theta_ = v.theta;
+  learned_.store(v.completions_learned);
+  version_.store(v.version);
+  if (store_ != nullptr) {
+    storage::VersionEntry entry{v.version, v.completions_learned,
+                                v.published_unix_ms, v.cause};
+    absl::Status s = store_->PutVersion(meta_, entry, v.theta);
+    if (!s.ok()) {
+      std::fprintf(stderr, "leapd: readout '%s': version %lld not stored: %s\n",
+                   name_.c_str(), static_cast<long long>(v.version),
+                   std::string(s.message()).c_str());
+    }
+  }
+  current_.store(pv, std::memory_order_release);
+  {
+    absl::MutexLock qlock(&quality_mu_);
+    versions_.push_back({pv->version, pv->completions_learned,
+                         pv->published_unix_ms, pv->cause, NAN, 0});
+    while (static_cast<int64_t>(versions_.size()) > options_.versions_kept) {
+      versions_.pop_front();
+    }
+  }
+  metrics_.version->Set(static_cast<double>(pv->version));
+  metrics_.publishes->Increment();
+  hub_->Notify(name_, pv);
+  return true;
+}
+
+absl::Status LiveReadout::ConfirmLog(uint64_t seq) {
+  if (store_ == nullptr || !options_.serving_only) return absl::OkStatus();
+  storage::ReadoutCheckpoint c;
+  {
+    absl::MutexLock lock(&state_mu_);
+    if (seq <= applied_seq_) return absl::OkStatus();
+    applied_seq_ = seq;
+    c.version = current()->version;
+    c.completions_learned = learned_.load();
+    c.last_seq = seq;
+    c.unix_ms = UnixMs();
+    c.theta = theta_;
+  }
+  return WriteCheckpoint(c);
 }
 
 void LiveReadout::Replay(const storage::LogRecord& rec) {
@@ -254,6 +327,15 @@ void LiveReadout::RecoverLog(std::vector<storage::LogRecord> log,
   auto problem = [&](std::string text) {
     problems->push_back(absl::StrCat("readout '", name_, "': ", text));
   };
+  if (options_.serving_only) {
+    // The records are the outbox of fleet mode: the fleet member republishes
+    // them; nothing is learned here.
+    absl::MutexLock lock(&log_mu_);
+    for (const storage::LogRecord& rec : log) {
+      next_seq_ = std::max(next_seq_, rec.seq + 1);
+    }
+    return;
+  }
   if (adaptive_) {  // rls_ is set exactly when adaptive_ (read under state_mu_)
     absl::MutexLock lock(&state_mu_);
     const int64_t start = current()->version;
@@ -364,10 +446,67 @@ void LiveReadout::RecoverLog(std::vector<storage::LogRecord> log,
   for (; pos < log.size(); ++pos) Replay(log[pos]);
 }
 
+void LiveReadout::RestoreQuality() {
+  if (store_ == nullptr) return;
+  int64_t total = 0;
+  absl::StatusOr<std::vector<storage::QualityPair>> pairs = store_->LoadQuality(
+      storage::ReadoutQualitySeries(meta_.incarnation), options_.quality_kept,
+      &total);
+  if (!pairs.ok()) {
+    std::fprintf(stderr, "leapd: readout '%s': quality not restored: %s\n",
+                 name_.c_str(), std::string(pairs.status().message()).c_str());
+    return;
+  }
+  absl::MutexLock lock(&quality_mu_);
+  history_.Restore(*pairs, total);
+  for (const storage::QualityPair& p : *pairs) {
+    auto it = per_version_.find(p.version);
+    if (it == per_version_.end()) {
+      it = per_version_.emplace(p.version, RollingSpearman(options_.quality_window))
+               .first;
+      while (per_version_.size() > kVersionWindows) {
+        per_version_.erase(per_version_.begin());
+      }
+    }
+    it->second.Add(p.predicted, p.truth);
+    overall_.Add(p.predicted, p.truth);
+  }
+  if (!pairs->empty()) {
+    metrics_.spearman->Set(overall_.Value());
+    metrics_.spearman_samples->Set(static_cast<double>(overall_.size()));
+  }
+}
+
+std::vector<QualityWindow> LiveReadout::QualityWindows(int64_t limit) const {
+  absl::MutexLock lock(&quality_mu_);
+  return history_.Windows(limit);
+}
+
+std::vector<LabelQuality> LiveReadout::LabelQualities() {
+  std::vector<std::pair<int64_t, std::string>> marks;
+  if (absl::StatusOr<std::vector<storage::SnapshotInfo>> snaps = ListSnapshots();
+      snaps.ok()) {
+    for (const storage::SnapshotInfo& s : *snaps) marks.emplace_back(s.version, s.label);
+  }
+  absl::MutexLock lock(&quality_mu_);
+  return history_.Labels(std::move(marks));
+}
+
 void LiveReadout::RecordQuality(int64_t version, double predicted_tokens,
                                 double true_tokens) {
+  const storage::QualityPair pair{version, predicted_tokens, true_tokens,
+                                  UnixMs()};
+  if (store_ != nullptr) {
+    absl::Status s = store_->AppendQuality(
+        storage::ReadoutQualitySeries(meta_.incarnation), pair);
+    if (!s.ok()) {
+      std::fprintf(stderr, "leapd: readout '%s': quality pair not stored: %s\n",
+                   name_.c_str(), std::string(s.message()).c_str());
+    }
+  }
   {
     absl::MutexLock lock(&quality_mu_);
+    history_.Add(pair);
     auto it = per_version_.find(version);
     if (it == per_version_.end()) {
       it = per_version_.emplace(version, RollingSpearman(options_.quality_window))

@@ -23,6 +23,7 @@
 #include "sidecar/core/guardrail.h"
 #include "sidecar/core/metrics.h"
 #include "sidecar/core/quality.h"
+#include "sidecar/core/quality_history.h"
 #include "storage/state_store.h"
 
 namespace leap::sidecar {
@@ -34,6 +35,9 @@ struct PublishedVersion {
   int64_t completions_learned = 0;
   int64_t published_unix_ms = 0;
   std::string cause;  // "create", "rls", ...
+  // Fleet mode: every FEEDBACK stream message with sequence <= fleet_seq is
+  // in it (0 outside fleet mode).
+  uint64_t fleet_seq = 0;
 };
 
 // Receives every publish of every readout. OnPublish runs on the publishing
@@ -77,6 +81,9 @@ struct LiveReadoutOptions {
   int64_t quality_window = 1000;
   // Version records kept in memory (the oldest are dropped). Default: 10000
   int64_t versions_kept = 10000;
+  // (predicted, true) pairs kept per readout for windowed quality, in
+  // memory and (with a store) on disk. Default: 100000
+  int64_t quality_kept = 100000;
   // With a store: a checkpoint of theta and P is written after this many
   // RLS batches or this much time since the last one, whichever is first.
   // Default: 256 batches, 60 s
@@ -84,6 +91,11 @@ struct LiveReadoutOptions {
   int64_t checkpoint_every_ns = int64_t{60} * 1'000'000'000;
   // The online-quality guardrail (off unless a floor or margin is set).
   GuardrailOptions guardrail;
+  // Fleet mode (docs/FLEET.md): the readout only serves. No RLS here and no
+  // P: Learn records a completion in the feedback log (the member's outbox)
+  // and queues nothing; versions arrive through InstallVersion. Default:
+  // false
+  bool serving_only = false;
 
   absl::Status Validate() const;
 };
@@ -114,6 +126,9 @@ struct LiveReadoutInit {
   uint64_t last_seq = 0;
   // Versions published before (recovered from the store), oldest first.
   std::vector<storage::VersionEntry> history;
+  // A bootstrap placeholder (docs/BOOTSTRAP.md): its predictions are
+  // flagged cold and it records training data until it is replaced.
+  bool cold = false;
 };
 
 // A completion to learn.
@@ -123,6 +138,19 @@ struct Learnable {
   double target = 0;
   // Recorded in the store's dedup index with the log record.
   std::vector<std::string> dedup_keys;
+  // When set, receives the record's sequence in the feedback log.
+  uint64_t* assigned_seq = nullptr;
+};
+
+// A version learned elsewhere (fleet mode: a FleetVersion) to serve as is.
+struct InstalledVersion {
+  int64_t version = 0;
+  Eigen::VectorXd theta;  // standardized space, d + 1, bias last
+  int64_t completions_learned = 0;
+  int64_t published_unix_ms = 0;
+  std::string cause;
+  uint64_t fleet_seq = 0;
+  bool frozen = false;
 };
 
 // Thread-safe unless stated: gRPC handlers, the shm loop and admin calls may
@@ -148,6 +176,8 @@ class LiveReadout {
   }
   // True when the readout has P (can learn).
   bool adaptive() const { return adaptive_; }
+  // A bootstrap placeholder: predictions are flagged cold.
+  bool cold() const { return cold_; }
   bool frozen() const { return frozen_.load(); }
   // Why learning is frozen when leapd froze it (an RLS failure, the quality
   // guardrail); "" when it is not frozen or an operator froze it.
@@ -181,6 +211,18 @@ class LiveReadout {
                   const std::vector<storage::VersionEntry>& history,
                   int64_t max_version, std::vector<std::string>* problems);
 
+  // Serving-only readouts (LiveReadoutOptions::serving_only): serves `v`
+  // under its own number and notifies the hub (rescoring, WatchReadout) as
+  // a local publish does; records it in the version history (and the
+  // store). Returns false, changing nothing, for a version not newer than
+  // the current one. INVALID_ARGUMENT for a theta of the wrong size or with
+  // a non-finite value; FAILED_PRECONDITION for a readout that learns.
+  absl::StatusOr<bool> InstallVersion(const InstalledVersion& v);
+  // Serving-only readouts with a store: every log record with seq <= seq is
+  // confirmed in the fleet's stream; writes a checkpoint of the served theta
+  // (no P) at that position, which prunes them from the log.
+  absl::Status ConfirmLog(uint64_t seq);
+
   // Labels the current state (theta, P, version, quality) for rollback.
   absl::StatusOr<storage::SnapshotInfo> Snapshot(const std::string& label);
   absl::StatusOr<std::vector<storage::SnapshotInfo>> ListSnapshots();
@@ -200,6 +242,11 @@ class LiveReadout {
   int64_t created_unix_ms() const { return created_unix_ms_; }
   double spearman(int64_t* n) const;
   std::vector<VersionRecord> Versions() const;
+  // Quality over tumbling windows of quality_window completions (the newest
+  // `limit`, 0 = all kept), and per snapshot label; restored from the store
+  // after a restart.
+  std::vector<QualityWindow> QualityWindows(int64_t limit) const;
+  std::vector<LabelQuality> LabelQualities();
   ReadoutMetrics& metrics() { return metrics_; }
 
   // The full state (theta, P, standardization) as of the last applied batch.
@@ -217,6 +264,8 @@ class LiveReadout {
     uint64_t seq;
   };
   void WorkerLoop();
+  // Refills the quality windows from the store (construction only).
+  void RestoreQuality();
   absl::StatusOr<storage::SnapshotInfo> TakeSnapshot(const std::string& label);
   void CheckpointLoop();
   void Enqueue(const readout::FeatureView& x, double target, uint64_t seq);
@@ -234,6 +283,7 @@ class LiveReadout {
   const readout::Standardizer standardizer_;
   const LiveReadoutOptions options_;
   const bool adaptive_;
+  const bool cold_;
   const int64_t created_unix_ms_;
   Metrics* const metrics_owner_;
   ReadoutMetrics metrics_;
@@ -289,6 +339,7 @@ class LiveReadout {
   std::deque<VersionRecord> versions_ ABSL_GUARDED_BY(quality_mu_);
   std::map<int64_t, RollingSpearman> per_version_ ABSL_GUARDED_BY(quality_mu_);
   RollingSpearman overall_ ABSL_GUARDED_BY(quality_mu_);
+  QualityHistory history_ ABSL_GUARDED_BY(quality_mu_);
 
   // Null unless configured and the readout can learn.
   std::unique_ptr<ReadoutGuardrail> guardrail_;

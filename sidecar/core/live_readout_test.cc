@@ -456,6 +456,114 @@ TEST_F(LiveReadoutTest, AnRlsFailureFreezeIsDurable) {
   std::filesystem::remove_all(dir);
 }
 
+// Fleet mode: a serving-only readout records completions in its log (the
+// outbox) without learning, serves installed versions under their own
+// numbers, and prunes confirmed log records with a theta-only checkpoint.
+TEST_F(LiveReadoutTest, ServingOnlyRecordsInstallsAndPrunes) {
+  const std::string dir = absl::StrCat(::testing::TempDir(), "/live_readout_serving_",
+                                       ::getpid());
+  std::filesystem::remove_all(dir);
+  auto opened = storage::OpenRocksStore(dir);
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  std::unique_ptr<storage::StateStore> store = std::move(*opened);
+  storage::ReadoutMeta meta;
+  meta.name = "r";
+  meta.spec = state_.spec;
+  meta.standardizer = state_.standardizer;
+  meta.has_p = false;
+  storage::ReadoutCheckpoint initial;
+  initial.version = 1;
+  initial.theta = state_.theta;
+  ASSERT_TRUE(store->CreateReadout(&meta, initial).ok());
+  LiveReadoutOptions o = Options(1, absl::Milliseconds(1));
+  o.serving_only = true;
+  auto r = Make(o, store.get(), meta);  // the state has P: ignored
+  EXPECT_FALSE(r->adaptive());
+  EXPECT_FALSE(r->frozen());
+  // Recorded with increasing log positions; nothing learned or published.
+  std::vector<uint64_t> seqs;
+  for (int i = 0; i < 3; ++i) {
+    std::vector<float> x = testing::RandomFeatures(state_, rng_);
+    uint64_t seq = 0;
+    ASSERT_TRUE(r->Learn({absl::StrCat("s", i), readout::FeatureView::F32(x.data(), kDim),
+                          7.0, {}, &seq})
+                    .ok());
+    seqs.push_back(seq);
+  }
+  EXPECT_EQ(seqs, (std::vector<uint64_t>{1, 2, 3}));
+  r->WaitIdle();
+  EXPECT_EQ(r->backlog(), 0);
+  EXPECT_EQ(r->completions_learned(), 0);
+  EXPECT_EQ(r->current()->version, 1);
+  EXPECT_EQ(watch_->count(), 0);
+
+  // A version from the trainer: served under its number, announced.
+  InstalledVersion v;
+  v.version = 7;
+  v.theta = state_.theta * 0.5;
+  v.completions_learned = 40;
+  v.cause = "rls";
+  v.fleet_seq = 99;
+  v.published_unix_ms = 1234;
+  auto installed = r->InstallVersion(v);
+  ASSERT_TRUE(installed.ok()) << installed.status();
+  EXPECT_TRUE(*installed);
+  ASSERT_TRUE(watch_->AwaitVersion(7));
+  EXPECT_EQ(r->current()->version, 7);
+  EXPECT_EQ(r->current()->fleet_seq, 99u);
+  EXPECT_EQ(r->current()->cause, "rls");
+  EXPECT_EQ(r->completions_learned(), 40);
+  const std::vector<float> x = testing::RandomFeatures(state_, rng_);
+  const std::vector<double> xd(x.begin(), x.end());
+  EXPECT_NEAR(*r->current()->folded.Score(readout::FeatureView::F32(x.data(), kDim)),
+              testing::ReferenceScore(state_.standardizer, v.theta, xd),
+              testing::ScoreTolerance(state_.standardizer, v.theta, xd));
+  EXPECT_EQ(r->Versions().back().version, 7);
+  // Not newer: ignored. Wrong width or a NaN: refused.
+  v.version = 7;
+  EXPECT_FALSE(*r->InstallVersion(v));
+  v.version = 5;
+  EXPECT_FALSE(*r->InstallVersion(v));
+  v.version = 8;
+  v.theta = Eigen::VectorXd::Zero(kDim);
+  EXPECT_EQ(r->InstallVersion(v).status().code(), absl::StatusCode::kInvalidArgument);
+  v.theta = state_.theta;
+  v.theta[3] = NAN;
+  EXPECT_EQ(r->InstallVersion(v).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(r->current()->version, 7);
+  // The frozen flag follows the fleet's.
+  v.theta = state_.theta;
+  v.frozen = true;
+  ASSERT_TRUE(*r->InstallVersion(v));
+  EXPECT_TRUE(r->frozen());
+
+  // Records 1 and 2 confirmed: pruned; 3 stays in the log.
+  ASSERT_TRUE(r->ConfirmLog(2).ok());
+  r.reset();
+  auto loaded = store->Load();
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  ASSERT_EQ(loaded->readouts.size(), 1u);
+  const storage::RecoveredReadout& rec = loaded->readouts[0];
+  EXPECT_EQ(rec.checkpoint.last_seq, 2u);
+  EXPECT_EQ(rec.checkpoint.version, 8);
+  EXPECT_FALSE(rec.checkpoint.p.has_value());
+  ASSERT_EQ(rec.log.size(), 1u);
+  EXPECT_EQ(rec.log[0].seq, 3u);
+  EXPECT_EQ(rec.log[0].request_id, "s2");
+  store.reset();
+  std::filesystem::remove_all(dir);
+}
+
+TEST_F(LiveReadoutTest, ALearningReadoutRefusesInstalledVersions) {
+  auto r = Make(Options(1));
+  InstalledVersion v;
+  v.version = 9;
+  v.theta = state_.theta;
+  EXPECT_EQ(r->InstallVersion(v).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(r->current()->version, 1);
+}
+
 TEST(LiveReadoutOptions, Validate) {
   LiveReadoutOptions o;
   EXPECT_TRUE(o.Validate().ok());

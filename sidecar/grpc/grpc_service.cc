@@ -395,6 +395,7 @@ void FillVersionProto(const std::string& name, const PublishedVersion& v,
   out->set_completions_learned(v.completions_learned);
   out->set_published_unix_ms(v.published_unix_ms);
   out->set_cause(v.cause);
+  out->set_fleet_seq(v.fleet_seq);
   if (weights) {
     out->set_w(reinterpret_cast<const char*>(v.folded.w().data()),
                v.folded.w().size() * sizeof(float));
@@ -530,6 +531,7 @@ grpc::Status PredictorService::Complete(grpc::ServerContext*,
   resp->set_skip_reason(o->skip_reason);
   resp->set_duplicate(o->duplicate);
   resp->set_duplicate_reason(o->duplicate_reason);
+  resp->set_fleet_seq(o->fleet_seq);
   return grpc::Status::OK;
 }
 
@@ -646,7 +648,10 @@ grpc::Status AdminService::CreateReadout(grpc::ServerContext* ctx,
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                         "CreateReadout needs an artifact or a cold_start");
   }
-  absl::Status s = core_->CreateReadout(req->name(), std::move(state));
+  // Fleet mode: created for the whole fleet (every member applies it).
+  absl::Status s = core_->fleet() != nullptr
+                       ? core_->fleet()->CreateReadout(req->name(), std::move(state))
+                       : core_->CreateReadout(req->name(), std::move(state));
   if (!s.ok()) return ToGrpc(s);
   FillInfo(**core_->GetReadout(req->name()), resp);
   return grpc::Status::OK;
@@ -656,6 +661,9 @@ grpc::Status AdminService::DeleteReadout(grpc::ServerContext* ctx,
                                          const pb::DeleteReadoutRequest* req,
                                          pb::DeleteReadoutResponse*) {
   if (grpc::Status s = CheckAdminWrite(ctx); !s.ok()) return s;
+  if (core_->fleet() != nullptr) {
+    return ToGrpc(core_->fleet()->DeleteReadout(req->name()));
+  }
   return ToGrpc(core_->DeleteReadout(req->name()));
 }
 
@@ -665,9 +673,11 @@ grpc::Status AdminService::ListVersions(grpc::ServerContext* ctx,
   if (grpc::Status s = CheckAdmin(ctx); !s.ok()) return s;
   auto r = core_->GetReadout(req->name());
   if (!r.ok()) return ToGrpc(r.status());
-  for (const VersionRecord& v : (*r)->Versions()) {
-    FillVersion(v, resp->add_versions());
+  if (req->limit() < 0) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "limit must be >= 0");
   }
+  FillQualityHistory(**r, req->limit(), core_->options().readout.quality_window,
+                     resp);
   return grpc::Status::OK;
 }
 
@@ -692,7 +702,9 @@ grpc::Status AdminService::SetAdaptation(grpc::ServerContext* ctx,
   if (grpc::Status s = CheckAdminWrite(ctx); !s.ok()) return s;
   auto r = core_->GetReadout(req->name());
   if (!r.ok()) return ToGrpc(r.status());
-  absl::Status s = (*r)->SetFrozen(req->frozen());
+  absl::Status s = core_->fleet() != nullptr
+                       ? core_->fleet()->SetFrozen(req->name(), req->frozen())
+                       : (*r)->SetFrozen(req->frozen());
   if (!s.ok()) return ToGrpc(s);
   FillInfo(**r, resp);
   return grpc::Status::OK;
@@ -707,7 +719,8 @@ grpc::Status AdminService::SetRoute(grpc::ServerContext* ctx,
   for (const auto& a : req->route().arms()) {
     route.arms.push_back({a.name(), a.readout(), a.percent(), a.shadow()});
   }
-  absl::Status s = core_->SetRoute(route);
+  absl::Status s = core_->fleet() != nullptr ? core_->fleet()->SetRoute(route)
+                                              : core_->SetRoute(route);
   if (!s.ok()) return ToGrpc(s);
   for (const Route& r : core_->ListRoutes()) {
     if (r.product_line != route.product_line) continue;
@@ -745,6 +758,9 @@ grpc::Status AdminService::DeleteRoute(grpc::ServerContext* ctx,
                                        const pb::DeleteRouteRequest* req,
                                        pb::DeleteRouteResponse*) {
   if (grpc::Status s = CheckAdminWrite(ctx); !s.ok()) return s;
+  if (core_->fleet() != nullptr) {
+    return ToGrpc(core_->fleet()->DeleteRoute(req->product_line()));
+  }
   return ToGrpc(core_->DeleteRoute(req->product_line()));
 }
 
@@ -799,6 +815,18 @@ grpc::Status AdminService::GetStats(grpc::ServerContext* ctx,
       (*resp->mutable_storage_bytes())[family] = bytes;
     }
   }
+  if (core_->fleet() != nullptr) {
+    const FleetStatus f = core_->fleet()->Status();
+    pb::FleetStats* out = resp->mutable_fleet();
+    out->set_fleet(f.fleet);
+    out->set_member(f.member);
+    out->set_role(f.role);
+    out->set_trainer(f.trainer);
+    out->set_degraded(f.degraded);
+    out->set_degraded_reason(f.degraded_reason);
+    out->set_last_fleet_seq(f.last_fleet_seq);
+    out->set_unconfirmed(f.unconfirmed);
+  }
   return grpc::Status::OK;
 }
 
@@ -817,7 +845,9 @@ grpc::Status AdminService::CreateSnapshot(grpc::ServerContext* ctx,
                                           const pb::CreateSnapshotRequest* req,
                                           pb::SnapshotInfo* resp) {
   if (grpc::Status s = CheckAdminWrite(ctx); !s.ok()) return s;
-  auto info = core_->Snapshot(req->readout(), req->label());
+  auto info = core_->fleet() != nullptr
+                  ? core_->fleet()->Snapshot(req->readout(), req->label())
+                  : core_->Snapshot(req->readout(), req->label());
   if (!info.ok()) return ToGrpc(info.status());
   FillSnapshot(*info, resp);
   return grpc::Status::OK;
@@ -829,7 +859,9 @@ grpc::Status AdminService::ListSnapshots(grpc::ServerContext* ctx,
   if (grpc::Status s = CheckAdmin(ctx); !s.ok()) return s;
   auto r = core_->GetReadout(req->readout());
   if (!r.ok()) return ToGrpc(r.status());
-  auto list = (*r)->ListSnapshots();
+  auto list = core_->fleet() != nullptr
+                  ? core_->fleet()->ListSnapshots(req->readout())
+                  : (*r)->ListSnapshots();
   if (!list.ok()) return ToGrpc(list.status());
   for (const auto& i : *list) FillSnapshot(i, resp->add_snapshots());
   return grpc::Status::OK;
@@ -839,7 +871,9 @@ grpc::Status AdminService::Rollback(grpc::ServerContext* ctx,
                                     const pb::RollbackRequest* req,
                                     pb::RollbackResponse* resp) {
   if (grpc::Status s = CheckAdminWrite(ctx); !s.ok()) return s;
-  auto v = core_->Rollback(req->readout(), req->label());
+  auto v = core_->fleet() != nullptr
+               ? core_->fleet()->Rollback(req->readout(), req->label())
+               : core_->Rollback(req->readout(), req->label());
   if (!v.ok()) return ToGrpc(v.status());
   resp->set_version(*v);
   return grpc::Status::OK;

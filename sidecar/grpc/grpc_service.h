@@ -18,6 +18,12 @@ namespace leap::sidecar {
 
 grpc::Status ToGrpc(const absl::Status& s);
 
+// ListVersions' answer: the newest `limit` versions (0 = all) with their
+// quality, the quality windows and the per-label quality
+// (sidecar/grpc/admin_data.cc).
+void FillQualityHistory(LiveReadout& r, int64_t limit, int64_t window,
+                        leap::v1::ListVersionsResponse* resp);
+
 // Byte bound of each consumer's outbox (leapd --outbox_bytes) and the
 // process-wide accounting behind the leap_outbox_* metrics. Policy, for a
 // consumer (a WatchReadout or Connect stream) whose queued messages exceed
@@ -131,6 +137,10 @@ class AdminService final : public leap::v1::Admin::Service {
                              leap::v1::ListSnapshotsResponse*) override;
   grpc::Status Rollback(grpc::ServerContext*, const leap::v1::RollbackRequest*,
                         leap::v1::RollbackResponse*) override;
+  // sidecar/grpc/admin_data.cc
+  grpc::Status ExportDataset(
+      grpc::ServerContext*, const leap::v1::ExportDatasetRequest*,
+      grpc::ServerWriter<leap::v1::DatasetChunk>* writer) override;
 
  private:
   grpc::Status CheckAdmin(grpc::ServerContext* ctx);

@@ -39,6 +39,8 @@ constexpr char kTopHelp[] =
     "                   Spearman.\n"
     "  export NAME      Write a readout's current state as a .leapr "
     "artifact.\n"
+    "  dataset export --readout NAME --out DIR   Training data leapd kept\n"
+    "                   from its traffic: DIR/features.npy, DIR/lengths.npy.\n"
     "  freeze NAME      Stop online adaptation (RLS) of a readout.\n"
     "  resume NAME      Restart online adaptation of a readout.\n"
     "  route set|list|delete   Which readouts (A/B and shadow arms) serve a\n"
@@ -337,6 +339,7 @@ int RunLeapctl(const std::vector<std::string>& all, std::ostream& out,
   if (command == "readouts") return internal::ReadoutsCommand(args, out, err);
   if (command == "versions") return internal::VersionsCommand(args, out, err);
   if (command == "export") return internal::ExportCommand(args, out, err);
+  if (command == "dataset") return internal::DatasetCommand(args, out, err);
   if (command == "freeze") {
     return internal::AdaptationCommand(true, args, out, err);
   }
@@ -353,6 +356,7 @@ int RunLeapctl(const std::vector<std::string>& all, std::ostream& out,
   if (command == "replay") return internal::ReplayCommand(args, out, err);
   err << "leapctl: error: unknown command '" << OneLine(command)
       << "' (commands: train, eval, adapt, synth, readouts, versions, export, "
+         "dataset, "
          "freeze, resume, route, stats, bench, feed, snapshot, rollback, import, "
          "replay; "
          "see 'leapctl --help')"

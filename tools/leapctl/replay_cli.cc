@@ -52,7 +52,27 @@ constexpr char kDescription[] =
     "             predictions have Spearman R with the true lengths (S after\n"
     "             the shift) and cost C GPU-ms each; presets tie, ssjf, ltr,\n"
     "             trail, egtp ('baselines' = all five)\n"
-    "Every length-aware policy uses the waiting cap and aging given.\n"
+    "Every length-aware policy uses the waiting cap and aging given, and\n"
+    "may name a scheduling discipline after a '+' (docs/SCHEDULING.md):\n"
+    "  +bounded[=S]  the countdown with the tail bound: no request's latency\n"
+    "                (in steps) beyond S x what a virtual FCFS system gives\n"
+    "                it, plus the EDF overflow; default S = 2.5\n"
+    "  +hrrn         highest response ratio next (baseline)\n"
+    "  +aging[=A]    remaining - A x steps waited (linear aging baseline)\n"
+    "  +countdown    the plain countdown (the default)\n"
+    "e.g. leap+bounded=1.5. leap+D runs reuse the predictions (and measured\n"
+    "latencies) of the first frozen LEAP run instead of asking leapd again.\n"
+    "With fcfs and oracle in the list a trade-off table follows (share of the\n"
+    "oracle's mean-PTL gain over FCFS, P99 and long-request P95 over FCFS's);\n"
+    "--tradeoff-plot draws it.\n"
+    "\n"
+    "--engine vllm replaces the engine model by one shaped like vLLM V1's\n"
+    "scheduler: every running request advances each step (continuous\n"
+    "batching), at most --max-num-seqs running, --max-num-batched-tokens per\n"
+    "step (prefills chunked to fit), a KV cache of --kv-blocks blocks of\n"
+    "--block-size tokens; when it is full the lowest-ranked running request\n"
+    "is preempted and later recomputed; waiting requests are admitted in the\n"
+    "scheduler's order.\n"
     "\n"
     "LEAP's hidden states are synthetic (leapctl synth's model), conditioned\n"
     "on each request's true output length and domain (--domain, switching to\n"
@@ -96,6 +116,9 @@ int ReplayCommand(const std::vector<std::string>& args, std::ostream& out,
   std::optional<double> load;
   int64_t resident = o.engine.resident, slots = o.engine.slots;
   int64_t model_seed = static_cast<int64_t>(o.model_seed);
+  std::string engine = "slots";
+  int64_t max_num_seqs = o.engine.max_num_seqs;
+  int64_t block_size = o.engine.block_size;
   int64_t seed = static_cast<int64_t>(o.seed);
   FlagSet flags(
       "replay",
@@ -152,6 +175,19 @@ int ReplayCommand(const std::vector<std::string>& args, std::ostream& out,
               "Seed of the synthetic serving model (as leapctl synth).");
   flags.Int64("seed", &seed, "S",
               "Seed of the synthetic trace, arrivals, features and baselines.");
+  flags.String("engine", &engine, "slots|vllm",
+               "Engine model: slots (the paper's: --resident, --slots) or "
+               "vllm (continuous batching with KV blocks and preemption).");
+  flags.Int64("max-num-seqs", &max_num_seqs, "N",
+              "vllm: running requests at most.");
+  flags.Int64("max-num-batched-tokens", &o.engine.max_num_batched_tokens, "N",
+              "vllm: tokens per step (decodes + prefill chunks).");
+  flags.Int64("block-size", &block_size, "N", "vllm: tokens per KV block.");
+  flags.Int64("kv-blocks", &o.engine.kv_blocks, "N",
+              "vllm: KV cache size in blocks.");
+  flags.String("tradeoff-plot", &o.tradeoff_plot_path, "OUT.svg",
+               "Write the trade-off plot (share of the oracle's PTL gain vs "
+               "P99 latency over FCFS's, one point per knob value).");
   flags.Int64("resident", &resident, "N", "Requests held in memory at once.");
   flags.Int64("slots", &slots, "N", "Decode slots per step.");
   flags.Double("step-base-ms", &o.engine.step_base_ms, "MS",
@@ -231,6 +267,21 @@ int ReplayCommand(const std::vector<std::string>& args, std::ostream& out,
     return cmd.UsageError(
         absl::InvalidArgumentError("--model-seed and --seed must be >= 0"));
   }
+  if (engine == "vllm") {
+    o.engine.kind = replay::EngineKind::kVllm;
+  } else if (engine != "slots") {
+    return cmd.UsageError(absl::InvalidArgumentError(absl::StrCat(
+        "--engine must be slots or vllm, got '", engine, "'")));
+  }
+  if (max_num_seqs < 1 || max_num_seqs > (int64_t{1} << 20) ||
+      block_size < 1 || block_size > 4096) {
+    return cmd.UsageError(absl::InvalidArgumentError(absl::StrCat(
+        "--max-num-seqs must be in [1, 1048576] and --block-size in [1, "
+        "4096], got ",
+        max_num_seqs, " and ", block_size)));
+  }
+  o.engine.max_num_seqs = static_cast<int>(max_num_seqs);
+  o.engine.block_size = static_cast<int>(block_size);
   o.engine.resident = static_cast<int>(resident);
   o.engine.slots = static_cast<int>(slots);
   o.model_seed = static_cast<uint64_t>(model_seed);

@@ -449,6 +449,36 @@ std::string FormatVersions(const pb::ListVersionsResponse& versions) {
                           FormatTimeMs(v.published_unix_ms()), v.cause(),
                           FormatSpearman(v.spearman()), v.spearman_n());
   }
+  if (versions.total_versions() > versions.versions_size()) {
+    absl::StrAppendFormat(&s, "(newest %d of %d versions; --limit 0 for all)\n",
+                          versions.versions_size(), versions.total_versions());
+  }
+  if (versions.windows_size() > 0) {
+    absl::StrAppendFormat(&s, "\nquality per window of %d completions:\n",
+                          versions.window());
+    absl::StrAppendFormat(&s, "%12s %6s  %-17s %-24s %8s\n", "FIRST", "N",
+                          "VERSIONS", "END (UTC)", "SPEARMAN");
+    for (const pb::QualityWindow& w : versions.windows()) {
+      absl::StrAppendFormat(
+          &s, "%12d %6d  %-17s %-24s %8s\n", w.first_completion(),
+          w.completions(),
+          absl::StrCat(w.first_version(), "-", w.last_version()),
+          FormatTimeMs(w.end_unix_ms()), FormatSpearman(w.spearman()));
+    }
+  }
+  if (versions.labels_size() > 0) {
+    absl::StrAppend(&s, "\nquality since each snapshot label:\n");
+    absl::StrAppendFormat(&s, "%-24s %-17s %8s %8s\n", "LABEL", "VERSIONS", "N",
+                          "SPEARMAN");
+    for (const pb::LabelQuality& l : versions.labels()) {
+      absl::StrAppendFormat(
+          &s, "%-24s %-17s %8d %8s\n", l.label(),
+          absl::StrCat(l.from_version(), "-",
+                       l.to_version() == 0 ? std::string("now")
+                                           : absl::StrCat(l.to_version() - 1)),
+          l.completions(), FormatSpearman(l.spearman()));
+    }
+  }
   return s;
 }
 
@@ -457,6 +487,26 @@ std::string FormatVersionsJson(const pb::ListVersionsResponse& versions) {
   j["versions"] = nlohmann::json::array();
   for (const pb::VersionInfo& v : versions.versions()) {
     j["versions"].push_back(VersionJson(v));
+  }
+  j["total_versions"] = versions.total_versions();
+  j["window"] = versions.window();
+  j["windows"] = nlohmann::json::array();
+  for (const pb::QualityWindow& w : versions.windows()) {
+    j["windows"].push_back({{"first_completion", w.first_completion()},
+                            {"completions", w.completions()},
+                            {"first_version", w.first_version()},
+                            {"last_version", w.last_version()},
+                            {"start_unix_ms", w.start_unix_ms()},
+                            {"end_unix_ms", w.end_unix_ms()},
+                            {"spearman", JsonNumber(w.spearman())}});
+  }
+  j["labels"] = nlohmann::json::array();
+  for (const pb::LabelQuality& l : versions.labels()) {
+    j["labels"].push_back({{"label", l.label()},
+                           {"from_version", l.from_version()},
+                           {"to_version", l.to_version()},
+                           {"completions", l.completions()},
+                           {"spearman", JsonNumber(l.spearman())}});
   }
   return j.dump() + "\n";
 }
@@ -566,6 +616,15 @@ std::string FormatStats(const pb::StatsResponse& st) {
                         st.unknown_completions());
   absl::StrAppendFormat(&s, "evicted: %d (capacity), %d (ttl)\n",
                         st.evicted_capacity(), st.evicted_ttl());
+  if (st.has_fleet()) {
+    const pb::FleetStats& f = st.fleet();
+    absl::StrAppendFormat(
+        &s, "fleet: %s, member %s (%s), trainer %s, last_fleet_seq %d, "
+            "unconfirmed %d%s%s\n",
+        f.fleet(), f.member(), f.role(), f.trainer().empty() ? "-" : f.trainer(),
+        f.last_fleet_seq(), f.unconfirmed(), f.degraded() ? ", DEGRADED: " : "",
+        f.degraded() ? f.degraded_reason() : "");
+  }
   return s;
 }
 
@@ -611,6 +670,17 @@ std::string FormatStatsJson(const pb::StatsResponse& st) {
   j["unknown_completions"] = st.unknown_completions();
   j["evicted_capacity"] = st.evicted_capacity();
   j["evicted_ttl"] = st.evicted_ttl();
+  if (st.has_fleet()) {
+    const pb::FleetStats& f = st.fleet();
+    j["fleet"] = {{"fleet", f.fleet()},
+                  {"member", f.member()},
+                  {"role", f.role()},
+                  {"trainer", f.trainer()},
+                  {"degraded", f.degraded()},
+                  {"degraded_reason", f.degraded_reason()},
+                  {"last_fleet_seq", f.last_fleet_seq()},
+                  {"unconfirmed", f.unconfirmed()}};
+  }
   return j.dump() + "\n";
 }
 

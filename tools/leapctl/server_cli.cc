@@ -576,31 +576,52 @@ int ImportCommand(const std::vector<std::string>& args, std::ostream& out,
   return ReadoutsCommand(forwarded, out, err);
 }
 
+void AddServerFlags(FlagSet& flags, ServerOptions* o) { ServerFlags(flags, o); }
+int CheckServerFlags(Command& cmd, const ServerOptions& o) {
+  return CheckServer(cmd, o);
+}
+
 int VersionsCommand(const std::vector<std::string>& args, std::ostream& out,
                     std::ostream& err) {
   Command cmd("versions", out, err);
   ServerOptions server;
   std::string name;
   bool json = false;
+  int64_t limit = 20;
   FlagSet flags(
-      "versions", "leapctl versions NAME [--json]",
+      "versions", "leapctl versions NAME [--limit N] [--json]",
       "Lists the published versions of a readout, oldest first: version,\n"
       "completions learned when it was published, publish time (UTC), cause\n"
       "(create, rls, ...), and the online Spearman of predicted vs. true "
       "length\n"
       "over the completions this version predicted, with their number n ('-' "
       "until\n"
-      "two are known; leapd keeps the quality of the 64 latest versions).");
+      "two are known; leapd keeps the quality of the 64 latest versions).\n"
+      "Then the quality over windows of --quality_window completions (leapd's\n"
+      "flag; the newest may be partial) and since each snapshot label; both\n"
+      "survive leapd restarts with --data_dir.");
   flags.Positional("NAME", &name, "The readout.");
   ServerFlags(flags, &server);
   flags.Bool("json", &json,
              "Print one JSON object {\"versions\": [{\"version\", "
              "\"completions_learned\", \"published_unix_ms\", \"cause\", "
-             "\"spearman\" (null when undefined), \"spearman_n\"}]}.");
+             "\"spearman\" (null when undefined), \"spearman_n\"}], "
+             "\"total_versions\", \"window\", \"windows\": "
+             "[{\"first_completion\", \"completions\", \"first_version\", "
+             "\"last_version\", \"start_unix_ms\", \"end_unix_ms\", "
+             "\"spearman\"}], \"labels\": [{\"label\", \"from_version\", "
+             "\"to_version\" (0 = open), \"completions\", \"spearman\"}]}.");
+  flags.Int64("limit", &limit, "N",
+              "Only the newest N versions and N quality windows (0 = all "
+              "kept).");
   if (int rc = cmd.Parse(flags, args); rc >= 0) return rc;
+  if (limit < 0) {
+    return cmd.UsageError(absl::InvalidArgumentError(
+        absl::StrCat("--limit must be >= 0, got ", limit)));
+  }
   if (int rc = CheckServer(cmd, server); rc >= 0) return rc;
   AdminClient client(server);
-  absl::StatusOr<pb::ListVersionsResponse> r = client.ListVersions(name);
+  absl::StatusOr<pb::ListVersionsResponse> r = client.ListVersions(name, limit);
   if (!r.ok()) return cmd.Failure(r.status());
   out << (json ? FormatVersionsJson(*r) : FormatVersions(*r));
   return kExitOk;

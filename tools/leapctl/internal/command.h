@@ -14,6 +14,7 @@
 #include "tools/leapctl/cli.h"
 #include "tools/leapctl/commands.h"
 #include "tools/leapctl/flags.h"
+#include "tools/leapctl/server.h"
 
 namespace leap::leapctl::internal {
 
@@ -72,6 +73,13 @@ int VersionsCommand(const std::vector<std::string>& args, std::ostream& out,
                     std::ostream& err);
 int ExportCommand(const std::vector<std::string>& args, std::ostream& out,
                   std::ostream& err);
+// tools/leapctl/dataset.cc
+int DatasetCommand(const std::vector<std::string>& args, std::ostream& out,
+                   std::ostream& err);
+// The --server/--timeout/--token-file/--tls-* flags of every server command
+// and their check (-1 to continue, else the exit code).
+void AddServerFlags(FlagSet& flags, ServerOptions* o);
+int CheckServerFlags(Command& cmd, const ServerOptions& o);
 int AdaptationCommand(bool frozen, const std::vector<std::string>& args,
                       std::ostream& out, std::ostream& err);
 int RouteCommand(const std::vector<std::string>& args, std::ostream& out,

@@ -1,0 +1,92 @@
+// The seam between the Core and fleet mode (leapd --fleet, docs/FLEET.md):
+// what the Core and the Admin service ask of the fleet member, without
+// sidecar/core depending on NATS. Implemented by leap::fleet::FleetMember.
+#ifndef LEAP_SIDECAR_CORE_FLEET_LINK_H_
+#define LEAP_SIDECAR_CORE_FLEET_LINK_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "readout/artifact.h"
+#include "readout/features.h"
+#include "storage/state_store.h"
+
+namespace leap::sidecar {
+
+struct Route;
+
+// One learnable completion, recorded in the local outbox (the readout's
+// feedback log) and now to be published to the fleet.
+struct FleetCompletionRecord {
+  std::string readout;
+  std::string request_id;
+  std::string instance;
+  std::string product_line;
+  std::string arm;
+  readout::DType dtype = readout::DType::kFloat32;
+  absl::string_view features;  // raw little-endian values
+  double target = 0;
+  double predicted_tokens = 0;
+  int64_t served_version = 0;
+  double true_tokens = 0;
+  // Its sequence in the readout's local log, and the dedup keys recorded
+  // with it.
+  uint64_t local_seq = 0;
+  std::vector<std::string> dedup_keys;
+};
+
+// What GetStats and health say about fleet mode.
+struct FleetStatus {
+  std::string fleet;
+  std::string member;
+  std::string role;     // "trainer" or "member"
+  std::string trainer;  // member id holding the lease ("" unknown)
+  bool degraded = false;
+  std::string degraded_reason;
+  uint64_t last_fleet_seq = 0;  // newest FEEDBACK sequence this member acked
+  int64_t unconfirmed = 0;      // outbox records not yet in the stream
+};
+
+// Thread-safe.
+class FleetLink {
+ public:
+  virtual ~FleetLink() = default;
+
+  // Publishes a completion already recorded in the local outbox; returns
+  // its FEEDBACK stream sequence once JetStream acknowledged it.
+  // UNAVAILABLE when NATS cannot be reached (the record stays in the
+  // outbox and is republished later).
+  virtual absl::StatusOr<uint64_t> PublishCompletion(
+      const FleetCompletionRecord& c) = 0;
+  // A resent completion whose dedup key was recorded: returns its stream
+  // sequence once its outbox record is in the stream (publishing it now if
+  // it was not yet; 0 when the sequence is no longer known), UNAVAILABLE
+  // while it cannot be.
+  virtual absl::StatusOr<uint64_t> ResolveDuplicate(
+      const std::vector<std::string>& dedup_keys) = 0;
+
+  // Fleet-wide admin operations (any member; every member applies them).
+  virtual absl::Status CreateReadout(const std::string& name,
+                                     readout::ReadoutState state) = 0;
+  virtual absl::Status DeleteReadout(const std::string& name) = 0;
+  virtual absl::Status SetRoute(const Route& route) = 0;
+  virtual absl::Status DeleteRoute(const std::string& product_line) = 0;
+  virtual absl::StatusOr<storage::SnapshotInfo> Snapshot(
+      const std::string& readout, const std::string& label) = 0;
+  virtual absl::StatusOr<int64_t> Rollback(const std::string& readout,
+                                           const std::string& label) = 0;
+  virtual absl::Status SetFrozen(const std::string& readout, bool frozen) = 0;
+  // The fleet's snapshots of a readout (in the STATE stream).
+  virtual absl::StatusOr<std::vector<storage::SnapshotInfo>> ListSnapshots(
+      const std::string& readout) = 0;
+
+  virtual FleetStatus Status() const = 0;
+};
+
+}  // namespace leap::sidecar
+
+#endif  // LEAP_SIDECAR_CORE_FLEET_LINK_H_

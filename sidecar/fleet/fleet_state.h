@@ -1,0 +1,81 @@
+// Complete readout states (theta, P, position) in the fleet's STATE stream
+// (docs/FLEET.md): checkpoints on leap.<fleet>.ckpt.<readout> and snapshots on
+// leap.<fleet>.snap.<readout>.<label>, each written as FleetStateChunk
+// messages of at most kStateChunkBytes payload, the last one carrying the
+// metadata (chunk count, CRC-32C of all the data, fleet_seq). A reader
+// assembles chunks by state_id and takes the newest complete one whose CRC
+// matches, so a state cut short by a crash is never read.
+#ifndef LEAP_SIDECAR_FLEET_FLEET_STATE_H_
+#define LEAP_SIDECAR_FLEET_FLEET_STATE_H_
+
+#include <nats/nats.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "Eigen/Core"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "readout/rls.h"
+#include "sidecar/fleet/nats_client.h"
+
+namespace leap::fleet {
+
+// Payload bytes per chunk: below NATS's default max_payload (1 MiB) with
+// room for the chunk's other fields.
+inline constexpr int64_t kStateChunkBytes = 1000 * 1000;
+
+// One complete state of a readout.
+struct FleetState {
+  Eigen::VectorXd theta;               // d + 1, bias last, FP64
+  std::optional<readout::SymMatrix> p;  // FP32, absent for a readout without P
+  int64_t version = 0;
+  int64_t completions_learned = 0;
+  // Every FEEDBACK message with stream sequence <= fleet_seq is in it.
+  uint64_t fleet_seq = 0;
+  bool frozen = false;
+  std::string label;   // snapshots
+  int64_t unix_ms = 0;
+  std::string state_id;  // as read or written
+  int32_t chunks = 0;    // as read or written
+};
+
+// Stream, bucket and subject names: sidecar/fleet/nats_client.h.
+
+// theta, P and the flags as one byte string (little-endian), and back.
+std::string EncodeStatePayload(const FleetState& s);
+absl::Status DecodeStatePayload(absl::string_view data, FleetState* s);
+
+// Writes `s` on `subject` (stream `stream`) as chunks under `state_id`,
+// each publish acknowledged by JetStream (message id state_id/index, so a
+// resend is de-duplicated). Returns the number of chunks.
+absl::StatusOr<int32_t> PublishState(jsCtx* js, const std::string& stream,
+                                     const std::string& subject,
+                                     const std::string& readout,
+                                     const std::string& state_id,
+                                     const FleetState& s);
+
+// The newest complete, CRC-valid state on `subject`; with `max_fleet_seq`,
+// the newest whose fleet_seq <= it. NotFound when there is none.
+absl::StatusOr<FleetState> ReadNewestState(
+    jsCtx* js, const std::string& stream, const std::string& subject,
+    std::optional<uint64_t> max_fleet_seq = std::nullopt);
+
+// Creates (or accepts as they are) the streams and the lease bucket of a
+// fleet, with `replicas` JetStream replicas and a lease TTL of `lease_ms`.
+absl::Status EnsureFleetStreams(jsCtx* js, const std::string& fleet,
+                                int replicas, int64_t lease_ms);
+
+// The stream sequence of a message, whether it came from a consumer (reply
+// subject metadata) or a direct get; 0 when it has neither.
+uint64_t StreamSequence(natsMsg* m);
+
+// "nats: <text> (status N, JetStream error E)".
+absl::Status NatsFailure(const std::string& what, natsStatus s,
+                       jsErrCode code = static_cast<jsErrCode>(0));
+
+}  // namespace leap::fleet
+
+#endif  // LEAP_SIDECAR_FLEET_FLEET_STATE_H_

@@ -1,0 +1,514 @@
+// The member side of fleet mode, in process (a real Core over a real RocksDB
+// store, a real FleetMember) against a real nats-server started by the test
+// (-js, file storage in a temp dir, a free loopback port): a completion is
+// acknowledged with its FEEDBACK stream sequence and is in the stream under
+// the expected message id; a resend is acknowledged as a duplicate and never
+// stored twice (also when another member publishes it); with NATS down,
+// completions get UNAVAILABLE while predictions go on, and after NATS comes
+// back the outbox record is published once; a record left in the outbox by
+// a restart is republished at start; a FleetVersion published on the
+// subject is installed and served (score checked against FP64); fleet-wide
+// operations wait for the trainer's answer. Skipped when
+// /usr/sbin/nats-server is missing.
+#include "sidecar/fleet/member.h"
+
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <filesystem>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "client/process.h"
+#include "gtest/gtest.h"
+#include "leap/v1/fleet.pb.h"
+#include "storage/rocksdb_store.h"
+#include "tests/support/readout_fixtures.h"
+
+namespace leap::fleet {
+namespace {
+
+namespace fpb = ::leap::v1::fleet;
+using sidecar::Core;
+using sidecar::CoreOptions;
+using sidecar::ScoreRequest;
+using ::leap::testing::RandomFeatures;
+using ::leap::testing::RandomState;
+using ::leap::testing::ReferenceScore;
+using ::leap::testing::ScoreTolerance;
+
+constexpr char kNatsServer[] = "/usr/sbin/nats-server";
+constexpr char kFleet[] = "t1";
+constexpr int64_t kDim = 16;
+
+int FreePort() {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = 0;
+  bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
+  socklen_t len = sizeof(a);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  const int port = ntohs(a.sin_port);
+  close(fd);
+  return port;
+}
+
+// Waits for `cond` (checked every millisecond) until `timeout`.
+template <typename F>
+bool WaitFor(F cond, absl::Duration timeout = absl::Seconds(20)) {
+  const absl::Time end = absl::Now() + timeout;
+  while (!cond()) {
+    if (absl::Now() > end) return false;
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  return true;
+}
+
+class Recorder : public sidecar::PublishListener {
+ public:
+  void OnPublish(const std::string& readout,
+                 const std::shared_ptr<const sidecar::PublishedVersion>& v) override {
+    absl::MutexLock l(&mu_);
+    seen_.push_back(v);
+  }
+  // Waits for a publish of `version`.
+  std::shared_ptr<const sidecar::PublishedVersion> Await(int64_t version) {
+    absl::MutexLock l(&mu_);
+    std::shared_ptr<const sidecar::PublishedVersion> found;
+    auto cond = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      for (const auto& v : seen_) {
+        if (v->version == version) found = v;
+      }
+      return found != nullptr;
+    };
+    mu_.AwaitWithTimeout(absl::Condition(&cond), absl::Seconds(20));
+    return found;
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::vector<std::shared_ptr<const sidecar::PublishedVersion>> seen_
+      ABSL_GUARDED_BY(mu_);
+};
+
+// One member: a Core over its own RocksDB store and a FleetMember.
+struct Member {
+  std::unique_ptr<storage::StateStore> store;
+  sidecar::Metrics metrics;
+  std::unique_ptr<Core> core;
+  std::unique_ptr<FleetMember> fleet;
+  std::shared_ptr<Recorder> recorder = std::make_shared<Recorder>();
+  absl::Mutex mu;
+  bool degraded ABSL_GUARDED_BY(mu) = true;
+
+  ~Member() {
+    if (core != nullptr) core->SetFleet(nullptr);
+    if (fleet != nullptr) fleet->Stop();
+    fleet.reset();
+    if (core != nullptr) core->Shutdown(false);
+  }
+  bool AwaitDegraded(bool want) {
+    absl::MutexLock l(&mu);
+    auto cond = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return degraded == want; };
+    return mu.AwaitWithTimeout(absl::Condition(&cond), absl::Seconds(20));
+  }
+};
+
+class FleetMemberTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!std::filesystem::exists(kNatsServer)) {
+      GTEST_SKIP() << kNatsServer << " missing";
+    }
+    dir_ = std::filesystem::temp_directory_path() /
+           absl::StrCat("fleet_member_test_", getpid(), "_",
+                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    std::filesystem::remove_all(dir_);
+    std::filesystem::create_directories(dir_ / "js");
+    port_ = FreePort();
+    StartNats();
+    NatsClientOptions o;
+    o.servers = {Url()};
+    auto c = NatsClient::Connect(o);
+    ASSERT_TRUE(c.ok()) << c.status();
+    observer_ = std::move(*c);
+    ASSERT_TRUE(observer_->WaitConnected(20000).ok());
+  }
+  void TearDown() override {
+    observer_.reset();
+    nats_.reset();
+    if (!dir_.empty()) std::filesystem::remove_all(dir_);
+  }
+
+  std::string Url() const { return absl::StrCat("nats://127.0.0.1:", port_); }
+
+  void StartNats() {
+    client::ProcessOptions po;
+    po.merge_stderr = true;
+    po.die_with_parent = true;
+    auto p = client::Process::Start(
+        {kNatsServer, "-js", "-sd", (dir_ / "js").string(), "-a", "127.0.0.1",
+         "-p", std::to_string(port_)},
+        po);
+    ASSERT_TRUE(p.ok()) << p.status();
+    nats_ = std::move(*p);
+  }
+  void KillNats() {
+    nats_->Signal(SIGKILL);
+    nats_->Wait();
+    nats_.reset();
+  }
+
+  std::unique_ptr<Member> StartMember(const std::string& id,
+                                      int64_t op_timeout_ms = 10'000,
+                                      int64_t wait_ms = 20'000) {
+    auto m = std::make_unique<Member>();
+    storage::RocksStoreOptions so;
+    auto st = storage::OpenRocksStore((dir_ / id).string(), so);
+    EXPECT_TRUE(st.ok()) << st.status();
+    m->store = std::move(*st);
+    auto loaded = m->store->Load();
+    EXPECT_TRUE(loaded.ok());
+    CoreOptions co;
+    co.readout.serving_only = true;
+    co.cache.max_bytes = 64 << 20;
+    m->core = std::make_unique<Core>(co, &m->metrics, m->store.get());
+    m->core->hub().Subscribe(m->recorder);
+    std::map<std::string, std::vector<storage::LogRecord>> outbox;
+    for (const auto& r : loaded->readouts) {
+      if (!r.log.empty()) outbox[r.meta.name] = r.log;
+    }
+    EXPECT_TRUE(m->core->Recover(std::move(*loaded)).ok());
+    FleetMemberOptions fo;
+    fo.nats.servers = {Url()};
+    fo.fleet = kFleet;
+    fo.member = id;
+    fo.op_timeout_ms = op_timeout_ms;
+    Member* raw = m.get();
+    fo.on_degraded = [raw](bool d) {
+      absl::MutexLock l(&raw->mu);
+      raw->degraded = d;
+    };
+    auto f = FleetMember::Create(m->core.get(), fo);
+    EXPECT_TRUE(f.ok()) << f.status();
+    m->fleet = std::move(*f);
+    m->core->SetFleet(m->fleet.get());
+    EXPECT_TRUE(m->fleet->Start(std::move(outbox), wait_ms).ok());
+    return m;
+  }
+
+  uint64_t LastFeedbackSeq() {
+    auto s = observer_->LastSeq(FeedbackStream(kFleet));
+    EXPECT_TRUE(s.ok()) << s.status();
+    return s.ok() ? *s : 0;
+  }
+
+  std::filesystem::path dir_;
+  int port_ = 0;
+  std::unique_ptr<client::Process> nats_;
+  std::unique_ptr<NatsClient> observer_;
+};
+
+ScoreRequest Req(const std::string& id, const std::vector<float>& x) {
+  ScoreRequest s;
+  s.request_id = id;
+  s.features = absl::string_view(reinterpret_cast<const char*>(x.data()),
+                                 x.size() * sizeof(float));
+  return s;
+}
+
+TEST(FleetNaming, NamesAndTokens) {
+  EXPECT_EQ(FeedbackStream("prod"), "LEAP_prod_FEEDBACK");
+  EXPECT_EQ(VersionsStream("prod"), "LEAP_prod_VERSIONS");
+  EXPECT_EQ(StateStream("prod"), "LEAP_prod_STATE");
+  EXPECT_EQ(ConfigBucket("prod"), "LEAP_prod_CONFIG");
+  EXPECT_EQ(LeaseBucket("prod"), "LEAP_prod_LEASE");
+  EXPECT_EQ(FeedbackSubject("prod", "chat"), "leap.prod.fb.chat");
+  EXPECT_EQ(ControlSubject("prod", "chat"), "leap.prod.ctl.chat");
+  EXPECT_EQ(VersionSubject("prod", "chat"), "leap.prod.ver.chat");
+  EXPECT_EQ(CheckpointSubject("prod", "chat"), "leap.prod.ckpt.chat");
+  EXPECT_EQ(SnapshotSubject("prod", "chat", "good_1"), "leap.prod.snap.chat.good_1");
+  // A dot would split the token: hex-encoded, and back.
+  EXPECT_EQ(FeedbackSubject("prod", "chat.v2"), "leap.prod.fb.=636861742e7632");
+  EXPECT_EQ(*ReadoutOfSubject("prod", "leap.prod.fb.=636861742e7632"), "chat.v2");
+  EXPECT_EQ(*ReadoutOfSubject("prod", "leap.prod.ver.chat"), "chat");
+  EXPECT_FALSE(ReadoutOfSubject("prod", "leap.other.ver.chat").ok());
+  EXPECT_EQ(RouteConfigKey(""), "route.=");
+  EXPECT_EQ(*NameFromToken("="), "");
+  EXPECT_EQ(RouteConfigKey("code"), "route.code");
+  EXPECT_FALSE(NameFromToken("=6").ok());
+  EXPECT_FALSE(NameFromToken("a.b").ok());
+  EXPECT_TRUE(ValidateFleetName("prod-1_a").ok());
+  EXPECT_FALSE(ValidateFleetName("").ok());
+  EXPECT_FALSE(ValidateFleetName("a.b").ok());
+  EXPECT_FALSE(ValidateFleetName(std::string(33, 'a')).ok());
+  EXPECT_TRUE(ValidateMemberId("pod-7.ns").ok());
+  EXPECT_FALSE(ValidateMemberId("a b").ok());
+}
+
+TEST_F(FleetMemberTest, CompletionInStreamOnceAndResendIsDuplicate) {
+  auto a = StartMember("a");
+  ASSERT_TRUE(a->fleet->ready());
+  const readout::ReadoutState st = RandomState(kDim, 7);
+  ASSERT_TRUE(a->fleet->CreateReadout("chat", st).ok());
+  sidecar::Route r;
+  r.arms.push_back({"chat", "chat", 100.0, false});
+  ASSERT_TRUE(a->fleet->SetRoute(r).ok());
+  // A second member picks the readout and the route up from CONFIG.
+  auto b = StartMember("b");
+  ASSERT_TRUE(b->core->GetReadout("chat").ok());
+  ASSERT_EQ(b->core->ListRoutes().size(), 1u);
+
+  std::mt19937_64 rng(1);
+  const std::vector<float> x = RandomFeatures(st, rng);
+  const uint64_t before = LastFeedbackSeq();
+  ASSERT_TRUE(a->core->Predict(Req("r1", x), 0, nullptr).ok());
+  auto done = a->core->Complete("r1", 100, readout::FinishReason::kStop);
+  ASSERT_TRUE(done.ok()) << done.status();
+  EXPECT_TRUE(done->learned);
+  EXPECT_FALSE(done->duplicate);
+  EXPECT_EQ(done->fleet_seq, before + 1);
+  EXPECT_EQ(LastFeedbackSeq(), before + 1);
+
+  auto msg = observer_->GetMsg(FeedbackStream(kFleet), done->fleet_seq);
+  ASSERT_TRUE(msg.ok()) << msg.status();
+  EXPECT_EQ(msg->subject, "leap.t1.fb.chat");
+  const double target = std::sqrt(100.0);
+  const std::string features(reinterpret_cast<const char*>(x.data()),
+                             x.size() * sizeof(float));
+  EXPECT_EQ(msg->msg_id, FleetMember::MessageId("chat", "r1", 1, features, target));
+  fpb::FleetCompletion c;
+  ASSERT_TRUE(c.ParseFromString(msg->data));
+  EXPECT_EQ(c.readout(), "chat");
+  EXPECT_EQ(c.request_id(), "r1");
+  EXPECT_EQ(c.features(), features);
+  EXPECT_EQ(c.target(), target);
+  EXPECT_EQ(c.member(), "a");
+  EXPECT_EQ(c.served_version(), 1);
+  EXPECT_EQ(c.true_tokens(), 100.0);
+
+  // The engine resends (its ack was lost): a duplicate, nothing new stored.
+  auto again = a->core->Complete("r1", 100, readout::FinishReason::kStop);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_TRUE(again->duplicate);
+  EXPECT_EQ(again->fleet_seq, done->fleet_seq);
+  EXPECT_EQ(LastFeedbackSeq(), before + 1);
+
+  // The engine moved to member b and resent the request and its completion:
+  // b publishes it under the same message id; JetStream stores it once.
+  ASSERT_TRUE(b->core->Predict(Req("r1", x), 0, nullptr).ok());
+  auto moved = b->core->Complete("r1", 100, readout::FinishReason::kStop);
+  ASSERT_TRUE(moved.ok()) << moved.status();
+  EXPECT_EQ(moved->fleet_seq, done->fleet_seq);
+  EXPECT_EQ(LastFeedbackSeq(), before + 1);
+
+  // A cancelled request is not learnable: nothing is published.
+  ASSERT_TRUE(a->core->Predict(Req("r2", x), 0, nullptr).ok());
+  auto cancelled = a->core->Complete("r2", 5, readout::FinishReason::kCancelled);
+  ASSERT_TRUE(cancelled.ok());
+  EXPECT_FALSE(cancelled->learned);
+  EXPECT_EQ(cancelled->fleet_seq, 0u);
+  EXPECT_EQ(LastFeedbackSeq(), before + 1);
+  EXPECT_EQ(a->fleet->Status().last_fleet_seq, before + 1);
+  EXPECT_EQ(a->fleet->Status().unconfirmed, 0);
+}
+
+TEST_F(FleetMemberTest, NatsDownRefusesCompletionsKeepsPredictingThenPublishesOnce) {
+  auto a = StartMember("a");
+  const readout::ReadoutState st = RandomState(kDim, 8);
+  ASSERT_TRUE(a->fleet->CreateReadout("chat", st).ok());
+  sidecar::Route r;
+  r.arms.push_back({"chat", "chat", 100.0, false});
+  ASSERT_TRUE(a->fleet->SetRoute(r).ok());
+  ASSERT_TRUE(a->AwaitDegraded(false));
+  std::mt19937_64 rng(2);
+  const std::vector<float> x1 = RandomFeatures(st, rng);
+  const std::vector<float> x2 = RandomFeatures(st, rng);
+  const uint64_t before = LastFeedbackSeq();
+  ASSERT_TRUE(a->core->Predict(Req("q1", x1), 0, nullptr).ok());
+
+  KillNats();
+  ASSERT_TRUE(a->AwaitDegraded(true));
+  EXPECT_TRUE(a->fleet->Status().degraded);
+  auto refused = a->core->Complete("q1", 64, readout::FinishReason::kStop);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kUnavailable)
+      << refused.status();
+  // Predictions go on with the last weights.
+  auto p = a->core->Predict(Req("q2", x2), 0, nullptr);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->version, 1);
+  // The engine resends while NATS is still down: still refused.
+  auto refused2 = a->core->Complete("q1", 64, readout::FinishReason::kStop);
+  ASSERT_FALSE(refused2.ok());
+  EXPECT_EQ(refused2.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(a->fleet->Status().unconfirmed, 1);
+
+  StartNats();
+  // Reconnected: the outbox record is republished, degraded clears.
+  ASSERT_TRUE(a->AwaitDegraded(false));
+  ASSERT_TRUE(observer_->WaitConnected(20000).ok());
+  ASSERT_TRUE(WaitFor([&] { return a->fleet->Status().unconfirmed == 0; }));
+  EXPECT_EQ(LastFeedbackSeq(), before + 1);
+  auto acked = a->core->Complete("q1", 64, readout::FinishReason::kStop);
+  ASSERT_TRUE(acked.ok()) << acked.status();
+  EXPECT_TRUE(acked->duplicate);
+  EXPECT_EQ(acked->fleet_seq, before + 1);
+  EXPECT_EQ(LastFeedbackSeq(), before + 1);
+}
+
+TEST_F(FleetMemberTest, OutboxRecordLeftByARestartIsRepublishedAtStart) {
+  const readout::ReadoutState st = RandomState(kDim, 9);
+  std::mt19937_64 rng(3);
+  const std::vector<float> x = RandomFeatures(st, rng);
+  uint64_t before = 0;
+  {
+    auto a = StartMember("a");
+    ASSERT_TRUE(a->fleet->CreateReadout("chat", st).ok());
+    sidecar::Route r;
+    r.arms.push_back({"chat", "chat", 100.0, false});
+    ASSERT_TRUE(a->fleet->SetRoute(r).ok());
+    before = LastFeedbackSeq();
+    ASSERT_TRUE(a->core->Predict(Req("w1", x), 0, nullptr).ok());
+    KillNats();
+    ASSERT_TRUE(a->AwaitDegraded(true));
+    auto refused = a->core->Complete("w1", 64, readout::FinishReason::kStop);
+    ASSERT_EQ(refused.status().code(), absl::StatusCode::kUnavailable);
+  }  // the member stops with the record only in its outbox
+  StartNats();
+  ASSERT_TRUE(observer_->WaitConnected(20000).ok());
+  auto a = StartMember("a");
+  ASSERT_TRUE(a->fleet->ready());
+  EXPECT_EQ(a->fleet->Status().unconfirmed, 0);
+  ASSERT_EQ(LastFeedbackSeq(), before + 1);
+  auto msg = observer_->GetMsg(FeedbackStream(kFleet), before + 1);
+  ASSERT_TRUE(msg.ok());
+  fpb::FleetCompletion c;
+  ASSERT_TRUE(c.ParseFromString(msg->data));
+  EXPECT_EQ(c.request_id(), "w1");
+  EXPECT_EQ(c.target(), 8.0);
+  // The resend after the restart is a duplicate, not stored again.
+  auto again = a->core->Complete("w1", 64, readout::FinishReason::kStop);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_TRUE(again->duplicate);
+  EXPECT_EQ(LastFeedbackSeq(), before + 1);
+}
+
+TEST_F(FleetMemberTest, PublishedVersionIsInstalledAndServed) {
+  auto a = StartMember("a");
+  const readout::ReadoutState st = RandomState(kDim, 10);
+  ASSERT_TRUE(a->fleet->CreateReadout("chat", st).ok());
+  sidecar::Route r;
+  r.arms.push_back({"chat", "chat", 100.0, false});
+  ASSERT_TRUE(a->fleet->SetRoute(r).ok());
+  auto b = StartMember("b");
+  // A trainer's version 5 (theta in the standardized space, FP64).
+  Eigen::VectorXd theta = st.theta;
+  for (int64_t i = 0; i <= kDim; ++i) theta[i] += 0.01 * static_cast<double>(i + 1);
+  fpb::FleetVersion v;
+  v.set_readout("chat");
+  v.set_version(5);
+  v.set_theta(std::string(reinterpret_cast<const char*>(theta.data()),
+                          theta.size() * sizeof(double)));
+  v.set_completions_learned(40);
+  v.set_fleet_seq(1234);
+  v.set_cause("rls");
+  v.set_trainer("trainer-x");
+  ASSERT_TRUE(observer_->Publish(VersionSubject(kFleet, "chat"), v.SerializeAsString()).ok());
+  for (Member* m : {a.get(), b.get()}) {
+    auto got = m->recorder->Await(5);
+    ASSERT_NE(got, nullptr);
+    EXPECT_EQ(got->fleet_seq, 1234u);
+    EXPECT_EQ(got->cause, "rls");
+    auto ro = m->core->GetReadout("chat");
+    ASSERT_TRUE(ro.ok());
+    EXPECT_EQ((*ro)->current()->version, 5);
+    EXPECT_EQ((*ro)->completions_learned(), 40);
+    // Served with the new weights: the score against FP64.
+    std::mt19937_64 rng(4);
+    const std::vector<float> x = RandomFeatures(st, rng);
+    auto p = m->core->Predict(Req(absl::StrCat("s", m == a.get()), x), 0, nullptr);
+    ASSERT_TRUE(p.ok());
+    EXPECT_EQ(p->version, 5);
+    const std::vector<double> xd(x.begin(), x.end());
+    EXPECT_NEAR(p->score, ReferenceScore(st.standardizer, theta, xd),
+                ScoreTolerance(st.standardizer, theta, xd));
+  }
+  // An older version is not installed over a newer one.
+  v.set_version(4);
+  ASSERT_TRUE(observer_->Publish(VersionSubject(kFleet, "chat"), v.SerializeAsString()).ok());
+  v.set_version(6);
+  v.set_fleet_seq(1300);
+  ASSERT_TRUE(observer_->Publish(VersionSubject(kFleet, "chat"), v.SerializeAsString()).ok());
+  ASSERT_NE(a->recorder->Await(6), nullptr);
+  EXPECT_EQ((*a->core->GetReadout("chat"))->current()->fleet_seq, 1300u);
+  // A member that starts now catches up from the newest version.
+  auto c = StartMember("c");
+  auto ro = c->core->GetReadout("chat");
+  ASSERT_TRUE(ro.ok());
+  ASSERT_TRUE(WaitFor([&] { return (*ro)->current()->version == 6; }));
+}
+
+TEST_F(FleetMemberTest, ControlOperationsWaitForTheTrainersAnswer) {
+  auto a = StartMember("a", /*op_timeout_ms=*/500);
+  const readout::ReadoutState st = RandomState(kDim, 11);
+  ASSERT_TRUE(a->fleet->CreateReadout("chat", st).ok());
+  // No trainer: the snapshot is in the stream, the call ends at its deadline.
+  auto none = a->fleet->Snapshot("chat", "s1");
+  ASSERT_FALSE(none.ok());
+  EXPECT_EQ(none.status().code(), absl::StatusCode::kDeadlineExceeded) << none.status();
+  // A stand-in trainer answers every control with a version carrying its op_id.
+  std::atomic<int64_t> next{10};
+  auto sub = observer_->Subscribe(
+      ControlSubjects(kFleet), {SubscribeOptions::Start::kNew, 0, FeedbackStream(kFleet)},
+      [&](const StreamMsg& m) {
+        fpb::FleetControl c;
+        ASSERT_TRUE(c.ParseFromString(m.data));
+        fpb::FleetVersion v;
+        v.set_readout(c.readout());
+        v.set_version(next.fetch_add(1));
+        v.set_theta(std::string(reinterpret_cast<const char*>(st.theta.data()),
+                                st.theta.size() * sizeof(double)));
+        v.set_fleet_seq(m.stream_seq);
+        v.set_op_id(c.op_id());
+        v.set_frozen(c.op() == fpb::FleetControl::FREEZE);
+        v.set_cause(c.op() == fpb::FleetControl::ROLLBACK
+                        ? (c.label() == "nope" ? "error: no snapshot 'nope'"
+                                               : "rollback:" + c.label())
+                        : fpb::FleetControl::Op_Name(c.op()));
+        ASSERT_TRUE(observer_->Publish(VersionSubject(kFleet, c.readout()),
+                                       v.SerializeAsString()).ok());
+      });
+  ASSERT_TRUE(sub.ok()) << sub.status();
+  auto snap = a->fleet->Snapshot("chat", "s2");
+  ASSERT_TRUE(snap.ok()) << snap.status();
+  EXPECT_EQ(snap->label, "s2");
+  // The stand-in writes no STATE: the fleet has no snapshot to list.
+  auto listed = a->fleet->ListSnapshots("chat");
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  EXPECT_TRUE(listed->empty());
+  auto rb = a->fleet->Rollback("chat", "s2");
+  ASSERT_TRUE(rb.ok()) << rb.status();
+  EXPECT_EQ((*a->core->GetReadout("chat"))->current()->version, *rb);
+  EXPECT_EQ((*a->core->GetReadout("chat"))->current()->cause, "rollback:s2");
+  auto bad = a->fleet->Rollback("chat", "nope");
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kFailedPrecondition) << bad.status();
+  ASSERT_TRUE(a->fleet->SetFrozen("chat", true).ok());
+  EXPECT_TRUE((*a->core->GetReadout("chat"))->frozen());
+  ASSERT_TRUE(a->fleet->SetFrozen("chat", false).ok());
+  EXPECT_FALSE((*a->core->GetReadout("chat"))->frozen());
+  EXPECT_EQ(a->fleet->Snapshot("nochat", "x").status().code(),
+            absl::StatusCode::kNotFound);
+}
+
+}  // namespace
+}  // namespace leap::fleet

@@ -1,0 +1,807 @@
+#include "sidecar/fleet/nats_client.h"
+
+#include <nats/nats.h>
+
+#include <algorithm>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+
+namespace leap::fleet {
+namespace {
+
+bool IsPlainChar(char c) {
+  return absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '_' ||
+         c == '-';
+}
+
+std::string Prefix(absl::string_view fleet, absl::string_view kind) {
+  return absl::StrCat("leap.", fleet, ".", kind, ".");
+}
+
+std::string NatsText(natsStatus s) {
+  const char* last = nats_GetLastError(nullptr);
+  std::string text = natsStatus_GetText(s);
+  if (last != nullptr && last[0] != '\0' && text != last) {
+    absl::StrAppend(&text, " (", last, ")");
+  }
+  return text;
+}
+
+}  // namespace
+
+absl::Status ValidateFleetName(absl::string_view fleet) {
+  if (fleet.empty() || fleet.size() > 32 ||
+      !std::all_of(fleet.begin(), fleet.end(), IsPlainChar)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "fleet name \"", absl::CHexEscape(fleet),
+        "\" must be 1 to 32 characters of [A-Za-z0-9_-]"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateMemberId(absl::string_view member) {
+  if (member.empty() || member.size() > 64 ||
+      !std::all_of(member.begin(), member.end(),
+                   [](char c) { return IsPlainChar(c) || c == '.'; })) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "fleet member id \"", absl::CHexEscape(member),
+        "\" must be 1 to 64 characters of [A-Za-z0-9_.-]"));
+  }
+  return absl::OkStatus();
+}
+
+std::string NameToken(absl::string_view name) {
+  if (!name.empty() && std::all_of(name.begin(), name.end(), IsPlainChar)) {
+    return std::string(name);
+  }
+  return absl::StrCat("=", absl::AsciiStrToLower(absl::BytesToHexString(name)));
+}
+
+absl::StatusOr<std::string> NameFromToken(absl::string_view token) {
+  if (!token.empty() && token[0] == '=') {
+    absl::string_view hex = token.substr(1);
+    const bool ok = hex.size() % 2 == 0 &&
+                    std::all_of(hex.begin(), hex.end(), [](char c) {
+                      return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f');
+                    });
+    if (ok) return absl::HexStringToBytes(hex);
+  } else if (!token.empty() &&
+             std::all_of(token.begin(), token.end(), IsPlainChar)) {
+    return std::string(token);
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("not a fleet name token: \"", absl::CHexEscape(token), "\""));
+}
+
+std::string FeedbackStream(absl::string_view fleet) {
+  return absl::StrCat("LEAP_", fleet, "_FEEDBACK");
+}
+std::string VersionsStream(absl::string_view fleet) {
+  return absl::StrCat("LEAP_", fleet, "_VERSIONS");
+}
+std::string StateStream(absl::string_view fleet) {
+  return absl::StrCat("LEAP_", fleet, "_STATE");
+}
+std::string ConfigBucket(absl::string_view fleet) {
+  return absl::StrCat("LEAP_", fleet, "_CONFIG");
+}
+std::string LeaseBucket(absl::string_view fleet) {
+  return absl::StrCat("LEAP_", fleet, "_LEASE");
+}
+std::string FeedbackSubject(absl::string_view fleet, absl::string_view r) {
+  return Prefix(fleet, "fb") + NameToken(r);
+}
+std::string ControlSubject(absl::string_view fleet, absl::string_view r) {
+  return Prefix(fleet, "ctl") + NameToken(r);
+}
+std::string VersionSubject(absl::string_view fleet, absl::string_view r) {
+  return Prefix(fleet, "ver") + NameToken(r);
+}
+std::string CheckpointSubject(absl::string_view fleet, absl::string_view r) {
+  return Prefix(fleet, "ckpt") + NameToken(r);
+}
+std::string SnapshotSubject(absl::string_view fleet, absl::string_view r,
+                            absl::string_view label) {
+  return absl::StrCat(Prefix(fleet, "snap"), NameToken(r), ".",
+                      NameToken(label));
+}
+std::string FeedbackSubjects(absl::string_view fleet) {
+  return Prefix(fleet, "fb") + ">";
+}
+std::string ControlSubjects(absl::string_view fleet) {
+  return Prefix(fleet, "ctl") + ">";
+}
+std::string VersionSubjects(absl::string_view fleet) {
+  return Prefix(fleet, "ver") + ">";
+}
+std::string CheckpointSubjects(absl::string_view fleet) {
+  return Prefix(fleet, "ckpt") + ">";
+}
+std::string SnapshotSubjects(absl::string_view fleet) {
+  return Prefix(fleet, "snap") + ">";
+}
+
+absl::StatusOr<std::string> ReadoutOfSubject(absl::string_view fleet,
+                                             absl::string_view subject) {
+  for (absl::string_view kind : {"fb", "ctl", "ver", "ckpt"}) {
+    const std::string p = Prefix(fleet, kind);
+    if (absl::StartsWith(subject, p)) {
+      return NameFromToken(subject.substr(p.size()));
+    }
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      "subject ", subject, " is not a readout subject of fleet ", fleet));
+}
+
+std::string ReadoutConfigKey(absl::string_view readout) {
+  return "readout." + NameToken(readout);
+}
+std::string RouteConfigKey(absl::string_view product_line) {
+  return "route." + NameToken(product_line);
+}
+
+absl::Status NatsError(int nats_status, int js_error_code,
+                       absl::string_view what) {
+  const natsStatus s = static_cast<natsStatus>(nats_status);
+  std::string msg = absl::StrCat(what, ": ", NatsText(s));
+  if (js_error_code != 0) {
+    absl::StrAppend(&msg, " (jetstream error ", js_error_code, ")");
+  }
+  switch (js_error_code) {
+    case JSStreamNotFoundErr:
+    case JSConsumerNotFoundErr:
+    case JSNoMessageFoundErr:
+      return absl::NotFoundError(msg);
+    case JSStreamWrongLastSequenceErr:
+    case JSStreamWrongLastMsgIDErr:
+      return absl::FailedPreconditionError(msg);
+    case JSNotEnabledErr:
+    case JSClusterNoPeersErr:
+    case JSClusterNotAvailErr:
+    case JSClusterNotLeaderErr:
+    case JSStreamOfflineErr:
+    case JSInsufficientResourcesErr:
+      return absl::UnavailableError(msg);
+    default:
+      break;
+  }
+  switch (s) {
+    case NATS_OK:
+      return absl::OkStatus();
+    case NATS_CONNECTION_CLOSED:
+    case NATS_CONNECTION_DISCONNECTED:
+    case NATS_NO_SERVER:
+    case NATS_NOT_YET_CONNECTED:
+    case NATS_NO_RESPONDERS:
+    case NATS_STALE_CONNECTION:
+    case NATS_IO_ERROR:
+    case NATS_INSUFFICIENT_BUFFER:
+    case NATS_SLOW_CONSUMER:
+    case NATS_DRAINING:
+      return absl::UnavailableError(msg);
+    case NATS_TIMEOUT:
+      return absl::DeadlineExceededError(msg);
+    case NATS_NOT_FOUND:
+      return absl::NotFoundError(msg);
+    case NATS_INVALID_ARG:
+    case NATS_INVALID_SUBJECT:
+    case NATS_INVALID_TIMEOUT:
+    case NATS_ADDRESS_MISSING:
+    case NATS_MAX_PAYLOAD:
+      return absl::InvalidArgumentError(msg);
+    default:
+      return absl::InternalError(msg);
+  }
+}
+
+// ---------------------------------------------------------------- messages
+
+StreamMsg ToStreamMsg(natsMsg* msg) {
+  StreamMsg m;
+  if (const char* s = natsMsg_GetSubject(msg); s != nullptr) m.subject = s;
+  if (const char* d = natsMsg_GetData(msg); d != nullptr) {
+    m.data.assign(d, static_cast<size_t>(natsMsg_GetDataLength(msg)));
+  }
+  m.stream_seq = natsMsg_GetSequence(msg);
+  m.time_ns = natsMsg_GetTime(msg);
+  if (m.stream_seq == 0) {
+    jsMsgMetaData* meta = nullptr;
+    if (natsMsg_GetMetaData(&meta, msg) == NATS_OK) {
+      m.stream_seq = meta->Sequence.Stream;
+      m.time_ns = meta->Timestamp;
+      m.pending = meta->NumPending;
+      jsMsgMetaData_Destroy(meta);
+    }
+  }
+  const char* id = nullptr;
+  if (natsMsgHeader_Get(msg, "Nats-Msg-Id", &id) == NATS_OK && id != nullptr) {
+    m.msg_id = id;
+  }
+  return m;
+}
+
+// ---------------------------------------------------------------- client
+
+struct NatsClient::Callbacks {
+  absl::Mutex mu;
+  NatsClient* owner ABSL_GUARDED_BY(mu) = nullptr;
+  absl::Notification closed;
+};
+
+absl::StatusOr<std::unique_ptr<NatsClient>> NatsClient::Connect(
+    NatsClientOptions options) {
+  if (options.servers.empty()) {
+    return absl::InvalidArgumentError("no NATS server given");
+  }
+  std::unique_ptr<NatsClient> c(new NatsClient());
+  c->options_ = std::move(options);
+  const NatsClientOptions& o = c->options_;
+  natsOptions* opts = nullptr;
+  natsStatus s = natsOptions_Create(&opts);
+  if (s != NATS_OK) return NatsError(s, 0, "nats options");
+  c->opts_ = opts;
+  std::vector<const char*> urls;
+  for (const std::string& u : o.servers) urls.push_back(u.c_str());
+  auto check = [](natsStatus st, absl::string_view what) {
+    return st == NATS_OK ? absl::OkStatus() : NatsError(st, 0, what);
+  };
+  if (absl::Status st = check(
+          natsOptions_SetServers(opts, urls.data(), static_cast<int>(urls.size())),
+          absl::StrCat("NATS servers ", absl::StrJoin(o.servers, ",")));
+      !st.ok()) {
+    return st;
+  }
+  if (!o.name.empty()) natsOptions_SetName(opts, o.name.c_str());
+  natsOptions_SetTimeout(opts, o.timeout_ms);
+  natsOptions_SetAllowReconnect(opts, true);
+  natsOptions_SetMaxReconnect(opts, -1);  // forever
+  natsOptions_SetReconnectWait(opts, o.reconnect_wait_ms);
+  natsOptions_SetReconnectJitter(opts, o.reconnect_wait_ms / 2 + 1,
+                                 o.reconnect_wait_ms + 1);
+  // Requests in flight fail at once on a disconnect instead of waiting for
+  // their timeout.
+  natsOptions_SetFailRequestsOnDisconnect(opts, true);
+  // Spot a dead server within ~2 s rather than the default 4 minutes.
+  natsOptions_SetPingInterval(opts, 1000);
+  natsOptions_SetMaxPingsOut(opts, 2);
+  c->callbacks_ = new Callbacks();
+  c->callbacks_->owner = c.get();
+  natsOptions_SetDisconnectedCB(opts, &NatsClient::OnDisconnected, c->callbacks_);
+  natsOptions_SetReconnectedCB(opts, &NatsClient::OnReconnected, c->callbacks_);
+  natsOptions_SetClosedCB(opts, &NatsClient::OnClosed, c->callbacks_);
+  natsOptions_SetRetryOnFailedConnect(opts, true, &NatsClient::OnConnected,
+                                      c->callbacks_);
+  if (!o.creds_file.empty()) {
+    if (absl::Status st = check(
+            natsOptions_SetUserCredentialsFromFiles(opts, o.creds_file.c_str(),
+                                                    nullptr),
+            absl::StrCat("--fleet_creds=", o.creds_file));
+        !st.ok()) {
+      return st;
+    }
+  }
+  if (!o.tls_ca.empty() || !o.tls_cert.empty()) {
+    natsOptions_SetSecure(opts, true);
+    if (!o.tls_ca.empty()) {
+      if (absl::Status st = check(
+              natsOptions_LoadCATrustedCertificates(opts, o.tls_ca.c_str()),
+              absl::StrCat("--fleet_tls_ca=", o.tls_ca));
+          !st.ok()) {
+        return st;
+      }
+    }
+    if (!o.tls_cert.empty()) {
+      if (absl::Status st = check(
+              natsOptions_LoadCertificatesChain(opts, o.tls_cert.c_str(),
+                                                o.tls_key.c_str()),
+              absl::StrCat("--fleet_tls_cert=", o.tls_cert,
+                           " --fleet_tls_key=", o.tls_key));
+          !st.ok()) {
+        return st;
+      }
+    }
+  }
+  s = natsConnection_Connect(&c->nc_, opts);
+  if (s == NATS_OK) {
+    c->SetConnected(true);
+  } else if (s != NATS_NOT_YET_CONNECTED) {
+    return NatsError(s, 0,
+                     absl::StrCat("connect to ", absl::StrJoin(o.servers, ",")));
+  }
+  jsOptions jo;
+  jsOptions_Init(&jo);
+  jo.Wait = o.timeout_ms;
+  s = natsConnection_JetStream(&c->js_, c->nc_, &jo);
+  if (s != NATS_OK) return NatsError(s, 0, "JetStream context");
+  return c;
+}
+
+void NatsClient::Close() {
+  if (closed_once_.exchange(true)) return;
+  if (callbacks_ != nullptr) {
+    // Waits for a callback in progress; none reaches this object after.
+    absl::MutexLock l(&callbacks_->mu);
+    callbacks_->owner = nullptr;
+  }
+  connected_.store(false);
+  if (nc_ != nullptr) natsConnection_Close(nc_);
+}
+
+NatsClient::~NatsClient() {
+  Close();
+  bool closed = true;
+  if (js_ != nullptr) jsCtx_Destroy(js_);
+  if (nc_ != nullptr) {
+    // The closed callback is the last one nats.c delivers. (While it is
+    // reconnecting it may come late: not waited for long.)
+    if (callbacks_ != nullptr) {
+      closed = callbacks_->closed.WaitForNotificationWithTimeout(
+          absl::Milliseconds(500));
+    }
+    natsConnection_Destroy(nc_);
+  }
+  if (callbacks_ != nullptr) {
+    if (closed || nc_ == nullptr) {
+      delete callbacks_;
+    } else {
+      static absl::Mutex kept_mu(absl::kConstInit);
+      static std::vector<Callbacks*>* kept = new std::vector<Callbacks*>();
+      absl::MutexLock l(&kept_mu);
+      kept->push_back(callbacks_);
+    }
+  }
+  if (opts_ != nullptr) natsOptions_Destroy(opts_);
+}
+
+void NatsClient::SetConnected(bool c) {
+  connected_.store(c);
+  {
+    absl::MutexLock l(&mu_);
+    connected_cv_ = c;
+  }
+  if (options_.on_connection_change) options_.on_connection_change(c);
+}
+
+void NatsClient::OnDisconnected(natsConnection*, void* closure) {
+  auto* cb = static_cast<Callbacks*>(closure);
+  absl::MutexLock l(&cb->mu);
+  if (cb->owner == nullptr) return;
+  if (cb->owner->connected_.load()) cb->owner->disconnects_.fetch_add(1);
+  cb->owner->SetConnected(false);
+}
+void NatsClient::OnReconnected(natsConnection*, void* closure) {
+  auto* cb = static_cast<Callbacks*>(closure);
+  absl::MutexLock l(&cb->mu);
+  if (cb->owner != nullptr) cb->owner->SetConnected(true);
+}
+void NatsClient::OnConnected(natsConnection*, void* closure) {
+  auto* cb = static_cast<Callbacks*>(closure);
+  absl::MutexLock l(&cb->mu);
+  if (cb->owner != nullptr) cb->owner->SetConnected(true);
+}
+void NatsClient::OnClosed(natsConnection*, void* closure) {
+  auto* cb = static_cast<Callbacks*>(closure);
+  {
+    absl::MutexLock l(&cb->mu);
+    if (cb->owner != nullptr) cb->owner->connected_.store(false);
+  }
+  if (!cb->closed.HasBeenNotified()) cb->closed.Notify();
+}
+
+absl::Status NatsClient::WaitConnected(int64_t timeout_ms) {
+  absl::MutexLock l(&mu_);
+  if (!mu_.AwaitWithTimeout(absl::Condition(&connected_cv_),
+                            absl::Milliseconds(timeout_ms))) {
+    return absl::DeadlineExceededError(
+        absl::StrCat("no NATS server of ", absl::StrJoin(options_.servers, ","),
+                     " answered within ", timeout_ms, " ms"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status NatsClient::EnsureStream(const StreamSpec& spec) {
+  jsStreamConfig cfg;
+  jsStreamConfig_Init(&cfg);
+  cfg.Name = spec.name.c_str();
+  std::vector<const char*> subjects;
+  for (const std::string& s : spec.subjects) subjects.push_back(s.c_str());
+  cfg.Subjects = subjects.data();
+  cfg.SubjectsLen = static_cast<int>(subjects.size());
+  cfg.Storage = js_FileStorage;
+  cfg.Replicas = spec.replicas;
+  cfg.MaxMsgsPerSubject =
+      spec.max_msgs_per_subject > 0 ? spec.max_msgs_per_subject : -1;
+  cfg.MaxAge = spec.max_age_ms * 1'000'000;
+  cfg.Duplicates = spec.duplicate_window_ms * 1'000'000;
+  if (spec.max_msg_size > 0) cfg.MaxMsgSize = spec.max_msg_size;
+  jsErrCode jerr = static_cast<jsErrCode>(0);
+  jsStreamInfo* si = nullptr;
+  natsStatus s = js_AddStream(&si, js_, &cfg, nullptr, &jerr);
+  if (s == NATS_OK) {
+    jsStreamInfo_Destroy(si);
+    return absl::OkStatus();
+  }
+  if (jerr == JSStreamNameExistErr) {
+    // It exists with another configuration (created by another member or an
+    // operator): used as it is.
+    return absl::OkStatus();
+  }
+  return NatsError(s, jerr, absl::StrCat("create stream ", spec.name));
+}
+
+absl::StatusOr<std::unique_ptr<KvBucket>> NatsClient::EnsureKv(
+    const KvSpec& spec) {
+  kvConfig cfg;
+  kvConfig_Init(&cfg);
+  cfg.Bucket = spec.bucket.c_str();
+  cfg.History = static_cast<uint8_t>(std::clamp(spec.history, 1, 64));
+  cfg.TTL = spec.ttl_ms * 1'000'000;  // nanoseconds (the stream's MaxAge)
+  cfg.Replicas = spec.replicas;
+  cfg.StorageType = js_FileStorage;
+  kvStore* kv = nullptr;
+  natsStatus s = js_CreateKeyValue(&kv, js_, &cfg);
+  if (s != NATS_OK) {
+    // An existing bucket with another configuration: bind to it.
+    s = js_KeyValue(&kv, js_, spec.bucket.c_str());
+    if (s != NATS_OK) {
+      return NatsError(s, 0, absl::StrCat("key-value bucket ", spec.bucket));
+    }
+  }
+  return std::unique_ptr<KvBucket>(new KvBucket(spec.bucket, kv));
+}
+
+absl::StatusOr<PublishResult> NatsClient::Publish(
+    const std::string& subject, absl::string_view data,
+    const PublishOptions& options) {
+  if (!connected()) {
+    return absl::UnavailableError(absl::StrCat(
+        "publish to ", subject, ": not connected to NATS (",
+        absl::StrJoin(options_.servers, ","), ")"));
+  }
+  jsPubOptions po;
+  jsPubOptions_Init(&po);
+  if (!options.msg_id.empty()) po.MsgId = options.msg_id.c_str();
+  if (options.expect_last_subject_seq.has_value()) {
+    if (*options.expect_last_subject_seq == 0) {
+      po.ExpectNoMessage = true;
+    } else {
+      po.ExpectLastSubjectSeq = *options.expect_last_subject_seq;
+    }
+  }
+  po.MaxWait = options.timeout_ms > 0 ? options.timeout_ms : options_.timeout_ms;
+  jsPubAck* ack = nullptr;
+  jsErrCode jerr = static_cast<jsErrCode>(0);
+  const natsStatus s = js_Publish(&ack, js_, subject.c_str(), data.data(),
+                                  static_cast<int>(data.size()), &po, &jerr);
+  if (s != NATS_OK) {
+    absl::Status st = NatsError(s, jerr, absl::StrCat("publish to ", subject));
+    if (absl::IsDeadlineExceeded(st)) {
+      // No acknowledgement in time: to the caller the log is unreachable.
+      return absl::UnavailableError(st.message());
+    }
+    return st;
+  }
+  PublishResult r{ack->Sequence, ack->Duplicate};
+  jsPubAck_Destroy(ack);
+  return r;
+}
+
+absl::StatusOr<StreamMsg> NatsClient::GetLastMsg(const std::string& stream,
+                                                 const std::string& subject) {
+  natsMsg* msg = nullptr;
+  jsErrCode jerr = static_cast<jsErrCode>(0);
+  const natsStatus s =
+      js_GetLastMsg(&msg, js_, stream.c_str(), subject.c_str(), nullptr, &jerr);
+  if (s != NATS_OK) {
+    return NatsError(s, jerr,
+                     absl::StrCat("last message of ", subject, " in ", stream));
+  }
+  StreamMsg m = ToStreamMsg(msg);
+  natsMsg_Destroy(msg);
+  return m;
+}
+
+absl::StatusOr<StreamMsg> NatsClient::GetMsg(const std::string& stream,
+                                             uint64_t seq) {
+  natsMsg* msg = nullptr;
+  jsErrCode jerr = static_cast<jsErrCode>(0);
+  const natsStatus s = js_GetMsg(&msg, js_, stream.c_str(), seq, nullptr, &jerr);
+  if (s != NATS_OK) {
+    return NatsError(s, jerr, absl::StrCat("message ", seq, " of ", stream));
+  }
+  StreamMsg m = ToStreamMsg(msg);
+  natsMsg_Destroy(msg);
+  return m;
+}
+
+absl::StatusOr<uint64_t> NatsClient::LastSeq(const std::string& stream) {
+  jsStreamInfo* si = nullptr;
+  jsErrCode jerr = static_cast<jsErrCode>(0);
+  const natsStatus s =
+      js_GetStreamInfo(&si, js_, stream.c_str(), nullptr, &jerr);
+  if (s != NATS_OK) {
+    return NatsError(s, jerr, absl::StrCat("info of stream ", stream));
+  }
+  const uint64_t last = si->State.LastSeq;
+  jsStreamInfo_Destroy(si);
+  return last;
+}
+
+absl::StatusOr<std::map<std::string, uint64_t>> NatsClient::Subjects(
+    const std::string& stream, const std::string& filter) {
+  jsOptions o;
+  jsOptions_Init(&o);
+  o.Stream.Info.SubjectsFilter = filter.c_str();
+  jsStreamInfo* si = nullptr;
+  jsErrCode jerr = static_cast<jsErrCode>(0);
+  const natsStatus s = js_GetStreamInfo(&si, js_, stream.c_str(), &o, &jerr);
+  if (s != NATS_OK) {
+    return NatsError(s, jerr, absl::StrCat("subjects ", filter, " of ", stream));
+  }
+  std::map<std::string, uint64_t> out;
+  if (si->State.Subjects != nullptr) {
+    for (int i = 0; i < si->State.Subjects->Count; ++i) {
+      out[si->State.Subjects->List[i].Subject] = si->State.Subjects->List[i].Msgs;
+    }
+  }
+  jsStreamInfo_Destroy(si);
+  return out;
+}
+
+// ---------------------------------------------------------------- subscription
+
+struct Subscription::State {
+  absl::Mutex mu;  // held while the callback runs
+  bool stopped ABSL_GUARDED_BY(mu) = false;
+  std::function<void(const StreamMsg&)> callback;
+  natsSubscription* sub = nullptr;
+};
+
+namespace {
+
+void OnSubMsg(natsConnection*, natsSubscription*, natsMsg* msg, void* closure) {
+  auto* state = static_cast<std::shared_ptr<Subscription::State>*>(closure);
+  {
+    absl::MutexLock l(&(*state)->mu);
+    if (!(*state)->stopped) (*state)->callback(ToStreamMsg(msg));
+  }
+  natsMsg_Destroy(msg);
+}
+
+void OnSubComplete(void* closure) {
+  delete static_cast<std::shared_ptr<Subscription::State>*>(closure);
+}
+
+}  // namespace
+
+Subscription::Subscription(std::shared_ptr<State> state)
+    : state_(std::move(state)) {}
+
+void Subscription::Stop() {
+  natsSubscription* sub = nullptr;
+  {
+    absl::MutexLock l(&state_->mu);
+    if (state_->stopped) return;
+    state_->stopped = true;
+    sub = state_->sub;
+  }
+  if (sub != nullptr) natsSubscription_Unsubscribe(sub);
+}
+
+Subscription::~Subscription() {
+  Stop();
+  if (state_->sub != nullptr) natsSubscription_Destroy(state_->sub);
+}
+
+absl::StatusOr<std::unique_ptr<Subscription>> NatsClient::Subscribe(
+    const std::string& subject, const SubscribeOptions& options,
+    std::function<void(const StreamMsg&)> callback) {
+  auto state = std::make_shared<Subscription::State>();
+  state->callback = std::move(callback);
+  jsSubOptions so;
+  jsSubOptions_Init(&so);
+  so.Ordered = true;
+  if (!options.stream.empty()) so.Stream = options.stream.c_str();
+  switch (options.start) {
+    case SubscribeOptions::Start::kAll:
+      so.Config.DeliverPolicy = js_DeliverAll;
+      break;
+    case SubscribeOptions::Start::kNew:
+      so.Config.DeliverPolicy = js_DeliverNew;
+      break;
+    case SubscribeOptions::Start::kLastPerSubject:
+      so.Config.DeliverPolicy = js_DeliverLastPerSubject;
+      break;
+    case SubscribeOptions::Start::kFromSeq:
+      so.Config.DeliverPolicy = js_DeliverByStartSequence;
+      so.Config.OptStartSeq = std::max<uint64_t>(1, options.start_seq);
+      break;
+  }
+  auto* closure = new std::shared_ptr<Subscription::State>(state);
+  natsSubscription* sub = nullptr;
+  jsErrCode jerr = static_cast<jsErrCode>(0);
+  // Hold the state's lock so that no message is handled before `sub` is
+  // recorded.
+  natsStatus s;
+  {
+    absl::MutexLock l(&state->mu);
+    s = js_Subscribe(&sub, js_, subject.c_str(), &OnSubMsg, closure, nullptr,
+                     &so, &jerr);
+    if (s == NATS_OK) {
+      state->sub = sub;
+      natsSubscription_SetPendingLimits(sub, -1, -1);
+      natsSubscription_SetOnCompleteCB(sub, &OnSubComplete, closure);
+    }
+  }
+  if (s != NATS_OK) {
+    delete closure;
+    return NatsError(s, jerr, absl::StrCat("subscribe to ", subject));
+  }
+  return std::unique_ptr<Subscription>(new Subscription(std::move(state)));
+}
+
+// ---------------------------------------------------------------- KV
+
+KvBucket::~KvBucket() { kvStore_Destroy(kv_); }
+
+namespace {
+
+KvEntry ToKvEntry(kvEntry* e) {
+  KvEntry out;
+  out.key = kvEntry_Key(e);
+  if (const void* v = kvEntry_Value(e); v != nullptr) {
+    out.value.assign(static_cast<const char*>(v),
+                     static_cast<size_t>(kvEntry_ValueLen(e)));
+  }
+  out.revision = kvEntry_Revision(e);
+  out.deleted = kvEntry_Operation(e) != kvOp_Put;
+  return out;
+}
+
+}  // namespace
+
+absl::StatusOr<KvEntry> KvBucket::Get(const std::string& key) {
+  kvEntry* e = nullptr;
+  const natsStatus s = kvStore_Get(&e, kv_, key.c_str());
+  if (s != NATS_OK) {
+    return NatsError(s, 0, absl::StrCat("get ", name_, "/", key));
+  }
+  KvEntry out = ToKvEntry(e);
+  kvEntry_Destroy(e);
+  return out;
+}
+
+absl::StatusOr<uint64_t> KvBucket::Put(const std::string& key,
+                                       absl::string_view v) {
+  uint64_t rev = 0;
+  const natsStatus s = kvStore_Put(&rev, kv_, key.c_str(), v.data(),
+                                   static_cast<int>(v.size()));
+  if (s != NATS_OK) {
+    return NatsError(s, 0, absl::StrCat("put ", name_, "/", key));
+  }
+  return rev;
+}
+
+absl::StatusOr<uint64_t> KvBucket::Create(const std::string& key,
+                                          absl::string_view v) {
+  uint64_t rev = 0;
+  const natsStatus s = kvStore_Create(&rev, kv_, key.c_str(), v.data(),
+                                      static_cast<int>(v.size()));
+  if (s == NATS_OK) return rev;
+  absl::Status st = NatsError(s, 0, absl::StrCat("create ", name_, "/", key));
+  // nats.c reports an existing key as a wrong-last-sequence error.
+  const char* last = nats_GetLastError(nullptr);
+  if (last != nullptr && (std::strstr(last, "wrong last sequence") != nullptr ||
+                          std::strstr(last, "10071") != nullptr)) {
+    return absl::AlreadyExistsError(st.message());
+  }
+  if (absl::StatusOr<KvEntry> e = Get(key); e.ok()) {
+    return absl::AlreadyExistsError(st.message());
+  }
+  return st;
+}
+
+absl::StatusOr<uint64_t> KvBucket::Update(const std::string& key,
+                                          absl::string_view v,
+                                          uint64_t last_revision) {
+  uint64_t rev = 0;
+  const natsStatus s =
+      kvStore_Update(&rev, kv_, key.c_str(), v.data(),
+                     static_cast<int>(v.size()), last_revision);
+  if (s == NATS_OK) return rev;
+  absl::Status st = NatsError(
+      s, 0, absl::StrCat("update ", name_, "/", key, " at revision ",
+                         last_revision));
+  const char* last = nats_GetLastError(nullptr);
+  if (absl::IsInternal(st) && last != nullptr &&
+      (std::strstr(last, "wrong last sequence") != nullptr ||
+       std::strstr(last, "10071") != nullptr)) {
+    return absl::FailedPreconditionError(st.message());
+  }
+  return st;
+}
+
+absl::Status KvBucket::Delete(const std::string& key) {
+  const natsStatus s = kvStore_Delete(kv_, key.c_str());
+  if (s != NATS_OK) {
+    return NatsError(s, 0, absl::StrCat("delete ", name_, "/", key));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<KvEntry>> KvBucket::List() {
+  kvWatcher* w = nullptr;
+  kvWatchOptions o;
+  kvWatchOptions_Init(&o);
+  o.IgnoreDeletes = true;
+  natsStatus s = kvStore_WatchAll(&w, kv_, &o);
+  if (s != NATS_OK) return NatsError(s, 0, absl::StrCat("list ", name_));
+  std::vector<KvEntry> out;
+  for (;;) {
+    kvEntry* e = nullptr;
+    s = kvWatcher_Next(&e, w, 5000);
+    if (s != NATS_OK) {
+      kvWatcher_Destroy(w);
+      return NatsError(s, 0, absl::StrCat("list ", name_));
+    }
+    if (e == nullptr) break;  // initial values done
+    KvEntry k = ToKvEntry(e);
+    kvEntry_Destroy(e);
+    if (!k.deleted) out.push_back(std::move(k));
+  }
+  kvWatcher_Destroy(w);
+  return out;
+}
+
+absl::StatusOr<std::unique_ptr<KvWatcher>> KvBucket::Watch(
+    const std::string& keys, std::function<void(const KvEntry&)> callback,
+    std::function<void()> on_initial_done) {
+  std::unique_ptr<KvWatcher> watcher(new KvWatcher());
+  const natsStatus s =
+      keys.empty() ? kvStore_WatchAll(&watcher->w_, kv_, nullptr)
+                   : kvStore_Watch(&watcher->w_, kv_, keys.c_str(), nullptr);
+  if (s != NATS_OK) {
+    return NatsError(s, 0, absl::StrCat("watch ", name_, "/", keys));
+  }
+  KvWatcher* raw = watcher.get();
+  watcher->thread_ = std::thread([raw, callback = std::move(callback),
+                                  done = std::move(on_initial_done)] {
+    bool initial = true;
+    while (!raw->stop_.load()) {
+      kvEntry* e = nullptr;
+      const natsStatus st = kvWatcher_Next(&e, raw->w_, 250);
+      if (st == NATS_TIMEOUT) continue;
+      if (st != NATS_OK) break;  // stopped
+      if (e == nullptr) {
+        if (initial && done) done();
+        initial = false;
+        continue;
+      }
+      KvEntry k = ToKvEntry(e);
+      kvEntry_Destroy(e);
+      callback(k);
+    }
+  });
+  return watcher;
+}
+
+void KvWatcher::Stop() {
+  if (stop_.exchange(true)) return;
+  if (w_ != nullptr) kvWatcher_Stop(w_);
+}
+
+KvWatcher::~KvWatcher() {
+  Stop();
+  if (thread_.joinable()) thread_.join();
+  if (w_ != nullptr) kvWatcher_Destroy(w_);
+}
+
+}  // namespace leap::fleet
