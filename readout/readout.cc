@@ -71,7 +71,11 @@ absl::Status Standardizer::Validate() const {
 
 FoldedReadout::FoldedReadout(std::vector<float> w, double b,
                              int64_t max_tokens)
-    : w_(std::move(w)), w_bf16_(w_.size()), b_(b), max_tokens_(max_tokens) {
+    : w_(std::move(w)),
+      w_kernel_(w_.begin(), w_.end()),
+      w_bf16_(w_.size()),
+      b_(b),
+      max_tokens_(max_tokens) {
   internal::PermuteForBf16(w_.data(), static_cast<int64_t>(w_.size()),
                            w_bf16_.data());
 }
@@ -107,12 +111,14 @@ absl::StatusOr<double> FoldedReadout::Score(const FeatureView& x) const {
     for (int64_t i = 0; i < x.dim; ++i) acc += w_[i] * x.At(i);
     dot = static_cast<float>(acc);
   } else if (x.dtype == DType::kFloat32) {
-    dot = k.dot_f32(w_.data(), static_cast<const float*>(x.data), x.dim);
+    dot = k.dot_f32(w_kernel_.data(), static_cast<const float*>(x.data),
+                    x.dim);
   } else if (x.dtype == DType::kBFloat16) {
     dot = k.dot_bf16(w_bf16_.data(), static_cast<const uint16_t*>(x.data),
                      x.dim);
   } else {
-    dot = k.dot_f16(w_.data(), static_cast<const uint16_t*>(x.data), x.dim);
+    dot = k.dot_f16(w_kernel_.data(), static_cast<const uint16_t*>(x.data),
+                    x.dim);
   }
   if (!std::isfinite(dot)) {
     // Slow path only on bad input: name the offending element.
@@ -152,7 +158,7 @@ void FoldedReadout::ScoreRows(const FeatureView* xs, int64_t n, double* scores,
     if (x.dtype == DType::kFloat32) {
       const float* p[internal::kMaxRows];
       for (int r = 0; r < rows; ++r) p[r] = static_cast<const float*>(xs[i + r].data);
-      k.dot_rows_f32(w_.data(), p, rows, dim(), dots);
+      k.dot_rows_f32(w_kernel_.data(), p, rows, dim(), dots);
     } else {
       const uint16_t* p[internal::kMaxRows];
       for (int r = 0; r < rows; ++r) p[r] = static_cast<const uint16_t*>(xs[i + r].data);

@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <new>
 #include <string>
 #include <vector>
 
@@ -54,6 +55,22 @@ struct Standardizer {
   absl::Status Validate() const;
 };
 
+// Allocates 64-byte aligned storage (a cache line): the kernels' loads of
+// the weights then never span two lines.
+template <typename T>
+struct CacheAlignedAllocator {
+  using value_type = T;
+  CacheAlignedAllocator() = default;
+  template <typename U>
+  CacheAlignedAllocator(const CacheAlignedAllocator<U>&) {}  // NOLINT
+  T* allocate(size_t n) {
+    return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t{64}));
+  }
+  void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t{64}); }
+  template <typename U>
+  bool operator==(const CacheAlignedAllocator<U>&) const { return true; }
+};
+
 // Immutable folded weights: what predicting threads use. Safe to share
 // between threads without locks (publish a new object to change it).
 class FoldedReadout {
@@ -83,7 +100,10 @@ class FoldedReadout {
  private:
   FoldedReadout(std::vector<float> w, double b, int64_t max_tokens);
   std::vector<float> w_;
-  std::vector<float> w_bf16_;  // w in the bf16 kernel's order
+  // What the kernels read: w, and w in the bf16 kernel's order, each
+  // 64-byte aligned (w_ itself is in a plain vector for w()).
+  std::vector<float, CacheAlignedAllocator<float>> w_kernel_;
+  std::vector<float, CacheAlignedAllocator<float>> w_bf16_;
   double b_ = 0.0;
   int64_t max_tokens_ = kDefaultMaxTokens;
 };

@@ -4,7 +4,10 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <sched.h>
 #include <sys/mman.h>
+#include <thread>
+#include <utility>
 #include <vector>
 
 #include "Eigen/Cholesky"
@@ -107,17 +110,69 @@ absl::Status RlsOptions::Validate() const {
         absl::StrCat("fold_columns must be in [", internal::kPanelMaxVectors,
                      ", 4096], got ", fold_columns));
   }
+  if (threads < 0 || threads > 1024) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "threads must be in [0, 1024] (0: the available cores), got ", threads));
+  }
+  if (!kernels.empty() && internal::KernelsByName(kernels) == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "kernels '", kernels,
+        "' is unknown or not supported by this CPU (portable, avx2, avx512)"));
+  }
   return absl::OkStatus();
 }
+
+int AvailableCores() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) {
+    return std::max(1, CPU_COUNT(&set));
+  }
+  return std::max(1u, std::thread::hardware_concurrency());
+}
+
+namespace {
+
+// Runs f(0) ... f(parts - 1), f(0) on this thread, the others on their own.
+template <typename F>
+void RunParts(int parts, const F& f) {
+  if (parts <= 1) {
+    f(0);
+    return;
+  }
+  std::vector<std::thread> helpers;
+  helpers.reserve(parts - 1);
+  for (int t = 1; t < parts; ++t) helpers.emplace_back([&f, t] { f(t); });
+  f(0);
+  for (std::thread& h : helpers) h.join();
+}
+
+// [begin, end) of part t of `total` split into `parts` pieces, boundaries
+// multiples of `grain`.
+std::pair<int64_t, int64_t> Slice(int64_t total, int parts, int t,
+                                  int64_t grain) {
+  const int64_t units = (total + grain - 1) / grain;
+  const int64_t b = units * t / parts * grain;
+  const int64_t e = units * (t + 1) / parts * grain;
+  return {std::min(b, total), std::min(e, total)};
+}
+
+}  // namespace
 
 RlsState::RlsState(Eigen::VectorXd theta, SymMatrix p, RlsOptions options)
     : theta_(std::move(theta)),
       p_(std::move(p)),
       options_(options),
-      w_(AllocFloats(int64_t{options.fold_columns} * p_.ld()), FreeFloats) {
+      w_(AllocFloats(int64_t{options.fold_columns} * p_.ld()), FreeFloats),
+      vt_(AllocFloats(int64_t{options.fold_columns} * p_.ld()), FreeFloats) {
   LEAP_CHECK_EQ(theta_.size(), p_.n());
   LEAP_CHECK(options_.Validate().ok()) << options_.Validate();
+  kernels_ = options_.kernels.empty() ? &internal::BestKernels()
+                                      : internal::KernelsByName(options_.kernels);
+  threads_ = options_.threads > 0 ? options_.threads : AvailableCores();
 }
+
+const char* RlsState::kernel_name() const { return kernels_->name; }
 
 absl::Status RlsState::Update(const float* u, int64_t ldu,
                               std::span<const double> y) {
@@ -132,10 +187,87 @@ absl::Status RlsState::Update(const float* u, int64_t ldu,
   return absl::OkStatus();
 }
 
+void RlsState::ComputeVt(const float* u, int64_t ldu, int64_t k) {
+  const internal::Kernels& kern = *kernels_;
+  const int64_t n = theta_.size();
+  const int64_t ld = p_.ld();
+  float* vt = vt_.get();
+  std::memset(vt, 0, sizeof(float) * k * ld);
+  if (k <= internal::kPanelMaxVectors) {
+    // Memory-bound: one pass over P for all k vectors, rows split across
+    // threads at multiples of 48 (the panel's 3-row groups stay whole, so
+    // no row's summation order depends on the split).
+    // U's rows copied to 64-byte aligned rows of ld floats: the kernel
+    // loads every U row once per 16 columns of P, and rows of a packed
+    // d + 1 stride would split most of those loads across cache lines.
+    std::unique_ptr<float[], void (*)(float*)> ua(AllocFloats(k * ld),
+                                                  FreeFloats);
+    for (int64_t a = 0; a < k; ++a) {
+      std::memcpy(ua.get() + a * ld, u + a * ldu, sizeof(float) * n);
+    }
+    std::vector<float> v(static_cast<size_t>(n) * k);
+    const int parts = static_cast<int>(
+        std::min<int64_t>(threads_, std::max<int64_t>(1, n / 48)));
+    RunParts(parts, [&](int t) {
+      const auto [i0, i1] = Slice(n, parts, t, 48);
+      if (i1 > i0) {
+        kern.panel(p_.data() + i0 * ld, ld, i1 - i0, n, ua.get(), ld,
+                   static_cast<int>(k), v.data() + i0 * k);
+      }
+    });
+    for (int64_t i = 0; i < n; ++i) {
+      for (int64_t c = 0; c < k; ++c) vt[c * ld + i] = v[i * k + c];
+    }
+  } else {
+    // Compute-bound: Vt = U P (P symmetric) as a blocked product, columns
+    // split across threads.
+    const int parts = static_cast<int>(
+        std::min<int64_t>(threads_, std::max<int64_t>(1, ld / 64)));
+    RunParts(parts, [&](int t) {
+      const auto [j0, j1] = Slice(ld, parts, t, 64);
+      if (j1 > j0) {
+        kern.gemm_acc(k, j1 - j0, n, 1.0f, u, ldu, 1, p_.data() + j0, ld,
+                      vt + j0, ld);
+      }
+    });
+  }
+  if (pending_ > 0) {
+    // Minus the pending part: Vt -= (U W_all') W_all. C' = W_all U' with U'
+    // copied to kp (k rounded up to 16) zero-padded columns, so both
+    // products run in the blocked kernel.
+    const int64_t kp = (k + 15) / 16 * 16;
+    std::vector<float> ut(static_cast<size_t>(n * kp), 0.0f);
+    for (int64_t a = 0; a < k; ++a) {
+      for (int64_t j = 0; j < n; ++j) ut[j * kp + a] = u[a * ldu + j];
+    }
+    std::vector<float> ct(static_cast<size_t>(pending_ * kp), 0.0f);
+    const int64_t pending = pending_;
+    const int cparts = static_cast<int>(
+        std::min<int64_t>(threads_, std::max<int64_t>(1, pending / 24)));
+    RunParts(cparts, [&](int t) {
+      const auto [q0, q1] = Slice(pending, cparts, t, 12);
+      if (q1 > q0) {
+        kern.gemm_acc(q1 - q0, kp, n, 1.0f, w_.get() + q0 * ld, ld, 1,
+                      ut.data(), kp, ct.data() + q0 * kp, kp);
+      }
+    });
+    const int parts = static_cast<int>(
+        std::min<int64_t>(threads_, std::max<int64_t>(1, ld / 64)));
+    RunParts(parts, [&](int t) {
+      const auto [j0, j1] = Slice(ld, parts, t, 64);
+      if (j1 > j0) {
+        kern.gemm_acc(k, j1 - j0, pending, -1.0f, ct.data(), 1, kp,
+                      w_.get() + j0, ld, vt + j0, ld);
+      }
+    });
+  }
+}
+
 absl::Status RlsState::UpdateChunk(const float* u, int64_t ldu,
                                    std::span<const double> y) {
   const int64_t k = static_cast<int64_t>(y.size());
   const int64_t n = theta_.size();
+  const int64_t ld = p_.ld();
   if (k == 0) return absl::OkStatus();
   LEAP_CHECK_GE(ldu, n);
   for (int64_t a = 0; a < k; ++a) {
@@ -153,35 +285,31 @@ absl::Status RlsState::UpdateChunk(const float* u, int64_t ldu,
   }
   if (pending_ + k > options_.fold_columns) Flush();
 
-  // V = P U' (n x k): P_base streamed once per group of up to 8 vectors,
-  // minus the pending part W (W' U').
-  const internal::Kernels& kern = internal::BestKernels();
-  Eigen::MatrixXf v(n, k);
-  std::vector<float> panel(static_cast<size_t>(n) * internal::kPanelMaxVectors);
-  for (int64_t g = 0; g < k; g += internal::kPanelMaxVectors) {
-    const int kg =
-        static_cast<int>(std::min<int64_t>(internal::kPanelMaxVectors, k - g));
-    kern.panel(p_.data(), p_.ld(), n, u + g * ldu, ldu, kg, panel.data());
-    for (int64_t i = 0; i < n; ++i) {
-      for (int c = 0; c < kg; ++c) v(i, g + c) = panel[i * kg + c];
+  // V' = U P (k rows of ld floats).
+  ComputeVt(u, ldu, k);
+  const float* vt = vt_.get();
+
+  // S = I + U V in FP64 (products of floats are exact in double). The
+  // kernel fills the upper triangle (row-major), which is the lower one of
+  // the column-major matrix LAPACK factors.
+  const int kk = static_cast<int>(k);
+  std::vector<double> s(static_cast<size_t>(k * k), 0.0);
+  kernels_->dot_f64_block(u, ldu, vt, ld, k, n, s.data(), k);
+  for (int64_t a = 0; a < k; ++a) s[a * k + a] += 1.0;
+  int info = 0;
+  dpotrf_("L", &kk, s.data(), &kk, &info);
+  // The smallest pivot, NaN as soon as any pivot is not finite (a
+  // non-finite P u, e.g. an overflowing feature, must reject the batch
+  // whichever row it is in).
+  double min_pivot = info == 0 ? s[0] : 0.0;
+  for (int64_t a = 0; info == 0 && a < k && !std::isnan(min_pivot); ++a) {
+    const double d = s[a * k + a];
+    if (!std::isfinite(d)) {
+      min_pivot = std::nan("");
+    } else if (d < min_pivot) {
+      min_pivot = d;
     }
   }
-  const ConstRowsF um(u, k, n, Eigen::OuterStride<>(ldu));
-  if (pending_ > 0) {
-    const ConstRowsF wt(w_.get(), pending_, n, Eigen::OuterStride<>(p_.ld()));
-    const Eigen::MatrixXf c = wt * um.transpose();  // pending x k
-    v.noalias() -= wt.transpose() * c;
-  }
-
-  // S = I + U V in double, symmetrized.
-  const Eigen::MatrixXd ud = um.cast<double>();
-  const Eigen::MatrixXd vd = v.cast<double>();
-  Eigen::MatrixXd s = ud * vd;
-  s = 0.5 * (s + s.transpose()).eval();
-  s.diagonal().array() += 1.0;
-  Eigen::LLT<Eigen::MatrixXd> llt(s);
-  const Eigen::MatrixXd l = llt.matrixL();
-  double min_pivot = llt.info() == Eigen::Success ? l.diagonal().minCoeff() : 0;
   if (!(min_pivot * min_pivot >= 0.5)) {
     return absl::FailedPreconditionError(absl::StrCat(
         "RLS batch rejected: P has lost positive definiteness (smallest "
@@ -190,19 +318,52 @@ absl::Status RlsState::UpdateChunk(const float* u, int64_t ldu,
         "; exact arithmetic guarantees >= 1). State unchanged; restore P "
         "from a checkpoint or snapshot."));
   }
+  // L^-1 in place (column-major lower: Linv(r, c) = s[c * k + r], r >= c).
+  dtrtri_("L", "N", &kk, s.data(), &kk, &info);
+  LEAP_CHECK_EQ(info, 0) << "dtrtri on a factor with pivots >= 0.7";
 
-  // W = V L^-T (rows of wdt are its columns); theta += W L^-1 (y - U theta).
-  const Eigen::MatrixXd wdt =
-      llt.matrixL().solve(vd.transpose());  // k x n
-  Eigen::VectorXd e(k);
-  for (int64_t a = 0; a < k; ++a) e[a] = y[a] - ud.row(a).dot(theta_);
-  const Eigen::VectorXd g = llt.matrixL().solve(e);
-  theta_.noalias() += wdt.transpose() * g;
-
+  // theta += V S^-1 (y - U theta) = V' h, h = L^-T L^-1 e, in FP64.
+  std::vector<double> e(k), g(k, 0.0), h(k, 0.0);
   for (int64_t a = 0; a < k; ++a) {
-    float* dst = w_.get() + (pending_ + a) * p_.ld();
-    for (int64_t j = 0; j < n; ++j) dst[j] = static_cast<float>(wdt(a, j));
+    const float* ua = u + a * ldu;
+    double dot = 0;
+    for (int64_t j = 0; j < n; ++j) dot += double{ua[j]} * theta_[j];
+    e[a] = y[a] - dot;
   }
+  for (int64_t c = 0; c < k; ++c) {
+    for (int64_t r = c; r < k; ++r) g[r] += s[c * k + r] * e[c];
+  }
+  for (int64_t r = 0; r < k; ++r) {
+    for (int64_t c = 0; c <= r; ++c) h[c] += s[c * k + r] * g[r];
+  }
+  for (int64_t a = 0; a < k; ++a) {
+    const float* va = vt + a * ld;
+    const double ha = h[a];
+    for (int64_t j = 0; j < n; ++j) theta_[j] += double{va[j]} * ha;
+  }
+
+  // The pending columns W' = L^-1 V' (k rows of ld floats, padding zero).
+  std::vector<float> linv(static_cast<size_t>(k * k), 0.0f);
+  for (int64_t c = 0; c < k; ++c) {
+    for (int64_t r = c; r < k; ++r) {
+      linv[r * k + c] = static_cast<float>(s[c * k + r]);
+    }
+  }
+  float* wdst = w_.get() + pending_ * ld;
+  std::memset(wdst, 0, sizeof(float) * k * ld);
+  const int parts = static_cast<int>(
+      std::min<int64_t>(threads_, std::max<int64_t>(1, ld / 64)));
+  RunParts(parts, [&](int t) {
+    const auto [j0, j1] = Slice(ld, parts, t, 64);
+    if (j1 <= j0) return;
+    // Row blocks use only the nonzero (lower-triangular) part of L^-1; the
+    // skipped terms are exact zeros.
+    for (int64_t r0 = 0; r0 < k; r0 += 48) {
+      const int64_t r1 = std::min<int64_t>(k, r0 + 48);
+      kernels_->gemm_acc(r1 - r0, j1 - j0, r1, 1.0f, linv.data() + r0 * k, k,
+                         1, vt + j0, ld, wdst + r0 * ld + j0, ld);
+    }
+  });
   pending_ += k;
   updates_ += k;
   return absl::OkStatus();
@@ -210,12 +371,54 @@ absl::Status RlsState::UpdateChunk(const float* u, int64_t ldu,
 
 void RlsState::Flush() {
   if (pending_ == 0) return;
-  const int n = static_cast<int>(p_.n());
-  const int ld = static_cast<int>(p_.ld());
-  cblas_ssyrk(CblasRowMajor, CblasUpper, CblasTrans, n,
-              static_cast<int>(pending_), -1.0f, w_.get(), ld, 1.0f,
-              p_.data(), ld);
-  p_.MirrorUpper();
+  const int64_t n = p_.n();
+  const int64_t ld = p_.ld();
+  // Upper triangle of P_base -= W_all W_all', in row blocks of 96 whose
+  // columns start at the block's diagonal (rounded down to 16), balanced by
+  // area across the threads.
+  constexpr int64_t kRows = 96;
+  const int64_t blocks = (n + kRows - 1) / kRows;
+  const int parts = static_cast<int>(std::min<int64_t>(threads_, blocks));
+  std::vector<int64_t> first(parts + 1, blocks);
+  {
+    double total = 0;
+    for (int64_t b = 0; b < blocks; ++b) total += double(ld - (b * kRows & ~int64_t{15}));
+    double acc = 0;
+    int t = 0;
+    first[0] = 0;
+    for (int64_t b = 0; b < blocks && t + 1 < parts; ++b) {
+      acc += double(ld - (b * kRows & ~int64_t{15}));
+      if (acc >= total * (t + 1) / parts) first[++t] = b + 1;
+    }
+  }
+  float* w = w_.get();
+  float* p = p_.data();
+  const int64_t pending = pending_;
+  const internal::Kernels& kern = *kernels_;
+  RunParts(parts, [&](int t) {
+    for (int64_t b = first[t]; b < first[t + 1]; ++b) {
+      const int64_t i0 = b * kRows, i1 = std::min(n, i0 + kRows);
+      const int64_t j0 = i0 & ~int64_t{15};
+      kern.gemm_acc(i1 - i0, ld - j0, pending, -1.0f, w + i0, 1, ld, w + j0,
+                    ld, p + i0 * ld + j0, ld);
+    }
+  });
+  // Mirror, tiles of rows split the same way (each writes its own columns).
+  RunParts(parts, [&](int t) {
+    const int64_t r0 = first[t] * kRows, r1 = std::min(n, first[t + 1] * kRows);
+    constexpr int64_t kTile = 64;
+    for (int64_t i0 = r0; i0 < r1; i0 += kTile) {
+      const int64_t i1 = std::min(r1, i0 + kTile);
+      for (int64_t j0 = i0; j0 < n; j0 += kTile) {
+        const int64_t j1 = std::min(n, j0 + kTile);
+        for (int64_t i = i0; i < i1; ++i) {
+          for (int64_t j = std::max(j0, i + 1); j < j1; ++j) {
+            p[j * ld + i] = p[i * ld + j];
+          }
+        }
+      }
+    }
+  });
   pending_ = 0;
 }
 

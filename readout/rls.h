@@ -9,9 +9,11 @@
 // Implementation: with S = L L' (Cholesky), G V' = W W' where W = V L^-T,
 // so the P update is a symmetric rank-k downdate. Those are deferred: P is
 // kept as P_base - W_all W_all' with the pending columns W_all, and folded
-// into P_base with one SYRK every `fold_columns` columns. A batch then
-// streams the 64 MiB P_base once (for V) instead of three times, and the
-// fold runs near the core's FMA peak. P is FP32, symmetric by construction
+// into P_base (one blocked rank-k update) every `fold_columns` columns. A
+// batch then streams the 64 MiB P_base once (for V) instead of three times:
+// batches of up to 8 with the panel kernel (memory-bound), wider ones with
+// a blocked matrix product (compute-bound: P is streamed once for all k
+// rows). Products with P and the fold run on `threads` threads. P is FP32, symmetric by construction
 // (the fold updates one triangle and mirrors it), and its loss of positive
 // definiteness is detected: S = I + U P U' has all Cholesky pivots >= 1 in
 // exact arithmetic, so a pivot below 1/2 rejects the batch, state unchanged.
@@ -21,11 +23,16 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <string>
 
 #include "Eigen/Core"
 #include "absl/status/status.h"
 
 namespace leap::readout {
+
+namespace internal {
+struct Kernels;
+}  // namespace internal
 
 // A dense symmetric n x n FP32 matrix, both triangles stored, row-major,
 // rows padded to a multiple of 16 floats and 64-byte aligned.
@@ -66,12 +73,23 @@ class SymMatrix {
   std::unique_ptr<float[], Free> data_;
 };
 
+// The cores this process may run on (its CPU affinity mask), at least 1.
+int AvailableCores();
+
 // RLS tuning.
 struct RlsOptions {
   // Pending rank-1 columns folded into P with one SYRK. Larger amortizes the
   // fold better but costs 2 * fold_columns * k * (d+1) extra flops per batch
   // for the pending correction. Default: 256
   int fold_columns = 256;
+  // Threads for a batch's products with P and for the fold; 0 = the cores
+  // this process may run on (sched_getaffinity). Work is split by rows or
+  // columns of P and every entry is summed in the same order whatever the
+  // split, so the result does not depend on the thread count. Default: 0
+  int threads = 0;
+  // Kernel set by name ("portable", "avx2", "avx512"); empty = the best
+  // this CPU supports. Validate() rejects a set the CPU lacks. Default: ""
+  std::string kernels;
 
   absl::Status Validate() const;
 };
@@ -101,6 +119,10 @@ class RlsState {
   // Completions applied since construction.
   int64_t updates() const { return updates_; }
   const RlsOptions& options() const { return options_; }
+  // Threads actually used (options().threads, or the available cores).
+  int threads() const { return threads_; }
+  // Name of the kernel set in use ("avx512", "avx2" or "portable").
+  const char* kernel_name() const;
 
   // OK when every diagonal entry of P (pending included) is finite and > 0.
   absl::Status CheckHealth();
@@ -108,6 +130,8 @@ class RlsState {
  private:
   absl::Status UpdateChunk(const float* u, int64_t ldu,
                            std::span<const double> y);
+  // Vt (k rows of ld floats, padding zero) = U P_base.
+  void ComputeVt(const float* u, int64_t ldu, int64_t k);
 
   Eigen::VectorXd theta_;
   SymMatrix p_;
@@ -117,6 +141,10 @@ class RlsState {
   std::unique_ptr<float[], void (*)(float*)> w_;
   int64_t pending_ = 0;
   int64_t updates_ = 0;
+  const internal::Kernels* kernels_ = nullptr;
+  int threads_ = 1;
+  // V' of the batch in flight: fold_columns x ld floats.
+  std::unique_ptr<float[], void (*)(float*)> vt_;
 };
 
 }  // namespace leap::readout

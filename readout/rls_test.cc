@@ -11,6 +11,7 @@
 
 #include "Eigen/Cholesky"
 #include "gtest/gtest.h"
+#include "common/half.h"
 #include "readout/internal/kernels.h"
 
 namespace leap::readout {
@@ -116,7 +117,7 @@ TEST(PanelKernel, MatchesFp64ForEveryKernelAndShape) {
       for (auto& x : u) x = unif(rng);
       for (int k = 1; k <= internal::kPanelMaxVectors; ++k) {
         std::vector<float> v(n * k, -99.0f);
-        kern->panel(p.data(), ld, n, u.data(), n + 3, k, v.data());
+        kern->panel(p.data(), ld, n, n, u.data(), n + 3, k, v.data());
         for (int64_t i = 0; i < n; ++i) {
           for (int c = 0; c < k; ++c) {
             double ref = 0, mag = 0;
@@ -287,6 +288,259 @@ TEST(Rls, Fp32DriftAfterTenThousandUpdatesAtD1024IsBounded) {
   EXPECT_LT(theta_err, 1e-7);
   EXPECT_TRUE(rls.CheckHealth().ok());
 }
+
+// ---------------------------------------------------------------------------
+// Every kernel set (issue 13): each variant against FP64, skipped with a
+// message on a CPU that lacks it.
+class KernelVariant : public ::testing::TestWithParam<const char*> {
+ protected:
+  const internal::Kernels* Kern() { return internal::KernelsByName(GetParam()); }
+};
+
+#define LEAP_REQUIRE_VARIANT()                                              \
+  if (Kern() == nullptr) {                                                  \
+    GTEST_SKIP() << "kernel set '" << GetParam()                            \
+                 << "' not supported by this CPU: its test is skipped";     \
+  }
+
+TEST_P(KernelVariant, GemmAccMatchesFp64AndIgnoresSplits) {
+  LEAP_REQUIRE_VARIANT();
+  const internal::Kernels& kern = *Kern();
+  std::mt19937_64 rng(17);
+  std::uniform_real_distribution<float> unif(-1, 1);
+  for (int64_t m : {1, 5, 12, 13, 30}) {
+    for (int64_t N : {16, 48, 80, 1040}) {
+      for (int64_t K : {1, 7, 128, 129, 300}) {
+        for (bool trans : {false, true}) {
+          // A is m x K, stored row-major (a_rs = K + 1) or transposed.
+          const int64_t lda = (trans ? m : K) + 1;
+          std::vector<float> a((trans ? K : m) * lda), b(K * (N + 16)),
+              c(m * (N + 32));
+          for (auto& x : a) x = unif(rng);
+          for (auto& x : b) x = unif(rng);
+          for (auto& x : c) x = unif(rng);
+          const int64_t a_rs = trans ? 1 : lda, a_cs = trans ? lda : 1;
+          const int64_t ldb = N + 16, ldc = N + 32;
+          const float alpha = trans ? -1.0f : 1.0f;
+          std::vector<float> got = c;
+          kern.gemm_acc(m, N, K, alpha, a.data(), a_rs, a_cs, b.data(), ldb,
+                        got.data(), ldc);
+          for (int64_t i = 0; i < m; ++i) {
+            for (int64_t j = 0; j < N; ++j) {
+              double ref = c[i * ldc + j], mag = std::abs(ref);
+              for (int64_t p = 0; p < K; ++p) {
+                const double t = double{a[i * a_rs + p * a_cs]} * b[p * ldb + j];
+                ref += alpha * t;
+                mag += std::abs(t);
+              }
+              ASSERT_NEAR(got[i * ldc + j], ref, 2e-6 * mag + 1e-6)
+                  << kern.name << " m=" << m << " N=" << N << " K=" << K;
+            }
+          }
+          // The same product split in rows and in 16-column pieces: every
+          // entry bit-identical.
+          std::vector<float> split = c;
+          for (int64_t i0 = 0; i0 < m; i0 += 5) {
+            for (int64_t j0 = 0; j0 < N; j0 += 16 * (1 + i0 % 3)) {
+              const int64_t nn = std::min<int64_t>(N - j0, 16 * (1 + i0 % 3));
+              kern.gemm_acc(std::min<int64_t>(5, m - i0), nn, K, alpha,
+                            a.data() + i0 * a_rs, a_rs, a_cs, b.data() + j0, ldb,
+                            split.data() + i0 * ldc + j0, ldc);
+            }
+          }
+          ASSERT_EQ(split, got) << kern.name;
+        }
+      }
+    }
+  }
+}
+
+TEST_P(KernelVariant, DotF64BlockIsExactOnFloatInputs) {
+  LEAP_REQUIRE_VARIANT();
+  const internal::Kernels& kern = *Kern();
+  std::mt19937_64 rng(19);
+  std::uniform_real_distribution<float> unif(-1, 1);
+  for (int64_t k : {1, 3, 4, 9, 33}) {
+    for (int64_t n : {1, 7, 8, 61, 1027}) {
+      const int64_t ldx = n + 3, ldy = n + 16;
+      std::vector<float> x(k * ldx), y(k * ldy);
+      for (auto& v : x) v = unif(rng);
+      for (auto& v : y) v = unif(rng);
+      std::vector<double> s(k * k, -7.0);
+      kern.dot_f64_block(x.data(), ldx, y.data(), ldy, k, n, s.data(), k);
+      for (int64_t a = 0; a < k; ++a) {
+        for (int64_t b = a; b < k; ++b) {
+          long double ref = 0;
+          for (int64_t j = 0; j < n; ++j) {
+            ref += static_cast<long double>(x[a * ldx + j]) * y[b * ldy + j];
+          }
+          ASSERT_NEAR(s[a * k + b], static_cast<double>(ref), 1e-13 * n)
+              << kern.name << " k=" << k << " n=" << n;
+        }
+      }
+    }
+  }
+}
+
+TEST_P(KernelVariant, PredictionDotsMatchFp64AtAnyAlignment) {
+  LEAP_REQUIRE_VARIANT();
+  const internal::Kernels& kern = *Kern();
+  std::mt19937_64 rng(23);
+  std::uniform_real_distribution<float> unif(-1, 1);
+  for (int64_t n : {1, 15, 16, 17, 127, 128, 129, 4096, 4097}) {
+    std::vector<float> w(n), wp(n), x(n + 16);
+    for (auto& v : w) v = unif(rng);
+    for (auto& v : x) v = unif(rng);
+    internal::PermuteForBf16(w.data(), n, wp.data());
+    std::vector<uint16_t> xb(n + 32), xh(n + 32);
+    for (size_t i = 0; i < xb.size(); ++i) {
+      xb[i] = FloatToBf16(unif(rng));
+      xh[i] = FloatToFp16(unif(rng));
+    }
+    for (int off = 0; off < 16; ++off) {  // every alignment of x
+      double r32 = 0, rb = 0, rh = 0, mag = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        r32 += double{w[i]} * x[off + i];
+        rb += double{w[i]} * Bf16ToFloat(xb[off + i]);
+        rh += double{w[i]} * Fp16ToFloat(xh[off + i]);
+        mag += std::abs(w[i]);
+      }
+      const double tol = 1e-6 * mag + 1e-6;
+      ASSERT_NEAR(kern.dot_f32(w.data(), x.data() + off, n), r32, tol)
+          << kern.name << " n=" << n << " off=" << off;
+      ASSERT_NEAR(kern.dot_bf16(wp.data(), xb.data() + off, n), rb, tol)
+          << kern.name << " n=" << n << " off=" << off;
+      ASSERT_NEAR(kern.dot_f16(w.data(), xh.data() + off, n), rh, tol)
+          << kern.name << " n=" << n << " off=" << off;
+    }
+  }
+}
+
+// Batch sizes 1..256 in one run (fold_columns 256), against the FP64
+// anchored closed form; thread counts 1..4 give bit-identical theta and P.
+TEST_P(KernelVariant, BatchSizesUpTo256AndThreadCountsEqualClosedForm) {
+  LEAP_REQUIRE_VARIANT();
+  const int64_t d = 200, n = d + 1;
+  DataGen gen(d, 31);
+  Anchor an = MakeAnchor(gen, d, 600, 3.0);
+  const std::vector<int> sizes = {1,  2,  3,  5,  7,   8,   9,   12,  13,
+                                  16, 17, 31, 32, 33,  47,  48,  49,  64,
+                                  95, 96, 97, 127, 128, 129, 200, 255, 256};
+  std::vector<std::vector<float>> us;
+  std::vector<std::vector<double>> ys;
+  MatrixXd a = an.a0;
+  VectorXd b = an.b0;
+  for (int k : sizes) {
+    us.emplace_back();
+    ys.emplace_back();
+    gen.Rows(k, us.back(), n, ys.back(), 0.7);
+    MatrixXd da = MatrixXd::Zero(n, n);
+    Accumulate(us.back(), n, k, n, ys.back(), da, b);
+    a += MatrixXd(da.selfadjointView<Eigen::Lower>());
+  }
+  Eigen::LDLT<MatrixXd> ldlt(a);
+  const VectorXd theta_star = ldlt.solve(b);
+  const MatrixXd p_star = ldlt.solve(MatrixXd::Identity(n, n));
+  VectorXd theta_1;
+  MatrixXd p_1;
+  for (int threads = 1; threads <= 4; ++threads) {
+    RlsOptions opt;
+    opt.kernels = GetParam();
+    opt.threads = threads;
+    RlsState rls(an.theta0, SymMatrix::FromDouble(an.p0), opt);
+    ASSERT_EQ(rls.threads(), threads);
+    ASSERT_STREQ(rls.kernel_name(), GetParam());
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      ASSERT_TRUE(rls.Update(us[i].data(), n, ys[i]).ok());
+    }
+    const double theta_err = RelErr(rls.theta(), theta_star);
+    const MatrixXd p = rls.P().ToDouble();
+    const double p_err = (p - p_star).norm() / p_star.norm();
+    std::printf("%s, %d threads, batch sizes 1..256 at d=%lld: theta rel err "
+                "%.3g, P rel err %.3g\n",
+                GetParam(), threads, static_cast<long long>(d), theta_err, p_err);
+    EXPECT_LT(theta_err, 1e-6);
+    EXPECT_LT(p_err, 1e-5);
+    if (threads == 1) {
+      theta_1 = rls.theta();
+      p_1 = p;
+    } else {
+      EXPECT_EQ((rls.theta() - theta_1).cwiseAbs().maxCoeff(), 0.0)
+          << threads << " threads";
+      EXPECT_EQ((p - p_1).cwiseAbs().maxCoeff(), 0.0) << threads << " threads";
+    }
+  }
+  EXPECT_GT(RelErr(an.theta0, theta_star), 1e-2);
+}
+
+// Every batch size from 1 to 256 (32,896 rows) with the best kernels and
+// the default thread count, against the FP64 closed form.
+TEST(Rls, EveryBatchSizeFrom1To256EqualsClosedForm) {
+  const int64_t d = 40, n = d + 1;
+  DataGen gen(d, 37);
+  Anchor an = MakeAnchor(gen, d, 300, 2.0);
+  RlsState rls(an.theta0, SymMatrix::FromDouble(an.p0));
+  MatrixXd a = an.a0;
+  VectorXd b = an.b0;
+  for (int k = 1; k <= 256; ++k) {
+    std::vector<float> u;
+    std::vector<double> y;
+    gen.Rows(k, u, n + 1, y, k < 128 ? 0.0 : 0.6);
+    ASSERT_TRUE(rls.Update(u.data(), n + 1, y).ok()) << k;
+    MatrixXd da = MatrixXd::Zero(n, n);
+    Accumulate(u, n + 1, k, n, y, da, b);
+    a += MatrixXd(da.selfadjointView<Eigen::Lower>());
+  }
+  Eigen::LDLT<MatrixXd> ldlt(a);
+  const double theta_err = RelErr(rls.theta(), ldlt.solve(b));
+  const MatrixXd p_star = ldlt.solve(MatrixXd::Identity(n, n));
+  const double p_err = (rls.P().ToDouble() - p_star).norm() / p_star.norm();
+  std::printf("%s, %d threads, every batch size 1..256: theta rel err %.3g, "
+              "P rel err %.3g\n",
+              rls.kernel_name(), rls.threads(), theta_err, p_err);
+  EXPECT_EQ(rls.updates(), 256 * 257 / 2);
+  EXPECT_LT(theta_err, 1e-6);
+  EXPECT_LT(p_err, 1e-5);
+}
+
+// A feature so large that P u overflows FP32 in any row of a batch makes S
+// non-finite: the batch is rejected and nothing changes, for every kernel.
+TEST_P(KernelVariant, OverflowInAnyRowRejectsTheBatch) {
+  LEAP_REQUIRE_VARIANT();
+  const int64_t n = 40;
+  for (int k : {1, 8, 9, 40}) {
+    for (int bad = 0; bad < k; bad += std::max(1, k / 3)) {
+      RlsOptions opt;
+      opt.kernels = GetParam();
+      RlsState rls(VectorXd::Zero(n), SymMatrix::ScaledIdentity(n, 10.0f), opt);
+      std::vector<float> u(k * n, 0.5f);
+      std::vector<double> y(k, 3.0);
+      u[bad * n + 2] = 3e38f;
+      const absl::Status s = rls.Update(u.data(), n, y);
+      EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition)
+          << GetParam() << " k=" << k << " bad row " << bad << ": " << s;
+      EXPECT_EQ(rls.updates(), 0);
+      EXPECT_EQ(rls.theta(), VectorXd::Zero(n));
+      EXPECT_EQ(rls.pending_columns(), 0);
+    }
+  }
+}
+
+TEST(Rls, OptionsRejectUnknownKernelsAndBadThreads) {
+  RlsOptions o;
+  o.kernels = "sse9";
+  EXPECT_EQ(o.Validate().code(), absl::StatusCode::kInvalidArgument);
+  o.kernels = "";
+  o.threads = -1;
+  EXPECT_EQ(o.Validate().code(), absl::StatusCode::kInvalidArgument);
+  o.threads = 0;
+  EXPECT_TRUE(o.Validate().ok());
+  EXPECT_GE(AvailableCores(), 1);
+}
+
+INSTANTIATE_TEST_SUITE_P(AllVariants, KernelVariant,
+                         ::testing::Values("portable", "avx2", "avx512"),
+                         [](const auto& info) { return std::string(info.param); });
 
 }  // namespace
 }  // namespace leap::readout

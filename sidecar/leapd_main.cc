@@ -119,7 +119,14 @@ ABSL_FLAG(bool, allow_hello_mismatch, false,
 ABSL_FLAG(std::string, default_readout, "",
           "Readout serving the default route (product line \"\"). Default: "
           "the first --import.");
-ABSL_FLAG(int32_t, rls_batch, 8, "Completions per RLS update.");
+ABSL_FLAG(int32_t, rls_batch, 8,
+          "Completions per RLS update while learning keeps up.");
+ABSL_FLAG(int32_t, rls_batch_max, 256,
+          "With a backlog, up to this many queued completions are applied in "
+          "one exact RLS batch (same result, P streamed once). [1, 4096]");
+ABSL_FLAG(int32_t, rls_threads, 0,
+          "Threads of each readout's RLS update and fold (0: the cores this "
+          "process may run on). Results do not depend on it.");
 ABSL_FLAG(absl::Duration, rls_flush, absl::Milliseconds(200),
           "A partial RLS batch is applied once its oldest completion waited "
           "this long.");
@@ -641,6 +648,8 @@ int Run(int argc, char** argv) {
 
   leap::sidecar::CoreOptions options;
   options.readout.rls_batch = absl::GetFlag(FLAGS_rls_batch);
+  options.readout.rls_batch_max = absl::GetFlag(FLAGS_rls_batch_max);
+  options.readout.rls_threads = absl::GetFlag(FLAGS_rls_threads);
   options.readout.flush_after_ns =
       absl::ToInt64Nanoseconds(absl::GetFlag(FLAGS_rls_flush));
   options.readout.quality_window = absl::GetFlag(FLAGS_quality_window);

@@ -213,6 +213,8 @@ TEST(Recovery, VersionsNameTheSameStateAcrossKillNine) {
   // No checkpoint after creation: the whole log is replayed on restart.
   const std::vector<std::string> args = {
       "--data_dir=" + dir, "--rls_batch=8", "--rls_flush=5ms",
+      // Fixed batches of 8 (no adaptive backlog batches): many versions.
+      "--rls_batch_max=8",
       "--checkpoint_every_batches=1000000", "--checkpoint_every=1h"};
   std::mt19937_64 rng(17);
   const Req probe = MakeReq("probe", dim, rng);

@@ -11,6 +11,8 @@ void dpotrf_(const char* uplo, const int* n, double* a, const int* lda,
              int* info);
 void dpotri_(const char* uplo, const int* n, double* a, const int* lda,
              int* info);
+void dtrtri_(const char* uplo, const char* diag, const int* n, double* a,
+             const int* lda, int* info);
 void dpotrs_(const char* uplo, const int* n, const int* nrhs, const double* a,
              const int* lda, double* b, const int* ldb, int* info);
 }

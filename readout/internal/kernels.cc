@@ -1,13 +1,23 @@
 #include "readout/internal/kernels.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
+#include <vector>
 
 #include "common/half.h"
 
 #if defined(__x86_64__)
 #include <cpuid.h>
 #include <immintrin.h>
+#endif
+
+// GCC 12's AVX-512 intrinsics start several results from an undefined
+// register (_mm512_undefined_ps), which -Wuninitialized reports at every
+// call site once inlined. The values are fully overwritten.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #endif
 
 namespace leap::readout::internal {
@@ -75,12 +85,12 @@ void DotRowsBf16Portable(const float* w, const uint16_t* const* x, int rows,
   for (int r = 0; r < rows; ++r) out[r] = DotBf16Portable(w, x[r], n);
 }
 
-void PanelPortable(const float* P, int64_t ldp, int64_t n, const float* U,
-                   int64_t ldu, int k, float* V) {
-  std::fill(V, V + n * k, 0.0f);
-  for (int64_t j0 = 0; j0 < n; j0 += kJBlock) {
-    const int64_t jn = std::min(kJBlock, n - j0);
-    for (int64_t i = 0; i < n; ++i) {
+void PanelPortable(const float* P, int64_t ldp, int64_t rows, int64_t cols,
+                   const float* U, int64_t ldu, int k, float* V) {
+  std::fill(V, V + rows * k, 0.0f);
+  for (int64_t j0 = 0; j0 < cols; j0 += kJBlock) {
+    const int64_t jn = std::min(kJBlock, cols - j0);
+    for (int64_t i = 0; i < rows; ++i) {
       const float* p = P + i * ldp + j0;
       for (int c = 0; c < k; ++c) {
         const float* u = U + c * ldu + j0;
@@ -97,10 +107,132 @@ void PanelPortable(const float* P, int64_t ldp, int64_t n, const float* U,
   }
 }
 
+// ------------------------------------------------------------- gemm_acc
+// One micro-tile: C[r, 0..width) += alpha * sum_{p<kc} A(r, p) * Bp[p, ..],
+// Bp packed as kc rows of `width` floats. Each lane sums p in order from 0.
+using MicroFn = void (*)(int rows, int width, int64_t kc, const float* a,
+                         int64_t a_rs, int64_t a_cs, const float* bp,
+                         float alpha, float* c, int64_t ldc);
+
+struct MicroSet {
+  int mr;  // rows per tile
+  int nr;  // floats per packed panel (a multiple of 16)
+  MicroFn micro;
+};
+
+// Columns of B packed per pass (kGemmKc x kNc floats = 256 KiB: stays in L2
+// while every row tile of A runs over it).
+constexpr int64_t kNc = 512;
+
+float* PackBuffer() {
+  struct Buf {
+    float* p = nullptr;
+    ~Buf() { std::free(p); }
+  };
+  thread_local Buf buf;
+  if (buf.p == nullptr) {
+    buf.p = static_cast<float*>(
+        std::aligned_alloc(64, sizeof(float) * kGemmKc * kNc));
+  }
+  return buf.p;
+}
+
+void GemmDriver(const MicroSet& ms, int64_t m, int64_t N, int64_t K,
+                float alpha, const float* A, int64_t a_rs, int64_t a_cs,
+                const float* B, int64_t ldb, float* C, int64_t ldc) {
+  float* buf = PackBuffer();
+  // A packed for the whole block of rows, tile by tile (mr rows, p-major):
+  // rows of A a long stride apart would all fall into the same L1 sets.
+  thread_local std::vector<float> apack;
+  const int64_t tiles = (m + ms.mr - 1) / ms.mr;
+  apack.resize(static_cast<size_t>(tiles * ms.mr * kGemmKc));
+  for (int64_t jc = 0; jc < N; jc += kNc) {
+    const int64_t nc = std::min(kNc, N - jc);
+    for (int64_t pc = 0; pc < K; pc += kGemmKc) {
+      const int64_t kc = std::min(kGemmKc, K - pc);
+      // Pack B[pc.., jc..] panel by panel: kc rows of `w` floats each.
+      for (int64_t jr = 0; jr < nc; jr += ms.nr) {
+        const int64_t w = std::min<int64_t>(ms.nr, nc - jr);
+        float* dst = buf + jr * kc;
+        const float* src = B + pc * ldb + jc + jr;
+        for (int64_t p = 0; p < kc; ++p) {
+          std::memcpy(dst + p * w, src + p * ldb, sizeof(float) * w);
+        }
+      }
+      if (jc == 0 || K > kGemmKc) {  // A's block changes with pc only
+        for (int64_t t = 0; t < tiles; ++t) {
+          const int64_t ir = t * ms.mr;
+          const int rows = static_cast<int>(std::min<int64_t>(ms.mr, m - ir));
+          const float* a = A + ir * a_rs + pc * a_cs;
+          float* dst = apack.data() + t * ms.mr * kc;
+          for (int64_t p = 0; p < kc; ++p) {
+            for (int r = 0; r < rows; ++r) dst[p * ms.mr + r] = a[r * a_rs + p * a_cs];
+          }
+        }
+      }
+      // BLIS order: a B micro-panel stays in L1 while the A tiles stream
+      // from L2 past it.
+      for (int64_t jr = 0; jr < nc; jr += ms.nr) {
+        const int w = static_cast<int>(std::min<int64_t>(ms.nr, nc - jr));
+        for (int64_t t = 0; t < tiles; ++t) {
+          const int64_t ir = t * ms.mr;
+          const int rows = static_cast<int>(std::min<int64_t>(ms.mr, m - ir));
+          ms.micro(rows, w, kc, apack.data() + t * ms.mr * kc, 1, ms.mr,
+                   buf + jr * kc, alpha, C + ir * ldc + jc + jr, ldc);
+        }
+      }
+    }
+  }
+}
+
+void MicroPortable(int rows, int width, int64_t kc, const float* a,
+                   int64_t a_rs, int64_t a_cs, const float* bp, float alpha,
+                   float* c, int64_t ldc) {
+  for (int r = 0; r < rows; ++r) {
+    float acc[16];
+    for (int j0 = 0; j0 < width; j0 += 16) {
+      for (int l = 0; l < 16; ++l) acc[l] = 0.0f;
+      for (int64_t p = 0; p < kc; ++p) {
+        const float ar = a[r * a_rs + p * a_cs];
+        const float* b = bp + p * width + j0;
+        for (int l = 0; l < 16; ++l) acc[l] += ar * b[l];
+      }
+      for (int l = 0; l < 16; ++l) c[r * ldc + j0 + l] += alpha * acc[l];
+    }
+  }
+}
+
+void GemmAccPortable(int64_t m, int64_t N, int64_t K, float alpha,
+                     const float* A, int64_t a_rs, int64_t a_cs,
+                     const float* B, int64_t ldb, float* C, int64_t ldc) {
+  GemmDriver({4, 16, MicroPortable}, m, N, K, alpha, A, a_rs, a_cs, B, ldb, C,
+             ldc);
+}
+
+void DotF64BlockPortable(const float* X, int64_t ldx, const float* Y,
+                         int64_t ldy, int64_t k, int64_t n, double* S,
+                         int64_t lds) {
+  for (int64_t a = 0; a < k; ++a) {
+    for (int64_t b = a; b < k; ++b) {
+      double acc[4] = {0, 0, 0, 0};
+      int64_t j = 0;
+      for (; j + 4 <= n; j += 4) {
+        for (int l = 0; l < 4; ++l) {
+          acc[l] += double{X[a * ldx + j + l]} * double{Y[b * ldy + j + l]};
+        }
+      }
+      double s = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+      for (; j < n; ++j) s += double{X[a * ldx + j]} * double{Y[b * ldy + j]};
+      S[a * lds + b] = s;
+    }
+  }
+}
+
 constexpr Kernels kPortable = {"portable",         DotF32Portable,
                                DotBf16Portable,    DotF16Portable,
                                DotRowsF32Portable, DotRowsBf16Portable,
-                               PanelPortable};
+                               PanelPortable,      GemmAccPortable,
+                               DotF64BlockPortable};
 
 #if defined(__x86_64__)
 // ---------------------------------------------------------------- AVX2+FMA
@@ -227,10 +359,11 @@ LEAP_AVX2 inline void ThreeRowsBlock(const float* p0, int64_t ldp,
 
 template <int K>
 LEAP_AVX2 void PanelAvx2K(const float* P, int64_t ldp, int64_t n,
-                          const float* U, int64_t ldu, float* V) {
+                          int64_t cols, const float* U, int64_t ldu,
+                          float* V) {
   std::fill(V, V + n * K, 0.0f);
-  for (int64_t j0 = 0; j0 < n; j0 += kJBlock) {
-    const int64_t jn = std::min(kJBlock, n - j0);
+  for (int64_t j0 = 0; j0 < cols; j0 += kJBlock) {
+    const int64_t jn = std::min(kJBlock, cols - j0);
     const int64_t jv = jn & ~int64_t{7};
     const float* u0 = U + j0;
     int64_t i = 0;
@@ -275,17 +408,18 @@ LEAP_AVX2 void PanelAvx2K(const float* P, int64_t ldp, int64_t n,
   }
 }
 
-LEAP_AVX2 void PanelAvx2(const float* P, int64_t ldp, int64_t n,
-                         const float* U, int64_t ldu, int k, float* V) {
+LEAP_AVX2 void PanelAvx2(const float* P, int64_t ldp, int64_t rows,
+                         int64_t cols, const float* U, int64_t ldu, int k,
+                         float* V) {
   switch (k) {
-    case 1: return PanelAvx2K<1>(P, ldp, n, U, ldu, V);
-    case 2: return PanelAvx2K<2>(P, ldp, n, U, ldu, V);
-    case 3: return PanelAvx2K<3>(P, ldp, n, U, ldu, V);
-    case 4: return PanelAvx2K<4>(P, ldp, n, U, ldu, V);
-    case 5: return PanelAvx2K<5>(P, ldp, n, U, ldu, V);
-    case 6: return PanelAvx2K<6>(P, ldp, n, U, ldu, V);
-    case 7: return PanelAvx2K<7>(P, ldp, n, U, ldu, V);
-    default: return PanelAvx2K<8>(P, ldp, n, U, ldu, V);
+    case 1: return PanelAvx2K<1>(P, ldp, rows, cols, U, ldu, V);
+    case 2: return PanelAvx2K<2>(P, ldp, rows, cols, U, ldu, V);
+    case 3: return PanelAvx2K<3>(P, ldp, rows, cols, U, ldu, V);
+    case 4: return PanelAvx2K<4>(P, ldp, rows, cols, U, ldu, V);
+    case 5: return PanelAvx2K<5>(P, ldp, rows, cols, U, ldu, V);
+    case 6: return PanelAvx2K<6>(P, ldp, rows, cols, U, ldu, V);
+    case 7: return PanelAvx2K<7>(P, ldp, rows, cols, U, ldu, V);
+    default: return PanelAvx2K<8>(P, ldp, rows, cols, U, ldu, V);
   }
 }
 
@@ -356,9 +490,109 @@ LEAP_AVX2 void DotRowsBf16Avx2(const float* w, const uint16_t* const* x,
   }
 }
 
+// gemm_acc micro-tile: up to 6 rows x 16 columns, 12 accumulators.
+template <int R>
+LEAP_AVX2 void MicroAvx2R(int64_t kc, const float* a, int64_t a_rs,
+                          int64_t a_cs, const float* bp, float alpha, float* c,
+                          int64_t ldc) {
+  __m256 acc[R][2];
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t p = 0; p < kc; ++p) {
+    const __m256 b0 = _mm256_load_ps(bp + p * 16);
+    const __m256 b1 = _mm256_load_ps(bp + p * 16 + 8);
+    const float* ap = a + p * a_cs;
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) {
+      const __m256 ar = _mm256_broadcast_ss(ap + r * a_rs);
+      acc[r][0] = _mm256_fmadd_ps(ar, b0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(ar, b1, acc[r][1]);
+    }
+  }
+  const __m256 al = _mm256_set1_ps(alpha);
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r) {
+    float* cr = c + r * ldc;
+    _mm256_storeu_ps(cr, _mm256_fmadd_ps(al, acc[r][0], _mm256_loadu_ps(cr)));
+    _mm256_storeu_ps(cr + 8,
+                     _mm256_fmadd_ps(al, acc[r][1], _mm256_loadu_ps(cr + 8)));
+  }
+}
+
+LEAP_AVX2 void MicroAvx2(int rows, int /*width = 16*/, int64_t kc,
+                         const float* a, int64_t a_rs, int64_t a_cs,
+                         const float* bp, float alpha, float* c, int64_t ldc) {
+  switch (rows) {
+    case 1: return MicroAvx2R<1>(kc, a, a_rs, a_cs, bp, alpha, c, ldc);
+    case 2: return MicroAvx2R<2>(kc, a, a_rs, a_cs, bp, alpha, c, ldc);
+    case 3: return MicroAvx2R<3>(kc, a, a_rs, a_cs, bp, alpha, c, ldc);
+    case 4: return MicroAvx2R<4>(kc, a, a_rs, a_cs, bp, alpha, c, ldc);
+    case 5: return MicroAvx2R<5>(kc, a, a_rs, a_cs, bp, alpha, c, ldc);
+    default: return MicroAvx2R<6>(kc, a, a_rs, a_cs, bp, alpha, c, ldc);
+  }
+}
+
+void GemmAccAvx2(int64_t m, int64_t N, int64_t K, float alpha, const float* A,
+                 int64_t a_rs, int64_t a_cs, const float* B, int64_t ldb,
+                 float* C, int64_t ldc) {
+  GemmDriver({6, 16, MicroAvx2}, m, N, K, alpha, A, a_rs, a_cs, B, ldb, C,
+             ldc);
+}
+
+// FP64 dot products of float rows: RA rows of X against RB rows of Y.
+template <int RA, int RB>
+LEAP_AVX2 void DotF64TileAvx2(const float* X, int64_t ldx, const float* Y,
+                              int64_t ldy, int64_t n, double* S, int64_t lds) {
+  __m256d acc[RA][RB];
+  for (int a = 0; a < RA; ++a)
+    for (int b = 0; b < RB; ++b) acc[a][b] = _mm256_setzero_pd();
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) {
+    __m256d x[RA], y[RB];
+    for (int a = 0; a < RA; ++a) x[a] = _mm256_cvtps_pd(_mm_loadu_ps(X + a * ldx + j));
+    for (int b = 0; b < RB; ++b) y[b] = _mm256_cvtps_pd(_mm_loadu_ps(Y + b * ldy + j));
+    for (int a = 0; a < RA; ++a)
+      for (int b = 0; b < RB; ++b) acc[a][b] = _mm256_fmadd_pd(x[a], y[b], acc[a][b]);
+  }
+  for (int a = 0; a < RA; ++a) {
+    for (int b = 0; b < RB; ++b) {
+      alignas(32) double t[4];
+      _mm256_store_pd(t, acc[a][b]);
+      double s = (t[0] + t[1]) + (t[2] + t[3]);
+      for (int64_t jj = j; jj < n; ++jj) {
+        s += double{X[a * ldx + jj]} * double{Y[b * ldy + jj]};
+      }
+      S[a * lds + b] = s;
+    }
+  }
+}
+
+LEAP_AVX2 void DotF64BlockAvx2(const float* X, int64_t ldx, const float* Y,
+                               int64_t ldy, int64_t k, int64_t n, double* S,
+                               int64_t lds) {
+  int64_t a = 0;
+  for (; a + 2 <= k; a += 2) {
+    int64_t b = a;
+    for (; b + 4 <= k; b += 4) {
+      DotF64TileAvx2<2, 4>(X + a * ldx, ldx, Y + b * ldy, ldy, n,
+                           S + a * lds + b, lds);
+    }
+    for (; b < k; ++b) {
+      DotF64TileAvx2<2, 1>(X + a * ldx, ldx, Y + b * ldy, ldy, n,
+                           S + a * lds + b, lds);
+    }
+  }
+  for (; a < k; ++a) {
+    for (int64_t b = a; b < k; ++b) {
+      DotF64TileAvx2<1, 1>(X + a * ldx, ldx, Y + b * ldy, ldy, n,
+                           S + a * lds + b, lds);
+    }
+  }
+}
+
 constexpr Kernels kAvx2 = {"avx2",         DotF32Avx2,      DotBf16Avx2,
                            DotF16Avx2,     DotRowsF32Avx2,  DotRowsBf16Avx2,
-                           PanelAvx2};
+                           PanelAvx2,      GemmAccAvx2,     DotF64BlockAvx2};
 
 bool CpuHasAvx2Fma() {
   __builtin_cpu_init();
@@ -366,6 +600,308 @@ bool CpuHasAvx2Fma() {
   unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
   const bool f16c = __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & bit_F16C);
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c;
+}
+// ---------------------------------------------------------------- AVX-512
+#define LEAP_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
+
+// Eight 16-float accumulators (128 floats per iteration) hide the FMA
+// latency at two FMAs per cycle; the tail is one masked load, never a scalar
+// loop. The weights are 64-byte aligned (FoldedReadout), so only x's loads
+// can span two cache lines. The summation order depends on n only (not on
+// where x lies), so fp16 features give the same result as the same values
+// in fp32.
+template <typename Load16, typename LoadMasked>
+LEAP_AVX512 inline float DotAvx512(const float* w, int64_t n, Load16 load16,
+                                   LoadMasked load_masked) {
+  __m512 a[8];
+  for (int q = 0; q < 8; ++q) a[q] = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 128 <= n; i += 128) {
+#pragma GCC unroll 8
+    for (int q = 0; q < 8; ++q) {
+      a[q] = _mm512_fmadd_ps(_mm512_loadu_ps(w + i + 16 * q), load16(i + 16 * q), a[q]);
+    }
+  }
+  for (int q = 0; i + 16 <= n; i += 16, ++q) {
+    a[q] = _mm512_fmadd_ps(_mm512_loadu_ps(w + i), load16(i), a[q]);
+  }
+  if (i < n) {
+    const __mmask16 m = static_cast<__mmask16>((1u << (n - i)) - 1);
+    a[7] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, w + i), load_masked(i, m), a[7]);
+  }
+  const __m512 s = _mm512_add_ps(
+      _mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3])),
+      _mm512_add_ps(_mm512_add_ps(a[4], a[5]), _mm512_add_ps(a[6], a[7])));
+  return _mm512_reduce_add_ps(s);
+}
+
+LEAP_AVX512 float DotF32Avx512(const float* w, const float* x, int64_t n) {
+  return DotAvx512(
+      w, n, [x](int64_t i) LEAP_AVX512 { return _mm512_loadu_ps(x + i); },
+      [x](int64_t i, __mmask16 m) LEAP_AVX512 {
+        return _mm512_maskz_loadu_ps(m, x + i);
+      });
+}
+
+LEAP_AVX512 float DotF16Avx512(const float* w, const uint16_t* x, int64_t n) {
+  return DotAvx512(
+      w, n,
+      [x](int64_t i) LEAP_AVX512 {
+        return _mm512_cvtph_ps(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i)));
+      },
+      [x](int64_t i, __mmask16 m) LEAP_AVX512 {
+        return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, x + i));
+      });
+}
+
+// w in PermuteForBf16 order (blocks of 16: 8 even-index then 8 odd-index
+// weights). 32 bf16 per 64-byte load: shifting the 32-bit lanes left by 16
+// gives the even elements of both 16-blocks, masking the low half the odd
+// ones; two lane shuffles regroup the weights to match.
+LEAP_AVX512 float DotBf16Avx512(const float* w, const uint16_t* x, int64_t n) {
+  const __m512i hi_mask = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  int64_t i = 0;
+  for (; i + 64 <= n; i += 64) {
+    const __m512i v0 = _mm512_loadu_si512(x + i);
+    const __m512i v1 = _mm512_loadu_si512(x + i + 32);
+    const __m512 wa = _mm512_loadu_ps(w + i), wb = _mm512_loadu_ps(w + i + 16);
+    const __m512 wc = _mm512_loadu_ps(w + i + 32), wd = _mm512_loadu_ps(w + i + 48);
+    a0 = _mm512_fmadd_ps(_mm512_shuffle_f32x4(wa, wb, 0x44),
+                         _mm512_castsi512_ps(_mm512_slli_epi32(v0, 16)), a0);
+    a1 = _mm512_fmadd_ps(_mm512_shuffle_f32x4(wa, wb, 0xEE),
+                         _mm512_castsi512_ps(_mm512_and_si512(v0, hi_mask)), a1);
+    a2 = _mm512_fmadd_ps(_mm512_shuffle_f32x4(wc, wd, 0x44),
+                         _mm512_castsi512_ps(_mm512_slli_epi32(v1, 16)), a2);
+    a3 = _mm512_fmadd_ps(_mm512_shuffle_f32x4(wc, wd, 0xEE),
+                         _mm512_castsi512_ps(_mm512_and_si512(v1, hi_mask)), a3);
+  }
+  float s = _mm512_reduce_add_ps(
+      _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+  if (i < n) s += DotBf16Avx2(w + i, x + i, n - i);  // blocks of 16, then tail
+  return s;
+}
+
+// gemm_acc micro-tile: up to 12 rows x 32 columns, 24 accumulators.
+template <int R, int NV>
+LEAP_AVX512 void MicroAvx512R(int64_t kc, const float* a, int64_t a_rs,
+                              int64_t a_cs, const float* bp, float alpha,
+                              float* c, int64_t ldc) {
+  constexpr int kW = 16 * NV;
+  __m512 acc[R][NV];
+#pragma GCC unroll 12
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < kc; ++p) {
+    __m512 b[NV];
+#pragma GCC unroll 2
+    for (int v = 0; v < NV; ++v) b[v] = _mm512_load_ps(bp + p * kW + 16 * v);
+    const float* ap = a + p * a_cs;
+#pragma GCC unroll 12
+    for (int r = 0; r < R; ++r) {
+      const __m512 ar = _mm512_set1_ps(ap[r * a_rs]);
+#pragma GCC unroll 2
+      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_fmadd_ps(ar, b[v], acc[r][v]);
+    }
+  }
+  const __m512 al = _mm512_set1_ps(alpha);
+#pragma GCC unroll 12
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 2
+    for (int v = 0; v < NV; ++v) {
+      float* cr = c + r * ldc + 16 * v;
+      _mm512_storeu_ps(cr, _mm512_fmadd_ps(al, acc[r][v], _mm512_loadu_ps(cr)));
+    }
+  }
+}
+
+template <int NV>
+LEAP_AVX512 void MicroAvx512W(int rows, int64_t kc, const float* a,
+                              int64_t a_rs, int64_t a_cs, const float* bp,
+                              float alpha, float* c, int64_t ldc) {
+  switch (rows) {
+    case 1: return MicroAvx512R<1, NV>(kc, a, a_rs, a_cs, bp, alpha, c, ldc);
+    case 2: return MicroAvx512R<2, NV>(kc, a, a_rs, a_cs, bp, alpha, c, ldc);
+    case 3: return MicroAvx512R<3, NV>(kc, a, a_rs, a_cs, bp, alpha, c, ldc);
+    case 4: return MicroAvx512R<4, NV>(kc, a, a_rs, a_cs, bp, alpha, c, ldc);
+    case 5: return MicroAvx512R<5, NV>(kc, a, a_rs, a_cs, bp, alpha, c, ldc);
+    case 6: return MicroAvx512R<6, NV>(kc, a, a_rs, a_cs, bp, alpha, c, ldc);
+    case 7: return MicroAvx512R<7, NV>(kc, a, a_rs, a_cs, bp, alpha, c, ldc);
+    case 8: return MicroAvx512R<8, NV>(kc, a, a_rs, a_cs, bp, alpha, c, ldc);
+    case 9: return MicroAvx512R<9, NV>(kc, a, a_rs, a_cs, bp, alpha, c, ldc);
+    case 10: return MicroAvx512R<10, NV>(kc, a, a_rs, a_cs, bp, alpha, c, ldc);
+    case 11: return MicroAvx512R<11, NV>(kc, a, a_rs, a_cs, bp, alpha, c, ldc);
+    default: return MicroAvx512R<12, NV>(kc, a, a_rs, a_cs, bp, alpha, c, ldc);
+  }
+}
+
+LEAP_AVX512 void MicroAvx512(int rows, int width, int64_t kc, const float* a,
+                             int64_t a_rs, int64_t a_cs, const float* bp,
+                             float alpha, float* c, int64_t ldc) {
+  if (width == 32) return MicroAvx512W<2>(rows, kc, a, a_rs, a_cs, bp, alpha, c, ldc);
+  return MicroAvx512W<1>(rows, kc, a, a_rs, a_cs, bp, alpha, c, ldc);
+}
+
+void GemmAccAvx512(int64_t m, int64_t N, int64_t K, float alpha,
+                   const float* A, int64_t a_rs, int64_t a_cs, const float* B,
+                   int64_t ldb, float* C, int64_t ldc) {
+  GemmDriver({12, 32, MicroAvx512}, m, N, K, alpha, A, a_rs, a_cs, B, ldb, C,
+             ldc);
+}
+
+template <int RA, int RB>
+LEAP_AVX512 void DotF64TileAvx512(const float* X, int64_t ldx, const float* Y,
+                                  int64_t ldy, int64_t n, double* S,
+                                  int64_t lds) {
+  __m512d acc[RA][RB];
+  for (int a = 0; a < RA; ++a)
+    for (int b = 0; b < RB; ++b) acc[a][b] = _mm512_setzero_pd();
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    __m512d x[RA], y[RB];
+    for (int a = 0; a < RA; ++a) x[a] = _mm512_cvtps_pd(_mm256_loadu_ps(X + a * ldx + j));
+    for (int b = 0; b < RB; ++b) y[b] = _mm512_cvtps_pd(_mm256_loadu_ps(Y + b * ldy + j));
+    for (int a = 0; a < RA; ++a)
+      for (int b = 0; b < RB; ++b) acc[a][b] = _mm512_fmadd_pd(x[a], y[b], acc[a][b]);
+  }
+  for (int a = 0; a < RA; ++a) {
+    for (int b = 0; b < RB; ++b) {
+      double s = _mm512_reduce_add_pd(acc[a][b]);
+      for (int64_t jj = j; jj < n; ++jj) {
+        s += double{X[a * ldx + jj]} * double{Y[b * ldy + jj]};
+      }
+      S[a * lds + b] = s;
+    }
+  }
+}
+
+LEAP_AVX512 void DotF64BlockAvx512(const float* X, int64_t ldx,
+                                   const float* Y, int64_t ldy, int64_t k,
+                                   int64_t n, double* S, int64_t lds) {
+  // Columns in blocks of 256, so that the blocks of X and Y (k x 256 floats
+  // each) stay in L2 while every tile runs over them; S accumulates the
+  // blocks in order.
+  constexpr int64_t kJb = 256;
+  std::vector<double> part(static_cast<size_t>(k * k));
+  for (int64_t a = 0; a < k; ++a) {
+    for (int64_t b = a; b < k; ++b) S[a * lds + b] = 0.0;
+  }
+  for (int64_t j0 = 0; j0 < n; j0 += kJb) {
+    const int64_t jn = std::min(kJb, n - j0);
+    const float* x = X + j0;
+    const float* y = Y + j0;
+    int64_t a = 0;
+    for (; a + 4 <= k; a += 4) {
+      int64_t b = a;
+      for (; b + 4 <= k; b += 4) {
+        DotF64TileAvx512<4, 4>(x + a * ldx, ldx, y + b * ldy, ldy, jn,
+                               part.data() + a * k + b, k);
+      }
+      for (; b < k; ++b) {
+        DotF64TileAvx512<4, 1>(x + a * ldx, ldx, y + b * ldy, ldy, jn,
+                               part.data() + a * k + b, k);
+      }
+    }
+    for (; a < k; ++a) {
+      for (int64_t b = a; b < k; ++b) {
+        DotF64TileAvx512<1, 1>(x + a * ldx, ldx, y + b * ldy, ldy, jn,
+                               part.data() + a * k + b, k);
+      }
+    }
+    for (int64_t r = 0; r < k; ++r) {
+      for (int64_t c = r; c < k; ++c) S[r * lds + c] += part[r * k + c];
+    }
+  }
+}
+
+// Panel: R (<= 3) rows of P against K (<= 8) vectors over full rows, up to
+// 24 accumulators: per 16 columns 3 loads of P and K of U (from L2) feed 3K
+// FMAs. The next group's rows are prefetched line by line as this group
+// streams (rows are a long stride apart: the hardware prefetcher restarts
+// on every row). Each row's sums run in the same order whatever R is.
+template <int R, int K>
+LEAP_AVX512 inline void PanelRowsAvx512(const float* p, int64_t ldp,
+                                        int64_t cols, const float* U,
+                                        int64_t ldu, float* v, bool prefetch) {
+  __m512 acc[R][K];
+#pragma GCC unroll 3
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int c = 0; c < K; ++c) acc[r][c] = _mm512_setzero_ps();
+  int64_t j = 0;
+  for (; j + 16 <= cols; j += 16) {
+    __m512 pr[R];
+#pragma GCC unroll 3
+    for (int r = 0; r < R; ++r) {
+      pr[r] = _mm512_loadu_ps(p + r * ldp + j);
+      if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(p + (r + 3) * ldp + j), _MM_HINT_T0);
+    }
+#pragma GCC unroll 8
+    for (int c = 0; c < K; ++c) {
+      const __m512 uc = _mm512_loadu_ps(U + c * ldu + j);
+#pragma GCC unroll 3
+      for (int r = 0; r < R; ++r) acc[r][c] = _mm512_fmadd_ps(pr[r], uc, acc[r][c]);
+    }
+  }
+  if (j < cols) {
+    const __mmask16 m = static_cast<__mmask16>((1u << (cols - j)) - 1);
+    __m512 pr[R];
+    for (int r = 0; r < R; ++r) pr[r] = _mm512_maskz_loadu_ps(m, p + r * ldp + j);
+    for (int c = 0; c < K; ++c) {
+      const __m512 uc = _mm512_maskz_loadu_ps(m, U + c * ldu + j);
+      for (int r = 0; r < R; ++r) acc[r][c] = _mm512_fmadd_ps(pr[r], uc, acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < K; ++c) v[r * K + c] = _mm512_reduce_add_ps(acc[r][c]);
+}
+
+template <int K>
+LEAP_AVX512 void PanelAvx512K(const float* P, int64_t ldp, int64_t rows,
+                              int64_t cols, const float* U, int64_t ldu,
+                              float* V) {
+  int64_t i = 0;
+  for (; i + 3 <= rows; i += 3) {
+    PanelRowsAvx512<3, K>(P + i * ldp, ldp, cols, U, ldu, V + i * K,
+                          i + 6 <= rows);
+  }
+  for (; i < rows; ++i) {
+    PanelRowsAvx512<1, K>(P + i * ldp, ldp, cols, U, ldu, V + i * K, false);
+  }
+}
+
+LEAP_AVX512 void PanelAvx512(const float* P, int64_t ldp, int64_t rows,
+                             int64_t cols, const float* U, int64_t ldu, int k,
+                             float* V) {
+  switch (k) {
+    case 1: return PanelAvx512K<1>(P, ldp, rows, cols, U, ldu, V);
+    case 2: return PanelAvx512K<2>(P, ldp, rows, cols, U, ldu, V);
+    case 3: return PanelAvx512K<3>(P, ldp, rows, cols, U, ldu, V);
+    case 4: return PanelAvx512K<4>(P, ldp, rows, cols, U, ldu, V);
+    case 5: return PanelAvx512K<5>(P, ldp, rows, cols, U, ldu, V);
+    case 6: return PanelAvx512K<6>(P, ldp, rows, cols, U, ldu, V);
+    case 7: return PanelAvx512K<7>(P, ldp, rows, cols, U, ldu, V);
+    default: return PanelAvx512K<8>(P, ldp, rows, cols, U, ldu, V);
+  }
+}
+
+constexpr Kernels kAvx512 = {"avx512",        DotF32Avx512,      DotBf16Avx512,
+                             DotF16Avx512,    DotRowsF32Avx2,    DotRowsBf16Avx2,
+                             PanelAvx512,     GemmAccAvx512,     DotF64BlockAvx512};
+
+bool CpuHasAvx512() {
+  if (!CpuHasAvx2Fma()) return false;
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx) || !(ecx & bit_OSXSAVE)) return false;
+  // The OS must save the opmask and the upper zmm state (XCR0 bits 5-7)
+  // besides SSE/AVX (bits 1-2).
+  unsigned lo = 0, hi = 0;
+  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  if ((lo & 0xE6) != 0xE6) return false;
+  if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+  return (ebx & bit_AVX512F) && (ebx & bit_AVX512BW) && (ebx & bit_AVX512VL);
 }
 #endif
 
@@ -385,20 +921,30 @@ void PermuteForBf16(const float* w, int64_t n, float* out) {
 const Kernels& PortableKernels() { return kPortable; }
 
 const Kernels& BestKernels() {
-#if defined(__x86_64__)
-  static const Kernels& best = CpuHasAvx2Fma() ? kAvx2 : kPortable;
+  static const Kernels& best = *SupportedKernels().back();
   return best;
-#else
-  return kPortable;
-#endif
 }
 
 std::vector<const Kernels*> SupportedKernels() {
   std::vector<const Kernels*> out = {&kPortable};
 #if defined(__x86_64__)
-  if (CpuHasAvx2Fma()) out.push_back(&kAvx2);
+  static const bool avx2 = CpuHasAvx2Fma();
+  static const bool avx512 = CpuHasAvx512();
+  if (avx2) out.push_back(&kAvx2);
+  if (avx512) out.push_back(&kAvx512);
 #endif
   return out;
+}
+
+const Kernels* KernelsByName(const std::string& name) {
+  for (const Kernels* k : SupportedKernels()) {
+    if (name == k->name) return k;
+  }
+  return nullptr;
+}
+
+bool CpuSupports(const std::string& name) {
+  return KernelsByName(name) != nullptr;
 }
 
 }  // namespace leap::readout::internal

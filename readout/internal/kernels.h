@@ -1,10 +1,14 @@
-// Hot loops of the readout: the prediction dot product and the RLS panel
-// product. Each has a portable version and an AVX2+FMA+F16C version; Best()
-// picks one from CPUID once. Internal to leap::readout.
+// Hot loops of the readout: the prediction dot product, the RLS panel
+// product, the RLS block products (gemm_acc, sym_dot_f64). Each has a
+// portable version, an AVX2+FMA+F16C version and an AVX-512 (F/BW/VL)
+// version, compiled into the same binary with per-function target
+// attributes (no -march needed); BestKernels() picks one from CPUID (and the
+// OS's XSAVE state) once. Internal to leap::readout.
 #ifndef LEAP_READOUT_INTERNAL_KERNELS_H_
 #define LEAP_READOUT_INTERNAL_KERNELS_H_
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 namespace leap::readout::internal {
@@ -14,6 +18,10 @@ inline constexpr int kMaxRows = 4;
 
 // The widest batch the panel kernel handles in one pass over P.
 inline constexpr int kPanelMaxVectors = 8;
+
+// gemm_acc sums over p in blocks of this many terms (fixed, so that a
+// result never depends on how rows or columns are split).
+inline constexpr int64_t kGemmKc = 128;
 
 struct Kernels {
   const char* name;
@@ -35,10 +43,26 @@ struct Kernels {
   // The same for bf16 rows, w in PermuteForBf16 order.
   void (*dot_rows_bf16)(const float* w_bf16, const uint16_t* const* x,
                         int rows, int64_t n, float* out);
-  // V[i * k + c] = sum_{j<n} P[i * ldp + j] * U[c * ldu + j] for i < n,
-  // c < k, 1 <= k <= kPanelMaxVectors. P is read once. V is overwritten.
-  void (*panel)(const float* P, int64_t ldp, int64_t n, const float* U,
-                int64_t ldu, int k, float* V);
+  // V[i * k + c] = sum_{j<cols} P[i * ldp + j] * U[c * ldu + j] for
+  // i < rows, c < k, 1 <= k <= kPanelMaxVectors. P is read once. V is
+  // overwritten. Row i's result depends on i's position modulo 3 only
+  // through whether it is one of the last rows % 3 rows.
+  void (*panel)(const float* P, int64_t ldp, int64_t rows, int64_t cols,
+                const float* U, int64_t ldu, int k, float* V);
+  // C[i*ldc + j] += alpha * sum_{p<K} A[i*a_rs + p*a_cs] * B[p*ldb + j]
+  // for i < m, j < N. N must be a multiple of 16 (callers pad their rows).
+  // The sum runs over p in blocks of kGemmKc, each block summed in p order
+  // from zero and added to C (scaled by alpha): an entry's result does not
+  // depend on m, N, or where the entry sits, so splitting rows or columns
+  // across threads changes no bit. Packs B itself (thread-local buffer).
+  void (*gemm_acc)(int64_t m, int64_t N, int64_t K, float alpha,
+                   const float* A, int64_t a_rs, int64_t a_cs, const float* B,
+                   int64_t ldb, float* C, int64_t ldc);
+  // S[a*lds + b] = sum_{j<n} double(X[a*ldx + j]) * double(Y[b*ldy + j])
+  // for a, b < k, accumulated in FP64 (products of floats are exact).
+  void (*dot_f64_block)(const float* X, int64_t ldx, const float* Y,
+                        int64_t ldy, int64_t k, int64_t n, double* S,
+                        int64_t lds);
 };
 
 // Reorders w for dot_bf16: every full block of 16 becomes its 8 even-index
@@ -49,6 +73,11 @@ void PermuteForBf16(const float* w, int64_t n, float* out);
 const Kernels& PortableKernels();
 // The fastest kernels this CPU supports. Thread-safe.
 const Kernels& BestKernels();
+// The supported kernel set with this name ("portable", "avx2", "avx512"),
+// or nullptr when the name is unknown or the CPU lacks it.
+const Kernels* KernelsByName(const std::string& name);
+// Whether this CPU (and OS) can run the named set.
+bool CpuSupports(const std::string& name);
 // Every kernel set this CPU can run (for tests that compare them).
 std::vector<const Kernels*> SupportedKernels();
 

@@ -80,6 +80,9 @@ class FleetLink {
   virtual absl::StatusOr<int64_t> Rollback(const std::string& readout,
                                            const std::string& label) = 0;
   virtual absl::Status SetFrozen(const std::string& readout, bool frozen) = 0;
+  // The fleet's snapshots of a readout (in the STATE stream).
+  virtual absl::StatusOr<std::vector<storage::SnapshotInfo>> ListSnapshots(
+      const std::string& readout) = 0;
 
   virtual FleetStatus Status() const = 0;
 };

@@ -52,6 +52,15 @@ absl::Status LiveReadoutOptions::Validate() const {
     return absl::InvalidArgumentError(
         absl::StrCat("rls_batch must be in [1, 4096], got ", rls_batch));
   }
+  if (rls_batch_max < 1 || rls_batch_max > 4096) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "rls_batch_max must be in [1, 4096], got ", rls_batch_max));
+  }
+  if (rls_threads < 0 || rls_threads > 1024) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "rls_threads must be in [0, 1024] (0: the available cores), got ",
+        rls_threads));
+  }
   if (flush_after_ns <= 0) {
     return absl::InvalidArgumentError("flush_after must be > 0");
   }
@@ -60,6 +69,14 @@ absl::Status LiveReadoutOptions::Validate() const {
   }
   return guardrail.Validate(quality_window);
 }
+
+namespace {
+readout::RlsOptions RlsOptionsOf(const LiveReadoutOptions& o) {
+  readout::RlsOptions r;
+  r.threads = o.rls_threads;
+  return r;
+}
+}  // namespace
 
 LiveReadout::LiveReadout(LiveReadoutInit init, LiveReadoutOptions options,
                          Metrics* metrics, PublishHub* hub)
@@ -90,7 +107,8 @@ LiveReadout::LiveReadout(LiveReadoutInit init, LiveReadoutOptions options,
     applied_seq_ = init.last_seq;
     last_ckpt_ns_ = NowNs();
     if (adaptive_) {
-      rls_.emplace(init.state.theta, std::move(*init.state.p));
+      rls_.emplace(init.state.theta, std::move(*init.state.p),
+                   RlsOptionsOf(options_));
     }
     auto v = std::make_shared<PublishedVersion>(PublishedVersion{
         version_.load(),
@@ -396,7 +414,7 @@ void LiveReadout::RecoverLog(std::vector<storage::LogRecord> log,
       if (stored.ok() && stored->size() == n) {
         theta = *std::move(stored);
         readout::SymMatrix p = rls_->P();
-        rls_.emplace(theta, std::move(p));
+        rls_.emplace(theta, std::move(p), RlsOptionsOf(options_));
       } else {
         problem(absl::StrCat("version ", reached->version,
                              "'s theta not readable (",
@@ -713,7 +731,7 @@ absl::StatusOr<int64_t> LiveReadout::Rollback(const std::string& label) {
   absl::MutexLock lock(&state_mu_);  // waits for a batch in flight
   theta_ = snap.theta;
   if (snap.p.has_value()) {
-    rls_.emplace(snap.theta, std::move(*snap.p));
+    rls_.emplace(snap.theta, std::move(*snap.p), RlsOptionsOf(options_));
   }
   learned_.store(snap.completions_learned);
   // The dropped records are not in it; kept ones are replayed after it.
@@ -809,8 +827,12 @@ void LiveReadout::WorkerLoop() {
                                absl::Nanoseconds(std::max<int64_t>(wait_ns, 0)));
         }
       }
-      const int k = std::min<int>(options_.rls_batch,
-                                  static_cast<int>(queue_.size()));
+      // Adaptive: whatever queued up behind a batch (a backlog) is applied
+      // in one exact batch of up to rls_batch_max; same result, P streamed
+      // once instead of once per rls_batch.
+      const int k = std::min<int>(
+          std::max(options_.rls_batch, options_.rls_batch_max),
+          static_cast<int>(queue_.size()));
       for (int i = 0; i < k; ++i) {
         batch.push_back(std::move(queue_.front()));
         queue_.pop_front();

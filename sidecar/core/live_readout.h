@@ -65,8 +65,15 @@ class PublishHub {
 };
 
 struct LiveReadoutOptions {
-  // Completions per RLS batch. Default: 8
+  // Completions per RLS batch when learning keeps up. Default: 8
   int rls_batch = 8;
+  // With a backlog (more than rls_batch queued) the worker applies up to
+  // this many queued completions in one exact batch: P is streamed once for
+  // all of them. The result never depends on batch sizes. Default: 256
+  int rls_batch_max = 256;
+  // Threads of each readout's RLS update and fold; 0 = the cores this
+  // process may run on. Results do not depend on it. Default: 0
+  int rls_threads = 0;
   // A partial batch is applied once its oldest completion waited this long.
   // Default: 200 ms
   int64_t flush_after_ns = 200'000'000;

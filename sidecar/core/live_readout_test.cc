@@ -73,6 +73,9 @@ class LiveReadoutTest : public ::testing::Test {
   static LiveReadoutOptions Options(int batch, absl::Duration flush = absl::Hours(1)) {
     LiveReadoutOptions o;
     o.rls_batch = batch;
+    // Fixed batches (these tests count versions); the adaptive ones are
+    // tested with rls_batch_max set explicitly.
+    o.rls_batch_max = batch;
     o.flush_after_ns = absl::ToInt64Nanoseconds(flush);
     return o;
   }
@@ -150,6 +153,32 @@ TEST_F(LiveReadoutTest, FrozenQueuesAndResumes) {
   EXPECT_EQ(r->backlog(), 0);
   EXPECT_EQ(r->current()->version, 3);
   EXPECT_LT(testing::RelErr(r->Export().theta, reference.Theta()), 1e-6);
+}
+
+// Adaptive batches: a backlog is applied in batches of up to rls_batch_max,
+// and the result is the closed form whatever the batch sizes.
+TEST_F(LiveReadoutTest, ABacklogIsAppliedInBatchesOfUpToTheMaximum) {
+  for (int max : {2, 256}) {
+    LiveReadoutOptions o = Options(2);
+    o.rls_batch_max = max;
+    o.rls_threads = 2;
+    auto r = Make(o);
+    ASSERT_TRUE(r->SetFrozen(true).ok());
+    testing::ClosedForm reference(state_);
+    for (int i = 0; i < 300; ++i) Learn(*r, &reference);
+    ASSERT_TRUE(r->SetFrozen(false).ok());
+    r->WaitIdle();
+    EXPECT_EQ(r->backlog(), 0);
+    EXPECT_EQ(r->completions_learned(), 300);
+    // 150 batches of 2, or 256 + 44.
+    EXPECT_EQ(r->current()->version, max == 2 ? 151 : 3) << max;
+    const auto versions = r->Versions();
+    if (max == 256) {
+      ASSERT_GE(versions.size(), 2u);
+      EXPECT_EQ(versions[versions.size() - 2].completions_learned, 256);
+    }
+    EXPECT_LT(testing::RelErr(r->Export().theta, reference.Theta()), 1e-6) << max;
+  }
 }
 
 TEST_F(LiveReadoutTest, ACompletionThatCannotBeAppliedIsDroppedWithoutFreezing) {
@@ -427,6 +456,114 @@ TEST_F(LiveReadoutTest, AnRlsFailureFreezeIsDurable) {
   std::filesystem::remove_all(dir);
 }
 
+// Fleet mode: a serving-only readout records completions in its log (the
+// outbox) without learning, serves installed versions under their own
+// numbers, and prunes confirmed log records with a theta-only checkpoint.
+TEST_F(LiveReadoutTest, ServingOnlyRecordsInstallsAndPrunes) {
+  const std::string dir = absl::StrCat(::testing::TempDir(), "/live_readout_serving_",
+                                       ::getpid());
+  std::filesystem::remove_all(dir);
+  auto opened = storage::OpenRocksStore(dir);
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  std::unique_ptr<storage::StateStore> store = std::move(*opened);
+  storage::ReadoutMeta meta;
+  meta.name = "r";
+  meta.spec = state_.spec;
+  meta.standardizer = state_.standardizer;
+  meta.has_p = false;
+  storage::ReadoutCheckpoint initial;
+  initial.version = 1;
+  initial.theta = state_.theta;
+  ASSERT_TRUE(store->CreateReadout(&meta, initial).ok());
+  LiveReadoutOptions o = Options(1, absl::Milliseconds(1));
+  o.serving_only = true;
+  auto r = Make(o, store.get(), meta);  // the state has P: ignored
+  EXPECT_FALSE(r->adaptive());
+  EXPECT_FALSE(r->frozen());
+  // Recorded with increasing log positions; nothing learned or published.
+  std::vector<uint64_t> seqs;
+  for (int i = 0; i < 3; ++i) {
+    std::vector<float> x = testing::RandomFeatures(state_, rng_);
+    uint64_t seq = 0;
+    ASSERT_TRUE(r->Learn({absl::StrCat("s", i), readout::FeatureView::F32(x.data(), kDim),
+                          7.0, {}, &seq})
+                    .ok());
+    seqs.push_back(seq);
+  }
+  EXPECT_EQ(seqs, (std::vector<uint64_t>{1, 2, 3}));
+  r->WaitIdle();
+  EXPECT_EQ(r->backlog(), 0);
+  EXPECT_EQ(r->completions_learned(), 0);
+  EXPECT_EQ(r->current()->version, 1);
+  EXPECT_EQ(watch_->count(), 0);
+
+  // A version from the trainer: served under its number, announced.
+  InstalledVersion v;
+  v.version = 7;
+  v.theta = state_.theta * 0.5;
+  v.completions_learned = 40;
+  v.cause = "rls";
+  v.fleet_seq = 99;
+  v.published_unix_ms = 1234;
+  auto installed = r->InstallVersion(v);
+  ASSERT_TRUE(installed.ok()) << installed.status();
+  EXPECT_TRUE(*installed);
+  ASSERT_TRUE(watch_->AwaitVersion(7));
+  EXPECT_EQ(r->current()->version, 7);
+  EXPECT_EQ(r->current()->fleet_seq, 99u);
+  EXPECT_EQ(r->current()->cause, "rls");
+  EXPECT_EQ(r->completions_learned(), 40);
+  const std::vector<float> x = testing::RandomFeatures(state_, rng_);
+  const std::vector<double> xd(x.begin(), x.end());
+  EXPECT_NEAR(*r->current()->folded.Score(readout::FeatureView::F32(x.data(), kDim)),
+              testing::ReferenceScore(state_.standardizer, v.theta, xd),
+              testing::ScoreTolerance(state_.standardizer, v.theta, xd));
+  EXPECT_EQ(r->Versions().back().version, 7);
+  // Not newer: ignored. Wrong width or a NaN: refused.
+  v.version = 7;
+  EXPECT_FALSE(*r->InstallVersion(v));
+  v.version = 5;
+  EXPECT_FALSE(*r->InstallVersion(v));
+  v.version = 8;
+  v.theta = Eigen::VectorXd::Zero(kDim);
+  EXPECT_EQ(r->InstallVersion(v).status().code(), absl::StatusCode::kInvalidArgument);
+  v.theta = state_.theta;
+  v.theta[3] = NAN;
+  EXPECT_EQ(r->InstallVersion(v).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(r->current()->version, 7);
+  // The frozen flag follows the fleet's.
+  v.theta = state_.theta;
+  v.frozen = true;
+  ASSERT_TRUE(*r->InstallVersion(v));
+  EXPECT_TRUE(r->frozen());
+
+  // Records 1 and 2 confirmed: pruned; 3 stays in the log.
+  ASSERT_TRUE(r->ConfirmLog(2).ok());
+  r.reset();
+  auto loaded = store->Load();
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  ASSERT_EQ(loaded->readouts.size(), 1u);
+  const storage::RecoveredReadout& rec = loaded->readouts[0];
+  EXPECT_EQ(rec.checkpoint.last_seq, 2u);
+  EXPECT_EQ(rec.checkpoint.version, 8);
+  EXPECT_FALSE(rec.checkpoint.p.has_value());
+  ASSERT_EQ(rec.log.size(), 1u);
+  EXPECT_EQ(rec.log[0].seq, 3u);
+  EXPECT_EQ(rec.log[0].request_id, "s2");
+  store.reset();
+  std::filesystem::remove_all(dir);
+}
+
+TEST_F(LiveReadoutTest, ALearningReadoutRefusesInstalledVersions) {
+  auto r = Make(Options(1));
+  InstalledVersion v;
+  v.version = 9;
+  v.theta = state_.theta;
+  EXPECT_EQ(r->InstallVersion(v).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(r->current()->version, 1);
+}
+
 TEST(LiveReadoutOptions, Validate) {
   LiveReadoutOptions o;
   EXPECT_TRUE(o.Validate().ok());
@@ -437,6 +574,14 @@ TEST(LiveReadoutOptions, Validate) {
   EXPECT_FALSE(o.Validate().ok());
   o = {};
   o.quality_window = 1;
+  EXPECT_FALSE(o.Validate().ok());
+  o = {};
+  o.rls_batch_max = 0;
+  EXPECT_FALSE(o.Validate().ok());
+  o.rls_batch_max = 4097;
+  EXPECT_FALSE(o.Validate().ok());
+  o = {};
+  o.rls_threads = -1;
   EXPECT_FALSE(o.Validate().ok());
 }
 

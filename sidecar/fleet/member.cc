@@ -804,6 +804,13 @@ absl::StatusOr<storage::SnapshotInfo> FleetMember::Snapshot(
   }
   absl::StatusOr<OpResult> r = RunControl(readout, fpb::FleetControl::SNAPSHOT, label);
   if (!r.ok()) return r.status();
+  // As the fleet lists it (the state's own version), when it can be read.
+  if (absl::StatusOr<std::vector<storage::SnapshotInfo>> all = ListSnapshots(readout);
+      all.ok()) {
+    for (const storage::SnapshotInfo& i : *all) {
+      if (i.label == label) return i;
+    }
+  }
   storage::SnapshotInfo info;
   info.label = label;
   info.version = r->version;
@@ -825,6 +832,42 @@ absl::Status FleetMember::SetFrozen(const std::string& readout, bool frozen) {
                     frozen ? fpb::FleetControl::FREEZE : fpb::FleetControl::RESUME,
                     "")
       .status();
+}
+
+absl::StatusOr<std::vector<storage::SnapshotInfo>> FleetMember::ListSnapshots(
+    const std::string& readout) {
+  if (!core_->GetReadout(readout).ok()) {
+    return absl::NotFoundError(absl::StrCat("no readout '", readout, "'"));
+  }
+  if (!ready_.load()) return NotReady(options_.fleet);
+  const std::string stream = StateStream(options_.fleet);
+  const std::string prefix = SnapshotSubject(options_.fleet, readout, "x");
+  const std::string filter = prefix.substr(0, prefix.size() - 1) + "*";
+  absl::StatusOr<std::map<std::string, uint64_t>> subjects =
+      nats_->Subjects(stream, filter);
+  if (!subjects.ok()) return subjects.status();
+  std::vector<storage::SnapshotInfo> out;
+  for (const auto& [subject, n] : *subjects) {
+    // The newest state written under the label, when it is complete.
+    absl::StatusOr<StreamMsg> m = nats_->GetLastMsg(stream, subject);
+    if (!m.ok()) continue;
+    fpb::FleetStateChunk c;
+    if (!c.ParseFromString(m->data) || !c.last()) continue;
+    storage::SnapshotInfo info;
+    absl::StatusOr<std::string> label =
+        NameFromToken(subject.substr(subject.rfind('.') + 1));
+    info.label = c.label().empty() && label.ok() ? *label : c.label();
+    info.version = c.version();
+    info.completions_learned = c.completions_learned();
+    info.unix_ms = c.unix_ms();
+    info.spearman = NAN;
+    out.push_back(std::move(info));
+  }
+  std::sort(out.begin(), out.end(),
+            [](const storage::SnapshotInfo& a, const storage::SnapshotInfo& b) {
+              return a.unix_ms < b.unix_ms;
+            });
+  return out;
 }
 
 sidecar::FleetStatus FleetMember::Status() const {

@@ -128,6 +128,8 @@ class FleetMember : public sidecar::FleetLink {
   absl::StatusOr<int64_t> Rollback(const std::string& readout,
                                    const std::string& label) override;
   absl::Status SetFrozen(const std::string& readout, bool frozen) override;
+  absl::StatusOr<std::vector<storage::SnapshotInfo>> ListSnapshots(
+      const std::string& readout) override;
   sidecar::FleetStatus Status() const override;
 
   // The JetStream message id of a completion: the same on every member for

@@ -492,6 +492,10 @@ TEST_F(FleetMemberTest, ControlOperationsWaitForTheTrainersAnswer) {
   auto snap = a->fleet->Snapshot("chat", "s2");
   ASSERT_TRUE(snap.ok()) << snap.status();
   EXPECT_EQ(snap->label, "s2");
+  // The stand-in writes no STATE: the fleet has no snapshot to list.
+  auto listed = a->fleet->ListSnapshots("chat");
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  EXPECT_TRUE(listed->empty());
   auto rb = a->fleet->Rollback("chat", "s2");
   ASSERT_TRUE(rb.ok()) << rb.status();
   EXPECT_EQ((*a->core->GetReadout("chat"))->current()->version, *rb);

@@ -535,6 +535,27 @@ absl::StatusOr<uint64_t> NatsClient::LastSeq(const std::string& stream) {
   return last;
 }
 
+absl::StatusOr<std::map<std::string, uint64_t>> NatsClient::Subjects(
+    const std::string& stream, const std::string& filter) {
+  jsOptions o;
+  jsOptions_Init(&o);
+  o.Stream.Info.SubjectsFilter = filter.c_str();
+  jsStreamInfo* si = nullptr;
+  jsErrCode jerr = static_cast<jsErrCode>(0);
+  const natsStatus s = js_GetStreamInfo(&si, js_, stream.c_str(), &o, &jerr);
+  if (s != NATS_OK) {
+    return NatsError(s, jerr, absl::StrCat("subjects ", filter, " of ", stream));
+  }
+  std::map<std::string, uint64_t> out;
+  if (si->State.Subjects != nullptr) {
+    for (int i = 0; i < si->State.Subjects->Count; ++i) {
+      out[si->State.Subjects->List[i].Subject] = si->State.Subjects->List[i].Msgs;
+    }
+  }
+  jsStreamInfo_Destroy(si);
+  return out;
+}
+
 // ---------------------------------------------------------------- subscription
 
 struct Subscription::State {

@@ -13,6 +13,7 @@
 #include <atomic>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -289,6 +290,10 @@ class NatsClient {
                                        const std::string& subject);
   // The message with stream sequence `seq` (NOT_FOUND when none).
   absl::StatusOr<StreamMsg> GetMsg(const std::string& stream, uint64_t seq);
+  // The subjects holding messages in `stream` that match `filter`
+  // (wildcards allowed), with their message counts.
+  absl::StatusOr<std::map<std::string, uint64_t>> Subjects(
+      const std::string& stream, const std::string& filter);
   // The stream's last sequence (0 when empty).
   absl::StatusOr<uint64_t> LastSeq(const std::string& stream);
 

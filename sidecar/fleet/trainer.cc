@@ -897,7 +897,7 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Start(natsConnection* nc,
       local[name] = std::move(r);
     }
   }
-  std::unique_ptr<Trainer> t(new Trainer(nc, js, kv, std::move(options)));
+  std::unique_ptr<Trainer> t(new Trainer(js, kv, std::move(options)));
   {
     absl::MutexLock lock(&t->mu_);
     t->local_ = std::move(local);
@@ -906,8 +906,8 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Start(natsConnection* nc,
   return t;
 }
 
-Trainer::Trainer(natsConnection* nc, jsCtx* js, kvStore* kv, TrainerOptions options)
-    : nc_(nc), js_(js), kv_(kv), options_(std::move(options)) {
+Trainer::Trainer(jsCtx* js, kvStore* kv, TrainerOptions options)
+    : js_(js), kv_(kv), options_(std::move(options)) {
   if (options_.registry != nullptr) {
     families_ = std::make_unique<Families>(*options_.registry);
   }

@@ -139,7 +139,7 @@ class Trainer {
  private:
   class Worker;
   struct Families;
-  Trainer(natsConnection* nc, jsCtx* js, kvStore* kv, TrainerOptions options);
+  Trainer(jsCtx* js, kvStore* kv, TrainerOptions options);
   void LeaseLoop();
   void Promote() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Demote(bool final_checkpoint);
@@ -150,7 +150,6 @@ class Trainer {
   bool LeaseStillOurs();
   void StopAll(bool final_checkpoint, bool release);
 
-  natsConnection* const nc_;
   jsCtx* const js_;
   kvStore* const kv_;
   const TrainerOptions options_;

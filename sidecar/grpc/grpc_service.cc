@@ -859,7 +859,9 @@ grpc::Status AdminService::ListSnapshots(grpc::ServerContext* ctx,
   if (grpc::Status s = CheckAdmin(ctx); !s.ok()) return s;
   auto r = core_->GetReadout(req->readout());
   if (!r.ok()) return ToGrpc(r.status());
-  auto list = (*r)->ListSnapshots();
+  auto list = core_->fleet() != nullptr
+                  ? core_->fleet()->ListSnapshots(req->readout())
+                  : (*r)->ListSnapshots();
   if (!list.ok()) return ToGrpc(list.status());
   for (const auto& i : *list) FillSnapshot(i, resp->add_snapshots());
   return grpc::Status::OK;

@@ -616,6 +616,15 @@ std::string FormatStats(const pb::StatsResponse& st) {
                         st.unknown_completions());
   absl::StrAppendFormat(&s, "evicted: %d (capacity), %d (ttl)\n",
                         st.evicted_capacity(), st.evicted_ttl());
+  if (st.has_fleet()) {
+    const pb::FleetStats& f = st.fleet();
+    absl::StrAppendFormat(
+        &s, "fleet: %s, member %s (%s), trainer %s, last_fleet_seq %d, "
+            "unconfirmed %d%s%s\n",
+        f.fleet(), f.member(), f.role(), f.trainer().empty() ? "-" : f.trainer(),
+        f.last_fleet_seq(), f.unconfirmed(), f.degraded() ? ", DEGRADED: " : "",
+        f.degraded() ? f.degraded_reason() : "");
+  }
   return s;
 }
 
@@ -661,6 +670,17 @@ std::string FormatStatsJson(const pb::StatsResponse& st) {
   j["unknown_completions"] = st.unknown_completions();
   j["evicted_capacity"] = st.evicted_capacity();
   j["evicted_ttl"] = st.evicted_ttl();
+  if (st.has_fleet()) {
+    const pb::FleetStats& f = st.fleet();
+    j["fleet"] = {{"fleet", f.fleet()},
+                  {"member", f.member()},
+                  {"role", f.role()},
+                  {"trainer", f.trainer()},
+                  {"degraded", f.degraded()},
+                  {"degraded_reason", f.degraded_reason()},
+                  {"last_fleet_seq", f.last_fleet_seq()},
+                  {"unconfirmed", f.unconfirmed()}};
+  }
   return j.dump() + "\n";
 }
 
