@@ -34,7 +34,7 @@ class OutboxTest : public ::testing::Test {
     auto p = testing::StartLeapd(
         LEAPD_PATH,
         {"--listen=127.0.0.1:0", "--metrics_listen=127.0.0.1:0",
-         absl::StrCat("--outbox_bytes=", kBound), "--rls_batch=1",
+         absl::StrCat("--outbox_bytes=", kBound), "--rls_batch=1", "--rls_batch_max=1",
          "--rls_flush=1ms"},
         &address_);
     ASSERT_TRUE(p.ok()) << p.status();

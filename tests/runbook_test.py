@@ -337,7 +337,11 @@ class RunbookTest(unittest.TestCase):
         # and published nothing for the restart.
         restarted = output_of("rollout restart")
         self.assertIn("statefulset.apps/chat-leap restarted", restarted)
-        last = restarted.strip().splitlines()[-1]
+        # The newest row of the version table (quality sections follow it).
+        rows = [l for l in restarted.splitlines()
+                if re.match(r"^\s*\d+\s+\d+\s+\d{4}-\d\d-\d\d", l)]
+        self.assertTrue(rows, restarted)
+        last = rows[-1]
         self.assertRegex(last, r"\s%d\s+\S+\s+rls\s" % learned)
         self.assertRegex(output_of("leapctl rollback"),
                          r"rolled readout chat back to snapshot before-rollout"

@@ -157,7 +157,7 @@ Leapd StartLeapd(const std::string& name) {
   l.shm = l.dir + "/leap.shm";
   std::string addr;
   auto p = testing::StartLeapd(
-      LEAPD_PATH, {"--listen=" + l.sock, "--shm=" + l.shm, "--rls_batch=1"}, &addr);
+      LEAPD_PATH, {"--listen=" + l.sock, "--shm=" + l.shm, "--rls_batch=1", "--rls_batch_max=1"}, &addr);
   EXPECT_TRUE(p.ok()) << p.status();
   if (!p.ok()) return l;
   l.proc = *std::move(p);

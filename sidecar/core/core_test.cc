@@ -43,6 +43,8 @@ constexpr int64_t kBudget = readout::kDefaultMaxTokens;
 CoreOptions Options(int rls_batch = 4, int64_t flush_after_ns = 1'000'000) {
   CoreOptions o;
   o.readout.rls_batch = rls_batch;
+  // Fixed batches: the tests count the versions they publish.
+  o.readout.rls_batch_max = rls_batch;
   o.readout.flush_after_ns = flush_after_ns;
   o.cache.max_bytes = 64 << 20;
   return o;
