@@ -25,6 +25,7 @@ Run: metrics_format_test.py --leapd PATH --leapctl PATH --source-dir DIR
 import argparse
 import math
 import os
+import time
 import re
 import shutil
 import signal
@@ -113,7 +114,22 @@ class MetricsFormatTest(unittest.TestCase):
         r = run("feed", "--features", t + "/f.npy", "--lengths",
                 t + "/l.npy", "--server", cls.address)
         assert r.returncode == 0, r.stderr
-        cls.after = cls.scrape()
+        # The feed returns once every completion is acknowledged; the RLS
+        # thread may still be applying a backlog (counted when applied).
+        m = re.search(r"completions: learned (\d+)", r.stdout)
+        assert m, r.stdout
+        want = int(m.group(1))
+        deadline = time.monotonic() + 60
+        while True:
+            cls.after = cls.scrape()
+            fams = parse(cls.after)
+            got = [v for _, l, v in fams["leap_completions_total"]["samples"]
+                   if l == {"readout": "r", "outcome": "learned"}]
+            if got and got[0] >= want:
+                break
+            assert time.monotonic() < deadline, (
+                "learned %s of %d after 60 s" % (got, want))
+            time.sleep(0.05)  # polling a counter, not waiting for an event
 
     @classmethod
     def tearDownClass(cls):
