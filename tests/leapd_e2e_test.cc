@@ -156,7 +156,7 @@ Anchor TrainAndUpload(Server& s, const std::string& name,
 }
 
 TEST(LeapdEndToEnd, TenThousandRequestsMatchAnchoredClosedForm) {
-  Server s = Start({"--rls_batch=8", "--rls_flush=20ms"});
+  Server s = Start({"--rls_batch=8", "--rls_batch_max=8", "--rls_flush=20ms"});
   ASSERT_NE(s.proc, nullptr);
   readout::SynthOptions so;
   so.dim = kDim;
@@ -423,7 +423,7 @@ std::string FirstErrorMessage(const pb::SidecarMessage& m) {
 }
 
 TEST(LeapdEndToEnd, BadInputGetsPreciseErrorsAndChangesNothing) {
-  Server s = Start({"--rls_batch=1", "--max_batch_bytes=65536",
+  Server s = Start({"--rls_batch=1", "--rls_batch_max=1", "--max_batch_bytes=65536",
                     "--feature_cache_bytes=1048576"});
   ASSERT_NE(s.proc, nullptr);
   ColdReadout(s, "r", kDim);
@@ -586,7 +586,7 @@ TEST(LeapdEndToEnd, BadInputGetsPreciseErrorsAndChangesNothing) {
 // same name with another width is never learned by the new one (and does
 // not crash it): the completion is skipped as readout_deleted.
 TEST(LeapdEndToEnd, RecreatedReadoutNeverLearnsAnotherWidthsRequest) {
-  Server s = Start({"--rls_batch=1"});
+  Server s = Start({"--rls_batch=1", "--rls_batch_max=1"});
   ASSERT_NE(s.proc, nullptr);
   ColdReadout(s, "a", 32);
   auto predictor = pb::Predictor::NewStub(s.channel);

@@ -148,7 +148,7 @@ std::vector<std::string> Args(const std::string& dir, const std::string& action,
                               bool margin) {
   std::vector<std::string> a = {
       "--data_dir=" + dir,
-      "--rls_batch=8",
+      "--rls_batch=8", "--rls_batch_max=8",
       "--rls_flush=5ms",
       "--quality_window=" + std::to_string(kWindow),
       "--guardrail_min_samples=" + std::to_string(kMinSamples),

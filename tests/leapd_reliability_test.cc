@@ -248,9 +248,10 @@ TEST(Recovery, VersionsNameTheSameStateAcrossKillNine) {
 
   // Restart; from the moment it listens, probe health and predictions until
   // health says SERVING.
-  auto p = testing::Process::Start({LEAPD_PATH, "--listen=127.0.0.1:0",
-                                    "--metrics_listen=127.0.0.1:0", args[0],
-                                    args[1], args[2], args[3], args[4]});
+  std::vector<std::string> argv = {LEAPD_PATH, "--listen=127.0.0.1:0",
+                                   "--metrics_listen=127.0.0.1:0"};
+  argv.insert(argv.end(), args.begin(), args.end());
+  auto p = testing::Process::Start(argv);
   ASSERT_TRUE(p.ok()) << p.status();
   Leapd s;
   s.proc = std::move(*p);
@@ -372,7 +373,7 @@ TEST(Identity, ReusedRequestIdIsLearnedEachTime) {
   const int64_t dim = 16;
   const std::string dir = TempDir("reuse");
   Leapd s;
-  ASSERT_TRUE(s.Start({"--data_dir=" + dir, "--rls_batch=1"}));
+  ASSERT_TRUE(s.Start({"--data_dir=" + dir, "--rls_batch=1", "--rls_batch_max=1"}));
   CreateCold(s, dim, 1.0);
   EngineStream e(s.channel, dim);
   std::mt19937_64 rng(23);
@@ -400,7 +401,7 @@ TEST(Identity, SameIdFromTwoEnginesIsTwoRequests) {
   const int64_t dim = 16;
   const std::string dir = TempDir("two-engines");
   Leapd s;
-  ASSERT_TRUE(s.Start({"--data_dir=" + dir, "--rls_batch=1"}));
+  ASSERT_TRUE(s.Start({"--data_dir=" + dir, "--rls_batch=1", "--rls_batch_max=1"}));
   CreateCold(s, dim, 1.0);
   EngineStream a(s.channel, dim, pb::FEATURE_DTYPE_FLOAT32, "engine-a");
   EngineStream b(s.channel, dim, pb::FEATURE_DTYPE_FLOAT32, "engine-b");
@@ -433,7 +434,7 @@ TEST(Identity, ResentCompletionAfterReconnectIsLearnedOnce) {
   const int64_t dim = 16;
   const std::string dir = TempDir("resend");
   Leapd s;
-  ASSERT_TRUE(s.Start({"--data_dir=" + dir, "--rls_batch=1"}));
+  ASSERT_TRUE(s.Start({"--data_dir=" + dir, "--rls_batch=1", "--rls_batch_max=1"}));
   CreateCold(s, dim, 1.0);
   std::mt19937_64 rng(31);
   const Req r = MakeReq("once", dim, rng);
@@ -470,7 +471,12 @@ TEST(Identity, ResentCompletionAfterReconnectIsLearnedOnce) {
 TEST(Freeze, RlsFailureIsPersistedAndKeptCompletionsAreLearnedOnResume) {
   const int64_t dim = 4;
   const std::string dir = TempDir("freeze");
-  const std::vector<std::string> args = {"--data_dir=" + dir, "--rls_batch=4"};
+  // One fixed batch of 8 that only forms once all 8 are queued: the whole
+  // poisoned message is acknowledged before the RLS thread rejects it
+  // (a smaller batch could be rejected, freezing learning, while the rest of
+  // the message is still being acknowledged).
+  const std::vector<std::string> args = {"--data_dir=" + dir, "--rls_batch=8",
+                                         "--rls_batch_max=8", "--rls_flush=1h"};
   auto snapshot = [](Leapd& s, const std::string& label) {
     grpc::ClientContext ctx;
     pb::CreateSnapshotRequest req;

@@ -52,7 +52,7 @@ int main(int argc, char** argv) {
       (std::filesystem::temp_directory_path() / ("leapd-restart-" + std::to_string(getpid())))
           .string();
   std::filesystem::remove_all(dir);
-  const std::vector<std::string> args = {"--data_dir=" + dir, "--rls_batch=8",
+  const std::vector<std::string> args = {"--data_dir=" + dir, "--rls_batch=8", "--rls_batch_max=8",
                                          "--checkpoint_every_batches=4"};
   std::string addr;
   auto p = leap::testing::StartLeapd(LEAPD_PATH, args, &addr);

@@ -55,7 +55,7 @@ struct Server {
 void StartWithAbRoute(Server* s,
                       const std::string& product_line = kProductLine) {
   auto p = testing::StartLeapd(
-      LEAPD_PATH, {"--rls_batch=8", "--rls_flush=20ms"}, &s->address);
+      LEAPD_PATH, {"--rls_batch=8", "--rls_batch_max=8", "--rls_flush=20ms"}, &s->address);
   ASSERT_TRUE(p.ok()) << p.status();
   s->proc = std::move(*p);
   s->channel = testing::MakeChannel(s->address);

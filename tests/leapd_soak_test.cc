@@ -35,7 +35,7 @@ TEST(Soak, SteadyRateWithSlowAndStalledConsumers) {
   auto p = testing::StartLeapd(
       LEAPD_PATH,
       {"--listen=127.0.0.1:0", "--metrics_listen=127.0.0.1:0",
-       absl::StrCat("--outbox_bytes=", kBound), "--rls_batch=1",
+       absl::StrCat("--outbox_bytes=", kBound), "--rls_batch=1", "--rls_batch_max=1",
        "--rls_flush=1ms"},
       &address);
   ASSERT_TRUE(p.ok()) << p.status();

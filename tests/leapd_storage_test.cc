@@ -162,7 +162,7 @@ TEST(LeapdStorage, KillNineTwentyTimesLosesNothingAcknowledged) {
   const int64_t dim = 1024;
   const std::string dir = TempDir("crash");
   const std::vector<std::string> args = {
-      "--data_dir=" + dir, "--rls_batch=8", "--rls_flush=5ms",
+      "--data_dir=" + dir, "--rls_batch=8", "--rls_batch_max=8", "--rls_flush=5ms",
       "--checkpoint_every_batches=2"};
   std::mt19937_64 rng(2024);
   std::vector<Req> reqs;
@@ -248,7 +248,7 @@ TEST(LeapdStorage, KillNineTwentyTimesLosesNothingAcknowledged) {
 TEST(LeapdStorage, CorruptNewestCheckpointFallsBackAndServesCorrectState) {
   const int64_t dim = 64;
   const std::string dir = TempDir("corrupt");
-  const std::vector<std::string> args = {"--data_dir=" + dir, "--rls_batch=8",
+  const std::vector<std::string> args = {"--data_dir=" + dir, "--rls_batch=8", "--rls_batch_max=8",
                                          "--checkpoint_every_batches=5"};
   std::mt19937_64 rng(7);
   std::vector<Req> reqs;
@@ -295,7 +295,7 @@ TEST(LeapdStorage, CorruptNewestCheckpointFallsBackAndServesCorrectState) {
 TEST(LeapdStorage, RollbackRestoresSnapshotBitForBitAndPushesIt) {
   const int64_t dim = 64;
   const std::string dir = TempDir("rollback");
-  const std::vector<std::string> args = {"--data_dir=" + dir, "--rls_batch=8"};
+  const std::vector<std::string> args = {"--data_dir=" + dir, "--rls_batch=8", "--rls_batch_max=8"};
   std::mt19937_64 rng(11);
   std::vector<Req> reqs;
   std::set<size_t> acked;
@@ -394,7 +394,7 @@ TEST(LeapdStorage, RollbackRestoresSnapshotBitForBitAndPushesIt) {
 TEST(LeapdStorage, ResubmittedRequestIsNotLearnedTwice) {
   const int64_t dim = 16;
   const std::string dir = TempDir("resubmit");
-  const std::vector<std::string> args = {"--data_dir=" + dir, "--rls_batch=1"};
+  const std::vector<std::string> args = {"--data_dir=" + dir, "--rls_batch=1", "--rls_batch_max=1"};
   std::mt19937_64 rng(5);
   std::vector<Req> reqs = {MakeReq(0, dim, rng)};
   {

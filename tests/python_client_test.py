@@ -171,7 +171,7 @@ class WatchThread:
 class LeapdClientTest(unittest.TestCase):
 
     def setUp(self):
-        self.leapd = Leapd(["--rls_batch=1", "--rls_flush=10ms"])
+        self.leapd = Leapd(["--rls_batch=1", "--rls_batch_max=1", "--rls_flush=10ms"])
         self.addCleanup(self.leapd.kill)
         self.predictor = PB["predictor_pb2_grpc"].PredictorStub(
             self.leapd.channel)

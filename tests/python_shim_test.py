@@ -82,7 +82,7 @@ class Leapd:
         self.proc = subprocess.Popen(
             [ARGS.leapd, "--listen=unix://" + sock, "--shm=" + sock + ".shm",
              "--metrics_listen=127.0.0.1:0", "--data_dir=" + data_dir,
-             "--rls_batch=1", "--rls_flush=10ms"],
+             "--rls_batch=1", "--rls_batch_max=1", "--rls_flush=10ms"],
             stdout=subprocess.PIPE, text=True)
         self.lines = leapd_lines.StdoutLines(self.proc, DEADLINE_S)
         self.wait_for_line("listening on ")

@@ -82,7 +82,7 @@ TEST_P(ShimClient, PredictsLearnsRescoresAndSurvivesSidecarRestart) {
   std::filesystem::create_directories(dir);
   const std::string sock = "unix://" + dir + "/leapd.sock";
   const std::vector<std::string> args = {"--listen=" + sock, "--data_dir=" + dir + "/db",
-                                         "--rls_batch=1", "--shm=" + dir + "/leap.shm"};
+                                         "--rls_batch=1", "--rls_batch_max=1", "--shm=" + dir + "/leap.shm"};
   const std::string endpoint = GetParam() == "shm" ? "shm://" + dir + "/leap.shm" : sock;
   std::string addr;
   auto leapd = testing::StartLeapd(LEAPD_PATH, args, &addr);
@@ -181,7 +181,7 @@ TEST_P(ShimClient, SameIdFromTwoEnginesIsTwoRequestsAndCollisionsAreReported) {
   std::filesystem::create_directories(dir);
   const std::string sock = "unix://" + dir + "/leapd.sock";
   const std::vector<std::string> args = {"--listen=" + sock, "--data_dir=" + dir + "/db",
-                                         "--rls_batch=1", "--shm=" + dir + "/leap.shm"};
+                                         "--rls_batch=1", "--rls_batch_max=1", "--shm=" + dir + "/leap.shm"};
   const std::string endpoint = GetParam() == "shm" ? "shm://" + dir + "/leap.shm" : sock;
   std::string addr;
   auto leapd = testing::StartLeapd(LEAPD_PATH, args, &addr);
