@@ -273,7 +273,10 @@ absl::StatusOr<std::unique_ptr<NatsClient>> NatsClient::Connect(
   natsOptions_SetPingInterval(opts, 1000);
   natsOptions_SetMaxPingsOut(opts, 2);
   c->callbacks_ = new Callbacks();
-  c->callbacks_->owner = c.get();
+  {
+    absl::MutexLock lock(&c->callbacks_->mu);
+    c->callbacks_->owner = c.get();
+  }
   natsOptions_SetDisconnectedCB(opts, &NatsClient::OnDisconnected, c->callbacks_);
   natsOptions_SetReconnectedCB(opts, &NatsClient::OnReconnected, c->callbacks_);
   natsOptions_SetClosedCB(opts, &NatsClient::OnClosed, c->callbacks_);
