@@ -9,15 +9,19 @@ and fails on
       one defined under tests/ that a target outside tests/ links;
   (b) an arrow from a lower layer to a higher one, or between two different
       layers of the same rank;
-  (c) a target no layer below declares (a new target must be placed).
+  (c) a target no layer below declares (a new target must be placed);
+  (d) with --source-dir: a folder of the source tree that
+      docs/ARCHITECTURE.md does not name.
 Before checking the real graph it checks itself on a made-up graph with one
 violation of each kind.
 
-  layering_test.py --targets BUILD/leap_targets.txt
+  layering_test.py --targets BUILD/leap_targets.txt [--source-dir SRC]
 """
 import argparse
+import os
 import re
 import sys
+import tempfile
 
 # The layer order, declared once: (layer, rank, targets). A target may link
 # or depend on targets of a lower rank and of its own layer only.
@@ -154,13 +158,44 @@ def self_test():
     if missed or "leap_storage (storage, rank 4) -> leap_readout" in found:
         print("self-test failed: missed", missed, "\nfound:\n" + found)
         return False
+    with tempfile.TemporaryDirectory() as src:
+        for d in ("docs", "named/inner", "unnamed", "build/x"):
+            os.makedirs(os.path.join(src, d))
+        open(os.path.join(src, "build", "CMakeCache.txt"), "w").close()
+        with open(os.path.join(src, "docs", "ARCHITECTURE.md"), "w") as f:
+            f.write("`docs/` and `named/inner/`\n")
+        got = unnamed_folders(src)
+        if got != ["unnamed/"]:
+            print("self-test failed: unnamed folders", got)
+            return False
     return True
+
+
+def unnamed_folders(source_dir):
+    """Folders of the source tree (build trees, .git and caches left out)
+    whose path docs/ARCHITECTURE.md does not contain as "path/"."""
+    with open(os.path.join(source_dir, "docs", "ARCHITECTURE.md")) as f:
+        doc = f.read()
+    missing = []
+    for root, dirs, _ in os.walk(source_dir):
+        dirs[:] = sorted(
+            d for d in dirs
+            if not d.startswith((".git", "__pycache__")) and
+            not os.path.exists(os.path.join(root, d, "CMakeCache.txt")))
+        for d in dirs:
+            rel = os.path.relpath(os.path.join(root, d), source_dir)
+            if rel + "/" not in doc:
+                missing.append(rel + "/")
+    return missing
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--targets", required=True,
                    help="leap_targets.txt of a configured build tree")
+    p.add_argument("--source-dir",
+                   help="also check that docs/ARCHITECTURE.md names every "
+                        "folder of this source tree")
     args = p.parse_args()
     if not self_test():
         return 1
@@ -171,6 +206,9 @@ def main():
         return 1
     print(render(targets))
     problems = check(targets)
+    if args.source_dir:
+        problems += [f"{d}: a folder docs/ARCHITECTURE.md does not name"
+                     for d in unnamed_folders(args.source_dir)]
     for pr in problems:
         print("LAYERING:", pr)
     print(f"{len(targets)} targets, {len(problems)} layering problems")
