@@ -616,6 +616,22 @@ class ManifestTest(unittest.TestCase):
         entry = [i for i in stages[-1][1] if i.startswith("ENTRYPOINT ")][0]
         cls.image_entrypoint = json.loads(entry[len("ENTRYPOINT "):])
 
+    def test_help_documents_every_leapd_flag(self):
+        """`leapd --help` (not only --helpfull) lists every flag leapd
+        defines: those of sidecar/app/leapd_options.cc and of
+        sidecar/app/leapd_data_flags.cc (dataset and bootstrap)."""
+        app = os.path.join(ARGS.source_dir, "sidecar", "app")
+        defined = set()
+        for name in sorted(os.listdir(app)):
+            if name.endswith(".cc"):
+                with open(os.path.join(app, name)) as f:
+                    defined |= set(re.findall(
+                        r"^ABSL_FLAG\([^,]+,\s*(\w+)\s*,", f.read(), re.M))
+        self.assertIn("dataset_max_records", defined)
+        self.assertIn("bootstrap_readout", defined)
+        self.assertEqual(defined - self.leapd_flags, set(),
+                         "flags in --helpfull only")
+
     def objects(self, name, kind):
         return [o for o in self.rendered[name] if o["kind"] == kind]
 

@@ -422,10 +422,17 @@ absl::StatusOr<std::optional<LeapdFleetOptions>> FleetOptions() {
 }
 
 
-// --help, --helpshort: the flags of this file (the default would look for
-// them in leapd.cc or leapd_main.cc).
+// --help, --helpshort: the flags of leapd's two flag files, this one and
+// leapd_data_flags.cc (dataset and bootstrap). absl's default shows only a
+// file named after the program (leapd.cc, leapd_main.cc, leapd-main.cc), so
+// without this every flag would be in --helpfull only.
 bool IsMainFlagsFile(absl::string_view file) {
-  return absl::EndsWith(file, "/leapd_options.cc") || file == "leapd_options.cc";
+  for (absl::string_view name : {"leapd_options.cc", "leapd_data_flags.cc"}) {
+    if (file == name || absl::EndsWith(file, absl::StrCat("/", name))) {
+      return true;
+    }
+  }
+  return false;
 }
 
 }  // namespace
