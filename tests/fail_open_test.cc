@@ -15,6 +15,7 @@
 #include "gtest/gtest.h"
 #include "tests/support/engine_client.h"
 #include "tests/support/process.h"
+#include "tests/support/scoped_temp_dir.h"
 
 namespace leap {
 namespace {
@@ -56,10 +57,8 @@ Status WaitStatus(testing::Process& engine,
 class FailOpen : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(FailOpen, EngineKeepsServingWhileLeapdIsKilledHungAndRestarted) {
-  const std::string dir = ::testing::TempDir() + "/failopen-" + GetParam() +
-                          "-" + std::to_string(getpid());
-  std::filesystem::remove_all(dir);
-  std::filesystem::create_directories(dir);
+  const testing::ScopedTempDir tmp("failopen-" + GetParam());
+  const std::string& dir = tmp.path();
   const std::string sock = "unix://" + dir + "/leapd.sock";
   const std::vector<std::string> args = {"--listen=" + sock,
                                          "--data_dir=" + dir + "/db",
@@ -167,7 +166,6 @@ TEST_P(FailOpen, EngineKeepsServingWhileLeapdIsKilledHungAndRestarted) {
               static_cast<long long>(absl::ToInt64Milliseconds(detect)),
               static_cast<long long>(s.at("max_call_us")),
               static_cast<long long>(destroy_us));
-  std::filesystem::remove_all(dir);
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, FailOpen, ::testing::Values("unix", "shm"),

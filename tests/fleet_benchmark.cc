@@ -41,6 +41,7 @@
 #include "tests/support/engine_client.h"
 #include "tests/support/nats_cluster.h"
 #include "tests/support/process.h"
+#include "tests/support/scoped_temp_dir.h"
 
 extern "C" void openblas_set_num_threads(int);
 
@@ -183,10 +184,9 @@ int main(int argc, char** argv) {
                 static_cast<long long>(k), bound, bound / bound1);
   }
 
-  const std::string dir =
-      (std::filesystem::temp_directory_path() / ("leap-fleet-bench-" + std::to_string(getpid())))
-          .string();
-  std::filesystem::remove_all(dir);
+  // Before the NATS cluster and the members: removed after they stop.
+  const leap::testing::ScopedTempDir tmp("leap-fleet-bench");
+  const std::string& dir = tmp.path();
   leap::testing::NatsClusterOptions no;
   no.nodes = nats_nodes;
   no.dir = dir + "/nats";
@@ -367,6 +367,5 @@ int main(int argc, char** argv) {
   std::printf("uptime after: %s\n", Sh("uptime").c_str());
   watchers.clear();
   members.clear();
-  std::filesystem::remove_all(dir);
   return 0;
 }

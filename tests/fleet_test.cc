@@ -252,7 +252,7 @@ class Reference {
 class FleetTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = testing::TempDir("fleet");
+    dir_ = tmp_.path();
     testing::NatsClusterOptions o;
     o.nodes = 3;
     o.dir = dir_ + "/nats";
@@ -297,22 +297,7 @@ class FleetTest : public ::testing::Test {
   }
 
   void CreateReadout(int via) {
-    grpc::ClientContext ctx;
-    pb::CreateReadoutRequest req;
-    req.set_name("r");
-    req.mutable_cold_start()->set_dim(kDim);
-    req.mutable_cold_start()->set_lambda(kLambda);
-    pb::ReadoutInfo info;
-    grpc::Status st = members_[via].d.admin->CreateReadout(&ctx, req, &info);
-    ASSERT_TRUE(st.ok()) << st.error_message();
-    grpc::ClientContext rctx;
-    pb::SetRouteRequest route;
-    auto* arm = route.mutable_route()->add_arms();
-    arm->set_readout("r");
-    arm->set_percent(100);
-    pb::Route out;
-    st = members_[via].d.admin->SetRoute(&rctx, route, &out);
-    ASSERT_TRUE(st.ok()) << st.error_message();
+    ASSERT_TRUE(testing::CreateRoutedReadout(*members_[via].d.admin, kDim, kLambda));
     // Every member serves it (CONFIG KV + VERSIONS).
     for (Member& m : members_) {
       Weights w;
@@ -425,6 +410,8 @@ class FleetTest : public ::testing::Test {
     std::fflush(stdout);
   }
 
+  // Before nats_ and members_: removed after they are stopped.
+  const testing::ScopedTempDir tmp_{"fleet"};
   std::string dir_;
   uint64_t seed_ = 1;
   absl::Time t0_ = absl::Now();
@@ -597,7 +584,8 @@ TEST_F(FleetTest, FaultsKeepExactnessAndRollbackHoldsFleetWide) {
 // acknowledged (the outbox publishes it: as a duplicate when that came
 // first) with a stream sequence, and the member is no longer degraded.
 TEST(FleetDegraded, NatsDownRefusesCompletionsKeepsPredicting) {
-  const std::string dir = testing::TempDir("fleet-degraded");
+  const testing::ScopedTempDir tmp("fleet-degraded");
+  const std::string& dir = tmp.path();
   testing::NatsClusterOptions o;
   o.nodes = 1;
   o.dir = dir + "/nats";

@@ -12,6 +12,7 @@
 #include "readout/artifact.h"
 #include "tests/support/engine_client.h"
 #include "tests/support/process.h"
+#include "tests/support/scoped_temp_dir.h"
 #include "tests/support/readout_fixtures.h"
 
 namespace leap {
@@ -24,16 +25,16 @@ constexpr char kModel[] = "Qwen/Qwen3-8B";
 constexpr int32_t kLayer = 30;
 
 struct Leapd {
+  // First: removed after proc is stopped.
+  std::unique_ptr<testing::ScopedTempDir> tmp;
   std::string dir, sock, shm;
   std::unique_ptr<testing::Process> proc;
 };
 
 Leapd Start(const std::string& name, std::vector<std::string> extra = {}) {
   Leapd l;
-  l.dir = ::testing::TempDir() + "/hello-" + name + "-" +
-          std::to_string(getpid());
-  std::filesystem::remove_all(l.dir);
-  std::filesystem::create_directories(l.dir);
+  l.tmp = std::make_unique<testing::ScopedTempDir>("hello-" + name);
+  l.dir = l.tmp->path();
   readout::ReadoutState s = testing::RandomState(kDim, 5, /*with_p=*/false);
   s.spec.model_id = kModel;
   s.spec.layer = kLayer;

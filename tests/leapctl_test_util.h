@@ -18,6 +18,7 @@
 
 #include "gtest/gtest.h"
 #include "tests/support/process.h"
+#include "tests/support/scoped_temp_dir.h"
 
 #ifndef LEAPCTL_PATH
 #error "LEAPCTL_PATH must name the leapctl binary"
@@ -43,35 +44,11 @@ inline void WriteFile(const std::string& path, const std::string& bytes) {
   out << bytes;
 }
 
-// A fresh directory under $TMPDIR (or /tmp), removed on destruction.
-class ScratchDir {
+// A fresh directory under $TMPDIR (or /tmp), removed on destruction (kept
+// with LEAP_KEEP_TEST_DIRS=1; see tests/support/scoped_temp_dir.h).
+class ScratchDir : public ::leap::testing::ScopedTempDir {
  public:
-  ScratchDir() {
-    const char* base = std::getenv("TMPDIR");
-    std::string tmpl =
-        std::string(base && *base ? base : "/tmp") + "/leapctl_test.XXXXXX";
-    std::vector<char> buf(tmpl.begin(), tmpl.end());
-    buf.push_back('\0');
-    const char* made = ::mkdtemp(buf.data());
-    if (made == nullptr) {
-      ADD_FAILURE() << "mkdtemp failed for " << tmpl;
-    } else {
-      path_ = made;
-    }
-  }
-  ~ScratchDir() {
-    std::error_code ec;
-    if (!path_.empty()) std::filesystem::remove_all(path_, ec);
-  }
-  ScratchDir(const ScratchDir&) = delete;
-  ScratchDir& operator=(const ScratchDir&) = delete;
-
-  // Path of `name` inside the directory.
-  std::string File(const std::string& name) const { return path_ + "/" + name; }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
+  ScratchDir() : ScopedTempDir("leapctl_test") {}
 };
 
 // Runs `leapctl args...` with stdout and stderr captured (the launcher of

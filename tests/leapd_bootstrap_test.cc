@@ -29,45 +29,16 @@
 #include "readout/artifact.h"
 #include "readout/target.h"
 #include "tests/support/engine_client.h"
+#include "tests/support/leapd_fixture.h"
 #include "tests/support/process.h"
+#include "tests/support/scoped_temp_dir.h"
 
 namespace leap {
 namespace {
 
 namespace pb = ::leap::v1;
 using testing::EngineStream;
-
-std::string TempDir(const std::string& name) {
-  std::string dir = ::testing::TempDir() + "/" + name + "-" +
-                    std::to_string(::getpid());
-  std::filesystem::remove_all(dir);
-  std::filesystem::create_directories(dir);
-  return dir;
-}
-
-struct Leapd {
-  std::unique_ptr<testing::Process> proc;
-  std::string address;
-  std::shared_ptr<grpc::Channel> channel;
-  std::unique_ptr<pb::Admin::Stub> admin;
-
-  bool Start(const std::vector<std::string>& args) {
-    auto p = testing::StartLeapd(LEAPD_PATH, args, &address);
-    if (!p.ok()) {
-      ADD_FAILURE() << p.status();
-      return false;
-    }
-    proc = std::move(*p);
-    channel = testing::MakeChannel(address);
-    admin = pb::Admin::NewStub(channel);
-    return true;
-  }
-  void Kill9() {
-    proc->Signal(SIGKILL);
-    proc->Wait();
-    proc.reset();
-  }
-};
+using testing::Leapd;
 
 testing::ProcessResult Leapctl(const std::vector<std::string>& args) {
   std::vector<std::string> argv = {LEAPCTL_PATH};
@@ -79,28 +50,6 @@ testing::ProcessResult Leapctl(const std::vector<std::string>& args) {
 
 int ExitCode(const testing::ProcessResult& r) {
   return WIFEXITED(r.status) ? WEXITSTATUS(r.status) : -1;
-}
-
-pb::ReadoutInfo GetReadout(Leapd& s, const std::string& name) {
-  grpc::ClientContext ctx;
-  pb::GetReadoutRequest req;
-  req.set_name(name);
-  pb::ReadoutInfo info;
-  grpc::Status st = s.admin->GetReadout(&ctx, req, &info);
-  EXPECT_TRUE(st.ok()) << st.error_message();
-  return info;
-}
-
-readout::ReadoutState ExportReadout(Leapd& s, const std::string& name) {
-  grpc::ClientContext ctx;
-  pb::ExportReadoutRequest req;
-  req.set_name(name);
-  pb::ExportReadoutResponse resp;
-  grpc::Status st = s.admin->ExportReadout(&ctx, req, &resp);
-  EXPECT_TRUE(st.ok()) << st.error_message();
-  auto state = readout::ParseArtifact(resp.artifact(), "export");
-  EXPECT_TRUE(state.ok()) << state.status();
-  return state.ok() ? std::move(*state) : readout::ReadoutState{};
 }
 
 double RelErr(const Eigen::VectorXd& a, const Eigen::VectorXd& b) {
@@ -183,7 +132,8 @@ double SpearmanRef(const std::vector<double>& a, const std::vector<double>& b) {
 
 TEST(LeapdBootstrap, TrainsPublishesAndTheExportReproducesIt) {
   const int64_t d = 48, after = 240, live = 12;
-  const std::string dir = TempDir("bootstrap");
+  const testing::ScopedTempDir tmp("bootstrap");
+  const std::string& dir = tmp.path();
   const std::string data = dir + "/data";
   auto synth = Leapctl({"synth", "--out-features", dir + "/x.npy", "--out-lengths",
                         dir + "/y.npy", "--n", std::to_string(after + live),
@@ -205,7 +155,7 @@ TEST(LeapdBootstrap, TrainsPublishesAndTheExportReproducesIt) {
       "--bootstrap_model_id=synth-model"};
   Leapd s;
   ASSERT_TRUE(s.Start(args));
-  pb::ReadoutInfo cold = GetReadout(s, "chat");
+  pb::ReadoutInfo cold = s.Info("chat");
   EXPECT_EQ(cold.version(), 1);
   EXPECT_TRUE(cold.frozen());
   EXPECT_EQ(cold.frozen_reason().rfind("bootstrap:", 0), 0u) << cold.frozen_reason();
@@ -257,12 +207,12 @@ TEST(LeapdBootstrap, TrainsPublishesAndTheExportReproducesIt) {
       absl::Seconds(60)))
       << s.proc->Tail();
   ASSERT_TRUE(s.proc->WaitForLine("bootstrap: readout chat trained on ", absl::Seconds(5)).ok());
-  pb::ReadoutInfo trained = GetReadout(s, "chat");
+  pb::ReadoutInfo trained = s.Info("chat");
   EXPECT_EQ(trained.version(), 2);
   EXPECT_FALSE(trained.frozen());
   EXPECT_EQ(trained.layer(), 20);
   EXPECT_EQ(trained.model_id(), "synth-model");
-  const readout::ReadoutState served = ExportReadout(s, "chat");
+  const readout::ReadoutState served = s.Export("chat");
   ASSERT_TRUE(shim_events.first.WaitForNotificationWithTimeout(absl::Seconds(30)));
   {
     absl::MutexLock lock(&shim_events.mu);
@@ -348,10 +298,10 @@ TEST(LeapdBootstrap, TrainsPublishesAndTheExportReproducesIt) {
   s.Kill9();
   Leapd again;
   ASSERT_TRUE(again.Start(args));
-  pb::ReadoutInfo back = GetReadout(again, "chat");
+  pb::ReadoutInfo back = again.Info("chat");
   EXPECT_EQ(back.version(), 2);
   EXPECT_FALSE(back.frozen());
-  EXPECT_EQ(RelErr(ExportReadout(again, "chat").theta, served.theta), 0.0);
+  EXPECT_EQ(RelErr(again.Export("chat").theta, served.theta), 0.0);
   EngineStream engine2(again.channel, d);
   pb::SidecarMessage p2 = engine2.Call(Features(x, d, 0, 1));
   ASSERT_EQ(p2.predictions().predictions_size(), 1);
@@ -363,7 +313,8 @@ TEST(LeapdBootstrap, TrainsPublishesAndTheExportReproducesIt) {
 // dataset keeps what was collected; the fit happens at the configured total.
 TEST(LeapdBootstrap, CollectingSurvivesKillNine) {
   const int64_t d = 8, after = 60;
-  const std::string dir = TempDir("bootstrap-kill");
+  const testing::ScopedTempDir tmp("bootstrap-kill");
+  const std::string& dir = tmp.path();
   std::mt19937_64 rng(11);
   std::normal_distribution<float> n01;
   std::vector<float> x(after * d);
@@ -396,7 +347,7 @@ TEST(LeapdBootstrap, CollectingSurvivesKillNine) {
     resumed |= l.rfind("bootstrap: readout chat collecting (40 of 60 ", 0) == 0;
   }
   EXPECT_TRUE(resumed) << again.proc->Tail();
-  pb::ReadoutInfo cold = GetReadout(again, "chat");
+  pb::ReadoutInfo cold = again.Info("chat");
   EXPECT_EQ(cold.version(), 1);
   EXPECT_TRUE(cold.frozen());
   EngineStream engine(again.channel, d);
@@ -408,33 +359,21 @@ TEST(LeapdBootstrap, CollectingSurvivesKillNine) {
                                       absl::Seconds(60));
   ASSERT_TRUE(line.ok()) << again.proc->Tail();
   EXPECT_EQ(line->rfind("60 completions", 0), 0u) << *line;
-  EXPECT_EQ(GetReadout(again, "chat").version(), 2);
+  EXPECT_EQ(again.Info("chat").version(), 2);
 }
 
 // Quality that lasts: windows, per-version, per-arm and per-label quality
 // after kill -9 equal what was reported before.
 TEST(LeapdQuality, SurvivesKillNine) {
   const int64_t d = 16, n = 420, window = 50;
-  const std::string dir = TempDir("quality");
+  const testing::ScopedTempDir tmp("quality");
+  const std::string& dir = tmp.path();
   const std::vector<std::string> args = {"--data_dir=" + dir + "/data",
                                          "--quality_window=" + std::to_string(window)};
   Leapd s;
   ASSERT_TRUE(s.Start(args));
   {
-    grpc::ClientContext ctx;
-    pb::CreateReadoutRequest req;
-    req.set_name("r");
-    req.mutable_cold_start()->set_dim(d);
-    req.mutable_cold_start()->set_lambda(10.0);
-    pb::ReadoutInfo info;
-    ASSERT_TRUE(s.admin->CreateReadout(&ctx, req, &info).ok());
-    grpc::ClientContext rctx;
-    pb::SetRouteRequest route;
-    auto* arm = route.mutable_route()->add_arms();
-    arm->set_readout("r");
-    arm->set_percent(100);
-    pb::Route out;
-    ASSERT_TRUE(s.admin->SetRoute(&rctx, route, &out).ok());
+    ASSERT_TRUE(testing::CreateRoutedReadout(*s.admin, d, 10.0));
   }
   std::mt19937_64 rng(7);
   std::normal_distribution<float> n01;

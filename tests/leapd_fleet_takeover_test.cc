@@ -18,6 +18,7 @@
 #include "gtest/gtest.h"
 #include "readout/artifact.h"
 #include "tests/support/process.h"
+#include "tests/support/scoped_temp_dir.h"
 #include "tests/support/readout_fixtures.h"
 
 namespace leap {
@@ -33,9 +34,8 @@ double MsSince(std::chrono::steady_clock::time_point t0) {
 
 TEST(LeapdFleetTakeover, KilledTrainerIsReplacedWithinTheLease) {
   if (access(kServer, X_OK) != 0) GTEST_SKIP() << kServer << " not installed";
-  const std::filesystem::path dir =
-      std::filesystem::temp_directory_path() / absl::StrCat("leapd_fleet_takeover_", getpid());
-  std::filesystem::remove_all(dir);
+  const testing::ScopedTempDir tmp("leapd_fleet_takeover");
+  const std::filesystem::path dir = tmp.path();
   std::filesystem::create_directories(dir / "js");
   testing::ProcessOptions po;
   po.merge_stderr = true;
@@ -111,7 +111,6 @@ TEST(LeapdFleetTakeover, KilledTrainerIsReplacedWithinTheLease) {
   }
   member.reset();
   trainer.reset();
-  std::filesystem::remove_all(dir);
 }
 
 }  // namespace

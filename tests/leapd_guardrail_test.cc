@@ -34,7 +34,6 @@ namespace {
 namespace pb = ::leap::v1;
 using testing::EngineStream;
 using testing::Leapd;
-using testing::TempDir;
 
 constexpr int64_t kDim = 16;
 constexpr int64_t kWindow = 500;      // --quality_window
@@ -219,7 +218,8 @@ int64_t AdversarialPhase(Leapd& s, EngineStream& e, Traffic& t) {
 }
 
 TEST(LeapdGuardrail, AdversarialFeedbackFreezesLearningNormalDoesNot) {
-  const std::string dir = TempDir("guardrail-freeze");
+  const testing::ScopedTempDir tmp("guardrail-freeze");
+  const std::string& dir = tmp.path();
   const std::vector<std::string> args = Args(dir, "freeze", /*margin=*/false);
   Leapd s;
   ASSERT_TRUE(s.Start(args));
@@ -322,7 +322,8 @@ TEST(LeapdGuardrail, AdversarialFeedbackFreezesLearningNormalDoesNot) {
 }
 
 TEST(LeapdGuardrail, RollbackRestoresTheLastGoodSnapshotBitForBit) {
-  const std::string dir = TempDir("guardrail-rollback");
+  const testing::ScopedTempDir tmp("guardrail-rollback");
+  const std::string& dir = tmp.path();
   Leapd s;
   ASSERT_TRUE(s.Start(Args(dir, "rollback", /*margin=*/true)));
   ASSERT_TRUE(testing::CreateDefaultReadout(s.address, "r", kDim).ok());

@@ -41,26 +41,11 @@ namespace {
 namespace pb = ::leap::v1;
 using testing::EngineStream;
 using testing::Leapd;
-using testing::TempDir;
 
 constexpr int64_t kBudget = 2048;
 
 void CreateCold(Leapd& s, int64_t dim, double lambda) {
-  grpc::ClientContext ctx;
-  pb::CreateReadoutRequest req;
-  req.set_name("r");
-  req.mutable_cold_start()->set_dim(dim);
-  req.mutable_cold_start()->set_lambda(lambda);
-  pb::ReadoutInfo info;
-  grpc::Status st = s.admin->CreateReadout(&ctx, req, &info);
-  ASSERT_TRUE(st.ok()) << st.error_message();
-  grpc::ClientContext rctx;
-  pb::SetRouteRequest route;
-  auto* arm = route.mutable_route()->add_arms();
-  arm->set_readout("r");
-  arm->set_percent(100);
-  pb::Route out;
-  ASSERT_TRUE(s.admin->SetRoute(&rctx, route, &out).ok());
+  ASSERT_TRUE(testing::CreateRoutedReadout(*s.admin, dim, lambda));
 }
 
 struct Req {
@@ -209,7 +194,8 @@ grpc::Status PredictProbe(Leapd& s, const std::string& id, const Req& probe,
 TEST(Recovery, VersionsNameTheSameStateAcrossKillNine) {
   const int64_t dim = 512;
   const int kCompletions = 3000;
-  const std::string dir = TempDir("recovery");
+  const testing::ScopedTempDir tmp("recovery");
+  const std::string& dir = tmp.path();
   // No checkpoint after creation: the whole log is replayed on restart.
   const std::vector<std::string> args = {
       "--data_dir=" + dir, "--rls_batch=8", "--rls_flush=5ms",
@@ -371,7 +357,8 @@ TEST(Recovery, VersionsNameTheSameStateAcrossKillNine) {
 // Defect 2: a reused request id was learned once in three with --data_dir.
 TEST(Identity, ReusedRequestIdIsLearnedEachTime) {
   const int64_t dim = 16;
-  const std::string dir = TempDir("reuse");
+  const testing::ScopedTempDir tmp("reuse");
+  const std::string& dir = tmp.path();
   Leapd s;
   ASSERT_TRUE(s.Start({"--data_dir=" + dir, "--rls_batch=1", "--rls_batch_max=1"}));
   CreateCold(s, dim, 1.0);
@@ -399,7 +386,8 @@ TEST(Identity, ReusedRequestIdIsLearnedEachTime) {
 // Defect 3 (leapd's side): engine B's "x" while engine A's "x" is live.
 TEST(Identity, SameIdFromTwoEnginesIsTwoRequests) {
   const int64_t dim = 16;
-  const std::string dir = TempDir("two-engines");
+  const testing::ScopedTempDir tmp("two-engines");
+  const std::string& dir = tmp.path();
   Leapd s;
   ASSERT_TRUE(s.Start({"--data_dir=" + dir, "--rls_batch=1", "--rls_batch_max=1"}));
   CreateCold(s, dim, 1.0);
@@ -432,7 +420,8 @@ TEST(Identity, SameIdFromTwoEnginesIsTwoRequests) {
 // the same after a resubmission of its features.
 TEST(Identity, ResentCompletionAfterReconnectIsLearnedOnce) {
   const int64_t dim = 16;
-  const std::string dir = TempDir("resend");
+  const testing::ScopedTempDir tmp("resend");
+  const std::string& dir = tmp.path();
   Leapd s;
   ASSERT_TRUE(s.Start({"--data_dir=" + dir, "--rls_batch=1", "--rls_batch_max=1"}));
   CreateCold(s, dim, 1.0);
@@ -470,7 +459,8 @@ TEST(Identity, ResentCompletionAfterReconnectIsLearnedOnce) {
 // state and resumes, they are learned.
 TEST(Freeze, RlsFailureIsPersistedAndKeptCompletionsAreLearnedOnResume) {
   const int64_t dim = 4;
-  const std::string dir = TempDir("freeze");
+  const testing::ScopedTempDir tmp("freeze");
+  const std::string& dir = tmp.path();
   // One fixed batch of 8 that only forms once all 8 are queued: the whole
   // poisoned message is acknowledged before the RLS thread rejects it
   // (a smaller batch could be rejected, freezing learning, while the rest of

@@ -19,6 +19,7 @@
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "tests/support/engine_client.h"
 #include "tests/support/process.h"
+#include "tests/support/scoped_temp_dir.h"
 
 namespace pb = ::leap::v1;
 using Clock = std::chrono::steady_clock;
@@ -48,10 +49,8 @@ int main(int argc, char** argv) {
     if (std::strncmp(argv[i], "--restarts=", 11) == 0) restarts = std::atoi(argv[i] + 11);
     if (std::strncmp(argv[i], "--dim=", 6) == 0) dim = std::atoll(argv[i] + 6);
   }
-  const std::string dir =
-      (std::filesystem::temp_directory_path() / ("leapd-restart-" + std::to_string(getpid())))
-          .string();
-  std::filesystem::remove_all(dir);
+  const leap::testing::ScopedTempDir tmp("leapd-restart");
+  const std::string dir = tmp.File("data");
   const std::vector<std::string> args = {"--data_dir=" + dir, "--rls_batch=8", "--rls_batch_max=8",
                                          "--checkpoint_every_batches=4"};
   std::string addr;
@@ -177,6 +176,5 @@ int main(int argc, char** argv) {
     if (f.is_regular_file()) bytes += f.file_size();
   }
   std::printf("data dir: %.1f MiB on disk\n", bytes / 1048576.0);
-  std::filesystem::remove_all(dir);
   return 0;
 }

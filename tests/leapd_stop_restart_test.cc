@@ -12,15 +12,14 @@
 #include "gtest/gtest.h"
 #include "tests/support/engine_client.h"
 #include "tests/support/process.h"
+#include "tests/support/scoped_temp_dir.h"
 
 namespace leap {
 namespace {
 
 TEST(LeapdStop, RestartAtOnceAfterStoppedOpensTheSameDataDir) {
-  const std::string dir = ::testing::TempDir() + "/stop-restart-" +
-                          std::to_string(getpid());
-  std::filesystem::remove_all(dir);
-  std::filesystem::create_directories(dir);
+  const testing::ScopedTempDir tmp("stop-restart");
+  const std::string& dir = tmp.path();
   const std::string sock = "unix://" + dir + "/leapd.sock";
   const std::vector<std::string> args = {"--listen=" + sock,
                                          "--data_dir=" + dir + "/db"};
@@ -55,7 +54,6 @@ TEST(LeapdStop, RestartAtOnceAfterStoppedOpensTheSameDataDir) {
     leap::v1::ReadoutInfo resp;
     ASSERT_TRUE(admin->GetReadout(&ctx, req, &resp).ok()) << round;
   }
-  std::filesystem::remove_all(dir);
 }
 
 }  // namespace

@@ -39,26 +39,12 @@ namespace {
 namespace pb = ::leap::v1;
 using testing::EngineStream;
 using testing::Leapd;
-using testing::TempDir;
 
 constexpr double kLambda = 10.0;
 constexpr int64_t kBudget = 2048;
 
 void CreateCold(Leapd& s, int64_t dim) {
-  grpc::ClientContext ctx;
-  pb::CreateReadoutRequest req;
-  req.set_name("r");
-  req.mutable_cold_start()->set_dim(dim);
-  req.mutable_cold_start()->set_lambda(kLambda);
-  pb::ReadoutInfo info;
-  ASSERT_TRUE(s.admin->CreateReadout(&ctx, req, &info).ok());
-  grpc::ClientContext rctx;
-  pb::SetRouteRequest route;
-  auto* arm = route.mutable_route()->add_arms();
-  arm->set_readout("r");
-  arm->set_percent(100);
-  pb::Route out;
-  ASSERT_TRUE(s.admin->SetRoute(&rctx, route, &out).ok());
+  ASSERT_TRUE(testing::CreateRoutedReadout(*s.admin, dim, kLambda));
 }
 
 struct Req {
@@ -160,7 +146,8 @@ Eigen::VectorXd ClosedForm(const std::vector<Req>& reqs,
 
 TEST(LeapdStorage, KillNineTwentyTimesLosesNothingAcknowledged) {
   const int64_t dim = 1024;
-  const std::string dir = TempDir("crash");
+  const testing::ScopedTempDir tmp("crash");
+  const std::string& dir = tmp.path();
   const std::vector<std::string> args = {
       "--data_dir=" + dir, "--rls_batch=8", "--rls_batch_max=8", "--rls_flush=5ms",
       "--checkpoint_every_batches=2"};
@@ -247,7 +234,8 @@ TEST(LeapdStorage, KillNineTwentyTimesLosesNothingAcknowledged) {
 
 TEST(LeapdStorage, CorruptNewestCheckpointFallsBackAndServesCorrectState) {
   const int64_t dim = 64;
-  const std::string dir = TempDir("corrupt");
+  const testing::ScopedTempDir tmp("corrupt");
+  const std::string& dir = tmp.path();
   const std::vector<std::string> args = {"--data_dir=" + dir, "--rls_batch=8", "--rls_batch_max=8",
                                          "--checkpoint_every_batches=5"};
   std::mt19937_64 rng(7);
@@ -294,7 +282,8 @@ TEST(LeapdStorage, CorruptNewestCheckpointFallsBackAndServesCorrectState) {
 
 TEST(LeapdStorage, RollbackRestoresSnapshotBitForBitAndPushesIt) {
   const int64_t dim = 64;
-  const std::string dir = TempDir("rollback");
+  const testing::ScopedTempDir tmp("rollback");
+  const std::string& dir = tmp.path();
   const std::vector<std::string> args = {"--data_dir=" + dir, "--rls_batch=8", "--rls_batch_max=8"};
   std::mt19937_64 rng(11);
   std::vector<Req> reqs;
@@ -393,7 +382,8 @@ TEST(LeapdStorage, RollbackRestoresSnapshotBitForBitAndPushesIt) {
 // duplicate and not learned a second time.
 TEST(LeapdStorage, ResubmittedRequestIsNotLearnedTwice) {
   const int64_t dim = 16;
-  const std::string dir = TempDir("resubmit");
+  const testing::ScopedTempDir tmp("resubmit");
+  const std::string& dir = tmp.path();
   const std::vector<std::string> args = {"--data_dir=" + dir, "--rls_batch=1", "--rls_batch_max=1"};
   std::mt19937_64 rng(5);
   std::vector<Req> reqs = {MakeReq(0, dim, rng)};

@@ -15,16 +15,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
+#include "tests/support/scoped_temp_dir.h"
 
 namespace leap::testing {
 namespace {
-
-std::string Dir(const std::string& name) {
-  std::string dir = absl::StrCat(::testing::TempDir(), "/nats-", name, "-",
-                                 ::getpid());
-  std::filesystem::remove_all(dir);
-  return dir;
-}
 
 // One client connection with JetStream, to every node of `c`.
 struct Client {
@@ -117,9 +111,10 @@ struct Client {
 };
 
 TEST(NatsCluster, SingleNodeJetStream) {
+  const ScopedTempDir tmp("nats-single");
   NatsClusterOptions o;
   o.nodes = 1;
-  o.dir = Dir("single");
+  o.dir = tmp.path();
   auto c = NatsCluster::Start(o);
   ASSERT_TRUE(c.ok()) << c.status();
   EXPECT_EQ((*c)->urls(), (*c)->url(0));
@@ -140,9 +135,10 @@ TEST(NatsCluster, SingleNodeJetStream) {
 }
 
 TEST(NatsCluster, ThreeNodesR3SurvivesKillNine) {
+  const ScopedTempDir tmp("nats-three");
   NatsClusterOptions o;
   o.nodes = 3;
-  o.dir = Dir("three");
+  o.dir = tmp.path();
   const absl::Time t0 = absl::Now();
   auto started = NatsCluster::Start(o);
   ASSERT_TRUE(started.ok()) << started.status();

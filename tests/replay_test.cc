@@ -24,6 +24,7 @@
 #include "replay/leap_driver.h"
 #include "replay/trace.h"
 #include "tests/support/process.h"
+#include "tests/support/scoped_temp_dir.h"
 
 namespace leap::replay {
 namespace {
@@ -768,8 +769,13 @@ TEST_F(ReplayLeapdTest, RequestMaxTokensCapsThePrediction) {
   EXPECT_TRUE((*arm)->Remove().ok());
 }
 
+// A file in this process's temp dir (removed at exit).
 std::string TempPath(const std::string& name) {
-  return absl::StrCat(::testing::TempDir(), "/replay-", getpid(), "-", name);
+  static const testing::ScopedTempDir* const dir = [] {
+    static const testing::ScopedTempDir d("replay");
+    return &d;
+  }();
+  return dir->File(name);
 }
 
 TEST_F(ReplayLeapdTest, SmallReplayThroughTheCli) {

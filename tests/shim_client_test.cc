@@ -20,6 +20,7 @@
 #include "readout/artifact.h"
 #include "tests/support/engine_client.h"
 #include "tests/support/process.h"
+#include "tests/support/scoped_temp_dir.h"
 
 namespace leap {
 namespace {
@@ -76,10 +77,8 @@ shim::CapturedFeatures Features(const std::string& id, std::mt19937& rng) {
 class ShimClient : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(ShimClient, PredictsLearnsRescoresAndSurvivesSidecarRestart) {
-  const std::string dir = ::testing::TempDir() + "/shim-" + GetParam() + "-" +
-                          std::to_string(getpid());
-  std::filesystem::remove_all(dir);
-  std::filesystem::create_directories(dir);
+  const testing::ScopedTempDir tmp("shim-" + GetParam());
+  const std::string& dir = tmp.path();
   const std::string sock = "unix://" + dir + "/leapd.sock";
   const std::vector<std::string> args = {"--listen=" + sock, "--data_dir=" + dir + "/db",
                                          "--rls_batch=1", "--rls_batch_max=1", "--shm=" + dir + "/leap.shm"};
@@ -175,10 +174,8 @@ TEST_P(ShimClient, PredictsLearnsRescoresAndSurvivesSidecarRestart) {
 // the FP64 closed form); two clients that claim the same instance id get
 // the collision as an error event (ALREADY_EXISTS), not silence.
 TEST_P(ShimClient, SameIdFromTwoEnginesIsTwoRequestsAndCollisionsAreReported) {
-  const std::string dir = ::testing::TempDir() + "/shim2-" + GetParam() + "-" +
-                          std::to_string(getpid());
-  std::filesystem::remove_all(dir);
-  std::filesystem::create_directories(dir);
+  const testing::ScopedTempDir tmp("shim2-" + GetParam());
+  const std::string& dir = tmp.path();
   const std::string sock = "unix://" + dir + "/leapd.sock";
   const std::vector<std::string> args = {"--listen=" + sock, "--data_dir=" + dir + "/db",
                                          "--rls_batch=1", "--rls_batch_max=1", "--shm=" + dir + "/leap.shm"};

@@ -34,6 +34,7 @@
 #include "engine_shim/shm_channel.h"
 #include "tests/support/engine_client.h"
 #include "tests/support/process.h"
+#include "tests/support/scoped_temp_dir.h"
 #include "client/bench.h"
 
 namespace {
@@ -269,9 +270,8 @@ int main(int argc, char** argv) {
     }
   }
   const int cores = static_cast<int>(std::thread::hardware_concurrency());
-  const std::string dir = absl::StrCat(
-      std::filesystem::temp_directory_path().string(), "/shm-bench-", getpid());
-  std::filesystem::create_directories(dir);
+  const leap::testing::ScopedTempDir tmp("shm-bench");
+  const std::string& dir = tmp.path();
   const std::string sock = "unix://" + dir + "/leapd.sock";
   const std::string shm_path = dir + "/leap.shm";
   std::string addr;
@@ -409,6 +409,5 @@ int main(int argc, char** argv) {
   }
   (*leapd)->Signal(SIGTERM);
   (*leapd)->Wait();
-  std::filesystem::remove_all(dir);
   return 0;
 }

@@ -28,6 +28,7 @@
 #include "gtest/gtest.h"
 #include "tests/support/engine_client.h"
 #include "tests/support/process.h"
+#include "tests/support/scoped_temp_dir.h"
 
 namespace leap {
 namespace {
@@ -144,15 +145,16 @@ Outcome Normalize(const std::vector<pb::SidecarMessage>& ms) {
 }
 
 struct Leapd {
+  // First: removed after proc is stopped.
+  std::unique_ptr<testing::ScopedTempDir> tmp;
   std::string dir, sock, shm;
   std::unique_ptr<testing::Process> proc;
 };
 
 Leapd StartLeapd(const std::string& name) {
   Leapd l;
-  l.dir = ::testing::TempDir() + "/shm-" + name + "-" + std::to_string(getpid());
-  std::filesystem::remove_all(l.dir);
-  std::filesystem::create_directories(l.dir);
+  l.tmp = std::make_unique<testing::ScopedTempDir>("shm-" + name);
+  l.dir = l.tmp->path();
   l.sock = "unix://" + l.dir + "/leapd.sock";
   l.shm = l.dir + "/leap.shm";
   std::string addr;

@@ -20,6 +20,7 @@
 #include "absl/synchronization/mutex.h"
 #include "common/half.h"
 #include "gtest/gtest.h"
+#include "tests/support/scoped_temp_dir.h"
 #include "sidecar/core/engine_messages.h"
 #include "storage/rocksdb_store.h"
 #include "tests/support/readout_fixtures.h"
@@ -620,9 +621,8 @@ TEST_F(CoreTest, RollbackRestoresTheSnapshotExactlyAsANewVersion) {
 // ------------------------------------------------------------- recovery
 
 TEST_F(CoreTest, RecoversEveryAcknowledgedCompletionFromTheStore) {
-  const std::string dir = ::testing::TempDir() + "/core_test_recover_" +
-                          std::to_string(::getpid());
-  std::filesystem::remove_all(dir);
+  const ::leap::testing::ScopedTempDir tmp("core_test_recover");
+  const std::string dir = tmp.File("db");
   ClosedForm reference(state_);
   std::vector<std::string> learned_ids;
   int64_t last_version = 0;
@@ -676,7 +676,6 @@ TEST_F(CoreTest, RecoversEveryAcknowledgedCompletionFromTheStore) {
   EXPECT_EQ(ro->completions_learned(), 37);
   core_.reset();
   store->reset();
-  std::filesystem::remove_all(dir);
 }
 
 }  // namespace

@@ -20,6 +20,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "gtest/gtest.h"
+#include "tests/support/scoped_temp_dir.h"
 #include "storage/rocksdb_store.h"
 #include "tests/support/readout_fixtures.h"
 
@@ -373,9 +374,8 @@ TEST_F(LiveReadoutTest, ACompletionNotLoggedIsNeitherAcknowledgedNorLearned) {
 }
 
 TEST_F(LiveReadoutTest, CheckpointsInTheStoreHoldTheExactState) {
-  const std::string dir = absl::StrCat(::testing::TempDir(), "/live_readout_test_",
-                                       ::getpid());
-  std::filesystem::remove_all(dir);
+  const ::leap::testing::ScopedTempDir tmp("live_readout_test");
+  const std::string dir = tmp.File("db");
   auto opened = storage::OpenRocksStore(dir);
   ASSERT_TRUE(opened.ok()) << opened.status();
   std::unique_ptr<storage::StateStore> store = std::move(*opened);
@@ -417,13 +417,11 @@ TEST_F(LiveReadoutTest, CheckpointsInTheStoreHoldTheExactState) {
   // Every published version is in the history.
   EXPECT_EQ(rec.max_version, 5);
   store.reset();
-  std::filesystem::remove_all(dir);
 }
 
 TEST_F(LiveReadoutTest, AnRlsFailureFreezeIsDurable) {
-  const std::string dir = absl::StrCat(::testing::TempDir(), "/live_readout_freeze_",
-                                       ::getpid());
-  std::filesystem::remove_all(dir);
+  const ::leap::testing::ScopedTempDir tmp("live_readout_freeze");
+  const std::string dir = tmp.File("db");
   auto opened = storage::OpenRocksStore(dir);
   ASSERT_TRUE(opened.ok()) << opened.status();
   std::unique_ptr<storage::StateStore> store = std::move(*opened);
@@ -453,16 +451,14 @@ TEST_F(LiveReadoutTest, AnRlsFailureFreezeIsDurable) {
   // The completion is still in the log (acknowledged, never lost).
   EXPECT_EQ(loaded->readouts[0].log.size(), 1u);
   store.reset();
-  std::filesystem::remove_all(dir);
 }
 
 // Fleet mode: a serving-only readout records completions in its log (the
 // outbox) without learning, serves installed versions under their own
 // numbers, and prunes confirmed log records with a theta-only checkpoint.
 TEST_F(LiveReadoutTest, ServingOnlyRecordsInstallsAndPrunes) {
-  const std::string dir = absl::StrCat(::testing::TempDir(), "/live_readout_serving_",
-                                       ::getpid());
-  std::filesystem::remove_all(dir);
+  const ::leap::testing::ScopedTempDir tmp("live_readout_serving");
+  const std::string dir = tmp.File("db");
   auto opened = storage::OpenRocksStore(dir);
   ASSERT_TRUE(opened.ok()) << opened.status();
   std::unique_ptr<storage::StateStore> store = std::move(*opened);
@@ -551,7 +547,6 @@ TEST_F(LiveReadoutTest, ServingOnlyRecordsInstallsAndPrunes) {
   EXPECT_EQ(rec.log[0].seq, 3u);
   EXPECT_EQ(rec.log[0].request_id, "s2");
   store.reset();
-  std::filesystem::remove_all(dir);
 }
 
 TEST_F(LiveReadoutTest, ALearningReadoutRefusesInstalledVersions) {

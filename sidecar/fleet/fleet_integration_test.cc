@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "client/process.h"
 #include "gtest/gtest.h"
+#include "tests/support/scoped_temp_dir.h"
 #include "sidecar/core/core.h"
 #include "sidecar/fleet/member.h"
 #include "sidecar/fleet/trainer.h"
@@ -55,9 +56,8 @@ class Recorder : public sidecar::PublishListener {
 
 TEST(FleetIntegration, MemberAndTrainerLearnServeSnapshotAndRollBack) {
   if (access(kServer, X_OK) != 0) GTEST_SKIP() << kServer << " not installed";
-  const std::filesystem::path dir =
-      std::filesystem::temp_directory_path() / absl::StrCat("fleet_integration_", getpid());
-  std::filesystem::remove_all(dir);
+  const ::leap::testing::ScopedTempDir tmp("fleet_integration");
+  const std::filesystem::path dir = tmp.path();
   std::filesystem::create_directories(dir / "js");
   client::ProcessOptions po;
   po.merge_stderr = true;
@@ -206,7 +206,6 @@ TEST(FleetIntegration, MemberAndTrainerLearnServeSnapshotAndRollBack) {
   trainer->reset();
   core->SetFleet(nullptr);
   m->Stop();
-  std::filesystem::remove_all(dir);
 }
 
 }  // namespace

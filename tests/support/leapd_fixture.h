@@ -1,5 +1,5 @@
 // A real leapd child process for gtest end-to-end tests: a fresh temp
-// directory per test, and a started leapd with its channel and stubs. Header
+// directory per test (ScopedTempDir), and a started leapd with its channel and stubs. Header
 // only (it reports failures to gtest); the leapd binary is LEAPD_PATH, which
 // leap_add_process_test(... TOOLS leapd) compiles in.
 #ifndef LEAP_TESTS_SUPPORT_LEAPD_FIXTURE_H_
@@ -20,17 +20,41 @@
 #include "readout/artifact.h"
 #include "tests/support/engine_client.h"
 #include "tests/support/process.h"
+#include "tests/support/scoped_temp_dir.h"
 
 namespace leap::testing {
 
-// An empty directory <gtest temp dir>/<name>-<pid> (removed first if it
-// exists).
-inline std::string TempDir(const std::string& name) {
-  std::string dir = ::testing::TempDir() + "/" + name + "-" +
-                    std::to_string(::getpid());
-  std::filesystem::remove_all(dir);
-  std::filesystem::create_directories(dir);
-  return dir;
+// Creates readout `name` from a cold start (dim, lambda) and routes 100% of
+// the traffic to it (one arm, no arm name). Failures go to gtest; returns
+// whether both calls succeeded, so ASSERT_TRUE(CreateRoutedReadout(...))
+// stops the test there.
+inline bool CreateRoutedReadout(leap::v1::Admin::Stub& admin, int64_t dim,
+                                double lambda, const std::string& name = "r") {
+  {
+    grpc::ClientContext ctx;
+    leap::v1::CreateReadoutRequest req;
+    req.set_name(name);
+    req.mutable_cold_start()->set_dim(dim);
+    req.mutable_cold_start()->set_lambda(lambda);
+    leap::v1::ReadoutInfo info;
+    const grpc::Status st = admin.CreateReadout(&ctx, req, &info);
+    if (!st.ok()) {
+      ADD_FAILURE() << "CreateReadout " << name << ": " << st.error_message();
+      return false;
+    }
+  }
+  grpc::ClientContext ctx;
+  leap::v1::SetRouteRequest route;
+  leap::v1::Arm* arm = route.mutable_route()->add_arms();
+  arm->set_readout(name);
+  arm->set_percent(100);
+  leap::v1::Route out;
+  const grpc::Status st = admin.SetRoute(&ctx, route, &out);
+  if (!st.ok()) {
+    ADD_FAILURE() << "SetRoute 100% " << name << ": " << st.error_message();
+    return false;
+  }
+  return true;
 }
 
 // One leapd process (see StartLeapd: port 0 listeners, waits for ready).
@@ -67,6 +91,12 @@ struct Leapd {
   void Stop() {
     proc->Signal(SIGTERM);
     EXPECT_EQ(proc->Wait(), 0);
+  }
+  // SIGKILL (no drain, no final flush); reaps it and drops the process.
+  void Kill9() {
+    proc->Signal(SIGKILL);
+    proc->Wait();
+    proc.reset();
   }
   // host:port of the metrics listener ("" when not announced).
   std::string MetricsAddress() const {
