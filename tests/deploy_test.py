@@ -78,6 +78,10 @@ import urllib.request
 
 import yaml
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                "support"))
+import temp_dirs  # noqa: E402  (tests/support/temp_dirs.py)
+
 ARGS = None
 KUSTOMIZE = None  # kubectl with kustomize v4.1+, or None (render_sources)
 
@@ -454,7 +458,7 @@ class DockerfileTest(unittest.TestCase):
             with open(os.path.join(tmp, "CMakeCache.txt")) as f:
                 cache = f.read()
         finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+            temp_dirs.remove(tmp)
         dpkg = Dpkg()
         allowed = dpkg.closure(packages) | dpkg.base_image()
         found = {}
@@ -593,7 +597,7 @@ class DockerfileTest(unittest.TestCase):
             proc.send_signal(signal.SIGTERM)
             proc.stdout.close()
             self.assertEqual(proc.wait(timeout=60), 0)
-            shutil.rmtree(tmp, ignore_errors=True)
+            temp_dirs.remove(tmp)
 
 
 class ManifestTest(unittest.TestCase):
@@ -1110,7 +1114,7 @@ class FleetManifestTest(unittest.TestCase):
                                        timeout=60)
                     self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
                 finally:
-                    shutil.rmtree(tmp, ignore_errors=True)
+                    temp_dirs.remove(tmp)
 
     def test_network_policy_lets_members_reach_nats(self):
         for name, (objs, sts, leapd) in self.fleets.items():
@@ -1193,7 +1197,7 @@ class PrometheusTest(unittest.TestCase):
             proc.send_signal(signal.SIGTERM)
             proc.stdout.close()
             self.assertEqual(proc.wait(timeout=60), 0)
-            shutil.rmtree(tmp, ignore_errors=True)
+            temp_dirs.remove(tmp)
         served = set(re.findall(r"^# TYPE (\w+) ", text, re.M))
         with open(os.path.join(ARGS.source_dir, "deploy",
                                "RUNBOOK.md")) as f:

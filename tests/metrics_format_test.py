@@ -27,7 +27,6 @@ import math
 import os
 import time
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -36,6 +35,10 @@ import unittest
 import urllib.request
 
 import yaml
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                "support"))
+import temp_dirs  # noqa: E402  (tests/support/temp_dirs.py)
 
 ARGS = None
 
@@ -136,7 +139,7 @@ class MetricsFormatTest(unittest.TestCase):
         cls.proc.send_signal(signal.SIGTERM)
         cls.proc.stdout.close()
         cls.proc.wait(timeout=60)
-        shutil.rmtree(cls.tmp, ignore_errors=True)
+        temp_dirs.remove(cls.tmp)
 
     @classmethod
     def scrape(cls):

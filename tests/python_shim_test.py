@@ -45,6 +45,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                 "support"))
 import leapd_lines  # noqa: E402  (tests/support/leapd_lines.py)
 import proto_stubs  # noqa: E402  (tests/support/proto_stubs.py)
+import temp_dirs  # noqa: E402  (tests/support/temp_dirs.py)
 import numpy as np
 import torch
 
@@ -215,7 +216,7 @@ class LeapdFixture(unittest.TestCase):
 
     def setUp(self):
         self.dir = tempfile.mkdtemp(prefix="leap_shim_test_")
-        self.addCleanup(shutil.rmtree, self.dir, True)
+        self.addCleanup(temp_dirs.remove, self.dir)
         self.sock = os.path.join(self.dir, "leapd.sock")
         self.data_dir = os.path.join(self.dir, "db")
         self.leapd = Leapd(self.sock, self.data_dir)

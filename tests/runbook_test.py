@@ -36,6 +36,10 @@ import sys
 import tempfile
 import unittest
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                "support"))
+import temp_dirs  # noqa: E402  (tests/support/temp_dirs.py)
+
 ARGS = None
 
 BLOCK_OPEN = re.compile(r"^```(\S*)(?:\s+(\S+))?\s*$")
@@ -198,7 +202,7 @@ class RunbookTest(unittest.TestCase):
                     continue
                 if not wait_exit(pod["pid"], 60):
                     os.kill(pod["pid"], signal.SIGKILL)
-        shutil.rmtree(self.tmp, ignore_errors=True)
+        temp_dirs.remove(self.tmp)
 
     def leapctl(self, args, env=None):
         return subprocess.run([ARGS.leapctl] + args, cwd=self.work,
