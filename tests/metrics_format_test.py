@@ -25,7 +25,6 @@ Run: metrics_format_test.py --leapd PATH --leapctl PATH --source-dir DIR
 import argparse
 import math
 import os
-import time
 import re
 import signal
 import subprocess
@@ -34,10 +33,12 @@ import tempfile
 import unittest
 import urllib.request
 
+import grpc
 import yaml
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                 "support"))
+import proto_stubs  # noqa: E402  (tests/support/proto_stubs.py)
 import temp_dirs  # noqa: E402  (tests/support/temp_dirs.py)
 
 ARGS = None
@@ -90,6 +91,8 @@ class MetricsFormatTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         cls.tmp = tempfile.mkdtemp(prefix="leap_metrics_")
+        cls.stub_dir, cls.pb = proto_stubs.generate(
+            os.path.join(ARGS.source_dir, "proto"), "leap_metrics_stubs_")
         t = cls.tmp
         run = lambda *a: subprocess.run([ARGS.leapctl] + list(a),
                                         capture_output=True, text=True)
@@ -119,20 +122,29 @@ class MetricsFormatTest(unittest.TestCase):
         assert r.returncode == 0, r.stderr
         # The feed returns once every completion is acknowledged; the RLS
         # thread may still be applying a backlog (counted when applied).
+        # The event that says it is done: the version WatchReadout streams
+        # once the last batch is applied (completions_learned; the RLS
+        # thread counts leap_completions_total before it publishes).
         m = re.search(r"completions: learned (\d+)", r.stdout)
         assert m, r.stdout
         want = int(m.group(1))
-        deadline = time.monotonic() + 60
-        while True:
-            cls.after = cls.scrape()
-            fams = parse(cls.after)
-            got = [v for _, l, v in fams["leap_completions_total"]["samples"]
-                   if l == {"readout": "r", "outcome": "learned"}]
-            if got and got[0] >= want:
-                break
-            assert time.monotonic() < deadline, (
-                "learned %s of %d after 60 s" % (got, want))
-            time.sleep(0.05)  # polling a counter, not waiting for an event
+        channel = grpc.insecure_channel(cls.address)
+        stream = cls.pb["predictor_pb2_grpc"].PredictorStub(
+            channel).WatchReadout(
+                cls.pb["predictor_pb2"].WatchReadoutRequest(readout="r"),
+                timeout=60)
+        try:
+            learned = -1
+            for v in stream:
+                learned = v.completions_learned
+                if learned >= want:
+                    break
+            assert learned >= want, (
+                "WatchReadout ended at learned %d of %d" % (learned, want))
+        finally:
+            stream.cancel()
+            channel.close()
+        cls.after = cls.scrape()
 
     @classmethod
     def tearDownClass(cls):
@@ -140,6 +152,7 @@ class MetricsFormatTest(unittest.TestCase):
         cls.proc.stdout.close()
         cls.proc.wait(timeout=60)
         temp_dirs.remove(cls.tmp)
+        temp_dirs.remove(cls.stub_dir)
 
     @classmethod
     def scrape(cls):

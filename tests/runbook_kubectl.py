@@ -380,7 +380,9 @@ def wait_nats_ready(state, ns, sts, ordinal, timeout_s=60):
                     return
         except OSError:
             pass
-        # A probe, as the kubelet's: polled.
+        # A probe, as the kubelet's: polled. Deliberately not the pod's
+        # "ready" line: what is tested is the manifest's startupProbe
+        # (path, port) as the kubelet runs it.
         time.sleep(0.05)
     with open(state["pods"][pod_key]["log"]) as f:
         tail = f.read()[-2000:]

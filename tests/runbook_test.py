@@ -138,6 +138,8 @@ if cmd == "feed":
                     time.monotonic() > deadline:
                 break
             print("feed %s refused (UNAVAILABLE), again" % pod)
+            # A resend's back-off, as an engine's: no event says when the
+            # stream has its new leader (the RUNBOOK helper has only leapctl).
             time.sleep(0.5)
         if r.returncode != 0:
             sys.exit("feed %s: %s" % (pod, r.stderr))
@@ -159,7 +161,10 @@ elif cmd == "same-version":
             break
         if time.monotonic() > deadline:
             sys.exit("members disagree: %s" % vs)
-        time.sleep(0.1)  # the members install the version asynchronously
+        # Polled: the members install the version asynchronously, and this
+        # RUNBOOK helper reads it the way an operator does, with `leapctl`,
+        # which has no command that streams versions (WatchReadout).
+        time.sleep(0.1)
     print("fleet version %d on %d members" % (min(vs.values()), len(vs)))
 """
 
