@@ -17,6 +17,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
+#include "tests/support/scoped_temp_dir.h"
 #include "tests/support/readout_fixtures.h"
 
 namespace leap::storage {
@@ -27,14 +28,14 @@ constexpr int64_t kDim = 12;
 class RocksStoreTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = absl::StrCat(::testing::TempDir(), "/rocks_store_test_", ::getpid(),
-                        "_", ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    std::filesystem::remove_all(dir_);
+    tmp_ = std::make_unique<::leap::testing::ScopedTempDir>(absl::StrCat(
+        "rocks_store_test_", ::testing::UnitTest::GetInstance()->current_test_info()->name()));
+    dir_ = tmp_->File("db");
     state_ = testing::RandomState(kDim, 7);
   }
   void TearDown() override {
     store_.reset();
-    std::filesystem::remove_all(dir_);
+    tmp_.reset();
   }
   void Open(RocksStoreOptions o = {}) {
     store_.reset();
@@ -95,6 +96,7 @@ class RocksStoreTest : public ::testing::Test {
     }
   }
 
+  std::unique_ptr<::leap::testing::ScopedTempDir> tmp_;
   std::string dir_;
   readout::ReadoutState state_;
   std::unique_ptr<StateStore> store_;

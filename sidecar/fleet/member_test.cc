@@ -28,6 +28,7 @@
 #include "absl/time/clock.h"
 #include "client/process.h"
 #include "gtest/gtest.h"
+#include "tests/support/scoped_temp_dir.h"
 #include "leap/v1/fleet.pb.h"
 #include "storage/rocksdb_store.h"
 #include "tests/support/readout_fixtures.h"
@@ -129,10 +130,9 @@ class FleetMemberTest : public ::testing::Test {
     if (!std::filesystem::exists(kNatsServer)) {
       GTEST_SKIP() << kNatsServer << " missing";
     }
-    dir_ = std::filesystem::temp_directory_path() /
-           absl::StrCat("fleet_member_test_", getpid(), "_",
-                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    std::filesystem::remove_all(dir_);
+    tmp_ = std::make_unique<::leap::testing::ScopedTempDir>(absl::StrCat(
+        "fleet_member_test_", ::testing::UnitTest::GetInstance()->current_test_info()->name()));
+    dir_ = tmp_->path();
     std::filesystem::create_directories(dir_ / "js");
     port_ = FreePort();
     StartNats();
@@ -146,7 +146,7 @@ class FleetMemberTest : public ::testing::Test {
   void TearDown() override {
     observer_.reset();
     nats_.reset();
-    if (!dir_.empty()) std::filesystem::remove_all(dir_);
+    tmp_.reset();
   }
 
   std::string Url() const { return absl::StrCat("nats://127.0.0.1:", port_); }
@@ -212,6 +212,7 @@ class FleetMemberTest : public ::testing::Test {
     return s.ok() ? *s : 0;
   }
 
+  std::unique_ptr<::leap::testing::ScopedTempDir> tmp_;
   std::filesystem::path dir_;
   int port_ = 0;
   std::unique_ptr<client::Process> nats_;

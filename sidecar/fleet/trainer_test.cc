@@ -19,6 +19,7 @@
 #include "absl/synchronization/notification.h"
 #include "client/process.h"
 #include "gtest/gtest.h"
+#include "tests/support/scoped_temp_dir.h"
 #include "leap/v1/fleet.pb.h"
 
 namespace leap::fleet {
@@ -34,17 +35,9 @@ constexpr int64_t kDim = 12;
 constexpr int64_t kN = kDim + 1;
 constexpr char kReadout[] = "chat";
 
-class TempDir {
+class TempDir : public ::leap::testing::ScopedTempDir {
  public:
-  TempDir() {
-    char tmpl[] = "/tmp/leap_fleet_trainer_XXXXXX";
-    path_ = mkdtemp(tmpl);
-  }
-  ~TempDir() { std::filesystem::remove_all(path_); }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
+  TempDir() : ScopedTempDir("leap_fleet_trainer") {}
 };
 
 // One nats-server -js on 127.0.0.1, port chosen by the server.

@@ -22,6 +22,7 @@
 #include "absl/time/time.h"
 #include "engine_shim/shm_channel.h"
 #include "gtest/gtest.h"
+#include "tests/support/scoped_temp_dir.h"
 #include "tests/support/readout_fixtures.h"
 
 namespace leap::sidecar {
@@ -47,10 +48,9 @@ bool Eventually(F done) {
 class ShmServerTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = absl::StrCat(::testing::TempDir(), "/shm_server_test_", ::getpid(), "_",
-                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    std::filesystem::remove_all(dir_);
-    std::filesystem::create_directories(dir_);
+    tmp_ = std::make_unique<::leap::testing::ScopedTempDir>(absl::StrCat(
+        "shm_server_test_", ::testing::UnitTest::GetInstance()->current_test_info()->name()));
+    dir_ = tmp_->path();
     state_ = testing::RandomState(kDim, 31);
     CoreOptions o;
     o.readout.rls_batch = 1;
@@ -69,7 +69,7 @@ class ShmServerTest : public ::testing::Test {
   void TearDown() override {
     server_.reset();
     core_.reset();
-    std::filesystem::remove_all(dir_);
+    tmp_.reset();
   }
 
   shim::ShmChannelOptions Channel(const std::string& engine, int64_t dim = kDim,
@@ -144,6 +144,7 @@ class ShmServerTest : public ::testing::Test {
         << s.id;
   }
 
+  std::unique_ptr<::leap::testing::ScopedTempDir> tmp_;
   std::string dir_;
   Metrics metrics_;
   readout::ReadoutState state_;
