@@ -48,27 +48,9 @@ void CreateCold(Leapd& s, int64_t dim, double lambda) {
   ASSERT_TRUE(testing::CreateRoutedReadout(*s.admin, dim, lambda));
 }
 
-struct Req {
-  std::string id;
-  std::vector<float> x;
-  int64_t tokens;
-};
-
-Req MakeReq(const std::string& id, int64_t dim, std::mt19937_64& rng) {
-  std::normal_distribution<float> n01;
-  Req r{id, std::vector<float>(dim), 0};
-  double s = 18;
-  for (int64_t k = 0; k < dim; ++k) {
-    r.x[k] = n01(rng);
-    if (k < 16) s += 0.8 * r.x[k];
-  }
-  r.tokens = std::clamp<int64_t>(std::llround(s * s), 1, 4000);
-  return r;
-}
-
-std::string Bytes(const std::vector<float>& x) {
-  return std::string(reinterpret_cast<const char*>(x.data()), x.size() * 4);
-}
+using Req = testing::SyntheticReq;
+constexpr auto MakeReq = testing::MakeSyntheticReq;
+constexpr auto Bytes = testing::FloatBytes;
 
 pb::EngineMessage Features(const std::vector<Req>& reqs) {
   pb::EngineMessage m;

@@ -47,26 +47,11 @@ void CreateCold(Leapd& s, int64_t dim) {
   ASSERT_TRUE(testing::CreateRoutedReadout(*s.admin, dim, kLambda));
 }
 
-struct Req {
-  std::string id;
-  std::vector<float> x;
-  int64_t tokens;
-};
+using Req = testing::SyntheticReq;
+constexpr auto Bytes = testing::FloatBytes;
 
 Req MakeReq(int64_t i, int64_t dim, std::mt19937_64& rng) {
-  std::normal_distribution<float> n01;
-  Req r{"req-" + std::to_string(i), std::vector<float>(dim), 0};
-  double s = 18;
-  for (int64_t k = 0; k < dim; ++k) {
-    r.x[k] = n01(rng);
-    if (k < 16) s += 0.8 * r.x[k];
-  }
-  r.tokens = std::clamp<int64_t>(std::llround(s * s), 1, 4000);
-  return r;
-}
-
-std::string Bytes(const std::vector<float>& x) {
-  return std::string(reinterpret_cast<const char*>(x.data()), x.size() * 4);
+  return testing::MakeSyntheticReq("req-" + std::to_string(i), dim, rng);
 }
 
 pb::EngineMessage Features(const std::vector<Req>& reqs, size_t from, size_t to) {

@@ -8,8 +8,12 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
 #include <filesystem>
 #include <memory>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -23,6 +27,34 @@
 #include "tests/support/scoped_temp_dir.h"
 
 namespace leap::testing {
+
+// A synthetic request: features x ~ N(0, I) and an output length whose
+// square root is linear in the first 16 features (18 + 0.8 * sum), clamped
+// to [1, 4000] tokens.
+struct SyntheticReq {
+  std::string id;
+  std::vector<float> x;
+  int64_t tokens;
+};
+
+inline SyntheticReq MakeSyntheticReq(const std::string& id, int64_t dim,
+                                     std::mt19937_64& rng) {
+  std::normal_distribution<float> n01;
+  SyntheticReq r{id, std::vector<float>(dim), 0};
+  double s = 18;
+  for (int64_t k = 0; k < dim; ++k) {
+    r.x[k] = n01(rng);
+    if (k < 16) s += 0.8 * r.x[k];
+  }
+  r.tokens = std::clamp<int64_t>(std::llround(s * s), 1, 4000);
+  return r;
+}
+
+// The little-endian float32 bytes of `x` (FeatureRecord.features).
+inline std::string FloatBytes(const std::vector<float>& x) {
+  return std::string(reinterpret_cast<const char*>(x.data()),
+                     x.size() * sizeof(float));
+}
 
 // Creates readout `name` from a cold start (dim, lambda) and routes 100% of
 // the traffic to it (one arm, no arm name). Failures go to gtest; returns
