@@ -634,6 +634,16 @@ void LiveReadout::ActOnTrip() {
 
 GuardrailStatus LiveReadout::guardrail() const {
   if (guardrail_ == nullptr) return GuardrailStatus{};
+  {
+    // A trip whose action is under way on the RLS thread is reported once
+    // it is done (what it did is part of the status): an admin read waits
+    // for it, boundedly; serving never calls this.
+    absl::MutexLock lock(&mu_);
+    auto settled = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return !pending_trip_.has_value() || stop_;
+    };
+    mu_.AwaitWithTimeout(absl::Condition(&settled), absl::Seconds(10));
+  }
   return guardrail_->Status(frozen_.load());
 }
 

@@ -191,7 +191,9 @@ class LiveReadout {
   absl::Status SetFrozen(bool frozen) { return SetFrozen(frozen, ""); }
   // The same, recording (and persisting) why it is frozen.
   absl::Status SetFrozen(bool frozen, const std::string& reason);
-  // The guardrail's state ("off" when not configured).
+  // The guardrail's state ("off" when not configured). While the RLS
+  // thread acts on a trip, waits (up to 10 s) until it has, so the status
+  // says what the trip did.
   GuardrailStatus guardrail() const;
 
   // Records one completion durably in the feedback log (when there is a
