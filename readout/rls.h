@@ -94,8 +94,9 @@ struct RlsOptions {
   absl::Status Validate() const;
 };
 
-// Cumulative wall seconds spent in each phase of RlsState's updates (for
-// benchmarks: where the time goes). Measured per batch with steady_clock.
+// Cumulative seconds spent in each phase of RlsState's updates (for
+// benchmarks: where the time goes): the updating thread's CPU time with one
+// thread, wall time with several.
 struct RlsPhaseSeconds {
   double product = 0;  // U P_base: the stream over P (panel or blocked)
   double pending = 0;  // minus the pending part (U W_all') W_all

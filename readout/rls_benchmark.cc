@@ -61,7 +61,7 @@ std::vector<float> MakeRows(int64_t rows, uint64_t seed) {
 struct RateResult {
   double rate = 0;        // completions/s
   double seconds = 0;     // measured time (CPU time on one thread, else wall)
-  RlsPhaseSeconds phases;  // wall seconds per phase over the measurement
+  RlsPhaseSeconds phases;  // seconds per phase over the measurement
   const char* kernels = "";
 };
 
