@@ -45,6 +45,7 @@
 #include "readout/rls.h"
 #include "tests/support/engine_client.h"
 #include "tests/support/process.h"
+#include "tests/support/scoped_temp_dir.h"
 
 extern "C" void openblas_set_num_threads(int);
 
@@ -194,11 +195,8 @@ int main(int argc, char** argv) {
               leap::readout::internal::FmaPeakIsa(), fma_peak / 1e9, k8,
               k8 / bound1, k256, k256 / bound1, threads, k256t);
 
-  const std::string dir =
-      (std::filesystem::temp_directory_path() /
-       ("leap-learning-bench-" + std::to_string(getpid())))
-          .string();
-  std::filesystem::remove_all(dir);
+  const leap::testing::ScopedTempDir tmp("leap-learning-bench");
+  const std::string dir = tmp.File("data");
   std::string addr;
   auto leapd = leap::testing::StartLeapd(
       LEAPD_PATH,
@@ -419,6 +417,5 @@ int main(int argc, char** argv) {
   }
   std::printf("uptime after: %s\n", Sh("uptime").c_str());
   leapd->reset();  // stops leapd
-  std::filesystem::remove_all(dir);
   return 0;
 }

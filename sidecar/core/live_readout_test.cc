@@ -638,9 +638,8 @@ TEST_F(LiveReadoutTest, AGuardrailTripActsOffTheCompletingThread) {
 // applied it to the state being replaced: memory showed 2 learned while
 // its checkpoint left both records in the log for a restart to learn.
 TEST_F(LiveReadoutTest, RollbackRacingResumeSerializes) {
-  const std::string dir = absl::StrCat(::testing::TempDir(), "/live_readout_race_",
-                                       ::getpid());
-  std::filesystem::remove_all(dir);
+  const ::leap::testing::ScopedTempDir tmp("live_readout_race");
+  const std::string dir = tmp.File("db");
   auto opened = storage::OpenRocksStore(dir);
   ASSERT_TRUE(opened.ok()) << opened.status();
   std::unique_ptr<storage::StateStore> store = std::move(*opened);
@@ -723,7 +722,6 @@ TEST_F(LiveReadoutTest, RollbackRacingResumeSerializes) {
   }
   std::printf("rollback-first %d, resume-first %d\n", orders[0], orders[1]);
   store.reset();
-  std::filesystem::remove_all(dir);
 }
 
 // Recovery replays a batch wider than RLS's fold buffer (256 rows): it is
