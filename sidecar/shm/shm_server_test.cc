@@ -48,8 +48,8 @@ bool Eventually(F done) {
 class ShmServerTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    tmp_ = std::make_unique<::leap::testing::ScopedTempDir>(absl::StrCat(
-        "shm_server_test_", ::testing::UnitTest::GetInstance()->current_test_info()->name()));
+    // A short name: the shm path must fit a unix socket path (107 bytes).
+    tmp_ = std::make_unique<::leap::testing::ScopedTempDir>("shm_server_test");
     dir_ = tmp_->path();
     state_ = testing::RandomState(kDim, 31);
     CoreOptions o;
