@@ -166,6 +166,27 @@ TEST(FleetIntegration, MemberAndTrainerLearnServeSnapshotAndRollBack) {
   EXPECT_EQ(v->folded.w(), folded.w());
   EXPECT_EQ(v->folded.b(), folded.b());
 
+  // ExportState through the member (what Admin.ExportReadout returns in
+  // fleet mode): theta and P of one version, as the trainer holds them —
+  // theta bit for bit, P against the FP64 closed form (P0^-1 + sum uu')^-1 —
+  // and its one-off snapshot label is not left in the fleet's list.
+  absl::StatusOr<readout::ReadoutState> exported = m->ExportState("chat");
+  ASSERT_TRUE(exported.ok()) << exported.status();
+  ASSERT_TRUE(exported->p.has_value());
+  EXPECT_EQ(std::memcmp(exported->theta.data(), state->theta.data(), kN * 8), 0);
+  EXPECT_EQ(exported->completions_learned, 150);
+  // The state's own version (the snapshot's answer is a new number with
+  // the same theta).
+  EXPECT_EQ(exported->version, v->version);
+  const Eigen::MatrixXd p_want = a.inverse();
+  const double p_err = (exported->p->ToDouble() - p_want).norm() / p_want.norm();
+  std::printf("fleet integration: exported P vs FP64 closed form: %.3g relative\n", p_err);
+  EXPECT_LT(p_err, 1e-4);
+  EXPECT_EQ(exported->spec.dim, kDim);
+  absl::StatusOr<std::vector<storage::SnapshotInfo>> listed = m->ListSnapshots("chat");
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  EXPECT_TRUE(listed->empty()) << listed->front().label;
+
   // Snapshot and rollback through the member, answered by the trainer.
   absl::StatusOr<storage::SnapshotInfo> snap = m->Snapshot("chat", "s1");
   ASSERT_TRUE(snap.ok()) << snap.status();
