@@ -687,13 +687,7 @@ grpc::Status AdminService::ExportReadout(grpc::ServerContext* ctx,
   if (grpc::Status s = CheckAdmin(ctx); !s.ok()) return s;
   auto r = core_->GetReadout(req->name());
   if (!r.ok()) return ToGrpc(r.status());
-  // Fleet mode: theta and P of one version, from the trainer (a member
-  // holds no P).
-  absl::StatusOr<readout::ReadoutState> fleet_state =
-      core_->fleet() != nullptr ? core_->fleet()->ExportState(req->name())
-                                : absl::StatusOr<readout::ReadoutState>((*r)->Export());
-  if (!fleet_state.ok()) return ToGrpc(fleet_state.status());
-  readout::ReadoutState state = std::move(*fleet_state);
+  readout::ReadoutState state = (*r)->Export();
   state.note = absl::StrCat("exported from leapd readout '", req->name(), "'");
   auto bytes = readout::SerializeArtifact(state);
   if (!bytes.ok()) return ToGrpc(bytes.status());
