@@ -24,7 +24,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "engine_shim/shm_channel.h"
-#include "engine_shim/transport.h"
+#include "engine_shim/internal/transport.h"
 #include "gtest/gtest.h"
 #include "tests/support/engine_client.h"
 #include "tests/support/process.h"
