@@ -325,10 +325,9 @@ class Trainer::Worker {
   }
 
   absl::Status Subscribe() {
-    // nats-server 2.9 takes one filter subject per consumer, within one of
-    // the stream's subjects: fb.<readout> and ctl.<readout> together need
-    // the whole stream (other readouts' messages are passed over).
-    const std::string filter = ">";
+    // This readout's completions (.c) and control operations (.ctl), in
+    // stream order, through one filter subject.
+    const std::string filter = ReadoutFeedbackSubjects(fleet(), r_.name);
     jsSubOptions so;
     jsSubOptions_Init(&so);
     const std::string stream = FeedbackStream(fleet());

@@ -13,8 +13,8 @@
 //
 // Learning, per readout: starts from the newest state it can find (in memory
 // from an earlier term, the local checkpoint store, the fleet checkpoint in
-// STATE, or the creation state "create"), reads leap.<fleet>.fb.<readout>
-// and leap.<fleet>.ctl.<readout> in stream order from that state's
+// STATE, or the creation state "create"), reads leap.<fleet>.fb.<readout>.>
+// (completions .c and control operations .ctl) in stream order from that state's
 // fleet_seq + 1 with an ordered consumer, applies everything queued (up to
 // max_batch completions) as one exact RLS batch, and publishes a FleetVersion
 // at most every version_interval_ms (at once for control operations).
