@@ -1302,19 +1302,21 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Start(natsConnection* nc,
     jsCtx_Destroy(js);
     return s;
   }
-  jsCtx* short_js = nullptr;
-  jo.Wait = std::clamp<int64_t>(options.lease_ms, 100, 10000);
-  if (natsStatus st = natsConnection_JetStream(&short_js, nc, &jo); st != NATS_OK) {
-    jsCtx_Destroy(js);
-    return NatsFailure("JetStream context", st);
-  }
   kvStore* kv = nullptr;
-  if (natsStatus st = js_KeyValue(&kv, short_js, LeaseBucket(options.fleet).c_str());
+  if (natsStatus st = js_KeyValue(&kv, js, LeaseBucket(options.fleet).c_str());
       st != NATS_OK) {
-    jsCtx_Destroy(short_js);
     jsCtx_Destroy(js);
     return NatsFailure("opening bucket " + LeaseBucket(options.fleet), st);
   }
+  // What a clean stop writes waits at most twice the lease (at least 1 s).
+  jsCtx* short_js = nullptr;
+  jo.Wait = std::clamp<int64_t>(2 * options.lease_ms, 1000, 10000);
+  if (natsStatus st = natsConnection_JetStream(&short_js, nc, &jo); st != NATS_OK) {
+    kvStore_Destroy(kv);
+    jsCtx_Destroy(js);
+    return NatsFailure("JetStream context", st);
+  }
+
   std::map<std::string, storage::RecoveredReadout> local;
   if (options.local_store != nullptr) {
     absl::StatusOr<storage::RecoveredState> loaded = options.local_store->Load();
@@ -1472,15 +1474,34 @@ void Trainer::LeaseLoop() {
     return l.SerializeAsString();
   };
   int64_t acquired = 0;
+  bool skipped = false;  // the last turn made no call: wait a claim period
   for (;;) {
-    const int64_t wait =
-        leader_.load() ? last_renew_ms_.load() + renew_every - SteadyMs() : claim_every;
+    const int64_t wait = !skipped && leader_.load()
+                             ? last_renew_ms_.load() + renew_every - SteadyMs()
+                             : claim_every;
+    skipped = false;
     {
       absl::MutexLock lock(&mu_);
       auto stopping = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_; };
       mu_.AwaitWithTimeout(absl::Condition(&stopping),
                            absl::Milliseconds(std::max<int64_t>(wait, 0)));
       if (stop_) return;
+    }
+    // No lease call while the connection is down: each would wait for its
+    // timeout (and hold up a stop). A leader stops training at once, as
+    // after a failed renewal.
+    if (!Connected()) {
+      skipped = true;
+      if (leader_.load()) {
+        std::fprintf(stderr,
+                     "leapd: fleet trainer: %s lost the trainer lease (NATS "
+                     "connection down); training stopped\n",
+                     options_.member.c_str());
+        if (families_ != nullptr) families_->lease_lost.Increment();
+        Demote(/*final_checkpoint=*/false);
+        if (options_.on_role) options_.on_role(false);
+      }
+      continue;
     }
     if (!leader_.load()) {
       acquired = UnixMs();
@@ -1503,7 +1524,10 @@ void Trainer::LeaseLoop() {
       if (options_.on_role) options_.on_role(true);
       continue;
     }
-    if (pause_renewals_.load()) continue;
+    if (pause_renewals_.load()) {
+      skipped = true;
+      continue;
+    }
     const std::string bytes = lease_bytes(acquired);
     const int64_t sent = SteadyMs();
     const uint64_t rev = lease_rev_.load();

@@ -121,8 +121,9 @@ class Trainer {
                                                         TrainerOptions options);
   // Clean stop: workers write a final checkpoint (local and fleet), then the
   // lease is released so another member takes over at once. Bounded with
-  // NATS down: nothing is written to NATS once the connection is lost, and
-  // each NATS call of the stop waits at most the lease time.
+  // NATS down: no lease call and nothing written to NATS once the
+  // connection is lost, and each write of the stop waits at most twice the
+  // lease time.
   ~Trainer();
   Trainer(const Trainer&) = delete;
   Trainer& operator=(const Trainer&) = delete;
@@ -165,8 +166,7 @@ class Trainer {
 
   natsConnection* const nc_;
   jsCtx* const js_;
-  // Waits at most the lease time: the lease's KV calls and what a stop
-  // writes (a renewal answered after the lease expired is worthless).
+  // Waits at most twice the lease time (at least 1 s): what a stop writes.
   jsCtx* const short_js_;
   kvStore* const kv_;
   const TrainerOptions options_;

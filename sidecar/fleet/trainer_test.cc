@@ -839,7 +839,7 @@ TEST_F(FleetTrainerTest, AStopWithNatsDownIsBoundedAndCheckpointsLocally) {
   const int64_t stop_ms = absl::ToInt64Milliseconds(absl::Now() - t0);
   std::printf("fleet trainer: clean stop with NATS down took %lld ms (lease %lld ms)\n",
               static_cast<long long>(stop_ms), static_cast<long long>(lease_ms));
-  EXPECT_LT(stop_ms, 2 * lease_ms + 500);
+  EXPECT_LT(stop_ms, 4 * lease_ms);  // each call waits <= 2 leases
   absl::StatusOr<storage::RecoveredState> local = (*store)->Load();
   ASSERT_TRUE(local.ok()) << local.status();
   ASSERT_EQ(local->readouts.size(), 1u);
