@@ -124,6 +124,7 @@ absl::StatusOr<int32_t> PublishState(jsCtx* js, const std::string& stream,
       c.set_unix_ms(s.unix_ms);
       c.set_label(s.label);
       c.set_chunks(chunks);
+      for (uint64_t k : s.kept_seqs) c.add_kept_seqs(k);
     }
     bytes.clear();
     c.SerializeToString(&bytes);
@@ -219,6 +220,7 @@ absl::StatusOr<FleetState> ReadNewestState(jsCtx* js, const std::string& stream,
             s.unix_ms = c.unix_ms();
             s.state_id = id;
             s.chunks = c.chunks();
+            s.kept_seqs.assign(c.kept_seqs().begin(), c.kept_seqs().end());
             best = std::move(s);
           }
         }
