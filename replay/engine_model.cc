@@ -145,6 +145,116 @@ absl::Status TablePredictor::Finished(const SimRequest& request) {
 
 namespace {
 
+// What both engine models share: the requests by id (validated) and in
+// arrival order, and the result with every request's fixed fields filled in.
+struct Run {
+  std::vector<const SimRequest*> by_id;
+  std::vector<const SimRequest*> order;
+  SimResult result;
+};
+
+// Checks ids (0..n-1, no repeats) and arrivals (finite, >= 0), and with
+// cache_tokens > 0 that every request fits in the KV cache.
+absl::StatusOr<Run> StartRun(std::span<const SimRequest> requests,
+                             int64_t cache_tokens, const EngineOptions& e) {
+  const size_t n = requests.size();
+  Run run;
+  run.by_id.assign(n, nullptr);
+  for (const SimRequest& r : requests) {
+    if (r.id < 0 || static_cast<size_t>(r.id) >= n ||
+        run.by_id[static_cast<size_t>(r.id)] != nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "request ids must be 0..", n - 1, " without repeats; got ", r.id));
+    }
+    if (!std::isfinite(r.arrival_s) || r.arrival_s < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("request ", r.id,
+                       ": arrival must be finite and >= 0, got ", r.arrival_s));
+    }
+    if (cache_tokens > 0) {
+      const int64_t need = std::max<int64_t>(r.prompt_tokens, 1) +
+                           std::max<int64_t>(r.output_tokens, 1);
+      if (need > cache_tokens) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "request ", r.id, " needs ", need,
+            " tokens of KV cache, more than the whole cache (", e.kv_blocks,
+            " blocks of ", e.block_size, ")"));
+      }
+    }
+    run.by_id[static_cast<size_t>(r.id)] = &r;
+  }
+  run.order = run.by_id;
+  std::stable_sort(run.order.begin(), run.order.end(),
+                   [](const SimRequest* a, const SimRequest* b) {
+                     return a->arrival_s < b->arrival_s;
+                   });
+  run.result.requests.resize(n);
+  for (const SimRequest& r : requests) {
+    RequestResult& o = run.result.requests[static_cast<size_t>(r.id)];
+    o.id = r.id;
+    o.segment = r.segment;
+    o.arrival_s = r.arrival_s;
+    o.output_tokens = std::max<int64_t>(r.output_tokens, 1);
+    o.predicted_tokens = kNaN;
+  }
+  return run;
+}
+
+// Hands the predictions known at `now_s` to the scheduler (requests not
+// `live` any more are skipped; a first prediction may come as a rescore),
+// then counts the requests that joined last step and are still unpredicted.
+absl::Status ApplyPredictions(Predictor& predictor, double now_s,
+                              const std::vector<char>& live,
+                              std::vector<char>& predicted,
+                              const std::vector<int64_t>& joined_last,
+                              shim::CountdownScheduler& sched,
+                              std::vector<PredictionUpdate>& updates,
+                              SimResult& result) {
+  const size_t n = live.size();
+  updates.clear();
+  RETURN_IF_ERROR(predictor.Collect(now_s, &updates));
+  for (const PredictionUpdate& u : updates) {
+    if (u.id < 0 || static_cast<size_t>(u.id) >= n) {
+      return absl::InternalError(
+          absl::StrCat("prediction for unknown request ", u.id));
+    }
+    const size_t i = static_cast<size_t>(u.id);
+    if (!live[i]) continue;  // finished meanwhile
+    if (predicted[i] && !u.rescore) continue;
+    // Rescore is also accepted as the first prediction (a publish may
+    // overtake the initial one).
+    absl::Status s = sched.Rescore(std::to_string(u.id), u.tokens);
+    if (!s.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("prediction for request ", u.id, ": ", s.message()));
+    }
+    if (!predicted[i]) {
+      predicted[i] = 1;
+      result.requests[i].predicted_tokens = u.tokens;
+    }
+  }
+  for (int64_t id : joined_last) {
+    if (live[static_cast<size_t>(id)] && !predicted[static_cast<size_t>(id)]) {
+      ++result.late_predictions;
+    }
+  }
+  return absl::OkStatus();
+}
+
+// The end of a step that ends at `end`: bookkeeping and progress.
+void EndStep(const SimOptions& options, const shim::CountdownScheduler& sched,
+             size_t finished, size_t n, double end, double& t,
+             SimResult& result) {
+  result.max_live =
+      std::max(result.max_live, static_cast<int64_t>(sched.size()));
+  t = end;
+  ++result.steps;
+  if (options.progress && options.progress_every_steps > 0 &&
+      result.steps % options.progress_every_steps == 0) {
+    options.progress(static_cast<int64_t>(finished), static_cast<int64_t>(n));
+  }
+}
+
 absl::StatusOr<SimResult> SimulateVllm(std::span<const SimRequest> requests,
                                        const SimOptions& options,
                                        Predictor& predictor);
@@ -162,36 +272,10 @@ absl::StatusOr<SimResult> Simulate(std::span<const SimRequest> requests,
   ASSIGN_OR_RETURN(shim::CountdownScheduler sched,
                    shim::CountdownScheduler::Create(options.scheduler));
   const size_t n = requests.size();
-  std::vector<const SimRequest*> by_id(n, nullptr);
-  for (const SimRequest& r : requests) {
-    if (r.id < 0 || static_cast<size_t>(r.id) >= n ||
-        by_id[static_cast<size_t>(r.id)] != nullptr) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "request ids must be 0..", n - 1, " without repeats; got ", r.id));
-    }
-    if (!std::isfinite(r.arrival_s) || r.arrival_s < 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("request ", r.id,
-                       ": arrival must be finite and >= 0, got ", r.arrival_s));
-    }
-    by_id[static_cast<size_t>(r.id)] = &r;
-  }
-  std::vector<const SimRequest*> order = by_id;
-  std::stable_sort(order.begin(), order.end(),
-                   [](const SimRequest* a, const SimRequest* b) {
-                     return a->arrival_s < b->arrival_s;
-                   });
-
-  SimResult result;
-  result.requests.resize(n);
-  for (const SimRequest& r : requests) {
-    RequestResult& o = result.requests[static_cast<size_t>(r.id)];
-    o.id = r.id;
-    o.segment = r.segment;
-    o.arrival_s = r.arrival_s;
-    o.output_tokens = std::max<int64_t>(r.output_tokens, 1);
-    o.predicted_tokens = kNaN;
-  }
+  ASSIGN_OR_RETURN(Run run, StartRun(requests, 0, e));
+  const std::vector<const SimRequest*>& by_id = run.by_id;
+  const std::vector<const SimRequest*>& order = run.order;
+  SimResult& result = run.result;
 
   // Per request: decode slots received, consecutive steps without one, and
   // its position in `members` (the requests in the scheduler).
@@ -234,34 +318,8 @@ absl::StatusOr<SimResult> Simulate(std::span<const SimRequest> requests,
     }
 
     // Predictions known at the start of this step.
-    updates.clear();
-    RETURN_IF_ERROR(predictor.Collect(t, &updates));
-    for (const PredictionUpdate& u : updates) {
-      if (u.id < 0 || static_cast<size_t>(u.id) >= n) {
-        return absl::InternalError(
-            absl::StrCat("prediction for unknown request ", u.id));
-      }
-      const size_t i = static_cast<size_t>(u.id);
-      if (!in_sched[i]) continue;  // finished meanwhile
-      if (predicted[i] && !u.rescore) continue;
-      // Rescore is also accepted as the first prediction (a publish may
-      // overtake the initial one).
-      absl::Status s = sched.Rescore(std::to_string(u.id), u.tokens);
-      if (!s.ok()) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("prediction for request ", u.id, ": ", s.message()));
-      }
-      if (!predicted[i]) {
-        predicted[i] = 1;
-        result.requests[i].predicted_tokens = u.tokens;
-      }
-    }
-    for (int64_t id : joined_last) {
-      if (in_sched[static_cast<size_t>(id)] &&
-          !predicted[static_cast<size_t>(id)]) {
-        ++result.late_predictions;
-      }
-    }
+    RETURN_IF_ERROR(ApplyPredictions(predictor, t, in_sched, predicted,
+                                     joined_last, sched, updates, result));
 
     // Decode slots.
     selected_ids.clear();
@@ -333,18 +391,11 @@ absl::StatusOr<SimResult> Simulate(std::span<const SimRequest> requests,
       joined.push_back(r->id);
     }
     joined_last.swap(joined);
-    result.max_live =
-        std::max(result.max_live, static_cast<int64_t>(sched.size()));
-    t = end;
-    ++result.steps;
-    if (options.progress && options.progress_every_steps > 0 &&
-        result.steps % options.progress_every_steps == 0) {
-      options.progress(static_cast<int64_t>(finished), static_cast<int64_t>(n));
-    }
+    EndStep(options, sched, finished, n, end, t, result);
   }
   result.end_s = t;
   result.counters = sched.counters();
-  return result;
+  return std::move(run.result);
 }
 
 namespace {
@@ -360,42 +411,10 @@ absl::StatusOr<SimResult> SimulateVllm(std::span<const SimRequest> requests,
   const size_t n = requests.size();
   const int64_t bs = e.block_size;
   const int64_t cache_tokens = e.kv_blocks * bs;
-  std::vector<const SimRequest*> by_id(n, nullptr);
-  for (const SimRequest& r : requests) {
-    if (r.id < 0 || static_cast<size_t>(r.id) >= n ||
-        by_id[static_cast<size_t>(r.id)] != nullptr) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "request ids must be 0..", n - 1, " without repeats; got ", r.id));
-    }
-    if (!std::isfinite(r.arrival_s) || r.arrival_s < 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("request ", r.id,
-                       ": arrival must be finite and >= 0, got ", r.arrival_s));
-    }
-    const int64_t need =
-        std::max<int64_t>(r.prompt_tokens, 1) + std::max<int64_t>(r.output_tokens, 1);
-    if (need > cache_tokens) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "request ", r.id, " needs ", need, " tokens of KV cache, more than "
-          "the whole cache (", e.kv_blocks, " blocks of ", bs, ")"));
-    }
-    by_id[static_cast<size_t>(r.id)] = &r;
-  }
-  std::vector<const SimRequest*> order = by_id;
-  std::stable_sort(order.begin(), order.end(),
-                   [](const SimRequest* a, const SimRequest* b) {
-                     return a->arrival_s < b->arrival_s;
-                   });
-  SimResult result;
-  result.requests.resize(n);
-  for (const SimRequest& r : requests) {
-    RequestResult& o = result.requests[static_cast<size_t>(r.id)];
-    o.id = r.id;
-    o.segment = r.segment;
-    o.arrival_s = r.arrival_s;
-    o.output_tokens = std::max<int64_t>(r.output_tokens, 1);
-    o.predicted_tokens = kNaN;
-  }
+  ASSIGN_OR_RETURN(Run run, StartRun(requests, cache_tokens, e));
+  const std::vector<const SimRequest*>& by_id = run.by_id;
+  const std::vector<const SimRequest*>& order = run.order;
+  SimResult& result = run.result;
   // Per request: KV tokens computed, output tokens produced, blocks held,
   // running flag, admission counter (running order among unranked ones).
   std::vector<int64_t> computed(n, 0), produced(n, 0), blocks(n, 0);
@@ -433,31 +452,8 @@ absl::StatusOr<SimResult> SimulateVllm(std::span<const SimRequest> requests,
       t = order[next]->arrival_s;
       continue;
     }
-    updates.clear();
-    RETURN_IF_ERROR(predictor.Collect(t, &updates));
-    for (const PredictionUpdate& u : updates) {
-      if (u.id < 0 || static_cast<size_t>(u.id) >= n) {
-        return absl::InternalError(
-            absl::StrCat("prediction for unknown request ", u.id));
-      }
-      const size_t i = static_cast<size_t>(u.id);
-      if (!live[i]) continue;
-      if (predicted[i] && !u.rescore) continue;
-      absl::Status s = sched.Rescore(std::to_string(u.id), u.tokens);
-      if (!s.ok()) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("prediction for request ", u.id, ": ", s.message()));
-      }
-      if (!predicted[i]) {
-        predicted[i] = 1;
-        result.requests[i].predicted_tokens = u.tokens;
-      }
-    }
-    for (int64_t id : joined_last) {
-      if (live[static_cast<size_t>(id)] && !predicted[static_cast<size_t>(id)]) {
-        ++result.late_predictions;
-      }
-    }
+    RETURN_IF_ERROR(ApplyPredictions(predictor, t, live, predicted,
+                                     joined_last, sched, updates, result));
 
     // The scheduler's order of the coming step: the first max_num_seqs hold
     // every admission candidate (at most max_num_seqs - running are
@@ -623,18 +619,11 @@ absl::StatusOr<SimResult> SimulateVllm(std::span<const SimRequest> requests,
       RETURN_IF_ERROR(predictor.Finished(*by_id[i]));
     }
     joined_last.swap(joined);
-    result.max_live =
-        std::max(result.max_live, static_cast<int64_t>(sched.size()));
-    t = end;
-    ++result.steps;
-    if (options.progress && options.progress_every_steps > 0 &&
-        result.steps % options.progress_every_steps == 0) {
-      options.progress(static_cast<int64_t>(finished), static_cast<int64_t>(n));
-    }
+    EndStep(options, sched, finished, n, end, t, result);
   }
   result.end_s = t;
   result.counters = sched.counters();
-  return result;
+  return std::move(run.result);
 }
 
 }  // namespace
