@@ -277,6 +277,15 @@ absl::StatusOr<SimResult> Simulate(std::span<const SimRequest> requests,
   const std::vector<const SimRequest*>& order = run.order;
   SimResult& result = run.result;
 
+  // Length-aware admission: the waiting queue ranked by the prior.
+  std::optional<shim::CountdownScheduler> admit;
+  if (options.prior != nullptr) {
+    shim::SchedulerOptions ao = options.scheduler;
+    ao.waiting_cap = 0;
+    ASSIGN_OR_RETURN(admit, shim::CountdownScheduler::Create(ao));
+  }
+  std::vector<std::string> admitted_keys;
+
   // Per request: decode slots received, consecutive steps without one, and
   // its position in `members` (the requests in the scheduler).
   std::vector<int64_t> decoded(n, 0), waited(n, 0);
@@ -305,14 +314,30 @@ absl::StatusOr<SimResult> Simulate(std::span<const SimRequest> requests,
       member_pos[static_cast<size_t>(members[pos])] = pos;
       members.pop_back();
     }
+    if (options.prior != nullptr) {
+      RETURN_IF_ERROR(options.prior->Learn(*by_id[static_cast<size_t>(id)]));
+    }
     return predictor.Finished(*by_id[static_cast<size_t>(id)]);
   };
 
   while (finished < n) {
     while (next < n && order[next]->arrival_s <= t) {
-      queue.push_back(order[next++]->id);
+      const SimRequest& r = *order[next++];
+      if (!admit.has_value()) {
+        queue.push_back(r.id);
+      } else {
+        const std::string key = std::to_string(r.id);
+        absl::Status s = admit->Add(key);
+        if (s.ok()) {
+          if (std::optional<double> v = options.prior->At(r); v.has_value()) {
+            s = admit->SetPrior(key, *v);
+          }
+        }
+        if (!s.ok()) return absl::InternalError(s.message());
+      }
     }
-    if (resident == 0 && queue.empty()) {
+    if (resident == 0 && queue.empty() &&
+        (!admit.has_value() || admit->size() == 0)) {
       t = order[next]->arrival_s;
       continue;
     }
@@ -337,19 +362,43 @@ absl::StatusOr<SimResult> Simulate(std::span<const SimRequest> requests,
     }
     if (options.record_order) result.decode_order.push_back(selected_ids);
 
-    // Admission into free memory, FCFS.
+    // Admission into free memory: FCFS, or in the admission scheduler's
+    // order (the first that does not fit the prefill budget stops it).
     admitted.clear();
     int64_t prefill_tokens = 0;
-    while (!queue.empty() &&
-           resident + static_cast<int64_t>(admitted.size()) < e.resident) {
-      const SimRequest* r = by_id[static_cast<size_t>(queue.front())];
-      if (!admitted.empty() &&
-          prefill_tokens + r->prompt_tokens > e.max_prefill_tokens) {
-        break;
+    if (admit.has_value()) {
+      admitted_keys.clear();
+      if (admit->size() > 0) {
+        const size_t room = static_cast<size_t>(std::max<int64_t>(
+            e.resident - resident, 0));
+        for (std::string& key : admit->Order(room)) {
+          const SimRequest* r = by_id[static_cast<size_t>(ParseId(key))];
+          if (!admitted.empty() &&
+              prefill_tokens + r->prompt_tokens > e.max_prefill_tokens) {
+            break;
+          }
+          admitted.push_back(r);
+          prefill_tokens += r->prompt_tokens;
+          admitted_keys.push_back(std::move(key));
+        }
+        absl::Status s = admit->Commit(admitted_keys);
+        for (const std::string& key : admitted_keys) {
+          if (s.ok()) s = admit->Remove(key);
+        }
+        if (!s.ok()) return absl::InternalError(s.message());
       }
-      admitted.push_back(r);
-      prefill_tokens += r->prompt_tokens;
-      queue.pop_front();
+    } else {
+      while (!queue.empty() &&
+             resident + static_cast<int64_t>(admitted.size()) < e.resident) {
+        const SimRequest* r = by_id[static_cast<size_t>(queue.front())];
+        if (!admitted.empty() &&
+            prefill_tokens + r->prompt_tokens > e.max_prefill_tokens) {
+          break;
+        }
+        admitted.push_back(r);
+        prefill_tokens += r->prompt_tokens;
+        queue.pop_front();
+      }
     }
 
     const double prefill_ms =
@@ -420,6 +469,8 @@ absl::StatusOr<SimResult> SimulateVllm(std::span<const SimRequest> requests,
   std::vector<int64_t> computed(n, 0), produced(n, 0), blocks(n, 0);
   std::vector<char> running_flag(n, 0), predicted(n, 0), live(n, 0),
       prefilled_once(n, 0);
+  std::vector<int64_t> admitted_at(n, 0);  // admission counter
+  int64_t admissions = 0;
   std::vector<int64_t> running;  // ids
   std::vector<int64_t> waiting;  // ids (unordered; the scheduler ranks)
   int64_t free_blocks = e.kv_blocks;
@@ -442,8 +493,14 @@ absl::StatusOr<SimResult> SimulateVllm(std::span<const SimRequest> requests,
 
   while (finished < n) {
     while (next < n && order[next]->arrival_s <= t) {
-      const int64_t id = order[next++]->id;
+      const SimRequest& r = *order[next++];
+      const int64_t id = r.id;
       absl::Status s = sched.Add(std::to_string(id));
+      if (s.ok() && options.prior != nullptr) {
+        if (std::optional<double> v = options.prior->At(r); v.has_value()) {
+          s = sched.SetPrior(std::to_string(id), *v);
+        }
+      }
       if (!s.ok()) return absl::InternalError(s.message());
       live[static_cast<size_t>(id)] = 1;
       waiting.push_back(id);
@@ -490,8 +547,17 @@ absl::StatusOr<SimResult> SimulateVllm(std::span<const SimRequest> requests,
       const int64_t tokens = std::min(target(i) - computed[i], budget);
       bool self_preempted = false;
       while (blocks_for(i, tokens) > free_blocks) {
-        // Preempt the lowest-ranked running request: the last one.
-        const size_t worst = running.size() - 1;
+        // Preempt the lowest-ranked running request (the last one), or the
+        // latest admitted.
+        size_t worst = running.size() - 1;
+        if (e.preempt_latest_admitted) {
+          for (size_t j = 0; j < running.size(); ++j) {
+            if (admitted_at[static_cast<size_t>(running[j])] >
+                admitted_at[static_cast<size_t>(running[worst])]) {
+              worst = j;
+            }
+          }
+        }
         const int64_t victim = running[worst];
         const size_t v = static_cast<size_t>(victim);
         auto sit = std::find(scheduled.begin(), scheduled.end(), victim);
@@ -543,6 +609,7 @@ absl::StatusOr<SimResult> SimulateVllm(std::span<const SimRequest> requests,
         free_blocks -= need;
         blocks[i] += need;
         remove_from(waiting, id);
+        admitted_at[i] = ++admissions;
         running.push_back(id);
         running_flag[i] = 1;
         scheduled.push_back(id);
@@ -616,6 +683,9 @@ absl::StatusOr<SimResult> SimulateVllm(std::span<const SimRequest> requests,
       absl::Status s = sched.Remove(std::to_string(id));
       if (!s.ok()) return absl::InternalError(s.message());
       ++finished;
+      if (options.prior != nullptr) {
+        RETURN_IF_ERROR(options.prior->Learn(*by_id[i]));
+      }
       RETURN_IF_ERROR(predictor.Finished(*by_id[i]));
     }
     joined_last.swap(joined);
