@@ -8,11 +8,14 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 
 namespace leap::client {
 namespace {
@@ -219,6 +222,33 @@ absl::StatusOr<std::unique_ptr<Process>> StartLeapd(
   auto ready = (*p)->WaitForLine("leapd ", timeout);  // after 'metrics on'
   if (!ready.ok()) return ready.status();
   return p;
+}
+
+absl::StatusOr<std::string> FindProgram(
+    const std::string& name, const std::vector<std::string>& build_tree_dirs) {
+  std::vector<std::string> tried;
+  std::error_code ec;
+  const std::filesystem::path self =
+      std::filesystem::read_symlink("/proc/self/exe", ec);
+  if (!ec) {
+    const std::filesystem::path dir = self.parent_path();
+    std::vector<std::filesystem::path> places = {dir / name};
+    for (const std::string& d : build_tree_dirs) places.push_back(dir / d / name);
+    for (const std::filesystem::path& p : places) {
+      const std::string s = p.lexically_normal().string();
+      tried.push_back(s);
+      if (access(s.c_str(), X_OK) == 0) return s;
+    }
+  }
+  if (const char* path = getenv("PATH"); path != nullptr) {
+    for (absl::string_view d : absl::StrSplit(path, ':', absl::SkipEmpty())) {
+      const std::string s = absl::StrCat(d, "/", name);
+      if (access(s.c_str(), X_OK) == 0) return s;
+    }
+    tried.push_back("PATH");
+  }
+  return absl::NotFoundError(absl::StrCat("cannot find ", name, " (tried ",
+                                          absl::StrJoin(tried, ", "), ")"));
 }
 
 }  // namespace leap::client

@@ -83,6 +83,13 @@ class Process {
   bool eof_ ABSL_GUARDED_BY(mu_) = false;
 };
 
+// The program `name` beside the running executable: `name` in its folder
+// (an installation), then in each of `build_tree_dirs`, taken relative to
+// that folder (a build tree, e.g. "../../sidecar"), then on PATH.
+// NotFound "cannot find NAME (tried A, B, PATH)".
+absl::StatusOr<std::string> FindProgram(
+    const std::string& name, const std::vector<std::string>& build_tree_dirs);
+
 // Runs argv[0] to its end with stdout and stderr captured.
 struct ProcessResult {
   // The raw wait status (see WIFEXITED etc.).

@@ -78,29 +78,13 @@ absl::StatusOr<std::unique_ptr<LeapdProcess>> LeapdProcess::Start(
 }
 
 absl::StatusOr<std::string> FindLeapd() {
-  std::vector<std::string> tried;
-  std::error_code ec;
-  const std::filesystem::path self =
-      std::filesystem::read_symlink("/proc/self/exe", ec);
-  if (!ec) {
-    const std::filesystem::path dir = self.parent_path();
-    for (const std::filesystem::path& p :
-         {dir / "leapd", dir / ".." / ".." / "sidecar" / "leapd"}) {
-      const std::string s = p.lexically_normal().string();
-      tried.push_back(s);
-      if (access(s.c_str(), X_OK) == 0) return s;
-    }
+  absl::StatusOr<std::string> path =
+      client::FindProgram("leapd", {"../../sidecar"});
+  if (!path.ok()) {
+    return absl::NotFoundError(absl::StrCat(
+        path.status().message(), "; pass --leapd PATH or --server ADDR"));
   }
-  if (const char* path = getenv("PATH"); path != nullptr) {
-    for (absl::string_view d : absl::StrSplit(path, ':', absl::SkipEmpty())) {
-      const std::string s = absl::StrCat(d, "/leapd");
-      if (access(s.c_str(), X_OK) == 0) return s;
-    }
-    tried.push_back("PATH");
-  }
-  return absl::NotFoundError(
-      absl::StrCat("cannot find leapd (tried ", absl::StrJoin(tried, ", "),
-                   "); pass --leapd PATH or --server ADDR"));
+  return path;
 }
 
 // ---- features and the source readout ----------------------------------------

@@ -6,6 +6,7 @@
 // oracle's decode order, and a small replay end to end through the CLI.
 #include "replay/replay.h"
 
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cmath>
@@ -23,16 +24,27 @@
 #include "replay/leap_driver.h"
 #include "replay/trace.h"
 #include "tests/support/process.h"
-#include "tools/leapctl/cli.h"
 
 namespace leap::replay {
 namespace {
 
-// The `leapctl replay` command line (tools/leapctl).
-using leapctl::kExitFailure;
-using leapctl::kExitOk;
-using leapctl::kExitUsage;
-using leapctl::RunLeapctl;
+// The `leapctl replay` command line (tools/leapctl), run as a process: its
+// exit code, stdout into `out`, stderr into `err`.
+constexpr int kExitOk = 0;
+constexpr int kExitFailure = 1;
+constexpr int kExitUsage = 2;
+int RunLeapctl(std::vector<std::string> args, std::ostream& out,
+               std::ostream& err) {
+  args.insert(args.begin(), LEAPCTL_PATH);
+  absl::StatusOr<client::ProcessResult> r = client::RunProcess(args);
+  if (!r.ok()) {
+    err << r.status();
+    return -1;
+  }
+  out << r->out;
+  err << r->err;
+  return WIFEXITED(r->status) ? WEXITSTATUS(r->status) : -1;
+}
 
 // ---- metrics ----------------------------------------------------------------
 

@@ -1,5 +1,5 @@
 // The two halves of fleet mode together, in process, as leapd wires them
-// (sidecar/leapd_main.cc): a FleetMember over a real Core and RocksDB store,
+// (sidecar/app/leapd_server.cc): a FleetMember over a real Core and RocksDB store,
 // and a Trainer on the member's NATS connection that reports its role to
 // the member and gets the readouts from the member's CONFIG watcher, against
 // a real nats-server started by the test. A readout created through the

@@ -4,7 +4,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "sidecar/core/bootstrap.h"
-#include "sidecar/grpc/grpc_service.h"
+#include "sidecar/grpc/admin_service.h"
+#include "sidecar/grpc/status.h"
 
 namespace leap::sidecar {
 
@@ -17,14 +18,7 @@ void FillQualityHistory(LiveReadout& r, int64_t limit, int64_t window,
                           ? versions.size() - static_cast<size_t>(limit)
                           : 0;
   for (size_t i = from; i < versions.size(); ++i) {
-    const VersionRecord& v = versions[i];
-    pb::VersionInfo* out = resp->add_versions();
-    out->set_version(v.version);
-    out->set_completions_learned(v.completions_learned);
-    out->set_published_unix_ms(v.published_unix_ms);
-    out->set_cause(v.cause);
-    out->set_spearman(v.spearman);
-    out->set_spearman_n(v.spearman_n);
+    FillVersion(versions[i], resp->add_versions());
   }
   resp->set_total_versions(static_cast<int64_t>(versions.size()));
   resp->set_window(window);

@@ -16,6 +16,12 @@
 // the others. A malformed frame, or an index or length out of range, is
 // never followed: a bad record gets a RequestError, a corrupt ring detaches
 // that engine with an error.
+//
+// Threads: Start and Stop may be called from any thread (Stop is
+// idempotent and joins the server thread). Everything else runs on the one
+// server thread: the loop (shm_server.cc), the attach handshake
+// (internal/shm_attach.h) and each engine's session (internal/shm_session.h),
+// whose headers state what other threads may touch.
 #ifndef LEAP_SIDECAR_SHM_SHM_SERVER_H_
 #define LEAP_SIDECAR_SHM_SHM_SERVER_H_
 

@@ -165,10 +165,10 @@ absl::StatusOr<TrainReport> RunTrain(const TrainOptions& o,
   RETURN_IF_ERROR(CheckWritable(o.out_path));
   const auto t0 = Clock::now();
   Report(progress, absl::StrCat("reading ", o.features_path));
-  ASSIGN_OR_RETURN(LoadedFeatures f, LoadFeatures(o.features_path));
-  RETURN_IF_ERROR(CheckFinite(f));
-  ASSIGN_OR_RETURN(std::vector<int64_t> lengths,
-                   LoadLengths(o.lengths_path, f.rows(), o.features_path));
+  ASSIGN_OR_RETURN(LabeledFeatures in,
+                   LoadLabeledFeatures(o.features_path, o.lengths_path, ""));
+  LoadedFeatures& f = in.features;
+  std::vector<int64_t>& lengths = in.lengths;
   Report(progress, absl::StrFormat("fitting ridge readout: n=%d d=%d %s",
                                    f.rows(), f.cols(),
                                    o.lambda.has_value()
@@ -257,11 +257,14 @@ absl::StatusOr<EvalReport> RunEval(const EvalOptions& o,
   ASSIGN_OR_RETURN(readout::ReadoutState state,
                    readout::ReadArtifact(o.readout_path));
   Report(progress, absl::StrCat("reading ", o.features_path));
-  ASSIGN_OR_RETURN(LoadedFeatures f, LoadFeatures(o.features_path));
-  RETURN_IF_ERROR(CheckDimMatches(f, state, o.readout_path));
-  RETURN_IF_ERROR(CheckFinite(f));
-  ASSIGN_OR_RETURN(std::vector<int64_t> lengths,
-                   LoadLengths(o.lengths_path, f.rows(), o.features_path));
+  ASSIGN_OR_RETURN(
+      LabeledFeatures in,
+      LoadLabeledFeatures(o.features_path, o.lengths_path, "",
+                          [&](const LoadedFeatures& x) {
+                            return CheckDimMatches(x, state, o.readout_path);
+                          }));
+  LoadedFeatures& f = in.features;
+  std::vector<int64_t>& lengths = in.lengths;
 
   const readout::FoldedReadout folded = state.Fold();
   std::vector<double> predicted(f.rows());
@@ -343,16 +346,15 @@ absl::StatusOr<AdaptReport> RunAdapt(const AdaptOptions& o,
         "retrain without --no-p to adapt it"));
   }
   Report(progress, absl::StrCat("reading ", o.features_path));
-  ASSIGN_OR_RETURN(LoadedFeatures f, LoadFeatures(o.features_path));
-  RETURN_IF_ERROR(CheckDimMatches(f, state, o.readout_path));
-  RETURN_IF_ERROR(CheckFinite(f));
-  ASSIGN_OR_RETURN(std::vector<int64_t> lengths,
-                   LoadLengths(o.lengths_path, f.rows(), o.features_path));
-  std::vector<int32_t> reasons;
-  if (!o.finish_reasons_path.empty()) {
-    ASSIGN_OR_RETURN(reasons, LoadFinishReasons(o.finish_reasons_path, f.rows(),
-                                                o.features_path));
-  }
+  ASSIGN_OR_RETURN(
+      LabeledFeatures in,
+      LoadLabeledFeatures(o.features_path, o.lengths_path,
+                          o.finish_reasons_path, [&](const LoadedFeatures& x) {
+                            return CheckDimMatches(x, state, o.readout_path);
+                          }));
+  LoadedFeatures& f = in.features;
+  std::vector<int64_t>& lengths = in.lengths;
+  std::vector<int32_t>& reasons = in.reasons;
 
   const int64_t d = f.cols();
   const int64_t ld = d + 1;

@@ -157,4 +157,22 @@ absl::StatusOr<std::vector<int32_t>> LoadFinishReasons(
   return out;
 }
 
+absl::StatusOr<LabeledFeatures> LoadLabeledFeatures(
+    const std::string& features_path, const std::string& lengths_path,
+    const std::string& reasons_path,
+    const std::function<absl::Status(const LoadedFeatures&)>& check_width) {
+  LabeledFeatures out;
+  ASSIGN_OR_RETURN(out.features, LoadFeatures(features_path));
+  if (check_width) RETURN_IF_ERROR(check_width(out.features));
+  RETURN_IF_ERROR(CheckFinite(out.features));
+  ASSIGN_OR_RETURN(out.lengths, LoadLengths(lengths_path, out.features.rows(),
+                                            features_path));
+  if (!reasons_path.empty()) {
+    ASSIGN_OR_RETURN(out.reasons,
+                     LoadFinishReasons(reasons_path, out.features.rows(),
+                                       features_path));
+  }
+  return out;
+}
+
 }  // namespace leap::leapctl

@@ -5,6 +5,7 @@
 #define LEAP_TOOLS_LEAPCTL_DATA_H_
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -57,6 +58,23 @@ absl::StatusOr<std::vector<int64_t>> LoadLengths(
 absl::StatusOr<std::vector<int32_t>> LoadFinishReasons(
     const std::string& path, int64_t expected_rows,
     const std::string& features_path);
+
+// A labelled feature file: the features, one output length per row and,
+// when a finish-reasons file was given, one finish reason per row.
+struct LabeledFeatures {
+  LoadedFeatures features;
+  std::vector<int64_t> lengths;
+  std::vector<int32_t> reasons;  // empty without a finish-reasons file
+};
+
+// LoadFeatures(features_path), then `check_width` when given (e.g. against a
+// readout's dim), CheckFinite, LoadLengths and, when `reasons_path` is not
+// empty, LoadFinishReasons: the first error, in that order.
+absl::StatusOr<LabeledFeatures> LoadLabeledFeatures(
+    const std::string& features_path, const std::string& lengths_path,
+    const std::string& reasons_path,
+    const std::function<absl::Status(const LoadedFeatures&)>& check_width =
+        nullptr);
 
 // Whole-file reads and atomic writes (common/file.h).
 using ::leap::ReadFileBytes;

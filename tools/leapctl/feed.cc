@@ -163,15 +163,12 @@ absl::StatusOr<FeedReport> RunFeed(const FeedOptions& o,
   RETURN_IF_ERROR(o.Validate());
   const auto t0 = Clock::now();
   if (progress) progress(absl::StrCat("reading ", o.features_path));
-  ASSIGN_OR_RETURN(LoadedFeatures f, LoadFeatures(o.features_path));
-  RETURN_IF_ERROR(CheckFinite(f));
-  ASSIGN_OR_RETURN(std::vector<int64_t> lengths,
-                   LoadLengths(o.lengths_path, f.rows(), o.features_path));
-  std::vector<int32_t> reasons;
-  if (!o.finish_reasons_path.empty()) {
-    ASSIGN_OR_RETURN(reasons, LoadFinishReasons(o.finish_reasons_path, f.rows(),
-                                                o.features_path));
-  }
+  ASSIGN_OR_RETURN(LabeledFeatures in,
+                   LoadLabeledFeatures(o.features_path, o.lengths_path,
+                                       o.finish_reasons_path));
+  const LoadedFeatures& f = in.features;
+  const std::vector<int64_t>& lengths = in.lengths;
+  const std::vector<int32_t>& reasons = in.reasons;
   const bool fp16 = f.array.dtype == NpyDType::kFloat16;
   const int64_t n = f.rows();
   const int64_t d = f.cols();

@@ -60,103 +60,86 @@ FlagSet::FlagSet(std::string command, std::string usage,
   flags_.push_back(std::move(help));
 }
 
-void FlagSet::Add(Flag flag) { flags_.push_back(std::move(flag)); }
+void FlagSet::Add(const std::string& name, const std::string& value_name,
+                  std::string help,
+                  std::function<bool(absl::string_view)> parse,
+                  std::string default_text, bool required, bool repeatable) {
+  Flag f;
+  f.name = name;
+  f.value_name = value_name;
+  f.help = std::move(help);
+  f.default_text = std::move(default_text);
+  f.required = required;
+  f.repeatable = repeatable;
+  f.parse = std::move(parse);
+  flags_.push_back(std::move(f));
+}
 
 void FlagSet::String(const std::string& name, std::string* dst,
                      const std::string& value_name, const std::string& help,
                      bool required) {
-  Flag f;
-  f.name = name;
-  f.value_name = value_name;
-  f.help = help;
-  f.required = required;
-  if (!required && !dst->empty()) f.default_text = *dst;
-  f.parse = [dst](absl::string_view v) {
-    *dst = std::string(v);
-    return !v.empty();
-  };
-  Add(std::move(f));
+  Add(name, value_name, help,
+      [dst](absl::string_view v) {
+        *dst = std::string(v);
+        return !v.empty();
+      },
+      !required && !dst->empty() ? *dst : std::string(), required);
 }
 
 void FlagSet::Int64(const std::string& name, int64_t* dst,
                     const std::string& value_name, const std::string& help,
                     bool required) {
-  Flag f;
-  f.name = name;
-  f.value_name = value_name;
-  f.help = help;
-  f.required = required;
-  if (!required) f.default_text = absl::StrCat(*dst);
-  f.parse = [dst](absl::string_view v) { return absl::SimpleAtoi(v, dst); };
-  Add(std::move(f));
+  Add(name, value_name, help,
+      [dst](absl::string_view v) { return absl::SimpleAtoi(v, dst); },
+      required ? std::string() : absl::StrCat(*dst), required);
 }
 
 void FlagSet::Double(const std::string& name, double* dst,
                      const std::string& value_name, const std::string& help) {
-  Flag f;
-  f.name = name;
-  f.value_name = value_name;
-  f.help = help;
-  f.default_text = FormatDouble(*dst);
-  f.parse = [dst](absl::string_view v) { return ParseFinite(v, dst); };
-  Add(std::move(f));
+  Add(name, value_name, help,
+      [dst](absl::string_view v) { return ParseFinite(v, dst); },
+      FormatDouble(*dst));
 }
 
 void FlagSet::OptionalDouble(const std::string& name,
                              std::optional<double>* dst,
                              const std::string& value_name,
                              const std::string& help) {
-  Flag f;
-  f.name = name;
-  f.value_name = value_name;
-  f.help = help;
-  f.parse = [dst](absl::string_view v) { return ParseFinite(v, dst); };
-  Add(std::move(f));
+  Add(name, value_name, help,
+      [dst](absl::string_view v) { return ParseFinite(v, dst); });
 }
 
 void FlagSet::OptionalInt64(const std::string& name,
                             std::optional<int64_t>* dst,
                             const std::string& value_name,
                             const std::string& help) {
-  Flag f;
-  f.name = name;
-  f.value_name = value_name;
-  f.help = help;
-  f.parse = [dst](absl::string_view v) {
+  Add(name, value_name, help, [dst](absl::string_view v) {
     int64_t x = 0;
     if (!absl::SimpleAtoi(v, &x)) return false;
     *dst = x;
     return true;
-  };
-  Add(std::move(f));
+  });
 }
 
 void FlagSet::Bool(const std::string& name, bool* dst,
                    const std::string& help) {
-  Flag f;
-  f.name = name;
-  f.help = help;
-  f.parse = [dst](absl::string_view) {
+  Add(name, "", help, [dst](absl::string_view) {
     *dst = true;
     return true;
-  };
-  Add(std::move(f));
+  });
 }
 
 void FlagSet::StringList(const std::string& name, std::vector<std::string>* dst,
                          const std::string& value_name,
                          const std::string& help) {
-  Flag f;
-  f.name = name;
-  f.value_name = value_name;
-  f.help = absl::StrCat(help, " Repeatable.");
-  f.repeatable = true;
-  f.parse = [dst](absl::string_view v) {
-    if (v.empty()) return false;
-    dst->emplace_back(v);
-    return true;
-  };
-  Add(std::move(f));
+  Add(
+      name, value_name, absl::StrCat(help, " Repeatable."),
+      [dst](absl::string_view v) {
+        if (v.empty()) return false;
+        dst->emplace_back(v);
+        return true;
+      },
+      "", false, /*repeatable=*/true);
 }
 
 void FlagSet::Positional(const std::string& name, std::string* dst,

@@ -95,7 +95,11 @@ class FlagSet {
     std::string* dst = nullptr;
   };
   Flag* Find(absl::string_view name);
-  void Add(Flag flag);
+  // Adds --name (value_name empty: a boolean flag) parsed by `parse`.
+  void Add(const std::string& name, const std::string& value_name,
+           std::string help, std::function<bool(absl::string_view)> parse,
+           std::string default_text = "", bool required = false,
+           bool repeatable = false);
   absl::Status TakePositional(const std::string& value);
 
   std::string command_;

@@ -1,5 +1,5 @@
 // leapctl: the operator's command-line tool for LEAP readouts. A thin main
-// over leap::leapctl_lib (tools/leapctl/cli.h); see 'leapctl --help'.
+// over RunLeapctl (tools/leapctl/cli.h); see 'leapctl --help'.
 #include <iostream>
 #include <string>
 #include <vector>

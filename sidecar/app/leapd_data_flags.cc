@@ -1,4 +1,4 @@
-#include "sidecar/leapd_data_flags.h"
+#include "sidecar/app/leapd_data_flags.h"
 
 #include <string>
 
@@ -67,8 +67,8 @@ absl::Status ApplyDataFlags(storage::RocksStoreOptions* store,
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::unique_ptr<Bootstrap>> StartBootstrapFromFlags(Core* core) {
-  if (absl::GetFlag(FLAGS_bootstrap_readout).empty()) return nullptr;
+std::optional<BootstrapOptions> BootstrapOptionsFromFlags() {
+  if (absl::GetFlag(FLAGS_bootstrap_readout).empty()) return std::nullopt;
   BootstrapOptions o;
   o.readout = absl::GetFlag(FLAGS_bootstrap_readout);
   o.dim = absl::GetFlag(FLAGS_bootstrap_dim);
@@ -78,7 +78,7 @@ absl::StatusOr<std::unique_ptr<Bootstrap>> StartBootstrapFromFlags(Core* core) {
   o.model_id = absl::GetFlag(FLAGS_bootstrap_model_id);
   o.max_tokens = absl::GetFlag(FLAGS_bootstrap_max_tokens);
   o.folds = absl::GetFlag(FLAGS_bootstrap_folds);
-  return Bootstrap::Start(core, std::move(o));
+  return o;
 }
 
 }  // namespace leap::sidecar

@@ -1,0 +1,308 @@
+#include "engine_shim/python/py_client.h"
+
+#include <pybind11/stl.h>
+
+#include <algorithm>
+#include <stdexcept>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "engine_shim/python/py_convert.h"
+
+namespace leap::shim::python {
+
+namespace py = pybind11;
+
+namespace {
+
+// Longest stretch a wait spends without the GIL before it looks for a
+// KeyboardInterrupt (Ctrl-C must not hang on a long timeout).
+constexpr absl::Duration kSignalCheck = absl::Milliseconds(100);
+
+// CudaCaptureAvailable(), asked once per process (device visibility is
+// fixed at CUDA's initialisation) and only when a CUDA tensor comes.
+bool CudaCaptureCached() {
+  static const bool available = CudaCaptureAvailable();
+  return available;
+}
+
+// Runs `attempt(slice)` without the GIL in slices of at most kSignalCheck
+// until it returns true or `timeout` passes; between slices, with the GIL,
+// a pending KeyboardInterrupt is raised. Returns attempt's last answer.
+template <typename Fn>
+bool WaitInterruptibly(absl::Duration timeout, Fn attempt) {
+  const absl::Time deadline = absl::Now() + timeout;
+  for (;;) {
+    const absl::Duration left =
+        std::max(deadline - absl::Now(), absl::ZeroDuration());
+    bool done;
+    {
+      py::gil_scoped_release nogil;
+      done = attempt(std::min(left, kSignalCheck));
+    }
+    if (done || left <= kSignalCheck) return done;
+    if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+  }
+}
+
+// Sets a flag when the last copy of a CUDA capture's sink is destroyed: the
+// capturer dropped its job, so the copies out of the tensor have landed
+// (or were never issued) and the tensor may be released.
+class LandedFlag {
+ public:
+  explicit LandedFlag(std::shared_ptr<std::atomic<bool>> landed)
+      : landed_(std::move(landed)) {}
+  ~LandedFlag() { landed_->store(true, std::memory_order_release); }
+  LandedFlag(const LandedFlag&) = delete;
+  LandedFlag& operator=(const LandedFlag&) = delete;
+
+ private:
+  std::shared_ptr<std::atomic<bool>> landed_;
+};
+
+}  // namespace
+
+PyClient::PyClient(std::string endpoint, int64_t dim, std::string dtype,
+                   std::string engine_id, std::string model_id, int32_t layer,
+                   double min_backoff_s, double max_backoff_s,
+                   double connect_timeout_s, int max_batch_records,
+                   int64_t max_live_requests, int64_t cuda_staging_bytes) {
+  options_.endpoint = std::move(endpoint);
+  options_.dim = dim;
+  options_.dtype = ParseDType(std::move(dtype));
+  options_.engine_id = std::move(engine_id);
+  options_.model_id = std::move(model_id);
+  options_.layer = layer;
+  options_.min_backoff = Seconds(min_backoff_s, "min_backoff_s");
+  options_.max_backoff = Seconds(max_backoff_s, "max_backoff_s");
+  options_.connect_timeout = Seconds(connect_timeout_s, "connect_timeout_s");
+  options_.max_batch_records = max_batch_records;
+  options_.max_live_requests = max_live_requests;
+  if (cuda_staging_bytes < 256) {
+    throw py::value_error(absl::StrCat(
+        "cuda_staging_bytes must be >= 256, got ", cuda_staging_bytes));
+  }
+  cuda_staging_bytes_ = static_cast<size_t>(cuda_staging_bytes);
+  absl::StatusOr<std::unique_ptr<Client>> c = Client::Start(options_);
+  if (!c.ok()) ThrowStatus(c.status());
+  client_ = std::shared_ptr<Client>(std::move(*c));
+  events_ = std::make_shared<EventQueue>();
+  client_->SetCallback([q = events_](const Event& e) { q->Push(e); });
+  // Whatever the reader emitted before the callback was set.
+  events_->PushFront(client_->Poll());
+}
+
+PyClient::~PyClient() { Close(); }
+
+void PyClient::Capture(py::object tensor,
+                       const std::vector<std::string>& request_ids,
+                       const std::string& product_line, py::object max_tokens,
+                       std::optional<int64_t> stream) {
+  std::shared_ptr<Client> client = Live();
+  ReleaseLanded();
+  const std::vector<int64_t> caps = MaxTokens(max_tokens, request_ids.size());
+  ImportedTensor in = ImportTensor(tensor, options_.dim, request_ids.size(),
+                                   stream, &CudaCaptureCached);
+  if (in.view.rows == 0) return;
+  if (in.view.device == Device::kCpu) {
+    absl::Status status;
+    {
+      py::gil_scoped_release nogil;
+      absl::StatusOr<std::vector<CapturedFeatures>> rows =
+          CaptureCpu(in.view, request_ids, product_line, options_.dtype);
+      if (rows.ok()) {
+        for (size_t i = 0; i < rows->size(); ++i) {
+          (*rows)[i].max_tokens = caps[i];
+        }
+        client->Submit(*std::move(rows));
+      } else {
+        status = rows.status();
+      }
+    }
+    in.owner.Reset();  // copied: the producer may have its memory back
+    if (!status.ok()) ThrowStatus(status);
+    return;
+  }
+  CaptureCuda(*client, std::move(in), request_ids, product_line, caps);
+}
+
+void PyClient::Complete(const std::string& request_id, int64_t output_tokens,
+                        const std::string& reason) {
+  if (output_tokens < 0) {
+    throw py::value_error(
+        absl::StrCat("output_tokens must be >= 0, got ", output_tokens));
+  }
+  const FinishReason r = ParseReason(reason);
+  std::shared_ptr<Client> client = Live();
+  py::gil_scoped_release nogil;
+  client->Complete(request_id, output_tokens, r);
+}
+
+void PyClient::Cancel(const std::string& request_id) {
+  std::shared_ptr<Client> client = Live();
+  py::gil_scoped_release nogil;
+  client->Cancel(request_id);
+}
+
+std::vector<Event> PyClient::Poll(std::optional<int64_t> max,
+                                  double timeout_s) {
+  const absl::Duration timeout = Seconds(timeout_s, "timeout_s");
+  if (max.has_value() && *max < 0) {
+    throw py::value_error(absl::StrCat("max must be >= 0, got ", *max));
+  }
+  Live();
+  ReleaseLanded();
+  const size_t n = max.has_value() ? static_cast<size_t>(*max) : SIZE_MAX;
+  if (n == 0) return {};
+  std::shared_ptr<EventQueue> q = events_;
+  std::vector<Event> out;
+  WaitInterruptibly(timeout, [&](absl::Duration slice) {
+    out = q->Take(n, slice);
+    return !out.empty() || q->closed();
+  });
+  return out;
+}
+
+bool PyClient::WaitConnected(double timeout_s) {
+  const absl::Duration timeout = Seconds(timeout_s, "timeout_s");
+  std::shared_ptr<Client> client = Live();
+  return WaitInterruptibly(timeout, [&](absl::Duration slice) {
+    return client->WaitConnected(slice);
+  });
+}
+
+py::dict PyClient::Stats() {
+  std::shared_ptr<Client> client = Live();
+  ReleaseLanded();
+  const ClientStats s = client->stats();
+  py::dict d;
+  d["connected"] = client->connected();
+  d["connects"] = s.connects;
+  d["resubmitted"] = s.resubmitted;
+  d["predictions"] = s.predictions;
+  d["rescores"] = s.rescores;
+  d["errors"] = s.errors;
+  d["live"] = s.live;
+  d["stalls"] = s.stalls;
+  d["degraded"] = s.degraded;
+  d["degraded_reason"] = s.degraded_reason;
+  d["cuda_captures_in_flight"] = pending_.size();
+  return d;
+}
+
+void PyClient::Flush() {
+  Live();
+  absl::Status first;
+  {
+    py::gil_scoped_release nogil;
+    absl::MutexLock lock(&cuda_mu_);
+    for (auto& [device, capturer] : capturers_) {
+      absl::Status s = capturer->Flush();
+      if (first.ok()) first = s;
+    }
+  }
+  ReleaseLanded();
+  if (!first.ok()) ThrowStatus(first);
+}
+
+void PyClient::Close() {
+  if (client_ == nullptr) return;
+  // From here on every method sees a closed client.
+  std::shared_ptr<Client> client = std::move(client_);
+  client_ = nullptr;
+  std::map<int, std::unique_ptr<CudaCapturer>> capturers;
+  {
+    py::gil_scoped_release nogil;
+    {
+      absl::MutexLock lock(&cuda_mu_);
+      capturers.swap(capturers_);
+    }
+    // Each destructor drains its side stream: every sink has run and
+    // no copy still reads a pending tensor.
+    capturers.clear();
+  }
+  pending_.clear();  // with the GIL: the producers' deleters run
+  events_->Close();  // wakes pollers in other threads
+  py::gil_scoped_release nogil;
+  client.reset();  // joins the client's threads (when the last owner)
+}
+
+std::shared_ptr<Client> PyClient::Live() const {
+  if (client_ == nullptr) throw std::runtime_error("the client is closed");
+  return client_;
+}
+
+std::vector<int64_t> PyClient::MaxTokens(py::handle max_tokens, size_t rows) {
+  std::vector<int64_t> caps;
+  if (py::isinstance<py::int_>(max_tokens)) {
+    caps.assign(rows, max_tokens.cast<int64_t>());
+  } else {
+    try {
+      caps = max_tokens.cast<std::vector<int64_t>>();
+    } catch (const py::cast_error&) {
+      throw py::type_error(
+          "max_tokens must be an int or a sequence of ints (one per row)");
+    }
+    if (caps.size() != rows) {
+      throw py::value_error(
+          absl::StrCat("expected one max_tokens per request id: ", rows,
+                       " request ids, got ", caps.size(), " max_tokens"));
+    }
+  }
+  for (int64_t c : caps) {
+    if (c < 0) {
+      throw py::value_error(
+          absl::StrCat("max_tokens must be >= 0 (0 = none), got ", c));
+    }
+  }
+  return caps;
+}
+
+void PyClient::ReleaseLanded() {
+  for (auto it = pending_.begin(); it != pending_.end();) {
+    if (it->landed->load(std::memory_order_acquire)) {
+      it = pending_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+void PyClient::CaptureCuda(Client& client, ImportedTensor in,
+                           const std::vector<std::string>& request_ids,
+                           const std::string& product_line,
+                           const std::vector<int64_t>& caps) {
+  auto landed = std::make_shared<std::atomic<bool>>(false);
+  absl::Status s;
+  {
+    absl::MutexLock lock(&cuda_mu_);
+    std::unique_ptr<CudaCapturer>& capturer = capturers_[in.view.device_index];
+    if (capturer == nullptr) {
+      absl::StatusOr<std::unique_ptr<CudaCapturer>> created =
+          CudaCapturer::Create(in.view.device_index, cuda_staging_bytes_);
+      if (!created.ok()) {
+        capturers_.erase(in.view.device_index);
+        ThrowStatus(created.status());
+      }
+      capturer = *std::move(created);
+    }
+    // The sink runs on a CUDA host-callback thread: no GIL, no CUDA.
+    // The client outlives it: Close destroys (drains) the capturers
+    // before the client.
+    s = capturer->Capture(
+        in.view, request_ids, product_line, options_.dtype,
+        [client = &client, caps, flag = std::make_shared<LandedFlag>(landed)](
+            std::vector<CapturedFeatures> rows) {
+          for (size_t i = 0; i < rows.size() && i < caps.size(); ++i) {
+            rows[i].max_tokens = caps[i];
+          }
+          client->Submit(std::move(rows));
+        });
+  }
+  if (!s.ok()) ThrowStatus(s);  // in.owner releases the tensor
+  pending_.push_back({std::move(in.owner), std::move(landed)});
+}
+
+}  // namespace leap::shim::python

@@ -1,0 +1,49 @@
+// leap_shim.Scheduler: a CountdownScheduler (engine_shim/scheduler.h) for
+// Python engines. Internal to the leap_shim module (module.cc registers it).
+//
+// Threads: not thread-safe, like the scheduler; every method runs with the
+// GIL, called from the engine's step loop.
+#ifndef LEAP_ENGINE_SHIM_PYTHON_PY_SCHEDULER_H_
+#define LEAP_ENGINE_SHIM_PYTHON_PY_SCHEDULER_H_
+
+#include <pybind11/pybind11.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "engine_shim/scheduler.h"
+
+namespace leap::shim::python {
+
+// The Python Scheduler: a CountdownScheduler plus the version of the
+// prediction applied last per request, so apply() keeps the newest one.
+class PyScheduler {
+ public:
+  explicit PyScheduler(CountdownScheduler s) : s_(std::move(s)) {}
+
+  void Add(const std::string& id);
+  void SetPrediction(const std::string& id, double tokens);
+  void Rescore(const std::string& id, double tokens);
+  void Remove(const std::string& id);
+  std::vector<std::string> Select(std::optional<int> slots);
+  int Apply(pybind11::iterable events);
+  pybind11::dict Request(const std::string& id) const;
+  pybind11::dict Counters() const;
+  size_t size() const { return s_.size(); }
+  bool Contains(const std::string& id) const { return s_.GetRequest(id).ok(); }
+
+ private:
+  static void Check(const absl::Status& s);
+
+  CountdownScheduler s_;
+  absl::flat_hash_map<std::string, int64_t> version_;
+};
+
+}  // namespace leap::shim::python
+
+#endif  // LEAP_ENGINE_SHIM_PYTHON_PY_SCHEDULER_H_
