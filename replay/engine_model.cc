@@ -520,8 +520,15 @@ absl::StatusOr<SimResult> SimulateVllm(std::span<const SimRequest> requests,
          sched.Order(static_cast<size_t>(e.max_num_seqs))) {
       top_ids.push_back(ParseId(key));
     }
-    // Running requests in the scheduler's order (exact among themselves).
-    if (!running.empty()) {
+    // Running requests in the scheduler's order (exact among themselves),
+    // or with preempt_latest_admitted in admission order (vLLM's FCFS
+    // policy: its running list, whose last entry is the victim).
+    if (e.preempt_latest_admitted) {
+      std::sort(running.begin(), running.end(), [&](int64_t a, int64_t b) {
+        return admitted_at[static_cast<size_t>(a)] <
+               admitted_at[static_cast<size_t>(b)];
+      });
+    } else if (!running.empty()) {
       running_keys.clear();
       for (int64_t id : running) running_keys.push_back(std::to_string(id));
       absl::StatusOr<std::vector<std::string>> ordered =
@@ -547,17 +554,9 @@ absl::StatusOr<SimResult> SimulateVllm(std::span<const SimRequest> requests,
       const int64_t tokens = std::min(target(i) - computed[i], budget);
       bool self_preempted = false;
       while (blocks_for(i, tokens) > free_blocks) {
-        // Preempt the lowest-ranked running request (the last one), or the
-        // latest admitted.
-        size_t worst = running.size() - 1;
-        if (e.preempt_latest_admitted) {
-          for (size_t j = 0; j < running.size(); ++j) {
-            if (admitted_at[static_cast<size_t>(running[j])] >
-                admitted_at[static_cast<size_t>(running[worst])]) {
-              worst = j;
-            }
-          }
-        }
+        // Preempt the last running request: the lowest-ranked, or with
+        // preempt_latest_admitted the latest admitted.
+        const size_t worst = running.size() - 1;
         const int64_t victim = running[worst];
         const size_t v = static_cast<size_t>(victim);
         auto sit = std::find(scheduled.begin(), scheduled.end(), victim);

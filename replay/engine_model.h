@@ -93,10 +93,11 @@ struct EngineOptions {
   // tokens: Qwen3-8B's 144 KiB per token in ~50 GB of an 80 GB GPU).
   int block_size = 16;
   int64_t kv_blocks = 22000;
-  // Which running request is preempted when the cache is full: false = the
-  // lowest-ranked in the scheduler's order (vLLM's PRIORITY policy with the
-  // priority set from the order), true = the latest admitted (vLLM's FCFS
-  // policy: the last of `running`), whatever the order. Default: false
+  // Order of the running requests, whose last is preempted when the cache
+  // is full: false = the scheduler's order (vLLM's PRIORITY policy with the
+  // priority set from it: the lowest-ranked is the victim), true = admission
+  // order (vLLM's FCFS policy: the latest admitted is the victim); the
+  // scheduler then orders only the waiting queue. Default: false
   bool preempt_latest_admitted = false;
 
   // InvalidArgument naming the first bad field.

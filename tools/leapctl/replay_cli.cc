@@ -191,9 +191,11 @@ int ReplayCommand(const std::vector<std::string>& args, std::ostream& out,
   flags.Int64("kv-blocks", &o.engine.kv_blocks, "N",
               "vllm: KV cache size in blocks.");
   flags.String("preempt", &preempt, "rank|latest",
-               "vllm: the running request preempted when the KV cache is "
-               "full: the lowest-ranked in the scheduler's order (rank) or "
-               "the latest admitted, as vLLM's FCFS policy (latest).");
+               "vllm: running requests served in the scheduler's order, the "
+               "lowest-ranked preempted when the KV cache is full (rank), or "
+               "in admission order, the latest admitted preempted, as vLLM's "
+               "FCFS policy (latest; the scheduler then orders only the "
+               "waiting queue).");
   flags.String("tradeoff-plot", &o.tradeoff_plot_path, "OUT.svg",
                "Write the trade-off plot (share of the oracle's PTL gain vs "
                "P99 latency over FCFS's, one point per knob value).");
