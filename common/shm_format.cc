@@ -7,6 +7,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <new>
 
 #include "absl/strings/str_cat.h"
@@ -297,6 +298,87 @@ absl::Status FeaturesReader::Next(FeatureRecordView* out) {
   out->request_id = absl::string_view(s, h.id_len);
   out->product_line = absl::string_view(s + h.id_len, h.product_line_len);
   pos_ += n;
+  return absl::OkStatus();
+}
+
+absl::Status DecodePredictions(const char* p, size_t n, uint64_t* seq,
+                               std::vector<PredictionView>* predictions,
+                               std::vector<ErrorView>* errors) {
+  predictions->clear();
+  errors->clear();
+  if (n < sizeof(PredictionsHead)) {
+    return absl::DataLossError("short predictions frame from leapd");
+  }
+  const auto head = LoadUnaligned<PredictionsHead>(p);
+  *seq = head.seq;
+  size_t at = sizeof(head);
+  for (uint32_t i = 0; i < head.predictions; ++i) {
+    if (n - at < sizeof(PredictionRecordHead)) {
+      return absl::DataLossError("truncated prediction record");
+    }
+    const auto ph = LoadUnaligned<PredictionRecordHead>(p + at);
+    const size_t len = PredictionRecordBytes(ph.id_len, ph.readout_len, ph.arm_len);
+    if (len > n - at) return absl::DataLossError("prediction overruns frame");
+    const char* s = p + at + sizeof(ph);
+    predictions->push_back(
+        {ph.slot, absl::string_view(s, ph.id_len),
+         absl::string_view(s + ph.id_len, ph.readout_len),
+         absl::string_view(s + ph.id_len + ph.readout_len, ph.arm_len),
+         ph.predicted_tokens, ph.score, ph.version});
+    at += len;
+  }
+  for (uint32_t i = 0; i < head.errors; ++i) {
+    if (n - at < sizeof(ErrorRecordHead)) {
+      return absl::DataLossError("truncated error record");
+    }
+    const auto eh = LoadUnaligned<ErrorRecordHead>(p + at);
+    const size_t len = ErrorRecordBytes(eh.id_len, eh.message_len);
+    if (len > n - at) return absl::DataLossError("error overruns frame");
+    const char* s = p + at + sizeof(eh);
+    errors->push_back({eh.slot, eh.code, absl::string_view(s, eh.id_len),
+                       absl::string_view(s + eh.id_len, eh.message_len)});
+    at += len;
+  }
+  return absl::OkStatus();
+}
+
+uint32_t DecodeRelease(const char* p, size_t n,
+                       const std::function<void(uint32_t)>& slot) {
+  if (n < sizeof(ReleaseHead)) return 0;
+  const auto rh = LoadUnaligned<ReleaseHead>(p);
+  const uint64_t count =
+      std::min<uint64_t>(rh.count, (n - sizeof(rh)) / sizeof(uint32_t));
+  for (uint64_t i = 0; i < count; ++i) {
+    slot(LoadUnaligned<uint32_t>(p + sizeof(rh) + sizeof(uint32_t) * i));
+  }
+  return static_cast<uint32_t>(count);
+}
+
+absl::Status DecodeCancels(const char* p, size_t n, uint64_t* seq,
+                           std::vector<absl::string_view>* ids) {
+  ids->clear();
+  *seq = 0;
+  if (n < sizeof(CancelsHead)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cancels frame of ", n, " bytes overruns itself (0 ids claimed); "
+        "nothing cancelled"));
+  }
+  const auto head = LoadUnaligned<CancelsHead>(p);
+  *seq = head.seq;
+  size_t at = sizeof(head);
+  for (uint32_t i = 0; i < head.count; ++i) {
+    uint16_t len;
+    if (n - at < sizeof(len) ||
+        (len = LoadUnaligned<uint16_t>(p + at), n - at - sizeof(len) < len)) {
+      ids->clear();
+      return absl::InvalidArgumentError(absl::StrCat(
+          "cancels frame of ", n, " bytes overruns itself (", head.count,
+          " ids claimed); nothing cancelled"));
+    }
+    at += sizeof(len);
+    ids->emplace_back(p + at, len);
+    at += len;
+  }
   return absl::OkStatus();
 }
 

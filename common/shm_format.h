@@ -31,6 +31,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -275,6 +276,36 @@ class FeaturesReader {
   const char* p_;
   size_t bytes_, pos_ = 0;
 };
+
+// A kPredictions payload decoded (views into the payload).
+struct PredictionView {
+  uint32_t slot;
+  absl::string_view request_id, readout, arm;
+  double predicted_tokens, score;
+  int64_t version;
+};
+struct ErrorView {
+  uint32_t slot;
+  int32_t code;
+  absl::string_view request_id, message;
+};
+// Decodes a kPredictions payload (leapd -> engine), checking every length
+// against it. DATA_LOSS when the head or a record overruns the payload;
+// `predictions` and `errors` then hold the records read before it.
+absl::Status DecodePredictions(const char* payload, size_t bytes,
+                               uint64_t* seq,
+                               std::vector<PredictionView>* predictions,
+                               std::vector<ErrorView>* errors);
+// Decodes a kRelease payload (leapd -> engine): the slot indices it holds,
+// at most as many as fit in the payload whatever its head claims (a short
+// head: none). Returns how many it passed to `slot`.
+uint32_t DecodeRelease(const char* payload, size_t bytes,
+                       const std::function<void(uint32_t)>& slot);
+// Decodes a kCancels payload (engine -> leapd): its seq (0 when even the
+// head is short) and request ids (views into the payload).
+// INVALID_ARGUMENT, with no ids, when an id overruns the payload.
+absl::Status DecodeCancels(const char* payload, size_t bytes, uint64_t* seq,
+                           std::vector<absl::string_view>* ids);
 
 inline size_t FeatureRecordBytes(size_t id, size_t product_line) {
   return AlignFrame(sizeof(FeatureRecordHead) + id + product_line);

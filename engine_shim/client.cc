@@ -14,6 +14,29 @@ namespace pb = ::leap::v1;
 constexpr int32_t kAlreadyExists = 6;
 constexpr int32_t kInvalidArgument = 3;
 
+// A 'prediction' or 'rescore' event carrying `p`.
+Event PredictionEvent(Event::Kind kind, const pb::Prediction& p) {
+  Event e;
+  e.kind = kind;
+  e.request_id = p.request_id();
+  e.predicted_tokens = p.predicted_tokens();
+  e.score = p.score();
+  e.readout = p.readout();
+  e.version = p.version();
+  return e;
+}
+
+// An 'error' event (request_id empty for a stream-level error).
+Event ErrorEvent(const std::string& request_id, int32_t code,
+                 const std::string& message) {
+  Event e;
+  e.kind = Event::Kind::kError;
+  e.request_id = request_id;
+  e.code = code;
+  e.message = message;
+  return e;
+}
+
 }  // namespace
 
 absl::Status ClientOptions::Validate() const {
@@ -216,13 +239,7 @@ void Client::ReaderLoop(Transport* t, uint64_t generation) {
               continue;
             }
             ++stats_.predictions;
-            Event e;
-            e.request_id = p.request_id();
-            e.predicted_tokens = p.predicted_tokens();
-            e.score = p.score();
-            e.readout = p.readout();
-            e.version = p.version();
-            events.push_back(std::move(e));
+            events.push_back(PredictionEvent(Event::Kind::kPrediction, p));
           }
           for (const auto& err : m.predictions().errors()) {
             auto it = live_.find(err.request_id());
@@ -237,12 +254,8 @@ void Client::ReaderLoop(Transport* t, uint64_t generation) {
             // instance in leapd under another request. Surfaced, dropped.
             if (it != live_.end() && !it->second.completing) live_.erase(it);
             ++stats_.errors;
-            Event e;
-            e.kind = Event::Kind::kError;
-            e.request_id = err.request_id();
-            e.code = err.code();
-            e.message = err.message();
-            events.push_back(std::move(e));
+            events.push_back(
+                ErrorEvent(err.request_id(), err.code(), err.message()));
           }
           break;
         case pb::SidecarMessage::kAck: {
@@ -255,12 +268,8 @@ void Client::ReaderLoop(Transport* t, uint64_t generation) {
             auto f = failed.find(id);
             if (f == failed.end()) continue;
             ++stats_.errors;
-            Event e;
-            e.kind = Event::Kind::kError;
-            e.request_id = id;
-            e.code = f->second->code();
-            e.message = f->second->message();
-            events.push_back(std::move(e));
+            events.push_back(
+                ErrorEvent(id, f->second->code(), f->second->message()));
           }
           inflight_.erase(in);
           break;
@@ -268,25 +277,14 @@ void Client::ReaderLoop(Transport* t, uint64_t generation) {
         case pb::SidecarMessage::kRescore:
           for (const auto& p : m.rescore().predictions()) {
             ++stats_.rescores;
-            Event e;
-            e.kind = Event::Kind::kRescore;
-            e.request_id = p.request_id();
-            e.predicted_tokens = p.predicted_tokens();
-            e.score = p.score();
-            e.readout = p.readout();
-            e.version = p.version();
-            events.push_back(std::move(e));
+            events.push_back(PredictionEvent(Event::Kind::kRescore, p));
           }
           break;
-        case pb::SidecarMessage::kError: {
+        case pb::SidecarMessage::kError:
           ++stats_.errors;
-          Event e;
-          e.kind = Event::Kind::kError;
-          e.code = m.error().code();
-          e.message = m.error().message();
-          events.push_back(std::move(e));
+          events.push_back(
+              ErrorEvent("", m.error().code(), m.error().message()));
           break;
-        }
         default:
           break;
       }

@@ -22,7 +22,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/wire.h"
-#include "engine_shim/transport.h"
+#include "engine_shim/internal/transport.h"
 
 namespace leap::shim {
 

@@ -373,68 +373,39 @@ absl::Status ShmChannel::Receive(ShmIncoming* in, absl::Duration timeout) {
       const size_t n = h.bytes;
       switch (static_cast<FrameKind>(h.kind)) {
         case FrameKind::kRelease: {
-          shm::ReleaseHead rh{};
-          if (n >= sizeof(rh)) rh = shm::LoadUnaligned<shm::ReleaseHead>(p);
-          const uint64_t count =
-              n >= sizeof(rh) ? std::min<uint64_t>(rh.count, (n - sizeof(rh)) / 4)
-                              : 0;
+          uint32_t count;
           {
             absl::MutexLock lock(&free_mu_);
-            for (uint64_t i = 0; i < count; ++i) {
-              const uint32_t s = shm::LoadUnaligned<uint32_t>(p + sizeof(rh) + 4 * i);
+            count = shm::DecodeRelease(p, n, [this](uint32_t s) {
+              free_mu_.AssertHeld();
               if (s < busy_.size() && busy_[s]) {
                 busy_[s] = 0;
                 free_.push_back(s);
               }
-            }
+            });
           }
           in_.Pop();
           if (in_.ReleaseConsumed()) WakeLeapd();
           in->kind = ShmIncoming::Kind::kReleased;
-          in->released = static_cast<uint32_t>(count);
+          in->released = count;
           return absl::OkStatus();
         }
         case FrameKind::kPredictions: {
           in->kind = ShmIncoming::Kind::kPredictions;
+          popped_ = true;
+          thread_local std::vector<shm::PredictionView> preds;
+          thread_local std::vector<shm::ErrorView> errs;
+          const absl::Status s = shm::DecodePredictions(p, n, &in->seq, &preds, &errs);
           in->predictions.clear();
           in->errors.clear();
-          popped_ = true;
-          if (n < sizeof(shm::PredictionsHead)) {
-            return absl::DataLossError("short predictions frame from leapd");
+          for (const shm::PredictionView& v : preds) {
+            in->predictions.push_back({v.slot, v.request_id, v.readout, v.arm,
+                                       v.predicted_tokens, v.score, v.version});
           }
-          const auto head = shm::LoadUnaligned<shm::PredictionsHead>(p);
-          in->seq = head.seq;
-          size_t at = sizeof(head);
-          for (uint32_t i = 0; i < head.predictions; ++i) {
-            if (n - at < sizeof(shm::PredictionRecordHead)) {
-              return absl::DataLossError("truncated prediction record");
-            }
-            const auto ph = shm::LoadUnaligned<shm::PredictionRecordHead>(p + at);
-            const size_t len =
-                shm::PredictionRecordBytes(ph.id_len, ph.readout_len, ph.arm_len);
-            if (len > n - at) return absl::DataLossError("prediction overruns frame");
-            const char* s = p + at + sizeof(ph);
-            in->predictions.push_back(
-                {ph.slot, absl::string_view(s, ph.id_len),
-                 absl::string_view(s + ph.id_len, ph.readout_len),
-                 absl::string_view(s + ph.id_len + ph.readout_len, ph.arm_len),
-                 ph.predicted_tokens, ph.score, ph.version});
-            at += len;
+          for (const shm::ErrorView& e : errs) {
+            in->errors.push_back({e.slot, e.code, e.request_id, e.message});
           }
-          for (uint32_t i = 0; i < head.errors; ++i) {
-            if (n - at < sizeof(shm::ErrorRecordHead)) {
-              return absl::DataLossError("truncated error record");
-            }
-            const auto eh = shm::LoadUnaligned<shm::ErrorRecordHead>(p + at);
-            const size_t len = shm::ErrorRecordBytes(eh.id_len, eh.message_len);
-            if (len > n - at) return absl::DataLossError("error overruns frame");
-            const char* s = p + at + sizeof(eh);
-            in->errors.push_back({eh.slot, eh.code,
-                                  absl::string_view(s, eh.id_len),
-                                  absl::string_view(s + eh.id_len, eh.message_len)});
-            at += len;
-          }
-          return absl::OkStatus();
+          return s;
         }
         case FrameKind::kProto: {
           in->kind = ShmIncoming::Kind::kProto;

@@ -309,6 +309,65 @@ void EngineSeeds() {
 
 }  // namespace
 
+// shm_frames: first byte 0 kPredictions, 1 kRelease, 2 kCancels.
+void ShmFrameSeeds() {
+  namespace shm = leap::shm;
+  auto predictions = [](uint64_t seq, int n, int errors) {
+    std::string p;
+    Put<uint64_t>(p, seq);
+    Put<uint32_t>(p, static_cast<uint32_t>(n));
+    Put<uint32_t>(p, static_cast<uint32_t>(errors));
+    for (int i = 0; i < n; ++i) {
+      const std::string id = "req-" + std::to_string(i);
+      const std::string arm = i % 2 ? "b" : "";
+      std::string rec(shm::PredictionRecordBytes(id.size(), 1, arm.size()), '\0');
+      shm::WritePredictionRecord(rec.data(), static_cast<uint32_t>(i), id, "r",
+                                 arm, 120.0 + i, 10.9 + i, 3);
+      p += rec;
+    }
+    for (int i = 0; i < errors; ++i) {
+      const std::string id = "bad-" + std::to_string(i);
+      const std::string msg = "expected 4 float32 values (16 bytes), got 12";
+      std::string rec(shm::ErrorRecordBytes(id.size(), msg.size()), '\0');
+      shm::WriteErrorRecord(rec.data(), 7, id, 3, msg);
+      p += rec;
+    }
+    return p;
+  };
+  Write("shm_frames", "predictions_0", std::string(1, '\0') + predictions(1, 0, 0));
+  Write("shm_frames", "predictions_3_1", std::string(1, '\0') + predictions(2, 3, 1));
+  std::string truncated = predictions(3, 2, 0);
+  truncated.resize(truncated.size() - 5);
+  Write("shm_frames", "predictions_truncated", std::string(1, '\0') + truncated);
+  auto release = [](std::vector<uint32_t> slots, uint32_t claimed) {
+    std::string p;
+    Put<uint32_t>(p, claimed);
+    Put<uint32_t>(p, 0);
+    for (uint32_t s : slots) Put<uint32_t>(p, s);
+    return p;
+  };
+  Write("shm_frames", "release_3", std::string(1, '\1') + release({0, 5, 2}, 3));
+  Write("shm_frames", "release_overclaimed",
+        std::string(1, '\1') + release({1, 2}, 1000));
+  auto cancels = [](uint64_t seq, const std::vector<std::string>& ids) {
+    std::string p;
+    Put<uint64_t>(p, seq);
+    Put<uint32_t>(p, static_cast<uint32_t>(ids.size()));
+    Put<uint32_t>(p, 0);
+    for (const std::string& id : ids) {
+      Put<uint16_t>(p, static_cast<uint16_t>(id.size()));
+      p += id;
+    }
+    return p;
+  };
+  Write("shm_frames", "cancels_2", std::string(1, '\2') + cancels(4, {"a5", "ghost"}));
+  Write("shm_frames", "cancels_nul_and_empty",
+        std::string(1, '\2') + cancels(5, {std::string("a\0b", 3), ""}));
+  std::string over = cancels(6, {"abc"});
+  over.resize(over.size() - 1);
+  Write("shm_frames", "cancels_overrun", std::string(1, '\2') + over);
+}
+
 int main(int argc, char** argv) {
   if (argc != 2) {
     std::fprintf(stderr, "usage: fuzz_make_seeds OUT_DIR\n");
@@ -319,6 +378,7 @@ int main(int argc, char** argv) {
   NpySeeds();
   ArtifactSeeds();
   ShmSeeds();
+  ShmFrameSeeds();
   EngineSeeds();
   std::printf("seeds written to %s\n", argv[1]);
   return 0;

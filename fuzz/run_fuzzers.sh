@@ -6,7 +6,7 @@
 #                -DLEAP_BUILD_FUZZERS=ON -DLEAP_BUILD_BENCHMARKS=OFF
 #              (the targets are built here if they are not yet).
 #   SECONDS    fuzzing time per target (default 60).
-#   TARGET     npy, artifact, shm, engine_session (default: all).
+#   TARGET     npy, artifact, shm, shm_frames, engine_session (default: all).
 # Each target first replays fuzz/regressions/<target>/ (every crash found so
 # far), then fuzzes for SECONDS on a copy of fuzz/corpus/<target>/ (the
 # committed corpus is not changed), one process, one thread. It prints
@@ -24,7 +24,7 @@ BUILD_DIR=$1
 SECONDS_EACH=${2:-60}
 shift $(( $# >= 2 ? 2 : 1 ))
 TARGETS=("$@")
-[ ${#TARGETS[@]} -eq 0 ] && TARGETS=(npy artifact shm engine_session)
+[ ${#TARGETS[@]} -eq 0 ] && TARGETS=(npy artifact shm shm_frames engine_session)
 SRC=$(cd "$(dirname "$0")" && pwd)
 OUT=${FUZZ_OUT:-$(mktemp -d /tmp/leap-fuzz.XXXXXX)}
 mkdir -p "$OUT"

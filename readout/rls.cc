@@ -1,6 +1,8 @@
 #include "readout/rls.h"
 
 #include <algorithm>
+#include <chrono>
+#include <ctime>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -38,6 +40,19 @@ float* AllocFloats(int64_t count) {
 }
 
 void FreeFloats(float* p) { std::free(p); }
+
+// Phase clock: this thread's CPU time on one thread (time spent preempted
+// on a shared machine is not the phase's), wall time on several.
+double Seconds(int threads) {
+  if (threads <= 1) {
+    timespec ts;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+  }
+  return std::chrono::duration<double>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
 
 using RowMajorF =
     Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
@@ -192,6 +207,7 @@ void RlsState::ComputeVt(const float* u, int64_t ldu, int64_t k) {
   const int64_t n = theta_.size();
   const int64_t ld = p_.ld();
   float* vt = vt_.get();
+  const double t0 = Seconds(threads_);
   std::memset(vt, 0, sizeof(float) * k * ld);
   if (k <= internal::kPanelMaxVectors) {
     // Memory-bound: one pass over P for all k vectors, rows split across
@@ -231,6 +247,8 @@ void RlsState::ComputeVt(const float* u, int64_t ldu, int64_t k) {
       }
     });
   }
+  const double t1 = Seconds(threads_);
+  phases_.product += t1 - t0;
   if (pending_ > 0) {
     // Minus the pending part: Vt -= (U W_all') W_all. C' = W_all U' with U'
     // copied to kp (k rounded up to 16) zero-padded columns, so both
@@ -260,6 +278,7 @@ void RlsState::ComputeVt(const float* u, int64_t ldu, int64_t k) {
                       w_.get() + j0, ld, vt + j0, ld);
       }
     });
+    phases_.pending += Seconds(threads_) - t1;
   }
 }
 
@@ -288,6 +307,7 @@ absl::Status RlsState::UpdateChunk(const float* u, int64_t ldu,
   // V' = U P (k rows of ld floats).
   ComputeVt(u, ldu, k);
   const float* vt = vt_.get();
+  const double t_solve = Seconds(threads_);
 
   // S = I + U V in FP64 (products of floats are exact in double). The
   // kernel fills the upper triangle (row-major), which is the lower one of
@@ -349,6 +369,8 @@ absl::Status RlsState::UpdateChunk(const float* u, int64_t ldu,
       linv[r * k + c] = static_cast<float>(s[c * k + r]);
     }
   }
+  const double t_w = Seconds(threads_);
+  phases_.solve += t_w - t_solve;
   float* wdst = w_.get() + pending_ * ld;
   std::memset(wdst, 0, sizeof(float) * k * ld);
   const int parts = static_cast<int>(
@@ -364,6 +386,7 @@ absl::Status RlsState::UpdateChunk(const float* u, int64_t ldu,
                          1, vt + j0, ld, wdst + r0 * ld + j0, ld);
     }
   });
+  phases_.w += Seconds(threads_) - t_w;
   pending_ += k;
   updates_ += k;
   return absl::OkStatus();
@@ -395,6 +418,7 @@ void RlsState::Flush() {
   float* p = p_.data();
   const int64_t pending = pending_;
   const internal::Kernels& kern = *kernels_;
+  const double t0 = Seconds(threads_);
   RunParts(parts, [&](int t) {
     for (int64_t b = first[t]; b < first[t + 1]; ++b) {
       const int64_t i0 = b * kRows, i1 = std::min(n, i0 + kRows);
@@ -403,6 +427,8 @@ void RlsState::Flush() {
                     ld, p + i0 * ld + j0, ld);
     }
   });
+  const double t1 = Seconds(threads_);
+  phases_.fold += t1 - t0;
   // Mirror, tiles of rows split the same way (each writes its own columns).
   RunParts(parts, [&](int t) {
     const int64_t r0 = first[t] * kRows, r1 = std::min(n, first[t + 1] * kRows);
@@ -419,6 +445,7 @@ void RlsState::Flush() {
       }
     }
   });
+  phases_.mirror += Seconds(threads_) - t1;
   pending_ = 0;
 }
 

@@ -94,6 +94,19 @@ struct RlsOptions {
   absl::Status Validate() const;
 };
 
+// Cumulative seconds spent in each phase of RlsState's updates (for
+// benchmarks: where the time goes): the updating thread's CPU time with one
+// thread, wall time with several.
+struct RlsPhaseSeconds {
+  double product = 0;  // U P_base: the stream over P (panel or blocked)
+  double pending = 0;  // minus the pending part (U W_all') W_all
+  double solve = 0;    // S = I + U V (FP64), Cholesky, theta
+  double w = 0;        // the pending columns W' = L^-1 V'
+  double fold = 0;     // P_base -= W_all W_all' (upper triangle)
+  double mirror = 0;   // upper triangle copied onto the lower one
+  double total() const { return product + pending + solve + w + fold + mirror; }
+};
+
 // The RLS state of one readout: theta (FP64) and P (FP32).
 // Not thread-safe: one thread (the readout's RLS worker) owns it; publish
 // copies of theta to readers.
@@ -124,6 +137,9 @@ class RlsState {
   // Name of the kernel set in use ("avx512", "avx2" or "portable").
   const char* kernel_name() const;
 
+  // Where the time of every Update and Flush so far went.
+  const RlsPhaseSeconds& phase_seconds() const { return phases_; }
+
   // OK when every diagonal entry of P (pending included) is finite and > 0.
   absl::Status CheckHealth();
 
@@ -143,6 +159,7 @@ class RlsState {
   int64_t updates_ = 0;
   const internal::Kernels* kernels_ = nullptr;
   int threads_ = 1;
+  RlsPhaseSeconds phases_;
   // V' of the batch in flight: fold_columns x ld floats.
   std::unique_ptr<float[], void (*)(float*)> vt_;
 };

@@ -58,9 +58,17 @@ std::vector<float> MakeRows(int64_t rows, uint64_t seed) {
   return u;
 }
 
+struct RateResult {
+  double rate = 0;        // completions/s
+  double seconds = 0;     // measured time (CPU time on one thread, else wall)
+  RlsPhaseSeconds phases;  // seconds per phase over the measurement
+  const char* kernels = "";
+};
+
 // Completions per second applying `total` rows in batches of `batch` with
 // `threads` threads (after one warm-up fold cycle).
-double Rate(const std::vector<float>& u, int64_t total, int batch, int threads) {
+RateResult Rate(const std::vector<float>& u, int64_t total, int batch,
+                int threads) {
   RlsOptions opt;
   opt.threads = threads;
   // P0 = I / lambda (cold start) is as costly to update as any SPD P.
@@ -79,10 +87,51 @@ double Rate(const std::vector<float>& u, int64_t total, int batch, int threads) 
   };
   run(256, 0);  // warm-up: one fold cycle, page faults
   rls.Flush();
+  const RlsPhaseSeconds before = rls.phase_seconds();
   const double t0 = Now(threads);
   run(total, 256);
   rls.Flush();  // every fold the work owes is inside the measurement
-  return static_cast<double>(total) / (Now(threads) - t0);
+  RateResult r;
+  r.seconds = Now(threads) - t0;
+  r.rate = static_cast<double>(total) / r.seconds;
+  const RlsPhaseSeconds& after = rls.phase_seconds();
+  r.phases.product = after.product - before.product;
+  r.phases.pending = after.pending - before.pending;
+  r.phases.solve = after.solve - before.solve;
+  r.phases.w = after.w - before.w;
+  r.phases.fold = after.fold - before.fold;
+  r.phases.mirror = after.mirror - before.mirror;
+  r.kernels = rls.kernel_name();
+  return r;
+}
+
+// Where the time went: each phase in microseconds per completion and as a
+// share of the phases' total; the product with P also as a fraction of the
+// limit that bounds it (FMA peak for wide batches, bandwidth for narrow),
+// the fold as a fraction of the FMA peak.
+void PrintPhases(const char* label, const RateResult& r, int64_t total,
+                 int batch, int threads, double peak, double bw) {
+  const RlsPhaseSeconds& p = r.phases;
+  const double us = 1e6 / static_cast<double>(total);
+  const double n2 = double(kN) * double(kN);
+  std::printf("    phases (%s, %s, %d thread%s; us/completion): product %.0f, "
+              "pending %.0f, solve %.0f, W %.0f, fold %.0f, mirror %.0f "
+              "(sum %.0f of %.0f measured)\n",
+              label, r.kernels, threads, threads > 1 ? "s" : "", p.product * us,
+              p.pending * us, p.solve * us, p.w * us, p.fold * us,
+              p.mirror * us, p.total() * us, r.seconds * us);
+  const double cores = threads;
+  if (batch > 8) {
+    std::printf("      product U P: %.2f x the FMA peak; fold (SYRK): %.2f x "
+                "the FMA peak\n",
+                total * n2 / p.product / (peak * cores),
+                total * 0.5 * n2 / p.fold / (peak * cores));
+  } else {
+    std::printf("      product U P: %.2f x the read bandwidth; fold (SYRK): "
+                "%.2f x the FMA peak\n",
+                (total / batch) * 4.0 * n2 / p.product / (bw * cores),
+                total * 0.5 * n2 / p.fold / (peak * cores));
+  }
 }
 
 std::string LoadAverage() {
@@ -126,10 +175,12 @@ int main(int argc, char** argv) {
   std::printf("  plain 4096-float dot:    %8.2f M/s\n", MeasurePlainDot(4096) / 1e6);
 
   std::vector<float> u = MakeRows(1024, 3);
-  const double b8 = Rate(u, total, 8, 1);
-  const double big1 = Rate(u, total, 256, 1);
-  const double bigall = cores > 1 ? Rate(u, total, 256, cores) : big1;
-  const double b8all = cores > 1 ? Rate(u, total, 8, cores) : b8;
+  const RateResult r8 = Rate(u, total, 8, 1);
+  const RateResult rbig1 = Rate(u, total, 256, 1);
+  const RateResult rbigall = cores > 1 ? Rate(u, total, 256, cores) : rbig1;
+  const RateResult r8all = cores > 1 ? Rate(u, total, 8, cores) : r8;
+  const double b8 = r8.rate, big1 = rbig1.rate, bigall = rbigall.rate,
+               b8all = r8all.rate;
   const double tighter8 = std::min(fma_bound, bw_bound8);
   std::printf("RLS at d = 4096 (%lld completions each):\n",
               static_cast<long long>(total));
@@ -141,6 +192,10 @@ int main(int argc, char** argv) {
               cores, bigall, bigall / big1);
   std::printf("  batches of 8,  %d cores:  %7.0f completions/s = %.2f x one core\n",
               cores, b8all, b8all / b8);
+  std::printf("  where the time goes:\n");
+  PrintPhases("batches of 8", r8, total, 8, 1, peak, bw);
+  PrintPhases("batches of 256", rbig1, total, 256, 1, peak, bw);
+  if (cores > 1) PrintPhases("batches of 256", rbigall, total, 256, cores, peak, bw);
   std::printf("load average at end: %s\n", LoadAverage().c_str());
   return 0;
 }

@@ -13,6 +13,10 @@ python3-torch making the tensors (the module itself links no torch).
     exactly as a brute-force countdown does; leapd is killed with SIGKILL and
     restarted on the same socket: the client reconnects by itself and the
     live requests are predicted again, then learned by the new process.
+  - TLS: a client with tls_ca_file/tls_cert_file/tls_key_file gets
+    predictions from a leapd whose TCP listener speaks mutual TLS
+    (certificates made by openssl at test time); clients with another CA's
+    certificate, without a certificate or in plaintext never connect.
   - Bad input raises the documented Python exception and consumes nothing.
   - Scheduler.apply / select over many steps against a brute-force
     countdown (newest version wins, unpredicted requests last).
@@ -77,15 +81,21 @@ class Leapd:
     """A leapd child process on a unix socket with its state in data_dir;
     stdout is read by a thread so waiting for a line has a deadline."""
 
-    def __init__(self, sock, data_dir):
+    def __init__(self, sock, data_dir, extra_args=()):
         self.sock = sock
         self.proc = subprocess.Popen(
             [ARGS.leapd, "--listen=unix://" + sock, "--shm=" + sock + ".shm",
              "--metrics_listen=127.0.0.1:0", "--data_dir=" + data_dir,
-             "--rls_batch=1", "--rls_batch_max=1", "--rls_flush=10ms"],
+             "--rls_batch=1", "--rls_batch_max=1", "--rls_flush=10ms"] +
+            list(extra_args),
             stdout=subprocess.PIPE, text=True)
         self.lines = leapd_lines.StdoutLines(self.proc, DEADLINE_S)
-        self.wait_for_line("listening on ")
+        listens = 1 + sum(a.startswith("--listen=") for a in extra_args)
+        addresses = [self.wait_for_line("listening on ")
+                     for _ in range(listens)]
+        # The TCP listener's address with its port (extra_args' --listen).
+        self.tcp = next((a for a in addresses if not a.startswith("unix:")),
+                        None)
         self.wait_for_line("leapd ")  # "leapd <id> ready"
 
     def wait_for_line(self, prefix):
@@ -218,7 +228,7 @@ class LeapdFixture(unittest.TestCase):
         self.addCleanup(shutil.rmtree, self.dir, True)
         self.sock = os.path.join(self.dir, "leapd.sock")
         self.data_dir = os.path.join(self.dir, "db")
-        self.leapd = Leapd(self.sock, self.data_dir)
+        self.leapd = Leapd(self.sock, self.data_dir, self.leapd_args())
         self.addCleanup(lambda: self.leapd.kill9())
         apb = PB["admin_pb2"]
         with grpc.insecure_channel("unix://" + self.sock) as ch:
@@ -236,6 +246,10 @@ class LeapdFixture(unittest.TestCase):
         self.gen = torch.Generator().manual_seed(7)
         self.v = torch.randn(DIM, generator=self.gen)
         self.v *= 4.0 / self.v.norm()
+
+    def leapd_args(self):
+        """leapd flags beyond the fixture's own (subclasses)."""
+        return []
 
     def rows(self, cs):
         cs = torch.tensor(cs, dtype=torch.float32)
@@ -471,6 +485,94 @@ class EndToEndTest(LeapdFixture):
         self.leapd.terminate()
 
 
+def make_certificates(d):
+    """openssl at test time: a CA `ca`, a server certificate for 127.0.0.1
+    signed by it, a client certificate signed by it, and a client
+    certificate `rogue` signed by another CA."""
+    key = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+           "-nodes"]
+
+    def run(args):
+        subprocess.run(["openssl"] + args, cwd=d, check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def ca(name):
+        run(["req", "-x509"] + key + ["-keyout", name + ".key", "-out",
+            name + ".pem", "-days", "2", "-subj", "/CN=" + name])
+
+    def leaf(name, ca_name, ext):
+        with open(os.path.join(d, name + ".ext"), "w") as f:
+            f.write(ext + "\n")
+        run(["req"] + key + ["-keyout", name + ".key", "-out", name + ".csr",
+            "-subj", "/CN=" + name])
+        run(["x509", "-req", "-in", name + ".csr", "-CA", ca_name + ".pem",
+             "-CAkey", ca_name + ".key", "-CAcreateserial", "-out",
+             name + ".pem", "-days", "2", "-extfile", name + ".ext"])
+
+    ca("ca")
+    ca("rogue-ca")
+    leaf("server", "ca",
+         "subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth")
+    leaf("client", "ca", "extendedKeyUsage=clientAuth")
+    leaf("rogue", "rogue-ca", "extendedKeyUsage=clientAuth")
+
+
+class TlsTest(LeapdFixture):
+    """leap_shim.Client's tls_ca_file / tls_cert_file / tls_key_file against
+    a leapd whose TCP listener speaks mutual TLS (--tls_cert, --tls_key,
+    --tls_client_ca); the readout is set up over its plaintext unix
+    socket."""
+
+    def leapd_args(self):
+        make_certificates(self.dir)
+        return ["--listen=127.0.0.1:0",
+                "--tls_cert=" + self.cert("server.pem"),
+                "--tls_key=" + self.cert("server.key"),
+                "--tls_client_ca=" + self.cert("ca.pem")]
+
+    def cert(self, name):
+        return os.path.join(self.dir, name)
+
+    def tls_client(self, engine_id, cert=None, ca="ca.pem"):
+        tls = {}
+        if ca is not None:
+            tls["tls_ca_file"] = self.cert(ca)
+        if cert is not None:
+            tls["tls_cert_file"] = self.cert(cert + ".pem")
+            tls["tls_key_file"] = self.cert(cert + ".key")
+        c = leap_shim.Client(self.leapd.tcp, DIM, engine_id=engine_id,
+                             min_backoff_s=0.02, max_backoff_s=0.2, **tls)
+        self.addCleanup(c.close)
+        return c
+
+    def test_mutual_tls(self):
+        """A client with the CA and a certificate signed by it connects and
+        gets predictions equal to w . x + b; one with another CA's
+        certificate, one without a certificate and one speaking plaintext
+        never connect."""
+        rogue = self.tls_client("py-tls-rogue", cert="rogue")
+        anonymous = self.tls_client("py-tls-anonymous")
+        plain = self.tls_client("py-tls-plain", ca=None)
+        client = self.tls_client("py-tls", cert="client")
+        self.assertTrue(client.wait_connected(DEADLINE_S),
+                        "the client with a certificate never connected")
+        ev = Events(client)
+        v, w = self.weights()
+        x = self.rows([0.5, -0.5])
+        client.capture(x, ["t0", "t1"])
+        ids = {"t0", "t1"}
+        self.assertTrue(ev.wait_for(
+            lambda a: len(latest(a, ids, ("prediction",))) == len(ids)),
+            "no predictions over TLS")
+        got = latest(ev.all, ids, ("prediction",))
+        self.assert_scores(got, {"t0": x[0], "t1": x[1]}, w, v.bias)
+        # By now the refused clients have had as many attempts as the good
+        # one needed and more; none of them ever got a session.
+        for c in (rogue, anonymous, plain):
+            self.assertEqual(c.stats["connects"], 0, c.stats)
+            self.assertFalse(c.connected)
+
+
 class BadInputTest(unittest.TestCase):
     """Validation happens before any I/O: no leapd needed."""
 
@@ -580,6 +682,22 @@ class BadInputTest(unittest.TestCase):
         with leap_shim.Client("unix:///nowhere", DIM) as c:
             self.assertEqual((c.dim, c.dtype), (DIM, "float32"))
         self.assertTrue(c.closed)
+
+    def test_tls_option_errors(self):
+        """TLS files are read when the client starts: a missing one, or a
+        certificate without its key, is a ValueError naming it."""
+        d = tempfile.mkdtemp(prefix="leap_shim_tls_")
+        self.addCleanup(shutil.rmtree, d, True)
+        missing = os.path.join(d, "missing-ca.pem")
+        with self.assertRaisesRegex(ValueError, "cannot read TLS file .*missing-ca.pem"):
+            leap_shim.Client("127.0.0.1:1", DIM, tls_ca_file=missing)
+        pem = os.path.join(d, "some.pem")
+        with open(pem, "w") as f:
+            f.write("-----BEGIN CERTIFICATE-----\n")
+        with self.assertRaisesRegex(ValueError, "tls_cert_file and tls_key_file go together"):
+            leap_shim.Client("127.0.0.1:1", DIM, tls_cert_file=pem)
+        with self.assertRaisesRegex(ValueError, "tls_cert_file and tls_key_file go together"):
+            leap_shim.Client("127.0.0.1:1", DIM, tls_key_file=pem)
 
     def test_scheduler_errors(self):
         with self.assertRaisesRegex(ValueError, "slots must be >= 1"):

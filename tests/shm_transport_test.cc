@@ -24,7 +24,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "engine_shim/shm_channel.h"
-#include "engine_shim/transport.h"
+#include "engine_shim/internal/transport.h"
 #include "gtest/gtest.h"
 #include "tests/support/engine_client.h"
 #include "tests/support/process.h"
@@ -258,6 +258,27 @@ Outcome RunScenario(const std::string& endpoint) {
   cancelled.set_seq(7);
   AddCompletion(&cancelled, "a4", 12, pb::FINISH_REASON_CANCELLED);
   send_and_wait(cancelled);
+  // NUL bytes in request ids (docs/WIRE.md: ids hold no NUL; engine keys are
+  // instance NUL id). A completion or cancel naming one gets INVALID_ARGUMENT
+  // for itself alone: the live request whose id is its prefix is untouched,
+  // the rest of the batch is served, and the stream keeps answering. Over
+  // shm the cancels travel in a kCancels frame, not protobuf.
+  pb::EngineMessage nul_done;
+  nul_done.set_seq(8);
+  AddCompletion(&nul_done, std::string("b1\0x", 4), 10, pb::FINISH_REASON_STOP);
+  AddCompletion(&nul_done, std::string("b1\0", 3), 10, pb::FINISH_REASON_STOP);
+  AddCompletion(&nul_done, "b0", 9, pb::FINISH_REASON_CANCELLED);  // skipped
+  send_and_wait(nul_done);
+  pb::EngineMessage nul_cancels;
+  nul_cancels.set_seq(9);
+  nul_cancels.mutable_cancels()->add_request_ids(std::string("b2\0", 3));
+  nul_cancels.mutable_cancels()->add_request_ids("b1");  // still live
+  nul_cancels.mutable_cancels()->add_request_ids(std::string(1, '\0'));
+  send_and_wait(nul_cancels);
+  pb::EngineMessage after;
+  after.set_seq(10);
+  after.mutable_cancels()->add_request_ids("b2");  // still live
+  send_and_wait(after);
   return Normalize(rec.messages());
 }
 
@@ -275,8 +296,8 @@ TEST(ShmTransport, ConformsToGrpcConnect) {
     EXPECT_NE(shm_outcome.sidecar_id.find("/shm-"), std::string::npos)
         << "the shm scenario did not run over shm: " << shm_outcome.sidecar_id;
   }
-  ASSERT_EQ(grpc_outcome.answers.size(), 8u);
-  ASSERT_EQ(shm_outcome.answers.size(), 8u);
+  ASSERT_EQ(grpc_outcome.answers.size(), 11u);
+  ASSERT_EQ(shm_outcome.answers.size(), 11u);
   for (const auto& [seq, text] : grpc_outcome.answers) {
     EXPECT_EQ(text, shm_outcome.answers[seq]) << "answer to seq " << seq;
   }
@@ -289,6 +310,26 @@ TEST(ShmTransport, ConformsToGrpcConnect) {
   const std::string& b = grpc_outcome.answers[3];
   EXPECT_NE(b.find("version: 3"), std::string::npos) << b;
   EXPECT_NE(grpc_outcome.answers[1].find("code: 6"), std::string::npos);
+  // NUL ids: refused one by one with the precise error, nothing else lost.
+  auto count = [](const std::string& text, const std::string& what) {
+    int n = 0;
+    for (size_t at = text.find(what); at != std::string::npos;
+         at = text.find(what, at + 1)) {
+      ++n;
+    }
+    return n;
+  };
+  const std::string nul = "request_id must not contain NUL characters";
+  const std::string& done = grpc_outcome.answers[8];
+  EXPECT_EQ(count(done, nul), 2) << done;
+  EXPECT_EQ(count(done, "code: 3"), 2) << done;
+  EXPECT_NE(done.find("skipped: 1"), std::string::npos) << done;
+  const std::string& cancels = grpc_outcome.answers[9];
+  EXPECT_EQ(count(cancels, nul), 2) << cancels;
+  EXPECT_NE(cancels.find("accepted: 1"), std::string::npos) << cancels;  // b1
+  const std::string& after = grpc_outcome.answers[10];
+  EXPECT_NE(after.find("accepted: 1"), std::string::npos) << after;  // b2
+  EXPECT_EQ(after.find("errors"), std::string::npos) << after;
 }
 
 // ------------------------------------------------------- hostile engines

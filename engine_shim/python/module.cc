@@ -113,7 +113,8 @@ backoff) and, after a sidecar restart, resubmits the features of every live
 request and resends unacknowledged completions. Results arrive as events
 through poll(). Usable as a context manager (close() on exit).)doc")
       .def(py::init<std::string, int64_t, std::string, std::string, std::string,
-                    int32_t, double, double, double, int, int64_t, int64_t>(),
+                    int32_t, double, double, double, int, int64_t, int64_t,
+                    std::string, std::string, std::string>(),
            py::arg("endpoint"), py::arg("dim"), py::arg("dtype") = "float32",
            py::arg("engine_id") = "", py::arg("model_id") = "",
            py::arg("layer") = -1, py::arg("min_backoff_s") = 0.05,
@@ -121,6 +122,8 @@ through poll(). Usable as a context manager (close() on exit).)doc")
            py::arg("max_batch_records") = 256,
            py::arg("max_live_requests") = 65536,
            py::arg("cuda_staging_bytes") = int64_t{64} << 20,
+           py::arg("tls_ca_file") = "", py::arg("tls_cert_file") = "",
+           py::arg("tls_key_file") = "",
            R"doc(Starts the client; connecting happens in the background.
 
 Args:
@@ -139,9 +142,16 @@ Args:
   max_live_requests: requests kept for resubmission; more are refused with
     an 'error' event (code 8).
   cuda_staging_bytes: pinned host memory per CUDA device for CUDA captures.
+  tls_ca_file: gRPC over TCP with TLS (leapd --tls_cert): PEM file of the CA
+    that signed leapd's certificate. With it, the client speaks TLS only.
+  tls_cert_file, tls_key_file: this engine's PEM certificate chain and key,
+    for mutual TLS (leapd --tls_client_ca); together or not at all.
+    All three empty (the default): plaintext. leapd's unix sockets are
+    plaintext only (leave these empty for unix://); shm:// ignores them.
 
 Raises:
-  ValueError: a bad option (dim outside [1, 16384], unknown dtype, ...).)doc")
+  ValueError: a bad option (dim outside [1, 16384], unknown dtype, a TLS
+    file that cannot be read, a certificate without its key, ...).)doc")
       .def(
           "capture", &PyClient::Capture, py::arg("tensor"),
           py::arg("request_ids"), py::arg("product_line") = "",

@@ -68,7 +68,9 @@ PyClient::PyClient(std::string endpoint, int64_t dim, std::string dtype,
                    std::string engine_id, std::string model_id, int32_t layer,
                    double min_backoff_s, double max_backoff_s,
                    double connect_timeout_s, int max_batch_records,
-                   int64_t max_live_requests, int64_t cuda_staging_bytes) {
+                   int64_t max_live_requests, int64_t cuda_staging_bytes,
+                   std::string tls_ca_file, std::string tls_cert_file,
+                   std::string tls_key_file) {
   options_.endpoint = std::move(endpoint);
   options_.dim = dim;
   options_.dtype = ParseDType(std::move(dtype));
@@ -80,6 +82,9 @@ PyClient::PyClient(std::string endpoint, int64_t dim, std::string dtype,
   options_.connect_timeout = Seconds(connect_timeout_s, "connect_timeout_s");
   options_.max_batch_records = max_batch_records;
   options_.max_live_requests = max_live_requests;
+  options_.tls_ca_file = std::move(tls_ca_file);
+  options_.tls_cert_file = std::move(tls_cert_file);
+  options_.tls_key_file = std::move(tls_key_file);
   if (cuda_staging_bytes < 256) {
     throw py::value_error(absl::StrCat(
         "cuda_staging_bytes must be >= 256, got ", cuda_staging_bytes));

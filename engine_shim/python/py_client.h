@@ -87,7 +87,8 @@ class PyClient {
            std::string engine_id, std::string model_id, int32_t layer,
            double min_backoff_s, double max_backoff_s, double connect_timeout_s,
            int max_batch_records, int64_t max_live_requests,
-           int64_t cuda_staging_bytes);
+           int64_t cuda_staging_bytes, std::string tls_ca_file,
+           std::string tls_cert_file, std::string tls_key_file);
 
   ~PyClient();
   PyClient(const PyClient&) = delete;

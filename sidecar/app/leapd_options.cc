@@ -128,6 +128,12 @@ ABSL_FLAG(int64_t, guardrail_min_samples, 500,
           "Quality guardrail: completions the window must hold before it is "
           "judged (and that a snapshot's recorded Spearman must cover to "
           "count as good); in [2, --quality_window].");
+ABSL_FLAG(double, guardrail_hysteresis, 0.05,
+          "Quality guardrail: a warming guardrail is armed only by a judged "
+          "window at least this far (in [0, 1]) above its trip line (the "
+          "floor, and the last good snapshot's Spearman less the margin), so a "
+          "quality hovering at the line cannot arm and trip it again and "
+          "again. 0: armed by the first window that passes.");
 ABSL_FLAG(std::string, guardrail_action, "freeze",
           "Quality guardrail: what a trip does: 'freeze' (learning frozen "
           "until 'leapctl resume') or 'rollback' (frozen, and the readout "
@@ -485,6 +491,8 @@ absl::StatusOr<LeapdOptions> LeapdOptionsFromFlags() {
       absl::GetFlag(FLAGS_guardrail_margin).value_or(NAN);
   options.readout.guardrail.min_samples =
       absl::GetFlag(FLAGS_guardrail_min_samples);
+  options.readout.guardrail.hysteresis =
+      absl::GetFlag(FLAGS_guardrail_hysteresis);
   {
     absl::StatusOr<GuardrailAction> action =
         ParseGuardrailAction(absl::GetFlag(FLAGS_guardrail_action));

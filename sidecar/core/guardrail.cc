@@ -31,6 +31,10 @@ absl::Status GuardrailOptions::Validate(int64_t window) const {
     return absl::InvalidArgumentError(
         absl::StrCat("guardrail margin must be in (0, 2], got ", margin));
   }
+  if (!(hysteresis >= 0 && hysteresis <= 1)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "guardrail hysteresis must be in [0, 1], got ", hysteresis));
+  }
   if (enabled() && (min_samples < 2 || min_samples > window)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "guardrail min_samples must be in [2, quality_window = ", window,
@@ -97,7 +101,13 @@ std::optional<GuardrailTrip> GuardrailMonitor::Observe(double predicted,
         rho, last_good_->spearman - rho, last_good_->spearman,
         last_good_->label, options_.margin, n);
   } else {
-    phase_ = Phase::kArmed;  // a passing window arms a warming guardrail
+    // A passing window arms a warming guardrail when it clears every trip
+    // line by the hysteresis.
+    const bool clear =
+        (std::isnan(options_.floor) || rho >= options_.floor + options_.hysteresis) &&
+        (std::isnan(options_.margin) || !last_good_.has_value() ||
+         rho >= last_good_->spearman - options_.margin + options_.hysteresis);
+    if (clear) phase_ = Phase::kArmed;
     return std::nullopt;
   }
   if (phase_ == Phase::kWarming) return std::nullopt;
@@ -115,56 +125,27 @@ ReadoutGuardrail::ReadoutGuardrail(GuardrailOptions options, int64_t window,
   if (series_.state != nullptr) series_.state->Set(tripped ? 1 : 0);
 }
 
-void ReadoutGuardrail::Observe(LiveReadout& readout, double predicted,
-                               double truth) {
-  std::optional<GuardrailTrip> trip;
-  {
-    absl::MutexLock lock(&mu_);
-    trip = monitor_.Observe(predicted, truth);
-    if (!trip.has_value()) return;
-    tripped_ = true;
-    ++trips_;
-  }
-  // Only this thread acts on the trip: the monitor stays disarmed until
+std::optional<GuardrailTrip> ReadoutGuardrail::Observe(double predicted,
+                                                      double truth) {
+  absl::MutexLock lock(&mu_);
+  std::optional<GuardrailTrip> trip = monitor_.Observe(predicted, truth);
+  if (!trip.has_value()) return std::nullopt;
+  // Only this caller gets the trip: the monitor stays disarmed until
   // learning resumes.
-  std::string done;
-  GuardrailAction applied = GuardrailAction::kFreeze;
-  absl::Status frozen = readout.SetFrozen(true, trip->reason);
-  if (!frozen.ok()) {
-    // In memory it is frozen all the same; only persisting failed.
-    done = absl::StrCat("learning frozen (not persisted: ", frozen.message(),
-                        ")");
-  } else {
-    done = "learning frozen";
-  }
-  if (action_ == GuardrailAction::kRollback) {
-    if (!trip->last_good.has_value()) {
-      absl::StrAppend(&done, "; no good snapshot to roll back to");
-    } else {
-      absl::StatusOr<int64_t> v = readout.Rollback(trip->last_good->label);
-      if (v.ok()) {
-        applied = GuardrailAction::kRollback;
-        absl::StrAppend(
-            &done, absl::StrFormat(
-                       "; rolled back to snapshot '%s' (spearman %.3f over %d) "
-                       "as version %d",
-                       trip->last_good->label, trip->last_good->spearman,
-                       trip->last_good->spearman_n, *v));
-      } else {
-        absl::StrAppend(&done, "; rollback to snapshot '",
-                        trip->last_good->label,
-                        "' failed: ", v.status().message());
-      }
-    }
-  }
-  std::fprintf(stderr, "leapd: readout '%s': %s; %s\n", readout.name().c_str(),
-               trip->reason.c_str(), done.c_str());
+  tripped_ = true;
+  ++trips_;
+  if (series_.state != nullptr) series_.state->Set(1);
+  return trip;
+}
+
+void ReadoutGuardrail::TripDone(const GuardrailTrip& trip,
+                                const std::string& done,
+                                GuardrailAction applied) {
   {
     absl::MutexLock lock(&mu_);
-    last_trip_ = absl::StrCat(trip->reason, "; ", done);
+    last_trip_ = absl::StrCat(trip.reason, "; ", done);
     last_trip_unix_ms_ = UnixMs();
   }
-  if (series_.state != nullptr) series_.state->Set(1);
   prometheus::Counter* c = applied == GuardrailAction::kRollback
                                ? series_.trips_rollback
                                : series_.trips_freeze;

@@ -49,6 +49,12 @@ struct GuardrailOptions {
   // snapshot's recorded quality must cover to count as good. In
   // [2, window]. Default: 500
   int64_t min_samples = 500;
+  // Hysteresis, in [0, 1]: a warming guardrail is armed only by a judged
+  // window at least this far above its trip line (the floor, and the last
+  // good snapshot's Spearman less the margin), so a quality hovering at
+  // the line cannot arm it at 0.301 and trip it at 0.299. 0: the first
+  // window that does not fail arms it. Default: 0.05
+  double hysteresis = 0.05;
   GuardrailAction action = GuardrailAction::kFreeze;
 
   bool enabled() const { return !std::isnan(floor) || !std::isnan(margin); }
@@ -87,8 +93,9 @@ struct GuardrailTrip {
 // is defined, and it is below the floor or more than the margin below the
 // last good snapshot's. The guardrail trips when the quality *falls*: it
 // starts warming (a cold-start readout predicts badly until it has
-// learned) and is armed by the first judged window that does not fail;
-// from then on the first failing window trips it and disarms it.
+// learned) and is armed by the first judged window that clears the trip
+// line by the hysteresis; from then on the first failing window trips it
+// and disarms it.
 class GuardrailMonitor {
  public:
   enum class Phase { kWarming, kArmed, kDisarmed };
@@ -147,10 +154,17 @@ class ReadoutGuardrail {
   ReadoutGuardrail(GuardrailOptions options, int64_t window, Series series,
                    bool tripped);
 
-  // Called by the readout for each judged completion while it learns. On a
-  // trip, freezes `readout` (and rolls it back when configured) before
-  // returning; the caller holds no lock of the readout.
-  void Observe(LiveReadout& readout, double predicted, double truth);
+  // Called by the readout for each judged completion while it learns.
+  // Returns the trip when this pair caused one (the guardrail is then
+  // "tripped"); the readout freezes itself and has the action run off the
+  // caller's thread (LiveReadout::RecordQuality), then reports it with
+  // TripDone. Cheap: it never blocks on the readout.
+  std::optional<GuardrailTrip> Observe(double predicted, double truth);
+  // The trip's action ran: `done` says what it did ("learning frozen; rolled
+  // back to ..."), `applied` which action took effect (metrics).
+  void TripDone(const GuardrailTrip& trip, const std::string& done,
+                GuardrailAction applied);
+  GuardrailAction action() const { return action_; }
   // The readout's snapshots changed (or were loaded): recompute the last
   // good one.
   void OnSnapshots(const std::vector<storage::SnapshotInfo>& snapshots);

@@ -54,6 +54,7 @@ GuardrailOptions Floor(double floor, int64_t min_samples) {
   GuardrailOptions o;
   o.floor = floor;
   o.min_samples = min_samples;
+  o.hysteresis = 0;  // armed by the first passing window (see Hysteresis)
   return o;
 }
 
@@ -223,6 +224,63 @@ TEST(GuardrailSnapshots, LastGoodIsTheNewestThatPassed) {
   margin_only.min_samples = 100;
   EXPECT_EQ(LastGoodSnapshot(snaps, margin_only)->label, "below-floor");
   EXPECT_FALSE(LastGoodSnapshot({}, o).has_value());
+}
+
+// A quality that hovers at the floor (rolling Spearman ~0.5 +- noise over
+// a 50-pair window, floor 0.5): without hysteresis a warming guardrail is
+// armed at 0.50x and tripped at 0.49x a few pairs later, again and again
+// (re-warmed after each trip here, as after an operator's resume of a
+// warming readout). With hysteresis h it is armed only by a window at or
+// above floor + h: exactly where the FP64 reference says, and it flaps far
+// less. Both runs follow the reference state machine pair by pair.
+TEST(GuardrailMonitor, HysteresisStopsFlappingAtTheFloor) {
+  constexpr int64_t kWindow = 50, kMin = 20;
+  constexpr double kFloor = 0.5;
+  auto run = [&](double h) {
+    GuardrailOptions o = Floor(kFloor, kMin);
+    o.hysteresis = h;
+    GuardrailMonitor m(o, kWindow);
+    std::mt19937_64 rng(11);
+    std::normal_distribution<double> n01;
+    std::deque<std::pair<double, double>> window;
+    bool armed = false;
+    int trips = 0;
+    for (int64_t i = 0; i < 4000; ++i) {
+      const double pred = n01(rng);
+      const double truth = pred + 1.5 * n01(rng);  // Spearman ~0.5
+      window.emplace_back(pred, truth);
+      if (static_cast<int64_t>(window.size()) > kWindow) window.pop_front();
+      const double ref = ReferenceSpearman(window);
+      const bool judged = static_cast<int64_t>(window.size()) >= kMin;
+      const bool should = armed && judged && ref < kFloor;
+      if (!armed && judged && ref >= kFloor + h) armed = true;
+      std::optional<GuardrailTrip> trip = m.Observe(pred, truth);
+      EXPECT_EQ(trip.has_value(), should) << "h " << h << " pair " << i
+                                          << " reference " << ref;
+      if (trip.has_value() != should) return -1;
+      if (should) {
+        ++trips;
+        armed = false;
+        window.clear();
+        m.Restart(GuardrailMonitor::Phase::kWarming);
+      } else {
+        EXPECT_EQ(m.armed(), armed) << "h " << h << " pair " << i;
+      }
+    }
+    return trips;
+  };
+  const int flaps = run(0);
+  const int damped = run(0.15);
+  std::printf("trips over 4000 pairs at the floor: hysteresis 0: %d, 0.15: %d\n",
+              flaps, damped);
+  EXPECT_GT(flaps, 0);
+  EXPECT_GE(damped, 0);
+  EXPECT_LT(damped, flaps);
+  GuardrailOptions bad = Floor(0.3, 10);
+  bad.hysteresis = -0.1;
+  EXPECT_FALSE(bad.Validate(100).ok());
+  bad.hysteresis = 1.5;
+  EXPECT_FALSE(bad.Validate(100).ok());
 }
 
 TEST(GuardrailOptions, Validate) {

@@ -1,10 +1,12 @@
 #include "sidecar/core/live_readout.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/time/time.h"
 #include "common/clock.h"
 
@@ -171,6 +173,12 @@ std::string LiveReadout::frozen_reason() const {
 }
 
 absl::Status LiveReadout::SetFrozen(bool frozen, const std::string& reason) {
+  absl::MutexLock admin(&admin_mu_);
+  return SetFrozenLocked(frozen, reason);
+}
+
+absl::Status LiveReadout::SetFrozenLocked(bool frozen,
+                                          const std::string& reason) {
   if (!frozen && !adaptive_) {
     return absl::FailedPreconditionError(absl::StrCat(
         "readout '", name_,
@@ -190,6 +198,9 @@ absl::Status LiveReadout::SetFrozen(bool frozen, const std::string& reason) {
     frozen_.store(frozen);
     frozen_reason_ = frozen ? reason : "";
     metrics_.frozen->Set(frozen ? 1 : 0);
+    // Resumed before the RLS thread acted on a guardrail trip: the resume
+    // is the later decision, the trip's action is dropped.
+    if (!frozen) pending_trip_.reset();
   }
   if (!frozen && guardrail_ != nullptr) guardrail_->Rearm();
   absl::MutexLock lock(&mu_);
@@ -343,6 +354,13 @@ void LiveReadout::RecoverLog(std::vector<storage::LogRecord> log,
     int64_t learned = learned_.load();
     std::vector<float> u;
     std::vector<double> y;
+    std::vector<size_t> row_at;  // the log index of each finite row
+    // Rows of a batch that failed part-way: RlsState::Update applies a
+    // batch wider than its fold buffer in pieces, and pieces applied before
+    // the failure stay in theta and P. They are counted as learned (and
+    // never queued again), like the RLS thread's own partial batches.
+    int64_t partial_rows = 0;
+    uint64_t partial_seq = 0;
     for (const storage::VersionEntry& h : history) {
       if (h.version <= start) continue;
       if (h.cause != "rls" || !h.has_last_seq || h.last_seq <= applied_seq_) {
@@ -365,6 +383,7 @@ void LiveReadout::RecoverLog(std::vector<storage::LogRecord> log,
       }
       u.assign(static_cast<size_t>(k * n), 0.0f);
       y.resize(k);
+      row_at.clear();
       bool bad = false;
       int64_t rows = 0;  // the rows the RLS thread applied (finite ones)
       for (int64_t i = 0; i < k; ++i) {
@@ -378,7 +397,10 @@ void LiveReadout::RecoverLog(std::vector<storage::LogRecord> log,
         standardizer_.Augment({rec.features.data(), rec.dtype, dim, 1},
                               u.data() + rows * n);
         y[rows] = rec.target;
-        if (FiniteRow(u.data() + rows * n, n, rec.target)) ++rows;
+        if (FiniteRow(u.data() + rows * n, n, rec.target)) {
+          row_at.push_back(pos + i);
+          ++rows;
+        }
       }
       y.resize(rows);
       if (bad) {
@@ -391,12 +413,27 @@ void LiveReadout::RecoverLog(std::vector<storage::LogRecord> log,
                              "'s batch; the rest is learned as new versions"));
         break;
       }
+      const int64_t before = rls_->updates();
       absl::Status s = rls_->Update(u.data(), n, y);
       if (!s.ok()) {
-        // Update leaves the state as it was unless it applied pieces; the
-        // version reached so far is still exact.
+        // Update leaves the state as it was unless it applied pieces (each
+        // piece is all or nothing). Pieces applied are in theta and P now:
+        // they must not be queued (and applied) a second time.
+        const int64_t applied = rls_->updates() - before;
+        if (applied > 0) {
+          partial_rows = applied;
+          const size_t last = row_at[static_cast<size_t>(applied - 1)];
+          partial_seq = log[last].seq;
+          pos = last + 1;
+        }
         problem(absl::StrCat("replaying version ", h.version, ": ",
-                             s.message()));
+                             s.message(),
+                             applied > 0
+                                 ? absl::StrCat(" (after ", applied,
+                                                " of its rows, kept applied "
+                                                "and published as a new "
+                                                "version)")
+                                 : std::string()));
         break;
       }
       applied_seq_ = h.last_seq;
@@ -404,7 +441,19 @@ void LiveReadout::RecoverLog(std::vector<storage::LogRecord> log,
       pos = end;
       reached = &h;
     }
-    if (reached != nullptr) {
+    if (partial_rows > 0) {
+      // The state is the version reached plus the rows of a partial batch:
+      // no number named it before, so it is published under a new one
+      // (after every number used), with the log position it includes.
+      theta_ = rls_->theta();
+      applied_seq_ = partial_seq;
+      learned += partial_rows;
+      learned_.store(learned);
+      version_.store(std::max({version_.load(), max_version,
+                               reached != nullptr ? reached->version : 0}));
+      PublishLocked(theta_, learned, "rls");
+      ++batches_since_ckpt_;
+    } else if (reached != nullptr) {
       // Serve exactly the state that had this number: the theta it was
       // published with (replay reproduces P; theta is taken as stored).
       absl::StatusOr<Eigen::VectorXd> stored =
@@ -522,12 +571,79 @@ void LiveReadout::RecordQuality(int64_t version, double predicted_tokens,
   }
   // Judged only while learning: its actions stop and undo learning.
   if (guardrail_ != nullptr && !frozen_.load()) {
-    guardrail_->Observe(*this, predicted_tokens, true_tokens);
+    std::optional<GuardrailTrip> trip =
+        guardrail_->Observe(predicted_tokens, true_tokens);
+    if (trip.has_value()) {
+      // Frozen in memory at once (the RLS thread starts no batch after
+      // this); persisting it and the rollback are the RLS thread's
+      // (ActOnTrip): a completion never waits for a store write, a batch in
+      // flight or a checkpoint.
+      absl::MutexLock lock(&mu_);
+      frozen_.store(true);
+      frozen_reason_ = trip->reason;
+      metrics_.frozen->Set(1);
+      pending_trip_ = std::move(trip);
+    }
   }
+}
+
+void LiveReadout::ActOnTrip() {
+  absl::MutexLock admin(&admin_mu_);
+  GuardrailTrip trip;
+  {
+    absl::MutexLock lock(&mu_);
+    if (!pending_trip_.has_value()) return;  // resumed since, or none
+    trip = *pending_trip_;
+  }
+  std::string done;
+  GuardrailAction applied = GuardrailAction::kFreeze;
+  absl::Status frozen = SetFrozenLocked(true, trip.reason);
+  if (!frozen.ok()) {
+    // In memory it is frozen all the same; only persisting failed.
+    done = absl::StrCat("learning frozen (not persisted: ", frozen.message(),
+                        ")");
+  } else {
+    done = "learning frozen";
+  }
+  if (guardrail_->action() == GuardrailAction::kRollback) {
+    if (!trip.last_good.has_value()) {
+      absl::StrAppend(&done, "; no good snapshot to roll back to");
+    } else {
+      absl::StatusOr<int64_t> v = RollbackLocked(trip.last_good->label);
+      if (v.ok()) {
+        applied = GuardrailAction::kRollback;
+        absl::StrAppend(
+            &done, absl::StrFormat(
+                       "; rolled back to snapshot '%s' (spearman %.3f over %d) "
+                       "as version %d",
+                       trip.last_good->label, trip.last_good->spearman,
+                       trip.last_good->spearman_n, *v));
+      } else {
+        absl::StrAppend(&done, "; rollback to snapshot '",
+                        trip.last_good->label,
+                        "' failed: ", v.status().message());
+      }
+    }
+  }
+  std::fprintf(stderr, "leapd: readout '%s': %s; %s\n", name_.c_str(),
+               trip.reason.c_str(), done.c_str());
+  guardrail_->TripDone(trip, done, applied);
+  absl::MutexLock lock(&mu_);
+  pending_trip_.reset();
 }
 
 GuardrailStatus LiveReadout::guardrail() const {
   if (guardrail_ == nullptr) return GuardrailStatus{};
+  {
+    // A trip whose action is under way on the RLS thread is reported once
+    // it is done (what it did is part of the status): an admin read waits
+    // for it, boundedly; serving never calls this.
+    absl::MutexLock lock(&mu_);
+    auto settled = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return !pending_trip_.has_value() || stop_;
+    };
+    mu_.AwaitWithTimeout(absl::Condition(&settled), absl::Seconds(10));
+  }
   return guardrail_->Status(frozen_.load());
 }
 
@@ -678,6 +794,11 @@ absl::StatusOr<std::vector<storage::SnapshotInfo>> LiveReadout::ListSnapshots() 
 }
 
 absl::StatusOr<int64_t> LiveReadout::Rollback(const std::string& label) {
+  absl::MutexLock admin(&admin_mu_);
+  return RollbackLocked(label);
+}
+
+absl::StatusOr<int64_t> LiveReadout::RollbackLocked(const std::string& label) {
   storage::ReadoutCheckpoint snap;
   if (store_ != nullptr) {
     absl::StatusOr<storage::ReadoutCheckpoint> s = store_->GetSnapshot(meta_, label);
@@ -761,8 +882,9 @@ absl::StatusOr<int64_t> LiveReadout::Rollback(const std::string& label) {
 void LiveReadout::WaitIdle() {
   absl::MutexLock lock(&mu_);
   auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return (queue_.empty() && !in_flight_) || stop_ || !adaptive_ ||
-           (frozen_.load() && !in_flight_);
+    return ((queue_.empty() && !in_flight_) || stop_ || !adaptive_ ||
+            (frozen_.load() && !in_flight_)) &&
+           (!pending_trip_.has_value() || stop_);
   };
   mu_.Await(absl::Condition(&idle));
 }
@@ -775,6 +897,9 @@ void LiveReadout::Stop(bool drain) {
     drain_ = drain;
   }
   if (worker_.joinable()) worker_.join();
+  // A trip the RLS thread had no time to act on: its freeze is persisted
+  // (and its rollback done) here.
+  if (guardrail_ != nullptr) ActOnTrip();
   if (checkpointer_.joinable()) {
     {
       absl::MutexLock lock(&ckpt_mu_);
@@ -799,9 +924,17 @@ void LiveReadout::WorkerLoop() {
   std::vector<Pending> batch;
   for (;;) {
     batch.clear();
+    bool act = false;
     {
       absl::MutexLock lock(&mu_);
       for (;;) {
+        // A guardrail trip: its action runs here, between batches, so its
+        // rollback is published after any batch already applied and before
+        // any later one.
+        if (pending_trip_.has_value() && !stop_) {
+          act = true;
+          break;
+        }
         const bool paused = frozen_.load();
         if (stop_ && (!drain_ || queue_.empty() || paused)) return;
         if (!paused &&
@@ -812,7 +945,8 @@ void LiveReadout::WorkerLoop() {
         }
         if (queue_.empty() || paused) {
           auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-            return stop_ || (!frozen_.load() && !queue_.empty());
+            return stop_ || pending_trip_.has_value() ||
+                   (!frozen_.load() && !queue_.empty());
           };
           mu_.Await(absl::Condition(&ready));
         } else {
@@ -820,25 +954,31 @@ void LiveReadout::WorkerLoop() {
           const int64_t wait_ns = options_.flush_after_ns -
                                   (NowNs() - queue_.front().enqueued_ns);
           auto full = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-            return stop_ ||
+            return stop_ || pending_trip_.has_value() ||
                    static_cast<int>(queue_.size()) >= options_.rls_batch;
           };
           mu_.AwaitWithTimeout(absl::Condition(&full),
                                absl::Nanoseconds(std::max<int64_t>(wait_ns, 0)));
         }
       }
-      // Adaptive: whatever queued up behind a batch (a backlog) is applied
-      // in one exact batch of up to rls_batch_max; same result, P streamed
-      // once instead of once per rls_batch.
-      const int k = std::min<int>(
-          std::max(options_.rls_batch, options_.rls_batch_max),
-          static_cast<int>(queue_.size()));
-      for (int i = 0; i < k; ++i) {
-        batch.push_back(std::move(queue_.front()));
-        queue_.pop_front();
+      if (!act) {
+        // Adaptive: whatever queued up behind a batch (a backlog) is applied
+        // in one exact batch of up to rls_batch_max; same result, P streamed
+        // once instead of once per rls_batch.
+        const int k = std::min<int>(
+            std::max(options_.rls_batch, options_.rls_batch_max),
+            static_cast<int>(queue_.size()));
+        for (int i = 0; i < k; ++i) {
+          batch.push_back(std::move(queue_.front()));
+          queue_.pop_front();
+        }
+        in_flight_ = true;
+        metrics_.rls_backlog->Set(static_cast<double>(queue_.size()));
       }
-      in_flight_ = true;
-      metrics_.rls_backlog->Set(static_cast<double>(queue_.size()));
+    }
+    if (act) {
+      ActOnTrip();
+      continue;
     }
     // A completion whose standardized row or target is not finite can
     // never be applied: it is dropped (logged, counted in rls_errors), so it

@@ -186,11 +186,14 @@ class LiveReadout {
   // an RLS failure retries the completions that were kept queued (a failure
   // that recurs freezes it again, with its reason). Serialized with the RLS
   // thread's own freezes: the flag in memory and in the store always end in
-  // the state of whichever happened last.
+  // the state of whichever happened last. Serialized with Rollback and the
+  // guardrail's trip action (admin_mu_): each runs whole, one at a time.
   absl::Status SetFrozen(bool frozen) { return SetFrozen(frozen, ""); }
   // The same, recording (and persisting) why it is frozen.
   absl::Status SetFrozen(bool frozen, const std::string& reason);
-  // The guardrail's state ("off" when not configured).
+  // The guardrail's state ("off" when not configured). While the RLS
+  // thread acts on a trip, waits (up to 10 s) until it has, so the status
+  // says what the trip did.
   GuardrailStatus guardrail() const;
 
   // Records one completion durably in the feedback log (when there is a
@@ -229,10 +232,14 @@ class LiveReadout {
   // Restores a snapshot's theta and P exactly, drops completions not yet
   // applied (unless learning is frozen: then they stay queued and are
   // applied on top of the snapshot once resumed), checkpoints, and publishes
-  // it as a new version.
+  // it as a new version. Serialized with SetFrozen (see there).
   absl::StatusOr<int64_t> Rollback(const std::string& label);
   const storage::ReadoutMeta& meta() const { return meta_; }
   // Adds a (predicted, true) pair to the windows of `version` and overall.
+  // When the pair trips the guardrail, learning is frozen in memory before
+  // this returns (no batch starts after it); persisting the freeze and the
+  // rollback run on the RLS thread, after any batch already in flight, so
+  // the caller (a completion on a serving thread) never waits for them.
   void RecordQuality(int64_t version, double predicted_tokens,
                      double true_tokens);
 
@@ -264,6 +271,14 @@ class LiveReadout {
     uint64_t seq;
   };
   void WorkerLoop();
+  // The guardrail's action on a pending trip (the RLS thread, or Stop once
+  // it has joined it): persists the freeze and rolls back when configured.
+  // Nothing when an operator resumed since the trip.
+  void ActOnTrip() ABSL_LOCKS_EXCLUDED(admin_mu_, mu_);
+  absl::Status SetFrozenLocked(bool frozen, const std::string& reason)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(admin_mu_);
+  absl::StatusOr<int64_t> RollbackLocked(const std::string& label)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(admin_mu_);
   // Refills the quality windows from the store (construction only).
   void RestoreQuality();
   absl::StatusOr<storage::SnapshotInfo> TakeSnapshot(const std::string& label);
@@ -291,8 +306,14 @@ class LiveReadout {
   std::atomic<std::shared_ptr<const PublishedVersion>> current_;
   std::atomic<bool> frozen_;
 
-  // Lock order: log_mu_, then any one of mu_, ckpt_mu_, state_mu_; then
-  // quality_mu_ (taken under state_mu_ when publishing).
+  // Lock order: admin_mu_, freeze_mu_, log_mu_, then any one of mu_,
+  // ckpt_mu_, state_mu_; then quality_mu_ (taken under state_mu_ when
+  // publishing).
+  // Serializes the state-changing admin actions (SetFrozen, Rollback, the
+  // guardrail's trip action) end to end, so concurrent ones never
+  // interleave (held for their whole duration; never by the RLS thread
+  // while a batch is in flight).
+  absl::Mutex admin_mu_ ABSL_ACQUIRED_BEFORE(freeze_mu_, log_mu_);
   // Queue, worker control.
   mutable absl::Mutex mu_ ABSL_ACQUIRED_AFTER(log_mu_);
   std::deque<Pending> queue_ ABSL_GUARDED_BY(mu_);
@@ -300,6 +321,8 @@ class LiveReadout {
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   bool drain_ ABSL_GUARDED_BY(mu_) = false;
   std::string frozen_reason_ ABSL_GUARDED_BY(mu_);
+  // A guardrail trip whose action has not run yet (frozen_ is already set).
+  std::optional<GuardrailTrip> pending_trip_ ABSL_GUARDED_BY(mu_);
   // Orders freeze/resume by the operator with freezes by RLS failures
   // (taken before mu_; never held while waiting for the RLS thread).
   absl::Mutex freeze_mu_ ABSL_ACQUIRED_BEFORE(mu_);

@@ -12,11 +12,14 @@
 #include <cmath>
 #include <filesystem>
 #include <random>
+#include <map>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/barrier.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "gtest/gtest.h"
@@ -562,6 +565,237 @@ TEST_F(LiveReadoutTest, ALearningReadoutRefusesInstalledVersions) {
   EXPECT_EQ(r->InstallVersion(v).status().code(),
             absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(r->current()->version, 1);
+}
+
+// Records the thread each publish ran on, by cause (OnPublish runs on the
+// publishing thread).
+class PublishThreads : public PublishListener {
+ public:
+  void OnPublish(const std::string&,
+                 const std::shared_ptr<const PublishedVersion>& v) override {
+    absl::MutexLock lock(&mu_);
+    threads_[v->cause] = std::this_thread::get_id();
+  }
+  std::optional<std::thread::id> Of(const std::string& cause) {
+    absl::MutexLock lock(&mu_);
+    auto it = threads_.find(cause);
+    if (it == threads_.end()) return std::nullopt;
+    return it->second;
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::map<std::string, std::thread::id> threads_ ABSL_GUARDED_BY(mu_);
+};
+
+// The guardrail's trip action (persisting the freeze, the rollback: store
+// writes, a wait for a batch in flight, a checkpoint) runs on the RLS
+// thread, never on the thread of the completion that tripped it: that
+// thread only finds learning frozen when RecordQuality returns.
+TEST_F(LiveReadoutTest, AGuardrailTripActsOffTheCompletingThread) {
+  auto threads = std::make_shared<PublishThreads>();
+  hub_.Subscribe(threads);
+  LiveReadoutOptions o = Options(8);
+  o.quality_window = 20;
+  o.guardrail.floor = 0.3;
+  o.guardrail.min_samples = 10;
+  o.guardrail.hysteresis = 0;
+  o.guardrail.action = GuardrailAction::kRollback;
+  auto r = Make(o);
+  // Ranked perfectly: armed, and a good snapshot.
+  for (int i = 0; i < 20; ++i) r->RecordQuality(1, 10 + i, 10 + i);
+  EXPECT_EQ(r->guardrail().state, "watching");
+  ASSERT_TRUE(r->Snapshot("good").ok());
+  ASSERT_TRUE(r->guardrail().last_good.has_value());
+  // Then ranked backwards until the window falls below the floor.
+  int tripped_at = -1;
+  for (int i = 0; i < 20 && tripped_at < 0; ++i) {
+    r->RecordQuality(1, 100 - i, 10 + i);
+    if (r->frozen()) tripped_at = i;  // frozen when RecordQuality returns
+  }
+  ASSERT_GE(tripped_at, 0);
+  EXPECT_EQ(r->frozen_reason().rfind("guardrail: spearman ", 0), 0u)
+      << r->frozen_reason();
+  r->WaitIdle();  // returns once the trip's action ran
+  EXPECT_EQ(r->current()->cause, "rollback:good");
+  const std::optional<std::thread::id> rolled_back_on = threads->Of("rollback:good");
+  ASSERT_TRUE(rolled_back_on.has_value());
+  EXPECT_NE(*rolled_back_on, std::this_thread::get_id());
+  const GuardrailStatus g = r->guardrail();
+  EXPECT_EQ(g.state, "tripped");
+  EXPECT_EQ(g.trips, 1);
+  EXPECT_NE(g.last_trip.find("; learning frozen; rolled back to snapshot 'good'"),
+            std::string::npos)
+      << g.last_trip;
+  EXPECT_TRUE(r->frozen());
+  // A resume re-arms it (armed at once after a trip).
+  ASSERT_TRUE(r->SetFrozen(false).ok());
+  EXPECT_EQ(r->guardrail().state, "watching");
+}
+
+// Rollback (admin client 1) racing Resume (admin client 2) on a frozen
+// readout with queued completions: they serialize, so the end state is one
+// of the two orders, and memory and the store agree on it. Rollback first
+// keeps the queue (frozen) and the resume applies it on top of the
+// snapshot: 4 learned. Resume first lets the queue go to the RLS thread and
+// the rollback then restores the snapshot: 2 learned. Interleaved (the
+// defect), the rollback kept the queue while the resumed RLS thread
+// applied it to the state being replaced: memory showed 2 learned while
+// its checkpoint left both records in the log for a restart to learn.
+TEST_F(LiveReadoutTest, RollbackRacingResumeSerializes) {
+  const std::string dir = absl::StrCat(::testing::TempDir(), "/live_readout_race_",
+                                       ::getpid());
+  std::filesystem::remove_all(dir);
+  auto opened = storage::OpenRocksStore(dir);
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  std::unique_ptr<storage::StateStore> store = std::move(*opened);
+  int orders[2] = {0, 0};  // [rollback first, resume first]
+  for (int round = 0; round < 30; ++round) {
+    SCOPED_TRACE(absl::StrCat("round ", round));
+    storage::ReadoutMeta meta;
+    meta.name = absl::StrCat("r", round);
+    meta.spec = state_.spec;
+    meta.standardizer = state_.standardizer;
+    storage::ReadoutCheckpoint initial;
+    initial.version = 1;
+    initial.theta = state_.theta;
+    initial.p = state_.p;
+    ASSERT_TRUE(store->CreateReadout(&meta, initial).ok());
+    LiveReadoutInit init;
+    init.name = meta.name;
+    init.state = state_;
+    init.store = store.get();
+    init.meta = meta;
+    auto r = std::make_unique<LiveReadout>(std::move(init), Options(2),
+                                           &metrics_, &hub_);
+    testing::ClosedForm reference(state_);
+    for (int i = 0; i < 2; ++i) Learn(*r, &reference);
+    r->WaitIdle();
+    ASSERT_EQ(r->completions_learned(), 2);
+    ASSERT_TRUE(r->Snapshot("s").ok());
+    const Eigen::VectorXd snapshot_theta = r->Export().theta;
+    ASSERT_TRUE(r->SetFrozen(true).ok());
+    for (int i = 0; i < 2; ++i) Learn(*r, &reference);
+    ASSERT_EQ(r->backlog(), 2);
+    absl::Barrier* start = new absl::Barrier(2);  // deleted by the last one
+    absl::Status rolled, resumed;
+    std::thread a([&] {
+      if (start->Block()) delete start;
+      rolled = r->Rollback("s").status();
+    });
+    std::thread b([&] {
+      if (start->Block()) delete start;
+      resumed = r->SetFrozen(false);
+    });
+    a.join();
+    b.join();
+    ASSERT_TRUE(rolled.ok()) << rolled;
+    ASSERT_TRUE(resumed.ok()) << resumed;
+    r->WaitIdle();
+    EXPECT_FALSE(r->frozen());
+    EXPECT_EQ(r->backlog(), 0);
+    const int64_t learned = r->completions_learned();
+    const readout::ReadoutState now = r->Export();
+    EXPECT_EQ(r->current()->completions_learned, learned);
+    if (learned == 4) {
+      ++orders[0];
+      EXPECT_EQ(r->current()->cause, "rls");
+      EXPECT_LT(testing::RelErr(now.theta, reference.Theta()), 1e-6);
+    } else {
+      ++orders[1];
+      ASSERT_EQ(learned, 2);
+      EXPECT_EQ(r->current()->cause, "rollback:s");
+      EXPECT_EQ(now.theta, snapshot_theta);
+    }
+    // What a restart would recover: the checkpoint plus the log after it.
+    r->Stop(/*drain=*/true);
+    r.reset();
+    auto loaded = store->Load();
+    ASSERT_TRUE(loaded.ok()) << loaded.status();
+    bool found = false;
+    for (const storage::RecoveredReadout& rec : loaded->readouts) {
+      if (rec.meta.name != meta.name) continue;
+      found = true;
+      EXPECT_FALSE(rec.meta.frozen);
+      EXPECT_EQ(rec.checkpoint.completions_learned +
+                    static_cast<int64_t>(rec.log.size()),
+                learned)
+          << "checkpoint at " << rec.checkpoint.completions_learned
+          << " learned, log " << rec.log.size();
+    }
+    EXPECT_TRUE(found);
+    if (HasFailure()) break;
+  }
+  std::printf("rollback-first %d, resume-first %d\n", orders[0], orders[1]);
+  store.reset();
+  std::filesystem::remove_all(dir);
+}
+
+// Recovery replays a batch wider than RLS's fold buffer (256 rows): it is
+// applied in pieces, and when a later piece fails the earlier ones stay in
+// theta and P. They count as learned and are never queued again: P equals
+// the FP64 closed form of exactly the rows learned once.
+TEST_F(LiveReadoutTest, APartlyReplayedBatchIsNotAppliedTwice) {
+  // d = 2, identity standardization, P0 = diag(1, -4, 1): rows (r, 0) keep
+  // S = I + U P U' definite; a row (0, 1) makes it indefinite (u'Pu < -3).
+  readout::ReadoutState st;
+  st.spec.dim = 2;
+  st.spec.lambda = 1.0;
+  st.standardizer.mean = Eigen::VectorXd::Zero(2);
+  st.standardizer.scale = Eigen::VectorXd::Ones(2);
+  st.theta = Eigen::VectorXd::Zero(3);
+  st.theta[2] = 10.0;
+  Eigen::MatrixXd p0 = Eigen::MatrixXd::Identity(3, 3);
+  p0(1, 1) = -4.0;
+  st.p = readout::SymMatrix::FromDouble(p0);
+  st.version = 1;
+  state_ = st;
+  constexpr int kGood = 256, kBad = 44, kRows = kGood + kBad;
+  testing::ClosedForm reference(st);
+  Eigen::MatrixXd a = p0.inverse();  // P^-1 of the rows learned once
+  std::vector<storage::LogRecord> log;
+  for (int i = 0; i < kRows; ++i) {
+    std::vector<float> x = {i < kGood ? static_cast<float>(std::sin(i) * 2) : 0.0f,
+                            i < kGood ? 0.0f : 1.0f};
+    storage::LogRecord rec;
+    rec.seq = static_cast<uint64_t>(i + 1);
+    rec.request_id = absl::StrCat("c", i);
+    rec.features = testing::Bytes(x);
+    rec.target = 5.0 + (i % 7);
+    if (i < kGood) {
+      reference.Learn(x, rec.target);
+      Eigen::Vector3d u(double{x[0]}, double{x[1]}, 1.0);
+      a += u * u.transpose();
+    }
+    log.push_back(std::move(rec));
+  }
+  // The history: one "rls" version of all 300 rows (the live batch that
+  // published it succeeded; replaying it does not).
+  storage::VersionEntry h;
+  h.version = 2;
+  h.completions_learned = kRows;
+  h.cause = "rls";
+  h.has_last_seq = true;
+  h.last_seq = kRows;
+  auto r = Make(Options(8));
+  std::vector<std::string> problems;
+  r->RecoverLog(std::move(log), {h}, 2, &problems);
+  ASSERT_EQ(problems.size(), 1u);
+  EXPECT_NE(problems[0].find("after 256 of its rows"), std::string::npos)
+      << problems[0];
+  // A new number for the new state, after every number used.
+  EXPECT_EQ(r->current()->version, 3);
+  EXPECT_EQ(r->current()->completions_learned, kGood);
+  r->WaitIdle();  // the rest is retried by the RLS thread and fails again
+  EXPECT_TRUE(r->frozen());
+  EXPECT_EQ(r->backlog(), kBad);
+  EXPECT_EQ(r->completions_learned(), kGood);
+  const readout::ReadoutState now = r->Export();
+  const Eigen::MatrixXd want_p = a.inverse();
+  const Eigen::MatrixXd got_p = now.p->ToDouble();
+  EXPECT_LT((got_p - want_p).norm() / want_p.norm(), 1e-5)
+      << "P\n" << got_p << "\nwant\n" << want_p;
+  EXPECT_LT(testing::RelErr(now.theta, reference.Theta()), 1e-6);
 }
 
 TEST(LiveReadoutOptions, Validate) {

@@ -137,6 +137,19 @@ class ShmServerTest : public ::testing::Test {
     }
     return false;
   }
+  // Closes `ch` (the engine hangs up) and waits until leapd reclaimed
+  // `reclaimed` of its live requests, leaving `live` in the cache.
+  void HangUpAndExpectReclaimed(std::unique_ptr<shim::ShmChannel> ch,
+                                int64_t live, double reclaimed) {
+    const double reclaimed_before = metrics_.shm_reclaimed().Value();
+    ch->Close();
+    ch.reset();
+    EXPECT_TRUE(Eventually([&] {
+      return core_->cache().size() == live &&
+             metrics_.shm_reclaimed().Value() - reclaimed_before == reclaimed;
+    })) << core_->cache().size() << " live, "
+        << metrics_.shm_reclaimed().Value() - reclaimed_before << " reclaimed";
+  }
   void ExpectScore(const Sent& s, double score, const Eigen::VectorXd& theta) {
     std::vector<double> x(s.x.begin(), s.x.end());
     EXPECT_NEAR(score, testing::ReferenceScore(state_.standardizer, theta, x),
@@ -242,14 +255,7 @@ TEST_F(ShmServerTest, PredictsLearnsRescoresAndReclaimsOnHangUp) {
     return in.kind == shim::ShmIncoming::Kind::kPredictions && in.seq == 1;
   }));
   EXPECT_EQ(core_->cache().size(), 6);
-  const double reclaimed_before = metrics_.shm_reclaimed().Value();
-  ch->Close();
-  ch.reset();
-  EXPECT_TRUE(Eventually([&] {
-    return core_->cache().size() == 2 &&
-           metrics_.shm_reclaimed().Value() - reclaimed_before == 4;
-  })) << core_->cache().size() << " live, "
-      << metrics_.shm_reclaimed().Value() - reclaimed_before << " reclaimed";
+  HangUpAndExpectReclaimed(std::move(ch), 2, 4);
   for (const Sent& s : kept) EXPECT_NE(core_->cache().Find(s.id), nullptr);
   for (const Sent& s : sent) EXPECT_EQ(core_->cache().Find(s.id), nullptr);
   std::vector<Sent> more = Submit(*other, 2, 1, "c");
@@ -287,14 +293,7 @@ TEST_F(ShmServerTest, HangUpReclaimsTheRequestsOfAnEngineWithAnInstanceId) {
     return in.kind == shim::ShmIncoming::Kind::kPredictions && in.seq == 1;
   }));
   EXPECT_EQ(core_->cache().size(), 3);
-  const double reclaimed_before = metrics_.shm_reclaimed().Value();
-  ch->Close();
-  ch.reset();
-  EXPECT_TRUE(Eventually([&] {
-    return core_->cache().size() == 0 &&
-           metrics_.shm_reclaimed().Value() - reclaimed_before == 3;
-  })) << core_->cache().size() << " live, "
-      << metrics_.shm_reclaimed().Value() - reclaimed_before << " reclaimed";
+  HangUpAndExpectReclaimed(std::move(ch), 0, 3);
 }
 
 TEST_F(ShmServerTest, RefusesAttachmentsItCannotServe) {

@@ -470,36 +470,14 @@ void ShmSession::HandleProto(const char* payload, size_t bytes) {
 
 void ShmSession::HandleCancels(const char* payload, size_t bytes) {
   pb::SidecarMessage answer;
-  shm::CancelsHead head{};
   std::vector<absl::string_view>& ids = scratch->cancel_ids;
-  ids.clear();
-  bool ok = bytes >= sizeof(head);
-  if (ok) {
-    std::memcpy(&head, payload, sizeof(head));
-    size_t at = sizeof(head);
-    for (uint32_t i = 0; i < head.count && ok; ++i) {
-      uint16_t len;
-      if (bytes - at < sizeof(len)) {
-        ok = false;
-        break;
-      }
-      std::memcpy(&len, payload + at, sizeof(len));
-      at += sizeof(len);
-      if (bytes - at < len) {
-        ok = false;
-        break;
-      }
-      ids.emplace_back(payload + at, len);
-      at += len;
-    }
-  }
-  answer.set_seq(head.seq);
-  if (!ok) {
-    answer.mutable_error()->set_code(
-        static_cast<int>(absl::StatusCode::kInvalidArgument));
-    answer.mutable_error()->set_message(
-        absl::StrCat("cancels frame of ", bytes, " bytes overruns itself (",
-                     head.count, " ids claimed); nothing cancelled"));
+  uint64_t seq = 0;
+  // Fuzzed in fuzz/fuzz_shm_frames.cc.
+  const absl::Status decoded = shm::DecodeCancels(payload, bytes, &seq, &ids);
+  answer.set_seq(seq);
+  if (!decoded.ok()) {
+    answer.mutable_error()->set_code(static_cast<int>(decoded.code()));
+    answer.mutable_error()->set_message(std::string(decoded.message()));
     core->metrics().RequestErrors("INVALID_ARGUMENT").Increment();
   } else {
     CancelRequests(core, ids, answer.mutable_ack(), this, hello.instance_id());

@@ -1,8 +1,8 @@
 // The shim's link to leapd, behind an interface: the Client speaks the
 // leap.v1 Connect messages over whichever transport the endpoint names
 // (gRPC: "host:port", "unix:///path"; shared memory: "shm:///path").
-#ifndef LEAP_ENGINE_SHIM_TRANSPORT_H_
-#define LEAP_ENGINE_SHIM_TRANSPORT_H_
+#ifndef LEAP_ENGINE_SHIM_INTERNAL_TRANSPORT_H_
+#define LEAP_ENGINE_SHIM_INTERNAL_TRANSPORT_H_
 
 #include <memory>
 #include <string>
@@ -63,4 +63,4 @@ absl::StatusOr<std::unique_ptr<Transport>> Dial(
 
 }  // namespace leap::shim
 
-#endif  // LEAP_ENGINE_SHIM_TRANSPORT_H_
+#endif  // LEAP_ENGINE_SHIM_INTERNAL_TRANSPORT_H_

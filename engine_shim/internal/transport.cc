@@ -1,4 +1,4 @@
-#include "engine_shim/transport.h"
+#include "engine_shim/internal/transport.h"
 
 #include <atomic>
 
