@@ -163,6 +163,22 @@ absl::Status CountdownScheduler::SetPredictionImpl(absl::string_view request_id,
   return absl::OkStatus();
 }
 
+absl::Status CountdownScheduler::SetPrior(absl::string_view request_id,
+                                          double prior_tokens) {
+  if (absl::Status s = CheckTokens("prior_tokens", prior_tokens); !s.ok()) {
+    return s;
+  }
+  auto it = index_.find(request_id);
+  if (it == index_.end()) {
+    return absl::NotFoundError(
+        absl::StrCat("request ", request_id, " is not live"));
+  }
+  Request& r = live_[it->second];
+  if (r.predicted_tokens.has_value()) return absl::OkStatus();
+  r.prior_tokens = prior_tokens;
+  return absl::OkStatus();
+}
+
 absl::Status CountdownScheduler::Remove(absl::string_view request_id) {
   auto it = index_.find(request_id);
   if (it == index_.end()) {
@@ -190,6 +206,7 @@ absl::StatusOr<RequestStats> CountdownScheduler::GetRequest(
   const Request& r = live_[it->second];
   RequestStats stats;
   stats.predicted_tokens = r.predicted_tokens;
+  stats.prior_tokens = r.prior_tokens;
   stats.generated = r.generated;
   stats.steps_waited = r.steps_waited;
   stats.arrival = r.arrival;
@@ -201,7 +218,7 @@ absl::StatusOr<RequestStats> CountdownScheduler::GetRequest(
 }
 
 double CountdownScheduler::Remaining(const Request& r) const {
-  return std::max(*r.predicted_tokens - static_cast<double>(r.generated),
+  return std::max(*Estimate(r) - static_cast<double>(r.generated),
                   options_.remaining_floor);
 }
 
@@ -262,8 +279,8 @@ void CountdownScheduler::AssignDeadlines(double unpredicted_remaining) {
   for (size_t i : new_requests_) {
     Request& r = live_[i];
     const double estimate =
-        std::max(1.0, r.predicted_tokens.has_value() ? Remaining(r)
-                                                     : unpredicted_remaining);
+        std::max(1.0, Estimate(r).has_value() ? Remaining(r)
+                                              : unpredicted_remaining);
     double start = now;
     if (virtual_free_.size() >= servers) {
       std::pop_heap(virtual_free_.begin(), virtual_free_.end(), later);
@@ -303,7 +320,7 @@ void CountdownScheduler::Rank(size_t k) {
   const size_t n = live_.size();
   bool any_unpredicted = false;
   for (const Request& r : live_) {
-    any_unpredicted |= !r.predicted_tokens.has_value();
+    any_unpredicted |= !Estimate(r).has_value();
   }
   const double unpredicted_remaining =
       any_unpredicted ? UnpredictedRemaining() : 0;
@@ -321,9 +338,9 @@ void CountdownScheduler::Rank(size_t k) {
     Candidate c;
     c.arrival = r.arrival;
     c.index = static_cast<uint32_t>(i);
-    const double remaining = r.predicted_tokens.has_value()
-                                 ? Remaining(r)
-                                 : unpredicted_remaining;
+    const bool estimated = Estimate(r).has_value();
+    const double remaining =
+        estimated ? Remaining(r) : unpredicted_remaining;
     if (policy == SchedulingPolicy::kBounded &&
         now + remaining > *r.deadline - 1) {
       c.tier = kTierUrgent;
@@ -331,10 +348,10 @@ void CountdownScheduler::Rank(size_t k) {
     } else if (cap > 0 && r.steps_waited >= cap) {
       c.tier = kTierPromoted;
       c.priority = -static_cast<double>(r.steps_waited);
-    } else if (!r.predicted_tokens.has_value() &&
+    } else if (!estimated &&
                options_.unpredicted == UnpredictedPolicy::kFirst) {
       c.tier = kTierUnpredictedFirst;
-    } else if (!r.predicted_tokens.has_value() &&
+    } else if (!estimated &&
                options_.unpredicted == UnpredictedPolicy::kLast) {
       c.tier = kTierUnpredictedLast;
     } else {

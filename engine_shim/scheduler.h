@@ -23,8 +23,10 @@
 //        kLinearAging:  remaining - linear_aging * waited
 //      (waited: all steps without a slot since Add; with aging_rate == 0 the
 //      countdown priority is exactly `remaining`). Requests without a
-//      prediction yet are placed by `UnpredictedPolicy` (the ranked policies
-//      use the unpredicted remaining as their remaining).
+//      prediction yet are placed by their prior (SetPrior) when they have
+//      one, ranked like a prediction L̂ = prior, else by `UnpredictedPolicy`
+//      (the ranked policies use the unpredicted remaining as their
+//      remaining).
 // Every key ends in the arrival counter, so the order is total and the result
 // is deterministic: it does not depend on hash order or on the order in which
 // requests were added, removed or rescored.
@@ -170,6 +172,8 @@ absl::string_view SchedulingPolicyName(SchedulingPolicy policy);
 struct RequestStats {
   // L̂, absent until SetPrediction or Rescore.
   std::optional<double> predicted_tokens;
+  // The prior given by SetPrior (used while predicted_tokens is absent).
+  std::optional<double> prior_tokens;
   // Decode steps in which the request held a slot.
   int64_t generated = 0;
   // Consecutive steps without a slot, up to now (0 right after a slot).
@@ -235,6 +239,16 @@ class CountdownScheduler {
   // returns kFailedPrecondition.
   absl::Status Rescore(absl::string_view request_id, double predicted_tokens);
 
+  // A length prior known before prefill (docs/SCHEDULING.md, "Length-aware
+  // admission"): until the request's first prediction it is ranked as if
+  // predicted with L̂ = prior_tokens, under every UnpredictedPolicy, and a
+  // deadline fixed meanwhile is placed with it (the first prediction corrects
+  // it as for the unpredicted estimate). It does not count as a prediction
+  // (predictions stays 0) and is not part of the median of kMedian. Ignored
+  // once the request is predicted; a later SetPrior replaces an earlier one.
+  // Errors as SetPrediction, never kFailedPrecondition.
+  absl::Status SetPrior(absl::string_view request_id, double prior_tokens);
+
   // Forgets a finished or cancelled request. kNotFound for an unknown id.
   absl::Status Remove(absl::string_view request_id);
 
@@ -287,6 +301,7 @@ class CountdownScheduler {
   struct Request {
     std::string id;
     std::optional<double> predicted_tokens;
+    std::optional<double> prior_tokens;
     int64_t generated = 0;
     int64_t steps_waited = 0;
     uint64_t arrival = 0;
@@ -315,6 +330,11 @@ class CountdownScheduler {
   absl::Status SetPredictionImpl(absl::string_view request_id, double value,
                                  bool first_only);
   double Remaining(const Request& r) const;
+  // Prediction, else prior: the L̂ the request is ranked by, if any.
+  static std::optional<double> Estimate(const Request& r) {
+    return r.predicted_tokens.has_value() ? r.predicted_tokens
+                                          : r.prior_tokens;
+  }
   double UnpredictedRemaining();
   int64_t CountAgingPromotions(size_t k);
   // Fills candidates_ for the coming step (assigning new deadlines first)

@@ -38,7 +38,7 @@ class ReferenceScheduler {
 
   void Add(const std::string& id) {
     reqs_[id] = Req{std::nullopt, 0, 0, next_arrival_++, steps_, 0,
-                    std::nullopt, 0, 0, 0};
+                    std::nullopt, 0, 0, 0, std::nullopt};
   }
   bool Has(const std::string& id) const { return reqs_.count(id) > 0; }
   bool Predicted(const std::string& id) const {
@@ -58,6 +58,11 @@ class ReferenceScheduler {
                                  r.qref, 1.0});
     }
     r.pred = v;
+  }
+  // Ignored once predicted; a later prior replaces an earlier one.
+  void Prior(const std::string& id, double v) {
+    Req& r = reqs_.at(id);
+    if (!r.pred) r.prior = v;
   }
   void Remove(const std::string& id) { reqs_.erase(id); }
   size_t size() const { return reqs_.size(); }
@@ -94,7 +99,7 @@ class ReferenceScheduler {
       for (const auto& [arrival, id] : fresh) {
         Req& r = reqs_.at(id);
         const double est =
-            std::max(1.0, r.pred ? Remaining(r) : unpredicted);
+            std::max(1.0, Ranked(r) ? Remaining(r) : unpredicted);
         double start = now;
         if (servers_.size() == static_cast<size_t>(o_.slots)) {
           auto it = std::min_element(servers_.begin(), servers_.end());
@@ -127,14 +132,14 @@ class ReferenceScheduler {
     std::vector<Entry> all;
     for (const auto& [id, r] : reqs_) {
       Entry e{{}, 0, id};
-      const double rem = r.pred ? Remaining(r) : unpredicted;
+      const double rem = Ranked(r) ? Remaining(r) : unpredicted;
       if (bounded && static_cast<double>(steps_) + rem > *r.deadline - 1) {
         e.key = {-1, *r.deadline, r.arrival};
       } else if (o_.waiting_cap > 0 && r.waited >= o_.waiting_cap) {
         e.key = {0, -static_cast<double>(r.waited), r.arrival};
-      } else if (!r.pred && o_.unpredicted == UnpredictedPolicy::kFirst) {
+      } else if (!Ranked(r) && o_.unpredicted == UnpredictedPolicy::kFirst) {
         e.key = {1, 0.0, r.arrival};
-      } else if (!r.pred && o_.unpredicted == UnpredictedPolicy::kLast) {
+      } else if (!Ranked(r) && o_.unpredicted == UnpredictedPolicy::kLast) {
         e.key = {3, 0.0, r.arrival};
       } else {
         e.remaining = rem;
@@ -207,6 +212,7 @@ class ReferenceScheduler {
       absl::StatusOr<RequestStats> st = s.GetRequest(id);
       ASSERT_TRUE(st.ok()) << id << ": " << st.status();
       EXPECT_EQ(st->predicted_tokens, r.pred) << id;
+      EXPECT_EQ(st->prior_tokens, r.prior) << id;
       EXPECT_EQ(st->generated, r.generated) << id;
       EXPECT_EQ(st->steps_waited, r.waited) << id;
       EXPECT_EQ(st->arrival, r.arrival) << id;
@@ -231,9 +237,13 @@ class ReferenceScheduler {
     int64_t waited_total;
     std::optional<double> deadline;
     double vest = 0, vfinish = 0, qref = 0;
+    std::optional<double> prior;
   };
+  // Ranked by a prediction, or else by a prior.
+  static bool Ranked(const Req& r) { return r.pred || r.prior; }
   double Remaining(const Req& r) const {
-    return std::max(*r.pred - static_cast<double>(r.generated),
+    return std::max((r.pred ? *r.pred : *r.prior) -
+                        static_cast<double>(r.generated),
                     o_.remaining_floor);
   }
 
@@ -259,6 +269,10 @@ struct Traffic {
   double rescore_prob = 0.05;
   double cancel_prob = 0.02;
   double vary_slots_prob = 0.2;
+  // A prior at arrival (a noisy one, before the prediction), and prior
+  // updates of random live requests (ignored once predicted).
+  double prior_prob = 0;
+  double prior_update_prob = 0;
 };
 
 double NoisyPrediction(std::mt19937_64& rng, int64_t true_len) {
@@ -337,6 +351,12 @@ void RunAgainstReference(const SchedulerOptions& options,
     ref.Add(id);
     true_len[id] = TrueLength(rng);
     generated[id] = 0;
+    // (No draw without priors: the other tests' traffic stays as it was.)
+    if (traffic.prior_prob > 0 && u(rng) < traffic.prior_prob) {
+      const double v = NoisyPrediction(rng, true_len[id]);
+      ASSERT_TRUE(sched.SetPrior(id, v).ok());
+      ref.Prior(id, v);
+    }
     const double x = u(rng);
     if (x < traffic.never_prob) return;
     if (x < traffic.never_prob + traffic.late_prob) {
@@ -369,6 +389,12 @@ void RunAgainstReference(const SchedulerOptions& options,
     for (const auto& [id, len] : true_len) live.push_back(id);
     for (const std::string& id : live) {
       if (u(rng) < traffic.rescore_prob) predict(id, /*rescore=*/true);
+      if (traffic.prior_update_prob > 0 &&
+          u(rng) < traffic.prior_update_prob) {
+        const double v = NoisyPrediction(rng, true_len[id]);
+        ASSERT_TRUE(sched.SetPrior(id, v).ok());
+        ref.Prior(id, v);
+      }
       if (u(rng) < traffic.cancel_prob / 10) remove(id);
     }
     if (::testing::Test::HasFatalFailure()) return;
@@ -489,6 +515,70 @@ TEST(CountdownSchedulerTest, NewPoliciesMatchBruteForceReference) {
 }
 
 // Order + Commit is Select split in two: same ids, same state.
+// Priors (SetPrior, length-aware admission): requests ranked by a prior
+// until their first prediction, under every discipline and unpredicted
+// policy, deadlines placed with the prior and corrected by the prediction.
+TEST(CountdownSchedulerTest, PriorsMatchBruteForceReference) {
+  struct Config {
+    SchedulingPolicy policy;
+    int slots, cap;
+    UnpredictedPolicy unpredicted;
+  };
+  const Config configs[] = {
+      {SchedulingPolicy::kCountdown, 64, 128, UnpredictedPolicy::kMedian},
+      {SchedulingPolicy::kCountdown, 8, 4, UnpredictedPolicy::kFirst},
+      {SchedulingPolicy::kCountdown, 8, 0, UnpredictedPolicy::kLast},
+      {SchedulingPolicy::kBounded, 64, 128, UnpredictedPolicy::kMedian},
+      {SchedulingPolicy::kBounded, 8, 0, UnpredictedPolicy::kFixed},
+      {SchedulingPolicy::kHrrn, 16, 0, UnpredictedPolicy::kMedian},
+      {SchedulingPolicy::kLinearAging, 16, 32, UnpredictedPolicy::kLast},
+  };
+  uint64_t seed = 90;
+  for (const Config& c : configs) {
+    SchedulerOptions o;
+    o.policy = c.policy;
+    o.slots = c.slots;
+    o.waiting_cap = c.cap;
+    o.unpredicted = c.unpredicted;
+    o.unpredicted_tokens = 100;
+    Traffic t;
+    t.target_live = std::max(40, std::min(500, c.slots * 8));
+    t.max_arrivals = std::max(2, c.slots / 4);
+    t.prior_prob = 0.6;
+    t.prior_update_prob = 0.01;
+    t.late_prob = 0.6;  // many requests wait on their prior
+    RunAgainstReference(o, t, 1500, seed++);
+    if (HasFatalFailure()) return;
+  }
+}
+
+TEST(CountdownSchedulerTest, PriorPlacesUntilThePrediction) {
+  SchedulerOptions o;
+  o.slots = 1;
+  o.waiting_cap = 0;
+  CountdownScheduler s = MakeScheduler(o);
+  ASSERT_TRUE(s.Add("a").ok());
+  ASSERT_TRUE(s.Add("b").ok());
+  ASSERT_TRUE(s.Add("c").ok());
+  ASSERT_TRUE(s.SetPrediction("a", 50).ok());
+  // b has a short prior, c none (the median: a's 50): b goes first.
+  ASSERT_TRUE(s.SetPrior("b", 10).ok());
+  EXPECT_EQ(s.Order(3), (std::vector<std::string>{"b", "a", "c"}));
+  absl::StatusOr<RequestStats> st = s.GetRequest("b");
+  ASSERT_TRUE(st.ok());
+  EXPECT_EQ(st->prior_tokens, 10);
+  EXPECT_FALSE(st->predicted_tokens.has_value());
+  EXPECT_EQ(st->predictions, 0);
+  // The first prediction replaces the prior; a later prior is ignored.
+  ASSERT_TRUE(s.SetPrediction("b", 500).ok());
+  ASSERT_TRUE(s.SetPrior("b", 1).ok());
+  EXPECT_EQ(s.Order(3), (std::vector<std::string>{"a", "c", "b"}));
+  EXPECT_EQ(s.SetPrior("zz", 1).code(), StatusCode::kNotFound);
+  EXPECT_EQ(s.SetPrior("c", -1).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(s.SetPrior("c", std::nan("")).code(),
+            StatusCode::kInvalidArgument);
+}
+
 TEST(CountdownSchedulerTest, OrderAndCommitEqualSelect) {
   for (SchedulingPolicy policy :
        {SchedulingPolicy::kCountdown, SchedulingPolicy::kBounded,

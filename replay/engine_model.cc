@@ -145,6 +145,116 @@ absl::Status TablePredictor::Finished(const SimRequest& request) {
 
 namespace {
 
+// What both engine models share: the requests by id (validated) and in
+// arrival order, and the result with every request's fixed fields filled in.
+struct Run {
+  std::vector<const SimRequest*> by_id;
+  std::vector<const SimRequest*> order;
+  SimResult result;
+};
+
+// Checks ids (0..n-1, no repeats) and arrivals (finite, >= 0), and with
+// cache_tokens > 0 that every request fits in the KV cache.
+absl::StatusOr<Run> StartRun(std::span<const SimRequest> requests,
+                             int64_t cache_tokens, const EngineOptions& e) {
+  const size_t n = requests.size();
+  Run run;
+  run.by_id.assign(n, nullptr);
+  for (const SimRequest& r : requests) {
+    if (r.id < 0 || static_cast<size_t>(r.id) >= n ||
+        run.by_id[static_cast<size_t>(r.id)] != nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "request ids must be 0..", n - 1, " without repeats; got ", r.id));
+    }
+    if (!std::isfinite(r.arrival_s) || r.arrival_s < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("request ", r.id,
+                       ": arrival must be finite and >= 0, got ", r.arrival_s));
+    }
+    if (cache_tokens > 0) {
+      const int64_t need = std::max<int64_t>(r.prompt_tokens, 1) +
+                           std::max<int64_t>(r.output_tokens, 1);
+      if (need > cache_tokens) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "request ", r.id, " needs ", need,
+            " tokens of KV cache, more than the whole cache (", e.kv_blocks,
+            " blocks of ", e.block_size, ")"));
+      }
+    }
+    run.by_id[static_cast<size_t>(r.id)] = &r;
+  }
+  run.order = run.by_id;
+  std::stable_sort(run.order.begin(), run.order.end(),
+                   [](const SimRequest* a, const SimRequest* b) {
+                     return a->arrival_s < b->arrival_s;
+                   });
+  run.result.requests.resize(n);
+  for (const SimRequest& r : requests) {
+    RequestResult& o = run.result.requests[static_cast<size_t>(r.id)];
+    o.id = r.id;
+    o.segment = r.segment;
+    o.arrival_s = r.arrival_s;
+    o.output_tokens = std::max<int64_t>(r.output_tokens, 1);
+    o.predicted_tokens = kNaN;
+  }
+  return run;
+}
+
+// Hands the predictions known at `now_s` to the scheduler (requests not
+// `live` any more are skipped; a first prediction may come as a rescore),
+// then counts the requests that joined last step and are still unpredicted.
+absl::Status ApplyPredictions(Predictor& predictor, double now_s,
+                              const std::vector<char>& live,
+                              std::vector<char>& predicted,
+                              const std::vector<int64_t>& joined_last,
+                              shim::CountdownScheduler& sched,
+                              std::vector<PredictionUpdate>& updates,
+                              SimResult& result) {
+  const size_t n = live.size();
+  updates.clear();
+  RETURN_IF_ERROR(predictor.Collect(now_s, &updates));
+  for (const PredictionUpdate& u : updates) {
+    if (u.id < 0 || static_cast<size_t>(u.id) >= n) {
+      return absl::InternalError(
+          absl::StrCat("prediction for unknown request ", u.id));
+    }
+    const size_t i = static_cast<size_t>(u.id);
+    if (!live[i]) continue;  // finished meanwhile
+    if (predicted[i] && !u.rescore) continue;
+    // Rescore is also accepted as the first prediction (a publish may
+    // overtake the initial one).
+    absl::Status s = sched.Rescore(std::to_string(u.id), u.tokens);
+    if (!s.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("prediction for request ", u.id, ": ", s.message()));
+    }
+    if (!predicted[i]) {
+      predicted[i] = 1;
+      result.requests[i].predicted_tokens = u.tokens;
+    }
+  }
+  for (int64_t id : joined_last) {
+    if (live[static_cast<size_t>(id)] && !predicted[static_cast<size_t>(id)]) {
+      ++result.late_predictions;
+    }
+  }
+  return absl::OkStatus();
+}
+
+// The end of a step that ends at `end`: bookkeeping and progress.
+void EndStep(const SimOptions& options, const shim::CountdownScheduler& sched,
+             size_t finished, size_t n, double end, double& t,
+             SimResult& result) {
+  result.max_live =
+      std::max(result.max_live, static_cast<int64_t>(sched.size()));
+  t = end;
+  ++result.steps;
+  if (options.progress && options.progress_every_steps > 0 &&
+      result.steps % options.progress_every_steps == 0) {
+    options.progress(static_cast<int64_t>(finished), static_cast<int64_t>(n));
+  }
+}
+
 absl::StatusOr<SimResult> SimulateVllm(std::span<const SimRequest> requests,
                                        const SimOptions& options,
                                        Predictor& predictor);
@@ -162,36 +272,19 @@ absl::StatusOr<SimResult> Simulate(std::span<const SimRequest> requests,
   ASSIGN_OR_RETURN(shim::CountdownScheduler sched,
                    shim::CountdownScheduler::Create(options.scheduler));
   const size_t n = requests.size();
-  std::vector<const SimRequest*> by_id(n, nullptr);
-  for (const SimRequest& r : requests) {
-    if (r.id < 0 || static_cast<size_t>(r.id) >= n ||
-        by_id[static_cast<size_t>(r.id)] != nullptr) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "request ids must be 0..", n - 1, " without repeats; got ", r.id));
-    }
-    if (!std::isfinite(r.arrival_s) || r.arrival_s < 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("request ", r.id,
-                       ": arrival must be finite and >= 0, got ", r.arrival_s));
-    }
-    by_id[static_cast<size_t>(r.id)] = &r;
-  }
-  std::vector<const SimRequest*> order = by_id;
-  std::stable_sort(order.begin(), order.end(),
-                   [](const SimRequest* a, const SimRequest* b) {
-                     return a->arrival_s < b->arrival_s;
-                   });
+  ASSIGN_OR_RETURN(Run run, StartRun(requests, 0, e));
+  const std::vector<const SimRequest*>& by_id = run.by_id;
+  const std::vector<const SimRequest*>& order = run.order;
+  SimResult& result = run.result;
 
-  SimResult result;
-  result.requests.resize(n);
-  for (const SimRequest& r : requests) {
-    RequestResult& o = result.requests[static_cast<size_t>(r.id)];
-    o.id = r.id;
-    o.segment = r.segment;
-    o.arrival_s = r.arrival_s;
-    o.output_tokens = std::max<int64_t>(r.output_tokens, 1);
-    o.predicted_tokens = kNaN;
+  // Length-aware admission: the waiting queue ranked by the prior.
+  std::optional<shim::CountdownScheduler> admit;
+  if (options.prior != nullptr) {
+    shim::SchedulerOptions ao = options.scheduler;
+    ao.waiting_cap = 0;
+    ASSIGN_OR_RETURN(admit, shim::CountdownScheduler::Create(ao));
   }
+  std::vector<std::string> admitted_keys;
 
   // Per request: decode slots received, consecutive steps without one, and
   // its position in `members` (the requests in the scheduler).
@@ -221,47 +314,37 @@ absl::StatusOr<SimResult> Simulate(std::span<const SimRequest> requests,
       member_pos[static_cast<size_t>(members[pos])] = pos;
       members.pop_back();
     }
+    if (options.prior != nullptr) {
+      RETURN_IF_ERROR(options.prior->Learn(*by_id[static_cast<size_t>(id)]));
+    }
     return predictor.Finished(*by_id[static_cast<size_t>(id)]);
   };
 
   while (finished < n) {
     while (next < n && order[next]->arrival_s <= t) {
-      queue.push_back(order[next++]->id);
+      const SimRequest& r = *order[next++];
+      if (!admit.has_value()) {
+        queue.push_back(r.id);
+      } else {
+        const std::string key = std::to_string(r.id);
+        absl::Status s = admit->Add(key);
+        if (s.ok()) {
+          if (std::optional<double> v = options.prior->At(r); v.has_value()) {
+            s = admit->SetPrior(key, *v);
+          }
+        }
+        if (!s.ok()) return absl::InternalError(s.message());
+      }
     }
-    if (resident == 0 && queue.empty()) {
+    if (resident == 0 && queue.empty() &&
+        (!admit.has_value() || admit->size() == 0)) {
       t = order[next]->arrival_s;
       continue;
     }
 
     // Predictions known at the start of this step.
-    updates.clear();
-    RETURN_IF_ERROR(predictor.Collect(t, &updates));
-    for (const PredictionUpdate& u : updates) {
-      if (u.id < 0 || static_cast<size_t>(u.id) >= n) {
-        return absl::InternalError(
-            absl::StrCat("prediction for unknown request ", u.id));
-      }
-      const size_t i = static_cast<size_t>(u.id);
-      if (!in_sched[i]) continue;  // finished meanwhile
-      if (predicted[i] && !u.rescore) continue;
-      // Rescore is also accepted as the first prediction (a publish may
-      // overtake the initial one).
-      absl::Status s = sched.Rescore(std::to_string(u.id), u.tokens);
-      if (!s.ok()) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("prediction for request ", u.id, ": ", s.message()));
-      }
-      if (!predicted[i]) {
-        predicted[i] = 1;
-        result.requests[i].predicted_tokens = u.tokens;
-      }
-    }
-    for (int64_t id : joined_last) {
-      if (in_sched[static_cast<size_t>(id)] &&
-          !predicted[static_cast<size_t>(id)]) {
-        ++result.late_predictions;
-      }
-    }
+    RETURN_IF_ERROR(ApplyPredictions(predictor, t, in_sched, predicted,
+                                     joined_last, sched, updates, result));
 
     // Decode slots.
     selected_ids.clear();
@@ -279,19 +362,43 @@ absl::StatusOr<SimResult> Simulate(std::span<const SimRequest> requests,
     }
     if (options.record_order) result.decode_order.push_back(selected_ids);
 
-    // Admission into free memory, FCFS.
+    // Admission into free memory: FCFS, or in the admission scheduler's
+    // order (the first that does not fit the prefill budget stops it).
     admitted.clear();
     int64_t prefill_tokens = 0;
-    while (!queue.empty() &&
-           resident + static_cast<int64_t>(admitted.size()) < e.resident) {
-      const SimRequest* r = by_id[static_cast<size_t>(queue.front())];
-      if (!admitted.empty() &&
-          prefill_tokens + r->prompt_tokens > e.max_prefill_tokens) {
-        break;
+    if (admit.has_value()) {
+      admitted_keys.clear();
+      if (admit->size() > 0) {
+        const size_t room = static_cast<size_t>(std::max<int64_t>(
+            e.resident - resident, 0));
+        for (std::string& key : admit->Order(room)) {
+          const SimRequest* r = by_id[static_cast<size_t>(ParseId(key))];
+          if (!admitted.empty() &&
+              prefill_tokens + r->prompt_tokens > e.max_prefill_tokens) {
+            break;
+          }
+          admitted.push_back(r);
+          prefill_tokens += r->prompt_tokens;
+          admitted_keys.push_back(std::move(key));
+        }
+        absl::Status s = admit->Commit(admitted_keys);
+        for (const std::string& key : admitted_keys) {
+          if (s.ok()) s = admit->Remove(key);
+        }
+        if (!s.ok()) return absl::InternalError(s.message());
       }
-      admitted.push_back(r);
-      prefill_tokens += r->prompt_tokens;
-      queue.pop_front();
+    } else {
+      while (!queue.empty() &&
+             resident + static_cast<int64_t>(admitted.size()) < e.resident) {
+        const SimRequest* r = by_id[static_cast<size_t>(queue.front())];
+        if (!admitted.empty() &&
+            prefill_tokens + r->prompt_tokens > e.max_prefill_tokens) {
+          break;
+        }
+        admitted.push_back(r);
+        prefill_tokens += r->prompt_tokens;
+        queue.pop_front();
+      }
     }
 
     const double prefill_ms =
@@ -333,18 +440,11 @@ absl::StatusOr<SimResult> Simulate(std::span<const SimRequest> requests,
       joined.push_back(r->id);
     }
     joined_last.swap(joined);
-    result.max_live =
-        std::max(result.max_live, static_cast<int64_t>(sched.size()));
-    t = end;
-    ++result.steps;
-    if (options.progress && options.progress_every_steps > 0 &&
-        result.steps % options.progress_every_steps == 0) {
-      options.progress(static_cast<int64_t>(finished), static_cast<int64_t>(n));
-    }
+    EndStep(options, sched, finished, n, end, t, result);
   }
   result.end_s = t;
   result.counters = sched.counters();
-  return result;
+  return std::move(run.result);
 }
 
 namespace {
@@ -360,47 +460,17 @@ absl::StatusOr<SimResult> SimulateVllm(std::span<const SimRequest> requests,
   const size_t n = requests.size();
   const int64_t bs = e.block_size;
   const int64_t cache_tokens = e.kv_blocks * bs;
-  std::vector<const SimRequest*> by_id(n, nullptr);
-  for (const SimRequest& r : requests) {
-    if (r.id < 0 || static_cast<size_t>(r.id) >= n ||
-        by_id[static_cast<size_t>(r.id)] != nullptr) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "request ids must be 0..", n - 1, " without repeats; got ", r.id));
-    }
-    if (!std::isfinite(r.arrival_s) || r.arrival_s < 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("request ", r.id,
-                       ": arrival must be finite and >= 0, got ", r.arrival_s));
-    }
-    const int64_t need =
-        std::max<int64_t>(r.prompt_tokens, 1) + std::max<int64_t>(r.output_tokens, 1);
-    if (need > cache_tokens) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "request ", r.id, " needs ", need, " tokens of KV cache, more than "
-          "the whole cache (", e.kv_blocks, " blocks of ", bs, ")"));
-    }
-    by_id[static_cast<size_t>(r.id)] = &r;
-  }
-  std::vector<const SimRequest*> order = by_id;
-  std::stable_sort(order.begin(), order.end(),
-                   [](const SimRequest* a, const SimRequest* b) {
-                     return a->arrival_s < b->arrival_s;
-                   });
-  SimResult result;
-  result.requests.resize(n);
-  for (const SimRequest& r : requests) {
-    RequestResult& o = result.requests[static_cast<size_t>(r.id)];
-    o.id = r.id;
-    o.segment = r.segment;
-    o.arrival_s = r.arrival_s;
-    o.output_tokens = std::max<int64_t>(r.output_tokens, 1);
-    o.predicted_tokens = kNaN;
-  }
+  ASSIGN_OR_RETURN(Run run, StartRun(requests, cache_tokens, e));
+  const std::vector<const SimRequest*>& by_id = run.by_id;
+  const std::vector<const SimRequest*>& order = run.order;
+  SimResult& result = run.result;
   // Per request: KV tokens computed, output tokens produced, blocks held,
   // running flag, admission counter (running order among unranked ones).
   std::vector<int64_t> computed(n, 0), produced(n, 0), blocks(n, 0);
   std::vector<char> running_flag(n, 0), predicted(n, 0), live(n, 0),
       prefilled_once(n, 0);
+  std::vector<int64_t> admitted_at(n, 0);  // admission counter
+  int64_t admissions = 0;
   std::vector<int64_t> running;  // ids
   std::vector<int64_t> waiting;  // ids (unordered; the scheduler ranks)
   int64_t free_blocks = e.kv_blocks;
@@ -423,8 +493,14 @@ absl::StatusOr<SimResult> SimulateVllm(std::span<const SimRequest> requests,
 
   while (finished < n) {
     while (next < n && order[next]->arrival_s <= t) {
-      const int64_t id = order[next++]->id;
+      const SimRequest& r = *order[next++];
+      const int64_t id = r.id;
       absl::Status s = sched.Add(std::to_string(id));
+      if (s.ok() && options.prior != nullptr) {
+        if (std::optional<double> v = options.prior->At(r); v.has_value()) {
+          s = sched.SetPrior(std::to_string(id), *v);
+        }
+      }
       if (!s.ok()) return absl::InternalError(s.message());
       live[static_cast<size_t>(id)] = 1;
       waiting.push_back(id);
@@ -433,31 +509,8 @@ absl::StatusOr<SimResult> SimulateVllm(std::span<const SimRequest> requests,
       t = order[next]->arrival_s;
       continue;
     }
-    updates.clear();
-    RETURN_IF_ERROR(predictor.Collect(t, &updates));
-    for (const PredictionUpdate& u : updates) {
-      if (u.id < 0 || static_cast<size_t>(u.id) >= n) {
-        return absl::InternalError(
-            absl::StrCat("prediction for unknown request ", u.id));
-      }
-      const size_t i = static_cast<size_t>(u.id);
-      if (!live[i]) continue;
-      if (predicted[i] && !u.rescore) continue;
-      absl::Status s = sched.Rescore(std::to_string(u.id), u.tokens);
-      if (!s.ok()) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("prediction for request ", u.id, ": ", s.message()));
-      }
-      if (!predicted[i]) {
-        predicted[i] = 1;
-        result.requests[i].predicted_tokens = u.tokens;
-      }
-    }
-    for (int64_t id : joined_last) {
-      if (live[static_cast<size_t>(id)] && !predicted[static_cast<size_t>(id)]) {
-        ++result.late_predictions;
-      }
-    }
+    RETURN_IF_ERROR(ApplyPredictions(predictor, t, live, predicted,
+                                     joined_last, sched, updates, result));
 
     // The scheduler's order of the coming step: the first max_num_seqs hold
     // every admission candidate (at most max_num_seqs - running are
@@ -467,8 +520,15 @@ absl::StatusOr<SimResult> SimulateVllm(std::span<const SimRequest> requests,
          sched.Order(static_cast<size_t>(e.max_num_seqs))) {
       top_ids.push_back(ParseId(key));
     }
-    // Running requests in the scheduler's order (exact among themselves).
-    if (!running.empty()) {
+    // Running requests in the scheduler's order (exact among themselves),
+    // or with preempt_latest_admitted in admission order (vLLM's FCFS
+    // policy: its running list, whose last entry is the victim).
+    if (e.preempt_latest_admitted) {
+      std::sort(running.begin(), running.end(), [&](int64_t a, int64_t b) {
+        return admitted_at[static_cast<size_t>(a)] <
+               admitted_at[static_cast<size_t>(b)];
+      });
+    } else if (!running.empty()) {
       running_keys.clear();
       for (int64_t id : running) running_keys.push_back(std::to_string(id));
       absl::StatusOr<std::vector<std::string>> ordered =
@@ -494,7 +554,8 @@ absl::StatusOr<SimResult> SimulateVllm(std::span<const SimRequest> requests,
       const int64_t tokens = std::min(target(i) - computed[i], budget);
       bool self_preempted = false;
       while (blocks_for(i, tokens) > free_blocks) {
-        // Preempt the lowest-ranked running request: the last one.
+        // Preempt the last running request: the lowest-ranked, or with
+        // preempt_latest_admitted the latest admitted.
         const size_t worst = running.size() - 1;
         const int64_t victim = running[worst];
         const size_t v = static_cast<size_t>(victim);
@@ -547,6 +608,7 @@ absl::StatusOr<SimResult> SimulateVllm(std::span<const SimRequest> requests,
         free_blocks -= need;
         blocks[i] += need;
         remove_from(waiting, id);
+        admitted_at[i] = ++admissions;
         running.push_back(id);
         running_flag[i] = 1;
         scheduled.push_back(id);
@@ -620,21 +682,17 @@ absl::StatusOr<SimResult> SimulateVllm(std::span<const SimRequest> requests,
       absl::Status s = sched.Remove(std::to_string(id));
       if (!s.ok()) return absl::InternalError(s.message());
       ++finished;
+      if (options.prior != nullptr) {
+        RETURN_IF_ERROR(options.prior->Learn(*by_id[i]));
+      }
       RETURN_IF_ERROR(predictor.Finished(*by_id[i]));
     }
     joined_last.swap(joined);
-    result.max_live =
-        std::max(result.max_live, static_cast<int64_t>(sched.size()));
-    t = end;
-    ++result.steps;
-    if (options.progress && options.progress_every_steps > 0 &&
-        result.steps % options.progress_every_steps == 0) {
-      options.progress(static_cast<int64_t>(finished), static_cast<int64_t>(n));
-    }
+    EndStep(options, sched, finished, n, end, t, result);
   }
   result.end_s = t;
   result.counters = sched.counters();
-  return result;
+  return std::move(run.result);
 }
 
 }  // namespace

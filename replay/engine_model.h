@@ -93,6 +93,12 @@ struct EngineOptions {
   // tokens: Qwen3-8B's 144 KiB per token in ~50 GB of an 80 GB GPU).
   int block_size = 16;
   int64_t kv_blocks = 22000;
+  // Order of the running requests, whose last is preempted when the cache
+  // is full: false = the scheduler's order (vLLM's PRIORITY policy with the
+  // priority set from it: the lowest-ranked is the victim), true = admission
+  // order (vLLM's FCFS policy: the latest admitted is the victim); the
+  // scheduler then orders only the waiting queue. Default: false
+  bool preempt_latest_admitted = false;
 
   // InvalidArgument naming the first bad field.
   absl::Status Validate() const;
@@ -170,6 +176,19 @@ class TablePredictor : public Predictor {
   std::vector<Pending> pending_;
 };
 
+// A length prior known before prefill (length-aware admission,
+// docs/SCHEDULING.md): asked once per request at its arrival, taught every
+// completion. Called from the simulation loop only.
+class AdmissionPrior {
+ public:
+  virtual ~AdmissionPrior() = default;
+  // The prior of a request that has just arrived, or nullopt (no prior: the
+  // request is placed as unpredicted).
+  virtual std::optional<double> At(const SimRequest& request) = 0;
+  // The request finished (its true length is known now).
+  virtual absl::Status Learn(const SimRequest& request) = 0;
+};
+
 // What happened to one request.
 struct RequestResult {
   int64_t id = 0;
@@ -191,6 +210,12 @@ struct SimOptions {
   shim::SchedulerOptions scheduler;
   // Record the ids decoded by every step, in the scheduler's order.
   bool record_order = false;
+  // Length-aware admission (nullptr = none). kSlots: the admission queue is
+  // ordered by a second CountdownScheduler (the same options, waiting cap
+  // off) in which each waiting request carries its prior, instead of FCFS.
+  // kVllm: each request gets its prior (SetPrior) when it joins the
+  // scheduler at arrival, so the waiting queue is ordered by it.
+  AdmissionPrior* prior = nullptr;
   // Called every ~progress_every_steps steps with (finished, total).
   int64_t progress_every_steps = 0;
   std::function<void(int64_t, int64_t)> progress;

@@ -30,12 +30,40 @@
 #include "common/file.h"
 #include "client/engine_connection.h"
 #include "replay/leap_driver.h"
+#include "sidecar/core/length_prior.h"
 
 namespace leap::replay {
 namespace {
 
 using Clock = std::chrono::steady_clock;
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+
+// Length-aware admission's prior: one LengthPrior per product line (the
+// request's segment: the traffic before and after a shift), from the
+// prompt length (the traces carry no max_tokens: every request has the
+// budget), learned from every completion.
+class OnlineAdmissionPrior : public AdmissionPrior {
+ public:
+  explicit OnlineAdmissionPrior(int64_t budget)
+      : priors_([budget] {
+          core::LengthPriorOptions o;
+          o.budget = budget;
+          return o;
+        }()) {}
+  std::optional<double> At(const SimRequest& r) override {
+    return priors_.Predict(Line(r), {r.prompt_tokens, 0});
+  }
+  absl::Status Learn(const SimRequest& r) override {
+    return priors_.Learn(Line(r), {r.prompt_tokens, 0},
+                         std::max<int64_t>(r.output_tokens, 1));
+  }
+
+ private:
+  static std::string Line(const SimRequest& r) {
+    return absl::StrCat("segment-", r.segment);
+  }
+  core::LengthPriors priors_;
+};
 
 double Since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
@@ -139,7 +167,14 @@ absl::StatusOr<std::vector<PolicySpec>> ParsePolicies(absl::string_view list) {
     p.cost_ms = lp.cost_ms;
     return p;
   };
-  for (const std::string& token : tokens) {
+  for (const std::string& full : tokens) {
+    std::string token = full;
+    const bool prior_admission = absl::EndsWith(token, "+prior");
+    if (prior_admission) token.resize(token.size() - 6);
+    if (prior_admission && (token == "fcfs" || token == "baselines")) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "policy '", full, "': ", token, " takes no +prior"));
+    }
     std::string t = token;
     std::string disc;
     if (const size_t plus = token.find('+'); plus != std::string::npos) {
@@ -272,6 +307,10 @@ absl::StatusOr<std::vector<PolicySpec>> ParsePolicies(absl::string_view list) {
           p.discipline == shim::SchedulingPolicy::kLinearAging) {
         absl::StrAppendFormat(&p.name, "=%g", p.knob);
       }
+    }
+    if (prior_admission) {
+      p.prior_admission = true;
+      absl::StrAppend(&p.name, "+prior");
     }
     RETURN_IF_ERROR(add(std::move(p)));
   }
@@ -613,6 +652,11 @@ absl::StatusOr<ReplayReport> RunReplay(const ReplayOptions& o,
         so.scheduler.aging_rate = 0;
         so.scheduler.unpredicted = shim::UnpredictedPolicy::kFixed;
       }
+      std::unique_ptr<OnlineAdmissionPrior> prior;
+      if (spec.prior_admission) {
+        prior = std::make_unique<OnlineAdmissionPrior>(o.max_tokens);
+        so.prior = prior.get();
+      }
       auto last_report = Clock::now();
       so.progress_every_steps = 2000;
       so.progress = [&](int64_t done, int64_t total) {
@@ -641,7 +685,8 @@ absl::StatusOr<ReplayReport> RunReplay(const ReplayOptions& o,
           break;
         case PolicySpec::Kind::kLeap:
         case PolicySpec::Kind::kLeapRls: {
-          if (spec.kind == PolicySpec::Kind::kLeap && spec.has_discipline &&
+          if (spec.kind == PolicySpec::Kind::kLeap &&
+              (spec.has_discipline || spec.prior_admission) &&
               !recorded_values.empty()) {
             // The frozen readout's predictions do not depend on the order:
             // reuse those of the first frozen LEAP run, with their measured

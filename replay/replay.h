@@ -47,6 +47,10 @@ struct PolicySpec {
   shim::SchedulingPolicy discipline = shim::SchedulingPolicy::kCountdown;
   double knob = 0;
   bool has_discipline = false;
+  // "+prior" at the end of the name: length-aware admission, the waiting
+  // requests ordered by a prior learned online from completions (prompt
+  // length per product line, sidecar/core/length_prior.h).
+  bool prior_admission = false;
   // The predictor's part of the name ("leap" in "leap+bounded=2").
   std::string predictor;
 };
@@ -71,7 +75,8 @@ const std::vector<LearnedPreset>& LearnedPresets();
 // presets (tie, ssjf, ltr, trail, egtp), "baselines" (all presets) and
 // learned:rho=R,cost=Cms[,shift_rho=S] (its own commas are understood), each
 // but fcfs optionally followed by a discipline: +bounded[=S] (S >= 1),
-// +hrrn, +aging[=A] (linear, A >= 0 tokens per step waited), +countdown.
+// +hrrn, +aging[=A] (linear, A >= 0 tokens per step waited), +countdown,
+// and after it (or alone) +prior (length-aware admission).
 // InvalidArgument for an unknown name, a bad parameter or a repeat.
 absl::StatusOr<std::vector<PolicySpec>> ParsePolicies(absl::string_view list);
 

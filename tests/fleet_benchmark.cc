@@ -1,22 +1,33 @@
 // Fleet mode benchmark (issue 12): a NATS JetStream cluster on loopback
-// (3 nodes, R3 streams by default), 3 leapd members, one cold readout of
-// width d = 4096, clients in this process sending Predict + Complete to the
+// (3 nodes, R3 streams by default), --members leapd members (m0 trains:
+// the others run --fleet_trainer=never), one cold readout of width
+// d = 4096, clients in this process sending Predict + Complete to the
 // members in turn.
-//   1. this machine's exact-RLS bound: RlsState::Update in this process,
-//      batches of 64 at d, completions/s (the trainer's ceiling);
+//   1. this machine's exact-RLS bound: its FP32 FMA peak over the FMAs of
+//      an exact update, for one core and all cores; and RlsState::Update in
+//      this process, batches of 64, on one thread and on all cores;
 //   2. sustained fleet throughput: closed-loop clients for --seconds; the
 //      acknowledged completions/s and the learned completions/s (from
 //      acknowledgement of the first to a version including the last, on
-//      every member), the trainer's rate as a ratio of the bound;
-//   3. staleness at a steady --rate completions/s fleet-wide: for each
-//      completion, from its acknowledgement (CompleteResponse.fleet_seq) to
-//      the first moment every member's WatchReadout has shown a version with
-//      fleet_seq >= it; p50, p99, max.
-// Prints the CPU model, core count and `uptime` (other load changes figures).
-//   fleet_benchmark [--dim=4096] [--seconds=10] [--rate=500] [--clients=6]
-//                   [--nats_nodes=3] [--trainer_threads=N (OPENBLAS_NUM_THREADS
-//                   of the members; 0 = leave)] [--version_interval_ms=200]
+//      every member), the trainer's rate as a ratio of the bound for the
+//      cores it may use (--trainer_cpus);
+//   3. staleness at each steady rate of --rates completions/s fleet-wide:
+//      for each completion, from its acknowledgement
+//      (CompleteResponse.fleet_seq) to the first moment every member's
+//      WatchReadout has shown a version with fleet_seq >= it; p50, p99,
+//      max; split into ack -> the trainer published such a version
+//      (ReadoutVersion.published_unix_ms) and that publish -> served by all.
+// After each phase: where the trainer's worker spent its time
+// (leap_fleet_trainer_seconds_total by stage, scraped from m0).
+// Prints the CPU model, kernel set, core count and `uptime` (other load
+// changes figures).
+//   fleet_benchmark [--dim=4096] [--seconds=10] [--rates=100,200,500]
+//                   [--clients=6] [--nats_nodes=3] [--members=3]
+//                   [--trainer_cpus=N (m0 pinned to CPUs 0..N-1: its RLS uses
+//                   N threads; 0 = all)] [--version_interval_ms=200]
+//                   [--sustained=1]
 // A benchmark program, not a ctest test. Release build.
+#include <sched.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -28,6 +39,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <mutex>
 #include <random>
 #include <string>
@@ -35,15 +47,17 @@
 #include <vector>
 
 #include "Eigen/Core"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/match.h"
 #include "readout/internal/machine_probe.h"
 #include "readout/rls.h"
 #include "tests/support/engine_client.h"
 #include "tests/support/nats_cluster.h"
 #include "tests/support/process.h"
 #include "tests/support/scoped_temp_dir.h"
-
-extern "C" void openblas_set_num_threads(int);
 
 namespace pb = ::leap::v1;
 using Clock = std::chrono::steady_clock;
@@ -58,6 +72,50 @@ int64_t IntFlag(int argc, char** argv, const std::string& name, int64_t def) {
     }
   }
   return def;
+}
+
+std::string StrFlag(int argc, char** argv, const std::string& name,
+                    const std::string& def) {
+  const std::string pre = "--" + name + "=";
+  for (int i = 1; i < argc; ++i) {
+    if (std::strncmp(argv[i], pre.c_str(), pre.size()) == 0) {
+      return argv[i] + pre.size();
+    }
+  }
+  return def;
+}
+
+int64_t NowUnixMs() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+// leap_fleet_trainer_seconds_total by stage from a /metrics page.
+std::map<std::string, double> StageSeconds(const std::string& metrics) {
+  std::map<std::string, double> out;
+  for (absl::string_view line : absl::StrSplit(metrics, '\n')) {
+    if (!absl::StartsWith(line, "leap_fleet_trainer_seconds_total{")) continue;
+    const size_t at = line.find("stage=\"");
+    if (at == absl::string_view::npos) continue;
+    const size_t end = line.find('"', at + 7);
+    double v = 0;
+    if (!absl::SimpleAtod(line.substr(line.rfind(' ') + 1), &v)) continue;
+    out[std::string(line.substr(at + 7, end - at - 7))] += v;
+  }
+  return out;
+}
+
+std::string StageReport(const std::map<std::string, double>& before,
+                        const std::map<std::string, double>& after, double wall_s) {
+  std::string out;
+  for (const auto& [stage, v] : after) {
+    auto b = before.find(stage);
+    const double d = v - (b == before.end() ? 0 : b->second);
+    absl::StrAppend(&out, out.empty() ? "" : ", ", stage, " ",
+                    absl::StrFormat("%.2f s (%.0f%%)", d, 100 * d / wall_s));
+  }
+  return out;
 }
 
 double Ms(Clock::duration d) {
@@ -81,11 +139,13 @@ std::string Sh(const std::string& cmd) {
   return out;
 }
 
-// Versions seen by one member's WatchReadout: (time, fleet_seq, learned).
+// Versions seen by one member's WatchReadout: (time, fleet_seq, learned,
+// when the trainer published it).
 struct Seen {
   Clock::time_point t;
   uint64_t fleet_seq;
   int64_t learned;
+  int64_t published_unix_ms;
 };
 
 class Watcher {
@@ -115,7 +175,8 @@ class Watcher {
     pb::ReadoutVersion v;
     while (w->Read(&v)) {
       std::lock_guard<std::mutex> l(mu_);
-      seen_.push_back({Clock::now(), v.fleet_seq(), v.completions_learned()});
+      seen_.push_back({Clock::now(), v.fleet_seq(), v.completions_learned(),
+                       v.published_unix_ms()});
     }
   }
   std::shared_ptr<grpc::Channel> channel_;
@@ -127,6 +188,7 @@ class Watcher {
 
 struct Acked {
   Clock::time_point t;
+  int64_t unix_ms;
   uint64_t seq;
 };
 
@@ -135,37 +197,48 @@ struct Acked {
 int main(int argc, char** argv) {
   const int64_t dim = IntFlag(argc, argv, "dim", 4096);
   const int64_t seconds = IntFlag(argc, argv, "seconds", 10);
-  const int64_t rate = IntFlag(argc, argv, "rate", 500);
+  const std::string rates_flag = StrFlag(argc, argv, "rates", "100,200,500");
   const int64_t clients = IntFlag(argc, argv, "clients", 6);
   const int nats_nodes = static_cast<int>(IntFlag(argc, argv, "nats_nodes", 3));
-  const int64_t trainer_threads = IntFlag(argc, argv, "trainer_threads", 0);
+  const int n_members = static_cast<int>(IntFlag(argc, argv, "members", 3));
+  const int64_t trainer_cpus = IntFlag(argc, argv, "trainer_cpus", 0);
   const int64_t interval_ms = IntFlag(argc, argv, "version_interval_ms", 200);
-  std::printf("cpu: %s; %ld cores\nuptime: %s\n",
-              leap::readout::internal::CpuDescription().c_str(),
-              sysconf(_SC_NPROCESSORS_ONLN), Sh("uptime").c_str());
-  std::printf("d = %lld, NATS %d node(s) R%d on loopback, 3 members, %lld client "
-              "threads, version interval %lld ms, trainer threads %s\n",
-              static_cast<long long>(dim), nats_nodes, nats_nodes,
-              static_cast<long long>(clients), static_cast<long long>(interval_ms),
-              trainer_threads > 0 ? std::to_string(trainer_threads).c_str() : "default");
+  const bool sustained = IntFlag(argc, argv, "sustained", 1) != 0;
+  std::vector<int64_t> rates;
+  for (absl::string_view r : absl::StrSplit(rates_flag, ',', absl::SkipEmpty())) {
+    int64_t v = 0;
+    if (absl::SimpleAtoi(r, &v) && v > 0) rates.push_back(v);
+  }
+  const long cores = sysconf(_SC_NPROCESSORS_ONLN);
+  const long trainer_cores = trainer_cpus > 0 ? std::min<long>(trainer_cpus, cores) : cores;
+  std::printf("cpu: %s; %ld cores; kernel %s\nuptime: %s\n",
+              leap::readout::internal::CpuDescription().c_str(), cores,
+              Sh("uname -r").c_str(), Sh("uptime").c_str());
+  std::printf("d = %lld, NATS %d node(s) R%d on loopback, %d members (m0 trains, on "
+              "%ld of %ld cores), %lld client threads, version interval %lld ms\n",
+              static_cast<long long>(dim), nats_nodes, nats_nodes, n_members,
+              trainer_cores, cores, static_cast<long long>(clients),
+              static_cast<long long>(interval_ms));
 
   // 1. The exact-RLS bound of this machine: its FP32 FMA peak over the
   // 1.5 (d+1)^2 FMAs an exact rank-1 update costs (readout/rls_benchmark's
-  // definition), for one core and for all cores; and what RlsState::Update
-  // does here on one thread with batches of 64.
-  openblas_set_num_threads(1);
+  // definition), for one core and for the trainer's cores; and what
+  // RlsState::Update does here with batches of 64 on one thread and on the
+  // trainer's cores.
   const double fma_peak = leap::readout::internal::MeasureFmaPeak();
   const double bound1 = fma_peak / (1.5 * double(dim + 1) * double(dim + 1));
-  const long cores = sysconf(_SC_NPROCESSORS_ONLN);
+  const double bound_t = bound1 * trainer_cores;
   std::printf("exact-RLS bound at d = %lld: %.0f completions/s on one core "
-              "(FMA peak %.1f GFMA/s), %.0f on %ld cores\n",
-              static_cast<long long>(dim), bound1, fma_peak / 1e9, bound1 * cores,
-              cores);
-  double bound = 0;
-  {
+              "(FMA peak %.1f GFMA/s, %s), %.0f on %ld cores\n",
+              static_cast<long long>(dim), bound1, fma_peak / 1e9,
+              leap::readout::internal::FmaPeakIsa(), bound_t, trainer_cores);
+  for (int threads : {1, static_cast<int>(trainer_cores)}) {
+    if (threads == trainer_cores && threads == 1) break;
     const int64_t n = dim + 1, k = 64;
+    leap::readout::RlsOptions ro;
+    ro.threads = threads;
     leap::readout::RlsState rls(Eigen::VectorXd::Zero(n),
-                                leap::readout::SymMatrix::ScaledIdentity(n, 1.0f));
+                                leap::readout::SymMatrix::ScaledIdentity(n, 1.0f), ro);
     std::mt19937_64 rng(1);
     std::normal_distribution<float> n01;
     std::vector<float> u(n * k);
@@ -178,10 +251,11 @@ int main(int argc, char** argv) {
       if (!rls.Update(u.data(), n, y).ok()) break;
       done += k;
     }
-    bound = done / (Ms(Clock::now() - t0) / 1000);
-    std::printf("RlsState::Update here, one thread, batches of %lld: %.0f "
-                "completions/s (%.2f of the one-core bound)\n",
-                static_cast<long long>(k), bound, bound / bound1);
+    const double r = done / (Ms(Clock::now() - t0) / 1000);
+    std::printf("RlsState::Update here (%s kernels), %d thread(s), batches of %lld: "
+                "%.0f completions/s (%.2f of the %d-core bound)\n",
+                rls.kernel_name(), threads, static_cast<long long>(k), r,
+                r / (bound1 * threads), threads);
   }
 
   // Before the NATS cluster and the members: removed after they stop.
@@ -195,27 +269,51 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "%s\n", std::string(nats.status().message()).c_str());
     return 1;
   }
-  if (trainer_threads > 0) {
-    setenv("OPENBLAS_NUM_THREADS", std::to_string(trainer_threads).c_str(), 1);
-  }
   std::vector<std::unique_ptr<leap::testing::Process>> members;
   std::vector<std::string> addrs;
-  for (int i = 0; i < 3; ++i) {
+  std::string trainer_metrics;
+  cpu_set_t all_cpus;
+  sched_getaffinity(0, sizeof(all_cpus), &all_cpus);
+  for (int i = 0; i < n_members; ++i) {
+    if (i == 0 && trainer_cpus > 0) {
+      // m0 inherits this affinity: its RLS threads (0 = the cores it may
+      // run on) and everything else of it run on CPUs 0..N-1.
+      cpu_set_t set;
+      CPU_ZERO(&set);
+      for (int64_t c = 0; c < trainer_cores; ++c) CPU_SET(c, &set);
+      sched_setaffinity(0, sizeof(set), &set);
+    }
     std::string addr;
     auto p = leap::testing::StartLeapd(
         LEAPD_PATH,
         {absl::StrCat("--data_dir=", dir, "/m", i), "--fleet=" + (*nats)->urls(),
          "--fleet_name=bench", absl::StrCat("--fleet_member=m", i),
          absl::StrCat("--fleet_replicas=", nats_nodes),
+         absl::StrCat("--fleet_trainer=", i == 0 ? "auto" : "never"),
          absl::StrCat("--fleet_version_interval_ms=", interval_ms)},
         &addr);
+    if (i == 0) sched_setaffinity(0, sizeof(all_cpus), &all_cpus);
     if (!p.ok()) {
       std::fprintf(stderr, "member %d: %s\n", i, std::string(p.status().message()).c_str());
       return 1;
     }
+    if (i == 0) {
+      for (const std::string& l : (*p)->lines()) {
+        const std::string prefix = "metrics on http://";
+        if (l.rfind(prefix, 0) == 0) {
+          trainer_metrics = l.substr(prefix.size());
+          trainer_metrics = trainer_metrics.substr(0, trainer_metrics.find('/'));
+        }
+      }
+    }
     members.push_back(std::move(*p));
     addrs.push_back(addr);
   }
+  auto stages = [&] {
+    if (trainer_metrics.empty()) return std::map<std::string, double>();
+    auto body = leap::testing::HttpGet(trainer_metrics, "/metrics");
+    return body.ok() ? StageSeconds(*body) : std::map<std::string, double>();
+  };
   {
     grpc::Status st = leap::testing::CreateDefaultReadout(addrs[0], "r", dim);
     if (!st.ok()) {
@@ -226,8 +324,8 @@ int main(int argc, char** argv) {
   std::vector<std::unique_ptr<Watcher>> watchers;
   for (const std::string& a : addrs) watchers.push_back(std::make_unique<Watcher>(a));
 
-  // Clients: thread c sends to member c % 3; paced at per_thread_rate when
-  // > 0 (request i due at start + i / rate), closed loop otherwise.
+  // Clients: thread c sends to member c % members; paced at per_thread_rate
+  // when > 0 (request i due at start + i / rate), closed loop otherwise.
   std::atomic<int64_t> next_id{0};
   auto run_clients = [&](double per_thread_rate, std::vector<Acked>* acked,
                          int64_t* failures) {
@@ -238,8 +336,9 @@ int main(int argc, char** argv) {
     std::atomic<int64_t> failed{0};
     for (int64_t c = 0; c < clients; ++c) {
       threads.emplace_back([&, c] {
-        auto stub = pb::Predictor::NewStub(leap::testing::MakeChannel(addrs[c % 3]));
-        std::mt19937_64 rng(c + 1);
+        auto stub = pb::Predictor::NewStub(
+            leap::testing::MakeChannel(addrs[c % addrs.size()]));
+        std::mt19937_64 rng(c + 1 + next_id.load());
         std::normal_distribution<float> n01;
         std::vector<float> x(dim);
         std::vector<Acked> mine;
@@ -280,7 +379,7 @@ int main(int argc, char** argv) {
             ++failed;
             continue;
           }
-          mine.push_back({Clock::now(), cresp.fleet_seq()});
+          mine.push_back({Clock::now(), NowUnixMs(), cresp.fleet_seq()});
         }
         std::lock_guard<std::mutex> l(mu);
         acked->insert(acked->end(), mine.begin(), mine.end());
@@ -302,12 +401,16 @@ int main(int argc, char** argv) {
     }
     return false;
   };
+  // The first version with fleet_seq >= seq in a member's log.
+  auto first_with = [](const std::vector<Seen>& log, uint64_t seq) {
+    return std::find_if(log.begin(), log.end(),
+                        [&](const Seen& s) { return s.fleet_seq >= seq; });
+  };
   // First time every member has shown fleet_seq >= seq, from their logs.
   auto served_at = [&](const std::vector<std::vector<Seen>>& logs, uint64_t seq) {
     Clock::time_point worst = Clock::time_point::min();
     for (const auto& log : logs) {
-      auto it = std::find_if(log.begin(), log.end(),
-                             [&](const Seen& s) { return s.fleet_seq >= seq; });
+      auto it = first_with(log, seq);
       if (it == log.end()) return Clock::time_point::max();
       worst = std::max(worst, it->t);
     }
@@ -315,9 +418,10 @@ int main(int argc, char** argv) {
   };
 
   // 2. Sustained throughput (closed loop).
-  {
+  if (sustained) {
     std::vector<Acked> acked;
     int64_t failures = 0;
+    const auto before = stages();
     const auto start = Clock::now();
     const double secs = run_clients(0, &acked, &failures);
     uint64_t max_seq = 0;
@@ -338,13 +442,16 @@ int main(int argc, char** argv) {
                 "exact-RLS bound, %.2f of the %ld-core bound\n",
                 static_cast<long long>(clients), secs, acked.size(), ack_rate,
                 static_cast<long long>(failures), learn_rate, learn_secs,
-                learn_rate / bound1, learn_rate / (bound1 * cores), cores);
+                learn_rate / bound1, learn_rate / bound_t, trainer_cores);
+    std::printf("  trainer worker time: %s\n",
+                StageReport(before, stages(), learn_secs).c_str());
   }
 
-  // 3. Staleness at a steady rate.
-  {
+  // 3. Staleness at steady rates.
+  for (int64_t rate : rates) {
     std::vector<Acked> acked;
     int64_t failures = 0;
+    const auto before = stages();
     const double secs = run_clients(static_cast<double>(rate) / clients, &acked, &failures);
     uint64_t max_seq = 0;
     for (const Acked& a : acked) max_seq = std::max(max_seq, a.seq);
@@ -355,14 +462,27 @@ int main(int argc, char** argv) {
     }
     std::vector<std::vector<Seen>> logs;
     for (auto& w : watchers) logs.push_back(w->seen());
-    std::vector<double> stale;
-    for (const Acked& a : acked) stale.push_back(Ms(served_at(logs, a.seq) - a.t));
+    std::vector<double> stale, to_publish, to_served;
+    for (const Acked& a : acked) {
+      const Clock::time_point all = served_at(logs, a.seq);
+      stale.push_back(Ms(all - a.t));
+      auto first = first_with(logs[0], a.seq);
+      if (first != logs[0].end()) {
+        const double pub = static_cast<double>(first->published_unix_ms - a.unix_ms);
+        to_publish.push_back(pub);
+        to_served.push_back(Ms(all - a.t) - pub);
+      }
+    }
     std::printf("steady %lld/s target: %zu acknowledged in %.1f s (%.0f/s, %lld failed); "
-                "staleness ack -> served by all 3 members: p50 %.0f ms, p99 %.0f ms, "
-                "max %.0f ms\n",
+                "staleness ack -> served by all %d members: p50 %.0f ms, p99 %.0f ms, "
+                "max %.0f ms (ack -> trainer published it: p50 %.0f, p99 %.0f; publish "
+                "-> served by all: p50 %.0f, p99 %.0f)\n",
                 static_cast<long long>(rate), acked.size(), secs, acked.size() / secs,
-                static_cast<long long>(failures), Pct(stale, 0.5), Pct(stale, 0.99),
-                Pct(stale, 1.0));
+                static_cast<long long>(failures), n_members, Pct(stale, 0.5),
+                Pct(stale, 0.99), Pct(stale, 1.0), Pct(to_publish, 0.5),
+                Pct(to_publish, 0.99), Pct(to_served, 0.5), Pct(to_served, 0.99));
+    std::printf("  trainer worker time: %s\n",
+                StageReport(before, stages(), secs).c_str());
   }
   std::printf("uptime after: %s\n", Sh("uptime").c_str());
   watchers.clear();

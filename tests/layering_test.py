@@ -34,6 +34,9 @@ LAYERS = [
     ("client", 4, {"leap_client"}),
     ("engine_shim", 4, {"leap_shim_client", "leap_shim_scheduler",
                         "leap_shim_capture", "leap_shim_torch", "leap_shim"}),
+    # The length prior before prefill (sidecar/core/length_prior.h): no
+    # project dependency, shared by leapd's core and the replay.
+    ("length_prior", 4, {"leap_length_prior"}),
     ("sidecar_core", 5, {"leap_sidecar_core"}),
     ("replay", 5, {"leap_replay"}),
     ("sidecar_grpc", 6, {"leap_sidecar_grpc"}),

@@ -752,6 +752,20 @@ class BadInputTest(unittest.TestCase):
             s.set_prediction("a", 4.0)  # a newer value goes through rescore
         with self.assertRaisesRegex(TypeError, "leap_shim.Event"):
             s.apply([("prediction", "a", 5.0)])
+        # A prior before prefill places a request until its prediction.
+        p = leap_shim.Scheduler(slots=1, waiting_cap=0)
+        for rid in ("x", "y", "z"):
+            p.add(rid)
+        p.set_prediction("x", 50.0)
+        p.set_prior("y", 10.0)  # z has none: the median (x's 50)
+        self.assertEqual(p.select(), ["y"])
+        p.set_prediction("y", 500.0)  # the prediction replaces the prior
+        p.set_prior("y", 1.0)         # ignored once predicted
+        self.assertEqual(p.select(), ["x"])
+        with self.assertRaises(KeyError):
+            p.set_prior("nope", 1.0)
+        with self.assertRaisesRegex(ValueError, "finite and >= 0"):
+            p.set_prior("z", -1.0)
         with self.assertRaisesRegex(ValueError, "kind must be"):
             leap_shim.Event("guess")
 

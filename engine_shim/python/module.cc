@@ -361,6 +361,14 @@ the countdown continues from the new value. Also takes a first prediction.
 
 Raises:
   KeyError: unknown id. ValueError: negative or non-finite value.)doc")
+      .def("set_prior", &PyScheduler::SetPrior, py::arg("request_id"),
+           py::arg("prior_tokens"),
+           R"doc(Gives a request a length known before prefill (length-aware
+admission): until its first prediction it is ranked as if predicted with
+that value; ignored once it is predicted.
+
+Raises:
+  KeyError: unknown id. ValueError: negative or non-finite value.)doc")
       .def("remove", &PyScheduler::Remove, py::arg("request_id"),
            R"doc(Forgets a finished or cancelled request.
 

@@ -26,6 +26,10 @@ void PyScheduler::Rescore(const std::string& id, double tokens) {
   Check(s_.Rescore(id, tokens));
 }
 
+void PyScheduler::SetPrior(const std::string& id, double tokens) {
+  Check(s_.SetPrior(id, tokens));
+}
+
 void PyScheduler::Remove(const std::string& id) {
   Check(s_.Remove(id));
   version_.erase(id);

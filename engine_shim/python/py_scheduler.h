@@ -29,6 +29,7 @@ class PyScheduler {
   void Add(const std::string& id);
   void SetPrediction(const std::string& id, double tokens);
   void Rescore(const std::string& id, double tokens);
+  void SetPrior(const std::string& id, double tokens);
   void Remove(const std::string& id);
   std::vector<std::string> Select(std::optional<int> slots);
   int Apply(pybind11::iterable events);

@@ -696,7 +696,8 @@ void Core::PredictBatch(absl::Span<const ScoreRequest> reqs, uint64_t session,
 absl::StatusOr<CompletionOutcome> Core::Complete(absl::string_view request_id,
                                                  int64_t output_tokens,
                                                  readout::FinishReason reason,
-                                                 absl::string_view instance) {
+                                                 absl::string_view instance,
+                                                 bool defer_fleet_ack) {
   if (!serving()) return Recovering();
   RETURN_IF_ERROR(ValidateInstanceId(instance));
   if (request_id.find('\0') != absl::string_view::npos) {
@@ -887,7 +888,27 @@ absl::StatusOr<CompletionOutcome> Core::Complete(absl::string_view request_id,
           c.true_tokens = truth;
           c.local_seq = local_seq;
           c.dedup_keys = dedup_keys;
-          absl::StatusOr<uint64_t> seq = fleet->PublishCompletion(c);
+          if (defer_fleet_ack) {
+            // Pipelined: the caller acknowledges the engine once set.
+            auto ack = std::make_shared<PendingFleetAck>();
+            if (i != 0) {
+              const std::string name = ro.name();
+              ack->OnDone([ack_raw = ack.get(), name] {
+                absl::StatusOr<uint64_t> r = ack_raw->Wait();
+                if (!r.ok()) {
+                  std::fprintf(stderr, "leapd: shadow readout '%s': %s\n",
+                               name.c_str(),
+                               std::string(r.status().message()).c_str());
+                }
+              });
+            } else {
+              outcome.fleet_ack = ack;
+            }
+            fleet->PublishCompletionAsync(c, std::move(ack));
+          }
+          absl::StatusOr<uint64_t> seq =
+              defer_fleet_ack ? absl::StatusOr<uint64_t>(uint64_t{0})
+                              : fleet->PublishCompletion(c);
           if (!seq.ok()) {
             // Recorded in the outbox, not acknowledged: the engine resends,
             // and the resend is acknowledged once the record is published.

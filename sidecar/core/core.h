@@ -103,6 +103,11 @@ struct CompletionOutcome {
   // Fleet mode: the FEEDBACK stream sequence of the completion (0 when not
   // published or no longer known).
   uint64_t fleet_seq = 0;
+  // Fleet mode with defer_fleet_ack: the serving readout's publish, still
+  // in flight. The completion may be acknowledged to the engine only once
+  // it is set and OK (its value is then the fleet_seq); an error is the
+  // completion's answer (UNAVAILABLE: the engine resends it).
+  std::shared_ptr<PendingFleetAck> fleet_ack;
 };
 
 // Online quality of one (product line, arm).
@@ -201,10 +206,16 @@ class Core {
   // one within the dedup window: same instance, id, features and outcome
   // ("resent"), or same instance and id while the request is not live
   // ("resent_not_live"). A reused id with new features is learned.
+  // Fleet mode: the completion is acknowledged only after JetStream's
+  // publish acknowledgement. By default Complete waits for it; with
+  // `defer_fleet_ack` it returns with the publish in flight
+  // (CompletionOutcome::fleet_ack), so a batch of completions is published
+  // in one pipelined round trip and a caller can answer later.
   absl::StatusOr<CompletionOutcome> Complete(absl::string_view request_id,
                                              int64_t output_tokens,
                                              readout::FinishReason reason,
-                                             absl::string_view instance = "");
+                                             absl::string_view instance = "",
+                                             bool defer_fleet_ack = false);
   // Drops a live request without learning. NOT_FOUND (counted) if unknown.
   absl::Status Cancel(absl::string_view request_id,
                       absl::string_view instance = "");

@@ -184,28 +184,8 @@ void HandleEngineMessage(Core* core, uint64_t session, const pb::Hello& hello,
       break;
     }
     case pb::EngineMessage::kCompletions: {
-      pb::Ack* ack = out->mutable_ack();
-      for (const auto& c : in->completions().completions()) {
-        absl::StatusOr<readout::FinishReason> reason =
-            ReasonFromProto(c.reason());
-        absl::StatusOr<CompletionOutcome> o =
-            reason.ok()
-                ? core->Complete(c.request_id(), c.output_tokens(), *reason,
-                                 hello.instance_id())
-                : absl::StatusOr<CompletionOutcome>(reason.status());
-        if (!o.ok()) {
-          AddRequestError(c.request_id(), o.status(), ack->mutable_errors(),
-                          metrics);
-          continue;
-        }
-        tracker->Untrack(c.request_id());
-        if (o->duplicate) ack->set_duplicates(ack->duplicates() + 1);
-        if (o->learned) {
-          ack->set_accepted(ack->accepted() + 1);
-        } else {
-          ack->set_skipped(ack->skipped() + 1);
-        }
-      }
+      StartCompletions(core, hello, in->completions())
+          ->Finish(out->mutable_ack(), tracker);
       break;
     }
     case pb::EngineMessage::kCancels: {
@@ -225,6 +205,93 @@ void HandleEngineMessage(Core* core, uint64_t session, const pb::Hello& hello,
           static_cast<int>(absl::StatusCode::kInvalidArgument));
       out->mutable_error()->set_message("empty engine message");
       break;
+  }
+}
+
+std::shared_ptr<CompletionsAnswer> StartCompletions(
+    Core* core, const pb::Hello& hello, const pb::CompletionBatch& completions) {
+  auto answer = std::make_shared<CompletionsAnswer>();
+  answer->core_ = core;
+  answer->entries_.reserve(completions.completions_size());
+  // Every completion first, each publish in flight; then the answer waits
+  // for JetStream's acknowledgements, one round trip for the message.
+  for (const auto& c : completions.completions()) {
+    absl::StatusOr<readout::FinishReason> reason = ReasonFromProto(c.reason());
+    answer->entries_.push_back(
+        {c.request_id(),
+         reason.ok() ? core->Complete(c.request_id(), c.output_tokens(), *reason,
+                                      hello.instance_id(),
+                                      /*defer_fleet_ack=*/true)
+                     : absl::StatusOr<CompletionOutcome>(reason.status())});
+  }
+  std::vector<std::shared_ptr<PendingFleetAck>> acks;
+  for (const auto& e : answer->entries_) {
+    if (e.outcome.ok() && e.outcome->fleet_ack != nullptr) {
+      acks.push_back(e.outcome->fleet_ack);
+    }
+  }
+  {
+    absl::MutexLock l(&answer->mu_);
+    answer->waiting_ = static_cast<int>(acks.size());
+  }
+  // (The callbacks hold the answer until the last one ran.)
+  for (const auto& ack : acks) ack->OnDone([answer] { answer->AckArrived(); });
+  return answer;
+}
+
+void CompletionsAnswer::AckArrived() {
+  std::vector<std::function<void()>> run;
+  {
+    absl::MutexLock l(&mu_);
+    if (--waiting_ != 0) return;
+    run.swap(on_ready_);
+  }
+  for (auto& f : run) f();
+}
+
+bool CompletionsAnswer::ready() const {
+  absl::MutexLock l(&mu_);
+  return waiting_ == 0;
+}
+
+void CompletionsAnswer::OnReady(std::function<void()> f) {
+  {
+    absl::MutexLock l(&mu_);
+    if (waiting_ != 0) {
+      on_ready_.push_back(std::move(f));
+      return;
+    }
+  }
+  f();
+}
+
+void CompletionsAnswer::Finish(pb::Ack* ack, LiveTracker* tracker) {
+  {
+    absl::MutexLock l(&mu_);
+    mu_.Await(absl::Condition(+[](int* w) { return *w == 0; }, &waiting_));
+  }
+  Metrics& metrics = core_->metrics();
+  for (Entry& e : entries_) {
+    absl::StatusOr<CompletionOutcome>& o = e.outcome;
+    if (o.ok() && o->fleet_ack != nullptr) {
+      absl::StatusOr<uint64_t> seq = o->fleet_ack->Wait();  // set: no wait
+      if (!seq.ok()) {
+        o = seq.status();
+      } else {
+        o->fleet_seq = *seq;
+      }
+    }
+    if (!o.ok()) {
+      AddRequestError(e.request_id, o.status(), ack->mutable_errors(), metrics);
+      continue;
+    }
+    tracker->Untrack(e.request_id);
+    if (o->duplicate) ack->set_duplicates(ack->duplicates() + 1);
+    if (o->learned) {
+      ack->set_accepted(ack->accepted() + 1);
+    } else {
+      ack->set_skipped(ack->skipped() + 1);
+    }
   }
 }
 

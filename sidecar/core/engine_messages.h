@@ -6,11 +6,13 @@
 #ifndef LEAP_SIDECAR_CORE_ENGINE_MESSAGES_H_
 #define LEAP_SIDECAR_CORE_ENGINE_MESSAGES_H_
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "leap/v1/predictor.pb.h"
 #include "sidecar/core/core.h"
 
@@ -46,9 +48,49 @@ absl::StatusOr<readout::DType> CheckHello(const leap::v1::Hello& hello);
 // OK with CoreOptions::allow_hello_mismatch.
 absl::Status CheckHelloIdentity(const Core& core, const leap::v1::Hello& hello);
 
+// The answer to one Completions message, in the making. In fleet mode each
+// learnable completion is acknowledged only after JetStream's publish
+// acknowledgement: StartCompletions runs every completion through the Core
+// with its publish in flight (pipelined: one round trip for the message),
+// and the answer is ready once every acknowledgement is in. A transport may
+// wait (Finish blocks), or go on serving other engines and emit the answer
+// when OnReady fires (the shm server's loop). Thread-safe.
+class CompletionsAnswer {
+ public:
+  // True once every publish of the message was acknowledged or failed (at
+  // once outside fleet mode).
+  bool ready() const;
+  // Runs `f` once ready: at once, here, when it is; else on the thread that
+  // receives the last acknowledgement (it must not block).
+  void OnReady(std::function<void()> f);
+  // Fills `ack` (accepted, skipped, duplicates, per-request errors:
+  // UNAVAILABLE for a completion whose publish failed) and untracks the
+  // acknowledged requests. Blocks until ready.
+  void Finish(leap::v1::Ack* ack, LiveTracker* tracker);
+
+ private:
+  friend std::shared_ptr<CompletionsAnswer> StartCompletions(
+      Core*, const leap::v1::Hello&, const leap::v1::CompletionBatch&);
+  struct Entry {
+    std::string request_id;
+    absl::StatusOr<CompletionOutcome> outcome;
+  };
+  Core* core_ = nullptr;
+  std::vector<Entry> entries_;
+  mutable absl::Mutex mu_;
+  int waiting_ ABSL_GUARDED_BY(mu_) = 0;
+  std::vector<std::function<void()>> on_ready_ ABSL_GUARDED_BY(mu_);
+  void AckArrived();
+};
+std::shared_ptr<CompletionsAnswer> StartCompletions(
+    Core* core, const leap::v1::Hello& hello,
+    const leap::v1::CompletionBatch& completions);
+
 // Answers one EngineMessage after the hello (features carried inline,
 // completions, cancels; a second hello or an empty message is a
 // message-level error). `in` may be consumed (feature bytes are moved).
+// Completions are answered once the fleet acknowledged them (fleet mode):
+// this call waits for it (StartCompletions does not).
 void HandleEngineMessage(Core* core, uint64_t session,
                          const leap::v1::Hello& hello, readout::DType dtype,
                          leap::v1::EngineMessage* in,

@@ -5,12 +5,17 @@
 #define LEAP_SIDECAR_CORE_FLEET_LINK_H_
 
 #include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
 #include "readout/artifact.h"
 #include "readout/features.h"
 #include "storage/state_store.h"
@@ -51,6 +56,53 @@ struct FleetStatus {
   int64_t unconfirmed = 0;      // outbox records not yet in the stream
 };
 
+// One completion's publish to the fleet's stream, in flight (fleet mode,
+// Core::Complete with defer_fleet_ack): set once, from the thread that
+// receives JetStream's acknowledgement, to the completion's FEEDBACK
+// sequence or UNAVAILABLE. Thread-safe.
+class PendingFleetAck {
+ public:
+  // The first call wins; runs the callbacks registered by OnDone.
+  void Set(absl::StatusOr<uint64_t> result) {
+    std::vector<std::function<void()>> run;
+    {
+      absl::MutexLock l(&mu_);
+      if (result_.has_value()) return;
+      result_ = std::move(result);
+      run.swap(on_done_);
+    }
+    for (auto& f : run) f();
+  }
+  // Blocks until set.
+  absl::StatusOr<uint64_t> Wait() {
+    absl::MutexLock l(&mu_);
+    mu_.Await(absl::Condition(
+        +[](std::optional<absl::StatusOr<uint64_t>>* r) { return r->has_value(); },
+        &result_));
+    return *result_;
+  }
+  bool done() const {
+    absl::MutexLock l(&mu_);
+    return result_.has_value();
+  }
+  // `f` runs once the result is set (at once, here, when it already is).
+  void OnDone(std::function<void()> f) {
+    {
+      absl::MutexLock l(&mu_);
+      if (!result_.has_value()) {
+        on_done_.push_back(std::move(f));
+        return;
+      }
+    }
+    f();
+  }
+
+ private:
+  mutable absl::Mutex mu_;
+  std::optional<absl::StatusOr<uint64_t>> result_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::function<void()>> on_done_ ABSL_GUARDED_BY(mu_);
+};
+
 // Thread-safe.
 class FleetLink {
  public:
@@ -62,6 +114,14 @@ class FleetLink {
   // outbox and is republished later).
   virtual absl::StatusOr<uint64_t> PublishCompletion(
       const FleetCompletionRecord& c) = 0;
+  // The same without waiting: `ack` is set once JetStream acknowledged it
+  // (or the publish failed), from another thread; many completions can be
+  // in flight at once. The record is copied before this returns. By
+  // default it waits (PublishCompletion).
+  virtual void PublishCompletionAsync(const FleetCompletionRecord& c,
+                                      std::shared_ptr<PendingFleetAck> ack) {
+    ack->Set(PublishCompletion(c));
+  }
   // A resent completion whose dedup key was recorded: returns its stream
   // sequence once its outbox record is in the stream (publishing it now if
   // it was not yet; 0 when the sequence is no longer known), UNAVAILABLE
@@ -80,6 +140,11 @@ class FleetLink {
   virtual absl::StatusOr<int64_t> Rollback(const std::string& readout,
                                            const std::string& label) = 0;
   virtual absl::Status SetFrozen(const std::string& readout, bool frozen) = 0;
+  // The readout's complete state as the fleet's trainer holds it now (theta
+  // and P of one version). Not used by ExportReadout yet: it adds a version
+  // to the fleet's history (docs/FLEET.md).
+  virtual absl::StatusOr<readout::ReadoutState> ExportState(
+      const std::string& readout) = 0;
   // The fleet's snapshots of a readout (in the STATE stream).
   virtual absl::StatusOr<std::vector<storage::SnapshotInfo>> ListSnapshots(
       const std::string& readout) = 0;

@@ -19,21 +19,6 @@ struct MsgDel {
 };
 using MsgPtr = std::unique_ptr<natsMsg, MsgDel>;
 
-absl::Status EnsureStream(jsCtx* js, jsStreamConfig* cfg) {
-  jsStreamInfo* si = nullptr;
-  jsErrCode code = static_cast<jsErrCode>(0);
-  natsStatus s = js_AddStream(&si, js, cfg, nullptr, &code);
-  if (si != nullptr) jsStreamInfo_Destroy(si);
-  if (s == NATS_OK) return absl::OkStatus();
-  if (code == JSStreamNameExistErr) {
-    // Created by another member (perhaps with other limits): accepted.
-    s = js_GetStreamInfo(&si, js, cfg->Name, nullptr, &code);
-    if (si != nullptr) jsStreamInfo_Destroy(si);
-    if (s == NATS_OK) return absl::OkStatus();
-  }
-  return NatsFailure(absl::StrCat("creating stream ", cfg->Name), s, code);
-}
-
 }  // namespace
 
 absl::Status NatsFailure(const std::string& what, natsStatus s, jsErrCode code) {
@@ -139,6 +124,7 @@ absl::StatusOr<int32_t> PublishState(jsCtx* js, const std::string& stream,
       c.set_unix_ms(s.unix_ms);
       c.set_label(s.label);
       c.set_chunks(chunks);
+      for (uint64_t k : s.kept_seqs) c.add_kept_seqs(k);
     }
     bytes.clear();
     c.SerializeToString(&bytes);
@@ -234,6 +220,7 @@ absl::StatusOr<FleetState> ReadNewestState(jsCtx* js, const std::string& stream,
             s.unix_ms = c.unix_ms();
             s.state_id = id;
             s.chunks = c.chunks();
+            s.kept_seqs.assign(c.kept_seqs().begin(), c.kept_seqs().end());
             best = std::move(s);
           }
         }
@@ -254,49 +241,8 @@ absl::StatusOr<FleetState> ReadNewestState(jsCtx* js, const std::string& stream,
 
 absl::Status EnsureFleetStreams(jsCtx* js, const std::string& fleet,
                                 int replicas, int64_t lease_ms) {
-  {
-    const std::string name = FeedbackStream(fleet);
-    const std::string s1 = absl::StrCat("leap.", fleet, ".fb.>");
-    const std::string s2 = absl::StrCat("leap.", fleet, ".ctl.>");
-    const char* subjects[] = {s1.c_str(), s2.c_str()};
-    jsStreamConfig cfg;
-    jsStreamConfig_Init(&cfg);
-    cfg.Name = name.c_str();
-    cfg.Subjects = subjects;
-    cfg.SubjectsLen = 2;
-    cfg.Storage = js_FileStorage;
-    cfg.Replicas = replicas;
-    cfg.Duplicates = int64_t{10} * 60 * 1'000'000'000;  // 10 min, in ns
-    if (absl::Status s = EnsureStream(js, &cfg); !s.ok()) return s;
-  }
-  {
-    const std::string name = VersionsStream(fleet);
-    const std::string s1 = absl::StrCat("leap.", fleet, ".ver.>");
-    const char* subjects[] = {s1.c_str()};
-    jsStreamConfig cfg;
-    jsStreamConfig_Init(&cfg);
-    cfg.Name = name.c_str();
-    cfg.Subjects = subjects;
-    cfg.SubjectsLen = 1;
-    cfg.Storage = js_FileStorage;
-    cfg.Replicas = replicas;
-    cfg.MaxMsgsPerSubject = 10000;
-    if (absl::Status s = EnsureStream(js, &cfg); !s.ok()) return s;
-  }
-  {
-    const std::string name = StateStream(fleet);
-    const std::string s1 = absl::StrCat("leap.", fleet, ".ckpt.>");
-    const std::string s2 = absl::StrCat("leap.", fleet, ".snap.>");
-    const char* subjects[] = {s1.c_str(), s2.c_str()};
-    jsStreamConfig cfg;
-    jsStreamConfig_Init(&cfg);
-    cfg.Name = name.c_str();
-    cfg.Subjects = subjects;
-    cfg.SubjectsLen = 2;
-    cfg.Storage = js_FileStorage;
-    cfg.Replicas = replicas;
-    cfg.Duplicates = int64_t{60} * 1'000'000'000;
-    if (absl::Status s = EnsureStream(js, &cfg); !s.ok()) return s;
+  for (const StreamSpec& spec : FleetStreamSpecs(fleet, replicas)) {
+    if (absl::Status s = EnsureStream(js, spec); !s.ok()) return s;
   }
   {
     const std::string bucket = LeaseBucket(fleet);

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "Eigen/Core"
 #include "absl/status/status.h"
@@ -37,6 +38,9 @@ struct FleetState {
   uint64_t fleet_seq = 0;
   bool frozen = false;
   std::string label;   // snapshots
+  // Checkpoints: FEEDBACK sequences <= fleet_seq of completions taken but not
+  // applied (kept after a rejected RLS batch, retried on resume).
+  std::vector<uint64_t> kept_seqs;
   int64_t unix_ms = 0;
   std::string state_id;  // as read or written
   int32_t chunks = 0;    // as read or written

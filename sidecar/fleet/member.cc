@@ -11,6 +11,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "common/clock.h"
+#include "sidecar/fleet/fleet_state.h"
 #include "leap/v1/fleet.pb.h"
 #include "prometheus/registry.h"
 
@@ -258,14 +259,9 @@ absl::Status FleetMember::Start(
 absl::Status FleetMember::SetUp() {
   const std::string& f = options_.fleet;
   const int r = options_.replicas;
-  StreamSpec fb{FeedbackStream(f), {FeedbackSubjects(f), ControlSubjects(f)}, r};
-  fb.duplicate_window_ms = options_.duplicate_window_ms;
-  StreamSpec ver{VersionsStream(f), {VersionSubjects(f)}, r};
-  ver.max_msgs_per_subject = 10000;
-  StreamSpec st{StateStream(f), {CheckpointSubjects(f), SnapshotSubjects(f)}, r};
-  st.duplicate_window_ms = 60'000;
-  for (const StreamSpec* s : {&fb, &ver, &st}) {
-    if (absl::Status e = nats_->EnsureStream(*s); !e.ok()) return e;
+  for (const StreamSpec& s :
+       FleetStreamSpecs(f, r, options_.duplicate_window_ms)) {
+    if (absl::Status e = nats_->EnsureStream(s); !e.ok()) return e;
   }
   auto cfg = nats_->EnsureKv({ConfigBucket(f), r, 1, 0});
   if (!cfg.ok()) return cfg.status();
@@ -341,20 +337,7 @@ void FleetMember::MaintainLoop() {
 absl::StatusOr<uint64_t> FleetMember::PublishPending(const Pending& p) {
   PublishOptions po;
   po.msg_id = p.msg_id;
-  absl::StatusOr<PublishResult> r = nats_->Publish(p.subject, p.payload, po);
-  if (!r.ok()) {
-    c_publish_errors_->Increment();
-    SetDegraded(true, std::string(r.status().message()));
-    return absl::UnavailableError(absl::StrCat(
-        "fleet ", options_.fleet,
-        ": completion recorded in this member's outbox but not yet in the "
-        "fleet's stream (resend it; it will be acknowledged once published): ",
-        r.status().message()));
-  }
-  if (r->duplicate) c_duplicates_->Increment();
-  c_published_->Increment();
-  Confirm(p, r->seq);
-  return r->seq;
+  return Published(p, nats_->Publish(p.subject, p.payload, po));
 }
 
 void FleetMember::Confirm(const Pending& p, uint64_t seq) {
@@ -371,7 +354,7 @@ void FleetMember::Confirm(const Pending& p, uint64_t seq) {
   g_last_seq_->Set(static_cast<double>(last_fleet_seq_.load()));
 }
 
-absl::StatusOr<uint64_t> FleetMember::PublishCompletion(
+FleetMember::Pending FleetMember::Register(
     const sidecar::FleetCompletionRecord& c) {
   fpb::FleetCompletion m;
   m.set_readout(c.readout);
@@ -410,7 +393,44 @@ absl::StatusOr<uint64_t> FleetMember::PublishCompletion(
     }
     g_unconfirmed_->Set(static_cast<double>(pending_.size()));
   }
-  return PublishPending(p);
+  return p;
+}
+
+absl::StatusOr<uint64_t> FleetMember::PublishCompletion(
+    const sidecar::FleetCompletionRecord& c) {
+  return PublishPending(Register(c));
+}
+
+void FleetMember::PublishCompletionAsync(
+    const sidecar::FleetCompletionRecord& c,
+    std::shared_ptr<sidecar::PendingFleetAck> ack) {
+  auto p = std::make_shared<Pending>(Register(c));
+  PublishOptions po;
+  po.msg_id = p->msg_id;
+  const std::string subject = p->subject;
+  const std::string payload = p->payload;
+  nats_->PublishAsync(
+      subject, payload, po,
+      [this, p, ack = std::move(ack)](absl::StatusOr<PublishResult> r) {
+        ack->Set(Published(*p, r));
+      });
+}
+
+absl::StatusOr<uint64_t> FleetMember::Published(
+    const Pending& p, const absl::StatusOr<PublishResult>& r) {
+  if (!r.ok()) {
+    c_publish_errors_->Increment();
+    SetDegraded(true, std::string(r.status().message()));
+    return absl::UnavailableError(absl::StrCat(
+        "fleet ", options_.fleet,
+        ": completion recorded in this member's outbox but not yet in the "
+        "fleet's stream (resend it; it will be acknowledged once published): ",
+        r.status().message()));
+  }
+  if (r->duplicate) c_duplicates_->Increment();
+  c_published_->Increment();
+  Confirm(p, r->seq);
+  return r->seq;
 }
 
 absl::StatusOr<uint64_t> FleetMember::ResolveDuplicate(
@@ -832,6 +852,43 @@ absl::Status FleetMember::SetFrozen(const std::string& readout, bool frozen) {
                     frozen ? fpb::FleetControl::FREEZE : fpb::FleetControl::RESUME,
                     "")
       .status();
+}
+
+absl::StatusOr<readout::ReadoutState> FleetMember::ExportState(
+    const std::string& readout) {
+  absl::StatusOr<std::shared_ptr<sidecar::LiveReadout>> local =
+      core_->GetReadout(readout);
+  if (!local.ok()) return local.status();
+  const std::string label = absl::StrCat("export-", RandomOpId(options_.member));
+  absl::StatusOr<OpResult> r =
+      RunControl(readout, fpb::FleetControl::SNAPSHOT, label);
+  if (!r.ok()) return r.status();
+  const std::string stream = StateStream(options_.fleet);
+  const std::string subject = SnapshotSubject(options_.fleet, readout, label);
+  absl::StatusOr<FleetState> fs =
+      ReadNewestState(nats_->raw_jetstream(), stream, subject);
+  // A one-off label: nothing is left in the fleet's snapshot list.
+  jsOptions jo;
+  jsOptions_Init(&jo);
+  jo.Stream.Purge.Subject = subject.c_str();
+  jsErrCode code = static_cast<jsErrCode>(0);
+  if (natsStatus st = js_PurgeStream(nats_->raw_jetstream(), stream.c_str(), &jo, &code);
+      st != NATS_OK) {
+    std::fprintf(stderr, "leapd: fleet: export state %s not purged: %s\n",
+                 subject.c_str(), NatsFailure("purge", st, code).ToString().c_str());
+  }
+  if (!fs.ok()) return fs.status();
+  readout::ReadoutState state = (*local)->Export();
+  if (fs->theta.size() != state.theta.size()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "fleet ", options_.fleet, ": the trainer's state of '", readout,
+        "' has ", fs->theta.size(), " weights, the readout ", state.theta.size()));
+  }
+  state.theta = fs->theta;
+  state.p = std::move(fs->p);
+  state.version = fs->version;
+  state.completions_learned = fs->completions_learned;
+  return state;
 }
 
 absl::StatusOr<std::vector<storage::SnapshotInfo>> FleetMember::ListSnapshots(

@@ -1,7 +1,7 @@
 // The member side of fleet mode (leapd --fleet, docs/FLEET.md): every leapd
 // of a fleet runs one FleetMember. It owns the NATS connection and
 //  - publishes each learnable completion, already in the local outbox (the
-//    readout's feedback log), to leap.<fleet>.fb.<readout> with a message id
+//    readout's feedback log), to leap.<fleet>.fb.<readout>.c with a message id
 //    that is the same on every member, and answers the Core with the stream
 //    sequence once JetStream acknowledged it (UNAVAILABLE while it cannot);
 //    outbox records not yet confirmed are republished at start and after a
@@ -116,6 +116,10 @@ class FleetMember : public sidecar::FleetLink {
   // sidecar::FleetLink
   absl::StatusOr<uint64_t> PublishCompletion(
       const sidecar::FleetCompletionRecord& c) override;
+  // Pipelined: JetStream's acknowledgement sets `ack` from a nats.c thread.
+  void PublishCompletionAsync(
+      const sidecar::FleetCompletionRecord& c,
+      std::shared_ptr<sidecar::PendingFleetAck> ack) override;
   absl::StatusOr<uint64_t> ResolveDuplicate(
       const std::vector<std::string>& dedup_keys) override;
   absl::Status CreateReadout(const std::string& name,
@@ -129,6 +133,11 @@ class FleetMember : public sidecar::FleetLink {
                                    const std::string& label) override;
   absl::Status SetFrozen(const std::string& readout, bool frozen) override;
   absl::StatusOr<std::vector<storage::SnapshotInfo>> ListSnapshots(
+      const std::string& readout) override;
+  // Asks the trainer: a SNAPSHOT operation under a one-off label
+  // ("export-<op id>"), whose complete state (theta, P) is read back from
+  // STATE, then purged from it.
+  absl::StatusOr<readout::ReadoutState> ExportState(
       const std::string& readout) override;
   sidecar::FleetStatus Status() const override;
 
@@ -162,7 +171,12 @@ class FleetMember : public sidecar::FleetLink {
   void SetDegraded(bool degraded, const std::string& reason);
   void MaintainLoop();
   absl::Status SetUp();
+  // Records a completion as pending (outbox record not yet confirmed).
+  Pending Register(const sidecar::FleetCompletionRecord& c);
   absl::StatusOr<uint64_t> PublishPending(const Pending& p);
+  // The bookkeeping of a publish's result (metrics, degraded, Confirm).
+  absl::StatusOr<uint64_t> Published(const Pending& p,
+                                     const absl::StatusOr<PublishResult>& r);
   void Confirm(const Pending& p, uint64_t seq);
   void PruneOutboxes();
   void OnVersion(const StreamMsg& m);

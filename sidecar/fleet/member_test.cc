@@ -8,8 +8,8 @@
 // back the outbox record is published once; a record left in the outbox by
 // a restart is republished at start; a FleetVersion published on the
 // subject is installed and served (score checked against FP64); fleet-wide
-// operations wait for the trainer's answer. Skipped when
-// /usr/sbin/nats-server is missing.
+// operations wait for the trainer's answer. Fails when /usr/sbin/nats-server
+// is missing (scripts/install-deps installs it).
 #include "sidecar/fleet/member.h"
 
 #include <netinet/in.h>
@@ -18,6 +18,8 @@
 #include <unistd.h>
 
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <random>
 #include <string>
@@ -61,6 +63,11 @@ int FreePort() {
   const int port = ntohs(a.sin_port);
   close(fd);
   return port;
+}
+
+int64_t EnvOr(const char* name, int64_t def) {
+  const char* v = std::getenv(name);
+  return v != nullptr && *v != '\0' ? std::atoll(v) : def;
 }
 
 // Waits for `cond` (checked every millisecond) until `timeout`.
@@ -127,9 +134,8 @@ struct Member {
 class FleetMemberTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    if (!std::filesystem::exists(kNatsServer)) {
-      GTEST_SKIP() << kNatsServer << " missing";
-    }
+    ASSERT_TRUE(std::filesystem::exists(kNatsServer))
+        << kNatsServer << " missing (scripts/install-deps installs nats-server)";
     tmp_ = std::make_unique<::leap::testing::ScopedTempDir>(absl::StrCat(
         "fleet_member_test_", ::testing::UnitTest::GetInstance()->current_test_info()->name()));
     dir_ = tmp_->path();
@@ -233,14 +239,23 @@ TEST(FleetNaming, NamesAndTokens) {
   EXPECT_EQ(StateStream("prod"), "LEAP_prod_STATE");
   EXPECT_EQ(ConfigBucket("prod"), "LEAP_prod_CONFIG");
   EXPECT_EQ(LeaseBucket("prod"), "LEAP_prod_LEASE");
-  EXPECT_EQ(FeedbackSubject("prod", "chat"), "leap.prod.fb.chat");
-  EXPECT_EQ(ControlSubject("prod", "chat"), "leap.prod.ctl.chat");
+  // A readout's completions and control operations share one prefix, so
+  // one consumer filter reads both in stream order.
+  EXPECT_EQ(FeedbackSubject("prod", "chat"), "leap.prod.fb.chat.c");
+  EXPECT_EQ(ControlSubject("prod", "chat"), "leap.prod.fb.chat.ctl");
+  EXPECT_EQ(ReadoutFeedbackSubjects("prod", "chat"), "leap.prod.fb.chat.>");
+  EXPECT_EQ(FeedbackSubjects("prod"), "leap.prod.fb.>");
+  EXPECT_EQ(ControlSubjects("prod"), "leap.prod.fb.*.ctl");
+  EXPECT_EQ(*ReadoutOfSubject("prod", "leap.prod.fb.chat.ctl"), "chat");
+  EXPECT_EQ(*ReadoutOfSubject("prod", "leap.prod.fb.chat.c"), "chat");
+  EXPECT_FALSE(ReadoutOfSubject("prod", "leap.prod.fb.chat").ok());
+  EXPECT_FALSE(ReadoutOfSubject("prod", "leap.prod.fb.chat.x").ok());
   EXPECT_EQ(VersionSubject("prod", "chat"), "leap.prod.ver.chat");
   EXPECT_EQ(CheckpointSubject("prod", "chat"), "leap.prod.ckpt.chat");
   EXPECT_EQ(SnapshotSubject("prod", "chat", "good_1"), "leap.prod.snap.chat.good_1");
   // A dot would split the token: hex-encoded, and back.
-  EXPECT_EQ(FeedbackSubject("prod", "chat.v2"), "leap.prod.fb.=636861742e7632");
-  EXPECT_EQ(*ReadoutOfSubject("prod", "leap.prod.fb.=636861742e7632"), "chat.v2");
+  EXPECT_EQ(FeedbackSubject("prod", "chat.v2"), "leap.prod.fb.=636861742e7632.c");
+  EXPECT_EQ(*ReadoutOfSubject("prod", "leap.prod.fb.=636861742e7632.c"), "chat.v2");
   EXPECT_EQ(*ReadoutOfSubject("prod", "leap.prod.ver.chat"), "chat");
   EXPECT_FALSE(ReadoutOfSubject("prod", "leap.other.ver.chat").ok());
   EXPECT_EQ(RouteConfigKey(""), "route.=");
@@ -282,7 +297,7 @@ TEST_F(FleetMemberTest, CompletionInStreamOnceAndResendIsDuplicate) {
 
   auto msg = observer_->GetMsg(FeedbackStream(kFleet), done->fleet_seq);
   ASSERT_TRUE(msg.ok()) << msg.status();
-  EXPECT_EQ(msg->subject, "leap.t1.fb.chat");
+  EXPECT_EQ(msg->subject, "leap.t1.fb.chat.c");
   const double target = std::sqrt(100.0);
   const std::string features(reinterpret_cast<const char*>(x.data()),
                              x.size() * sizeof(float));
@@ -457,6 +472,114 @@ TEST_F(FleetMemberTest, PublishedVersionIsInstalledAndServed) {
   auto ro = c->core->GetReadout("chat");
   ASSERT_TRUE(ro.ok());
   ASSERT_TRUE(WaitFor([&] { return (*ro)->current()->version == 6; }));
+}
+
+// Complete(defer_fleet_ack) returns with the publish in flight: a batch of
+// completions is published pipelined and each is acknowledged only once
+// JetStream's ack set its FEEDBACK sequence (checked against the stream:
+// every one stored once, under its own message id, in order). With NATS
+// down the pending ack is UNAVAILABLE, and the resend after NATS is back
+// is acknowledged as a duplicate with its stream sequence. Prints
+// acknowledged completions/s closed loop, waiting for every ack one by one
+// (the pre-pipelining path) and per batch (LEAP_FLEET_MEMBER_BENCH_N
+// completions, batches of LEAP_FLEET_MEMBER_BENCH_BATCH; default 400, 32).
+TEST_F(FleetMemberTest, PipelinedCompletionsAreAckedOnlyAfterTheStream) {
+  auto a = StartMember("a");
+  ASSERT_TRUE(a->fleet->ready());
+  const readout::ReadoutState st = RandomState(kDim, 21);
+  ASSERT_TRUE(a->fleet->CreateReadout("chat", st).ok());
+  sidecar::Route route;
+  route.arms.push_back({"chat", "chat", 100.0, false});
+  ASSERT_TRUE(a->fleet->SetRoute(route).ok());
+  std::mt19937_64 rng(5);
+  const uint64_t before = LastFeedbackSeq();
+  constexpr int kBatch = 40;
+  std::vector<std::vector<float>> xs;
+  for (int i = 0; i < kBatch; ++i) {
+    xs.push_back(RandomFeatures(st, rng));
+    ASSERT_TRUE(a->core->Predict(Req(absl::StrCat("p", i), xs.back()), 0, nullptr).ok());
+  }
+  std::vector<sidecar::CompletionOutcome> outs;
+  for (int i = 0; i < kBatch; ++i) {
+    auto o = a->core->Complete(absl::StrCat("p", i), 10 + i,
+                               readout::FinishReason::kStop, "",
+                               /*defer_fleet_ack=*/true);
+    ASSERT_TRUE(o.ok()) << o.status();
+    ASSERT_NE(o->fleet_ack, nullptr) << i;
+    outs.push_back(*o);
+  }
+  for (int i = 0; i < kBatch; ++i) {
+    absl::StatusOr<uint64_t> seq = outs[i].fleet_ack->Wait();
+    ASSERT_TRUE(seq.ok()) << seq.status();
+    // Published in order on one connection: consecutive sequences.
+    EXPECT_EQ(*seq, before + 1 + i);
+    auto msg = observer_->GetMsg(FeedbackStream(kFleet), *seq);
+    ASSERT_TRUE(msg.ok()) << msg.status();
+    const std::string features(reinterpret_cast<const char*>(xs[i].data()),
+                               xs[i].size() * sizeof(float));
+    EXPECT_EQ(msg->msg_id, FleetMember::MessageId("chat", absl::StrCat("p", i), 1,
+                                                  features, std::sqrt(10.0 + i)));
+  }
+  EXPECT_EQ(LastFeedbackSeq(), before + kBatch);
+  EXPECT_TRUE(WaitFor([&] { return a->fleet->Status().unconfirmed == 0; }));
+  EXPECT_EQ(a->fleet->nats().async_in_flight(), 0);
+
+  // NATS down: the pending ack is an error, nothing is acknowledged.
+  const std::vector<float> x = RandomFeatures(st, rng);
+  ASSERT_TRUE(a->core->Predict(Req("down", x), 0, nullptr).ok());
+  KillNats();
+  ASSERT_TRUE(a->AwaitDegraded(true));
+  auto down = a->core->Complete("down", 50, readout::FinishReason::kStop, "", true);
+  absl::Status down_status =
+      !down.ok() ? down.status()
+                 : (down->fleet_ack == nullptr ? absl::InternalError("no pending ack")
+                                               : down->fleet_ack->Wait().status());
+  EXPECT_EQ(down_status.code(), absl::StatusCode::kUnavailable) << down_status;
+  StartNats();
+  ASSERT_TRUE(a->AwaitDegraded(false));
+  // The resend: a duplicate, acknowledged with the sequence of its record.
+  auto resent = a->core->Complete("down", 50, readout::FinishReason::kStop, "", true);
+  ASSERT_TRUE(resent.ok()) << resent.status();
+  EXPECT_TRUE(resent->duplicate);
+  EXPECT_EQ(resent->fleet_seq, before + kBatch + 1);
+
+  // Figures: closed loop, one engine thread.
+  const int n = std::max(kBatch, static_cast<int>(EnvOr("LEAP_FLEET_MEMBER_BENCH_N", 400)));
+  const int batch = std::max(1, static_cast<int>(EnvOr("LEAP_FLEET_MEMBER_BENCH_BATCH", 32)));
+  int next_id = 0;
+  auto run = [&](bool pipelined) {
+    const absl::Time t0 = absl::Now();
+    int acked = 0;
+    for (int done = 0; done < n; done += batch) {
+      const int m = std::min(batch, n - done);
+      std::vector<std::string> ids;
+      for (int i = 0; i < m; ++i) {
+        ids.push_back(absl::StrCat("b", next_id++));
+        EXPECT_TRUE(a->core->Predict(Req(ids.back(), xs[i % kBatch]), 0, nullptr).ok());
+      }
+      std::vector<sidecar::CompletionOutcome> batch_outs;
+      for (const std::string& id : ids) {
+        auto o = a->core->Complete(id, 20, readout::FinishReason::kStop, "", pipelined);
+        EXPECT_TRUE(o.ok()) << o.status();
+        if (!o.ok()) continue;
+        if (pipelined) {
+          batch_outs.push_back(*o);
+        } else {
+          acked += o->fleet_seq > 0 ? 1 : 0;
+        }
+      }
+      for (auto& o : batch_outs) acked += o.fleet_ack->Wait().ok() ? 1 : 0;
+    }
+    EXPECT_EQ(acked, n);
+    return n / absl::ToDoubleSeconds(absl::Now() - t0);
+  };
+  const double one_by_one = run(false);
+  const double pipelined = run(true);
+  std::printf("fleet member, d=%lld, one nats-server on loopback: acknowledged "
+              "completions/s closed loop: %.0f waiting per completion, %.0f "
+              "pipelined in batches of %d (x%.1f)\n",
+              static_cast<long long>(kDim), one_by_one, pipelined, batch,
+              pipelined / one_by_one);
 }
 
 TEST_F(FleetMemberTest, ControlOperationsWaitForTheTrainersAnswer) {

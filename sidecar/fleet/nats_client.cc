@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <unordered_map>
 #include <utility>
 
 #include "absl/strings/ascii.h"
@@ -97,10 +98,14 @@ std::string LeaseBucket(absl::string_view fleet) {
   return absl::StrCat("LEAP_", fleet, "_LEASE");
 }
 std::string FeedbackSubject(absl::string_view fleet, absl::string_view r) {
-  return Prefix(fleet, "fb") + NameToken(r);
+  return absl::StrCat(Prefix(fleet, "fb"), NameToken(r), ".c");
 }
 std::string ControlSubject(absl::string_view fleet, absl::string_view r) {
-  return Prefix(fleet, "ctl") + NameToken(r);
+  return absl::StrCat(Prefix(fleet, "fb"), NameToken(r), ".ctl");
+}
+std::string ReadoutFeedbackSubjects(absl::string_view fleet,
+                                    absl::string_view r) {
+  return absl::StrCat(Prefix(fleet, "fb"), NameToken(r), ".>");
 }
 std::string VersionSubject(absl::string_view fleet, absl::string_view r) {
   return Prefix(fleet, "ver") + NameToken(r);
@@ -117,7 +122,7 @@ std::string FeedbackSubjects(absl::string_view fleet) {
   return Prefix(fleet, "fb") + ">";
 }
 std::string ControlSubjects(absl::string_view fleet) {
-  return Prefix(fleet, "ctl") + ">";
+  return Prefix(fleet, "fb") + "*.ctl";
 }
 std::string VersionSubjects(absl::string_view fleet) {
   return Prefix(fleet, "ver") + ">";
@@ -131,7 +136,17 @@ std::string SnapshotSubjects(absl::string_view fleet) {
 
 absl::StatusOr<std::string> ReadoutOfSubject(absl::string_view fleet,
                                              absl::string_view subject) {
-  for (absl::string_view kind : {"fb", "ctl", "ver", "ckpt"}) {
+  const std::string fb = Prefix(fleet, "fb");
+  if (absl::StartsWith(subject, fb)) {
+    // leap.<fleet>.fb.<readout>.c | .ctl (a token never holds a '.').
+    absl::string_view rest = subject.substr(fb.size());
+    const size_t dot = rest.find('.');
+    if (dot != absl::string_view::npos &&
+        (rest.substr(dot) == ".c" || rest.substr(dot) == ".ctl")) {
+      return NameFromToken(rest.substr(0, dot));
+    }
+  }
+  for (absl::string_view kind : {"ver", "ckpt"}) {
     const std::string p = Prefix(fleet, kind);
     if (absl::StartsWith(subject, p)) {
       return NameFromToken(subject.substr(p.size()));
@@ -234,6 +249,12 @@ struct NatsClient::Callbacks {
   absl::Mutex mu;
   NatsClient* owner ABSL_GUARDED_BY(mu) = nullptr;
   absl::Notification closed;
+  // Asynchronous publishes in flight, by their message (the ack handler
+  // gets the message it answers), and answers being delivered.
+  absl::Mutex amu;
+  std::unordered_map<natsMsg*, PublishCallback> pending ABSL_GUARDED_BY(amu);
+  int delivering ABSL_GUARDED_BY(amu) = 0;
+  bool closed_async ABSL_GUARDED_BY(amu) = false;
 };
 
 absl::StatusOr<std::unique_ptr<NatsClient>> NatsClient::Connect(
@@ -272,6 +293,9 @@ absl::StatusOr<std::unique_ptr<NatsClient>> NatsClient::Connect(
   // Spot a dead server within ~2 s rather than the default 4 minutes.
   natsOptions_SetPingInterval(opts, 1000);
   natsOptions_SetMaxPingsOut(opts, 2);
+  // Asynchronous publishes (completions) go out at once instead of waiting
+  // in nats.c's buffer for its flusher (~1 ms per lone completion).
+  natsOptions_SetSendAsap(opts, true);
   c->callbacks_ = new Callbacks();
   {
     absl::MutexLock lock(&c->callbacks_->mu);
@@ -324,6 +348,14 @@ absl::StatusOr<std::unique_ptr<NatsClient>> NatsClient::Connect(
   jo.Wait = o.timeout_ms;
   s = natsConnection_JetStream(&c->js_, c->nc_, &jo);
   if (s != NATS_OK) return NatsError(s, 0, "JetStream context");
+  jsOptions ja;
+  jsOptions_Init(&ja);
+  ja.Wait = o.timeout_ms;
+  ja.PublishAsync.AckHandler = &NatsClient::OnAsyncAck;
+  ja.PublishAsync.AckHandlerClosure = c->callbacks_;
+  ja.PublishAsync.MaxPending = 1 << 16;
+  s = natsConnection_JetStream(&c->async_js_, c->nc_, &ja);
+  if (s != NATS_OK) return NatsError(s, 0, "JetStream context (async)");
   return c;
 }
 
@@ -336,12 +368,31 @@ void NatsClient::Close() {
   }
   connected_.store(false);
   if (nc_ != nullptr) natsConnection_Close(nc_);
+  if (callbacks_ != nullptr) {
+    // Asynchronous publishes still in flight get UNAVAILABLE now; answers
+    // being delivered are waited for (none reaches a caller after this).
+    std::unordered_map<natsMsg*, PublishCallback> left;
+    {
+      absl::MutexLock l(&callbacks_->amu);
+      callbacks_->closed_async = true;
+      left.swap(callbacks_->pending);
+      callbacks_->amu.Await(absl::Condition(
+          +[](int* delivering) { return *delivering == 0; },
+          &callbacks_->delivering));
+    }
+    for (auto& [msg, done] : left) {
+      done(absl::UnavailableError(
+          "publish: the NATS connection was closed before JetStream "
+          "acknowledged it"));
+    }
+  }
 }
 
 NatsClient::~NatsClient() {
   Close();
   bool closed = true;
   if (js_ != nullptr) jsCtx_Destroy(js_);
+  if (async_js_ != nullptr) jsCtx_Destroy(async_js_);
   if (nc_ != nullptr) {
     // The closed callback is the last one nats.c delivers. (While it is
     // reconnecting it may come late: not waited for long.)
@@ -410,7 +461,21 @@ absl::Status NatsClient::WaitConnected(int64_t timeout_ms) {
   return absl::OkStatus();
 }
 
-absl::Status NatsClient::EnsureStream(const StreamSpec& spec) {
+std::vector<StreamSpec> FleetStreamSpecs(absl::string_view fleet,
+                                         int replicas,
+                                         int64_t feedback_duplicate_window_ms) {
+  StreamSpec fb{FeedbackStream(fleet), {FeedbackSubjects(fleet)}, replicas};
+  fb.duplicate_window_ms = feedback_duplicate_window_ms;
+  StreamSpec ver{VersionsStream(fleet), {VersionSubjects(fleet)}, replicas};
+  ver.max_msgs_per_subject = 10000;
+  StreamSpec st{StateStream(fleet),
+                {CheckpointSubjects(fleet), SnapshotSubjects(fleet)},
+                replicas};
+  st.duplicate_window_ms = 60'000;
+  return {std::move(fb), std::move(ver), std::move(st)};
+}
+
+absl::Status EnsureStream(jsCtx* js, const StreamSpec& spec) {
   jsStreamConfig cfg;
   jsStreamConfig_Init(&cfg);
   cfg.Name = spec.name.c_str();
@@ -427,7 +492,7 @@ absl::Status NatsClient::EnsureStream(const StreamSpec& spec) {
   if (spec.max_msg_size > 0) cfg.MaxMsgSize = spec.max_msg_size;
   jsErrCode jerr = static_cast<jsErrCode>(0);
   jsStreamInfo* si = nullptr;
-  natsStatus s = js_AddStream(&si, js_, &cfg, nullptr, &jerr);
+  natsStatus s = js_AddStream(&si, js, &cfg, nullptr, &jerr);
   if (s == NATS_OK) {
     jsStreamInfo_Destroy(si);
     return absl::OkStatus();
@@ -438,6 +503,10 @@ absl::Status NatsClient::EnsureStream(const StreamSpec& spec) {
     return absl::OkStatus();
   }
   return NatsError(s, jerr, absl::StrCat("create stream ", spec.name));
+}
+
+absl::Status NatsClient::EnsureStream(const StreamSpec& spec) {
+  return leap::fleet::EnsureStream(js_, spec);
 }
 
 absl::StatusOr<std::unique_ptr<KvBucket>> NatsClient::EnsureKv(
@@ -495,6 +564,116 @@ absl::StatusOr<PublishResult> NatsClient::Publish(
   PublishResult r{ack->Sequence, ack->Duplicate};
   jsPubAck_Destroy(ack);
   return r;
+}
+
+void NatsClient::PublishAsync(const std::string& subject,
+                              absl::string_view data,
+                              const PublishOptions& options,
+                              PublishCallback done) {
+  if (!connected() || async_js_ == nullptr) {
+    done(absl::UnavailableError(absl::StrCat(
+        "publish to ", subject, ": not connected to NATS (",
+        absl::StrJoin(options_.servers, ","), ")")));
+    return;
+  }
+  natsMsg* msg = nullptr;
+  natsStatus s = natsMsg_Create(&msg, subject.c_str(), nullptr, data.data(),
+                                static_cast<int>(data.size()));
+  if (s != NATS_OK) {
+    done(NatsError(s, 0, absl::StrCat("publish to ", subject)));
+    return;
+  }
+  jsPubOptions po;
+  jsPubOptions_Init(&po);
+  if (!options.msg_id.empty()) po.MsgId = options.msg_id.c_str();
+  if (options.expect_last_subject_seq.has_value()) {
+    if (*options.expect_last_subject_seq == 0) {
+      po.ExpectNoMessage = true;
+    } else {
+      po.ExpectLastSubjectSeq = *options.expect_last_subject_seq;
+    }
+  }
+  po.MaxWait = options.timeout_ms > 0 ? options.timeout_ms : options_.timeout_ms;
+  natsMsg* const key = msg;
+  {
+    // Registered first: the acknowledgement may arrive before
+    // js_PublishMsgAsync returns.
+    absl::MutexLock l(&callbacks_->amu);
+    if (callbacks_->closed_async) {
+      natsMsg_Destroy(msg);
+      done(absl::UnavailableError(
+          absl::StrCat("publish to ", subject, ": the NATS client is closed")));
+      return;
+    }
+    callbacks_->pending.emplace(key, std::move(done));
+  }
+  s = js_PublishMsgAsync(async_js_, &msg, &po);
+  if (s != NATS_OK) {
+    // The library did not take the message: no answer will come for it.
+    natsMsg_Destroy(msg);
+    PublishCallback d;
+    {
+      absl::MutexLock l(&callbacks_->amu);
+      auto it = callbacks_->pending.find(key);
+      if (it != callbacks_->pending.end()) {
+        d = std::move(it->second);
+        callbacks_->pending.erase(it);
+      }
+    }
+    if (d) {
+      absl::Status st = NatsError(s, 0, absl::StrCat("publish to ", subject));
+      if (absl::IsDeadlineExceeded(st)) st = absl::UnavailableError(st.message());
+      d(st);
+    }
+  }
+}
+
+int64_t NatsClient::async_in_flight() const {
+  if (callbacks_ == nullptr) return 0;
+  absl::MutexLock l(&callbacks_->amu);
+  return static_cast<int64_t>(callbacks_->pending.size());
+}
+
+void NatsClient::OnAsyncAck(jsCtx*, natsMsg* msg, jsPubAck* pa,
+                            jsPubAckErr* pae, void* closure) {
+  auto* cb = static_cast<Callbacks*>(closure);
+  PublishCallback done;
+  {
+    absl::MutexLock l(&cb->amu);
+    auto it = cb->pending.find(msg);
+    if (it != cb->pending.end()) {
+      done = std::move(it->second);
+      cb->pending.erase(it);
+      ++cb->delivering;
+    }
+  }
+  if (!done) {
+    natsMsg_Destroy(msg);
+    return;
+  }
+  absl::StatusOr<PublishResult> r;
+  if (pa != nullptr) {
+    r = PublishResult{pa->Sequence, pa->Duplicate};
+  } else {
+    const std::string subject =
+        natsMsg_GetSubject(msg) != nullptr ? natsMsg_GetSubject(msg) : "";
+    absl::Status st =
+        NatsError(pae != nullptr ? pae->Err : NATS_ERR,
+                  pae != nullptr ? pae->ErrCode : 0,
+                  absl::StrCat("publish to ", subject,
+                               pae != nullptr && pae->ErrText != nullptr
+                                   ? absl::StrCat(" (", pae->ErrText, ")")
+                                   : std::string()));
+    if (absl::IsDeadlineExceeded(st)) {
+      // No acknowledgement in time: to the caller the log is unreachable.
+      st = absl::UnavailableError(st.message());
+    }
+    r = st;
+  }
+  natsMsg_Destroy(msg);
+  done(std::move(r));
+  absl::MutexLock l(&cb->amu);
+  --cb->delivering;
 }
 
 absl::StatusOr<StreamMsg> NatsClient::GetLastMsg(const std::string& stream,

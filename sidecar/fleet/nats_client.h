@@ -35,6 +35,8 @@ struct __natsMsg;
 struct __jsCtx;
 struct __kvStore;
 struct __kvWatcher;
+struct jsPubAck;
+struct jsPubAckErr;
 
 namespace leap::fleet {
 
@@ -61,15 +63,23 @@ std::string StateStream(absl::string_view fleet);     // LEAP_<fleet>_STATE
 std::string ConfigBucket(absl::string_view fleet);    // LEAP_<fleet>_CONFIG
 std::string LeaseBucket(absl::string_view fleet);     // LEAP_<fleet>_LEASE
 // Subjects of one readout (readout passed as its name, tokenized here).
+// Completions and control operations of a readout share the prefix
+// leap.<fleet>.fb.<readout>: completions on .c, control operations on
+// .ctl, so that one consumer filter (ReadoutFeedbackSubjects) reads both in
+// stream order (nats-server 2.9 takes one filter subject per consumer).
 std::string FeedbackSubject(absl::string_view fleet, absl::string_view readout);
 std::string ControlSubject(absl::string_view fleet, absl::string_view readout);
+// leap.<fleet>.fb.<readout>.> : a readout's completions and control ops.
+std::string ReadoutFeedbackSubjects(absl::string_view fleet,
+                                    absl::string_view readout);
 std::string VersionSubject(absl::string_view fleet, absl::string_view readout);
 std::string CheckpointSubject(absl::string_view fleet,
                               absl::string_view readout);
 std::string SnapshotSubject(absl::string_view fleet, absl::string_view readout,
                             absl::string_view label);
-// Wildcards of all readouts: leap.<fleet>.fb.>, .ctl.>, .ver.>, .ckpt.>,
-// .snap.>
+// Wildcards of all readouts: leap.<fleet>.fb.> (completions and control
+// operations: the FEEDBACK stream's one subject), leap.<fleet>.fb.*.ctl
+// (control operations only), .ver.>, .ckpt.>, .snap.>
 std::string FeedbackSubjects(absl::string_view fleet);
 std::string ControlSubjects(absl::string_view fleet);
 std::string VersionSubjects(absl::string_view fleet);
@@ -135,6 +145,20 @@ struct StreamSpec {
   int64_t duplicate_window_ms = 10 * 60 * 1000;
   int32_t max_msg_size = 0;  // 0 = the server's limit
 };
+
+// The fleet's three streams as created when absent (docs/FLEET.md):
+// FEEDBACK (leap.<fleet>.fb.>, message-id de-duplication over
+// `feedback_duplicate_window_ms`), VERSIONS (leap.<fleet>.ver.>, 10,000 kept
+// per readout) and STATE (.ckpt.> and .snap.>, 1 min de-duplication), with
+// `replicas` JetStream replicas.
+std::vector<StreamSpec> FleetStreamSpecs(
+    absl::string_view fleet, int replicas,
+    int64_t feedback_duplicate_window_ms = 10 * 60 * 1000);
+
+// Creates the stream on `js` (file storage) from `spec`; an existing stream
+// of that name is used as it is (created by another member, or by an
+// operator with other limits). The one place a jsStreamConfig is built.
+absl::Status EnsureStream(__jsCtx* js, const StreamSpec& spec);
 
 struct KvSpec {
   std::string bucket;
@@ -273,8 +297,7 @@ class NatsClient {
   int64_t disconnects() const { return disconnects_.load(); }
   const NatsClientOptions& options() const { return options_; }
 
-  // Creates the stream, or updates it when it exists with another
-  // configuration (replicas, subjects, limits).
+  // leap::fleet::EnsureStream on this client's JetStream context.
   absl::Status EnsureStream(const StreamSpec& spec);
   absl::StatusOr<std::unique_ptr<KvBucket>> EnsureKv(const KvSpec& spec);
 
@@ -284,6 +307,17 @@ class NatsClient {
   absl::StatusOr<PublishResult> Publish(const std::string& subject,
                                         absl::string_view data,
                                         const PublishOptions& options = {});
+  // Asynchronous JetStream publish (pipelined: many in flight on the
+  // connection). `done` is called exactly once: with JetStream's
+  // acknowledgement, or UNAVAILABLE when disconnected, not acknowledged
+  // within the timeout, or the client is closed meanwhile; other errors as
+  // Publish. It runs on a nats.c thread (or in this call when the publish
+  // fails at once) and must not block.
+  using PublishCallback = std::function<void(absl::StatusOr<PublishResult>)>;
+  void PublishAsync(const std::string& subject, absl::string_view data,
+                    const PublishOptions& options, PublishCallback done);
+  // Asynchronous publishes not yet answered.
+  int64_t async_in_flight() const;
 
   // The newest message on `subject` in `stream` (NOT_FOUND when none).
   absl::StatusOr<StreamMsg> GetLastMsg(const std::string& stream,
@@ -312,12 +346,17 @@ class NatsClient {
   static void OnReconnected(__natsConnection* nc, void* closure);
   static void OnClosed(__natsConnection* nc, void* closure);
   static void OnConnected(__natsConnection* nc, void* closure);
+  static void OnAsyncAck(__jsCtx* js, __natsMsg* msg, ::jsPubAck* pa,
+                         ::jsPubAckErr* pae, void* closure);
   void SetConnected(bool c);
 
   NatsClientOptions options_;
   __natsOptions* opts_ = nullptr;
   __natsConnection* nc_ = nullptr;
   __jsCtx* js_ = nullptr;
+  // A second context for asynchronous publishes (its ack handler answers
+  // them).
+  __jsCtx* async_js_ = nullptr;
   std::atomic<bool> connected_{false};
   // What nats.c's connection callbacks reach: outlives this object when
   // nats.c has not delivered the closed callback by the end of the

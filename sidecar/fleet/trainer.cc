@@ -1,5 +1,6 @@
 #include "sidecar/fleet/trainer.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -29,6 +30,12 @@ constexpr size_t kRememberedIds = 1 << 20;
 
 int64_t SteadyMs() {
   return std::chrono::duration_cast<std::chrono::milliseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+int64_t SteadyNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
              std::chrono::steady_clock::now().time_since_epoch())
       .count();
 }
@@ -130,7 +137,29 @@ struct Trainer::Families {
                         .Name("leap_fleet_trainer_checkpoints_total")
                         .Help("Checkpoints written, per readout and where "
                               "(local, fleet)")
-                        .Register(r)) {}
+                        .Register(r)),
+        rls_errors(prometheus::BuildCounter()
+                       .Name("leap_fleet_trainer_rls_errors_total")
+                       .Help("RLS batches the trainer rejected (learning frozen, "
+                             "their completions kept), per readout")
+                       .Register(r)),
+        kept(prometheus::BuildGauge()
+                 .Name("leap_fleet_trainer_kept")
+                 .Help("Completions of rejected RLS batches kept for when "
+                       "learning resumes, per readout")
+                 .Register(r)),
+        frozen(prometheus::BuildGauge()
+                   .Name("leap_fleet_trainer_frozen")
+                   .Help("1 while the trainer does not learn the readout "
+                         "(frozen by an operator or by a rejected RLS batch)")
+                   .Register(r)),
+        stage_seconds(prometheus::BuildCounter()
+                          .Name("leap_fleet_trainer_seconds_total")
+                          .Help("Time the trainer's worker spent, per readout and "
+                                "stage (wait, read, apply, publish, "
+                                "checkpoint_capture; checkpoint_write on the "
+                                "checkpoint thread)")
+                          .Register(r)) {}
   prometheus::Counter& takeovers;
   prometheus::Counter& lease_lost;
   prometheus::Family<prometheus::Gauge>& applied_seq;
@@ -139,6 +168,10 @@ struct Trainer::Families {
   prometheus::Family<prometheus::Counter>& applied;
   prometheus::Family<prometheus::Counter>& skipped;
   prometheus::Family<prometheus::Counter>& checkpoints;
+  prometheus::Family<prometheus::Counter>& rls_errors;
+  prometheus::Family<prometheus::Gauge>& kept;
+  prometheus::Family<prometheus::Gauge>& frozen;
+  prometheus::Family<prometheus::Counter>& stage_seconds;
 };
 
 // ---- One readout --------------------------------------------------------------
@@ -194,7 +227,11 @@ class Trainer::Worker {
     s.last_version = last_version_;
     s.published = published_;
     s.fleet_checkpoint_seq = fleet_checkpoint_seq_;
+    s.local_checkpoint_seq = local_checkpoint_seq_;
     s.frozen = frozen_;
+    s.frozen_reason = frozen_reason_;
+    s.kept = static_cast<int64_t>(kept_seq_.size());
+    s.remembered_ids = remembered_;
     s.running = running_.load();
     return s;
   }
@@ -216,6 +253,23 @@ class Trainer::Worker {
                  r_.name.c_str(), what.c_str());
   }
 
+  // Time spent in a stage (leap_fleet_trainer_seconds_total).
+  void Stage(const char* stage, int64_t since_ns) {
+    if (t_->families_ == nullptr) return;
+    const double secs = static_cast<double>(SteadyNs() - since_ns) / 1e9;
+    t_->families_->stage_seconds.Add({{"readout", r_.name}, {"stage", stage}})
+        .Increment(std::max(secs, 0.0));
+  }
+
+  void SetGauges() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (t_->families_ == nullptr) return;
+    t_->families_->kept.Add({{"readout", r_.name}})
+        .Set(static_cast<double>(kept_seq_.size()));
+    t_->families_->frozen.Add({{"readout", r_.name}}).Set(frozen_ ? 1 : 0);
+  }
+
+  // theta, P and the position, consistent with each other (checkpoints
+  // also carry the kept completions' sequences).
   FleetState CaptureLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     FleetState s;
     s.theta = rls_->theta();
@@ -225,19 +279,57 @@ class Trainer::Worker {
     s.fleet_seq = fleet_seq_;
     s.frozen = frozen_;
     s.unix_ms = UnixMs();
+    s.kept_seqs = kept_seq_;
     return s;
+  }
+
+  // Appends the standardized row and target of `c` to (u, y); false (with
+  // the reason logged and counted) when it cannot be learned.
+  bool AugmentRow(const FleetCompletion& c, uint64_t seq, std::vector<float>* u,
+                  std::vector<double>* y) {
+    const int dt = c.dtype();
+    if (dt < 1 || dt > 3) {
+      Skip("invalid");
+      return false;
+    }
+    const auto dtype = static_cast<readout::DType>(dt);
+    const size_t es = readout::DTypeSize(dtype);
+    if (c.features().size() != static_cast<size_t>(r_.spec.dim) * es) {
+      Log(absl::StrCat("completion at seq ", seq, " has ", c.features().size(),
+                       " feature bytes, expected ", r_.spec.dim * es, "; skipped"));
+      Skip("invalid");
+      return false;
+    }
+    readout::FeatureView x{c.features().data(), dtype, r_.spec.dim, 1};
+    const size_t off = u->size();
+    u->resize(off + n_);
+    r_.standardizer.Augment(x, u->data() + off);
+    if (!FiniteRow(u->data() + off, n_, c.target())) {
+      u->resize(off);
+      Log(absl::StrCat("completion at seq ", seq,
+                       " has non-finite standardized features or target; skipped"));
+      Skip("invalid");
+      return false;
+    }
+    y->push_back(c.target());
+    return true;
   }
 
   // The newest state among memory, the local store and STATE.
   absl::Status LoadState() {
     std::optional<FleetState> best;
+    bool from_memory = false;
     {
       absl::MutexLock lock(&mu_);
-      if (rls_.has_value()) best = CaptureLocked();
+      if (rls_.has_value()) {
+        best = CaptureLocked();
+        from_memory = true;
+      }
     }
     if (local_state_.has_value() &&
         (!best.has_value() || local_state_->fleet_seq > best->fleet_seq)) {
       best = *local_state_;
+      from_memory = false;
     }
     const std::string subject = CheckpointSubject(fleet(), r_.name);
     // The newest checkpoint's last chunk names its fleet_seq: the whole
@@ -269,7 +361,10 @@ class Trainer::Worker {
           ReadNewestState(t_->js_, StateStream(fleet()), subject);
       if (f.ok()) {
         checkpoint_chunks_ = f->chunks;
-        if (!best.has_value() || f->fleet_seq > best->fleet_seq) best = std::move(*f);
+        if (!best.has_value() || f->fleet_seq > best->fleet_seq) {
+          best = std::move(*f);
+          from_memory = false;
+        }
       } else if (!absl::IsNotFound(f.status())) {
         return f.status();
       }
@@ -285,6 +380,34 @@ class Trainer::Worker {
           "state of readout '", r_.name, "' has width ", best->theta.size(),
           ", the readout ", n_));
     }
+    if (from_memory) return absl::OkStatus();  // kept rows still in memory
+    // The completions a checkpoint kept (a rejected batch): read back from
+    // the stream by sequence.
+    std::vector<float> kept_u;
+    std::vector<double> kept_y;
+    std::vector<uint64_t> kept_seq;
+    for (uint64_t seq : best->kept_seqs) {
+      natsMsg* raw = nullptr;
+      jsErrCode code = static_cast<jsErrCode>(0);
+      natsStatus st =
+          js_GetMsg(&raw, t_->js_, FeedbackStream(fleet()).c_str(), seq, nullptr, &code);
+      if (st != NATS_OK) {
+        if (st == NATS_NOT_FOUND || code == JSNoMessageFoundErr) {
+          Log(absl::StrCat("kept completion at seq ", seq,
+                           " is no longer in the stream; dropped"));
+          Skip("invalid");
+          continue;
+        }
+        return NatsFailure(absl::StrCat("reading kept completion ", seq), st, code);
+      }
+      MsgPtr m(raw);
+      FleetCompletion c;
+      if (!c.ParseFromArray(natsMsg_GetData(m.get()), natsMsg_GetDataLength(m.get()))) {
+        Skip("invalid");
+        continue;
+      }
+      if (AugmentRow(c, seq, &kept_u, &kept_y)) kept_seq.push_back(seq);
+    }
     absl::MutexLock lock(&mu_);
     has_p_ = best->p.has_value();
     if (has_p_) {
@@ -295,6 +418,13 @@ class Trainer::Worker {
     fleet_seq_ = best->fleet_seq;
     learned_ = best->completions_learned;
     frozen_ = best->frozen || !has_p_;
+    kept_u_ = std::move(kept_u);
+    kept_y_ = std::move(kept_y);
+    kept_seq_ = std::move(kept_seq);
+    if (!kept_seq_.empty() && frozen_reason_.empty()) {
+      frozen_reason_ = "rls: a rejected batch is kept (from the checkpoint)";
+    }
+    SetGauges();
     return absl::OkStatus();
   }
 
@@ -324,11 +454,15 @@ class Trainer::Worker {
     return absl::OkStatus();
   }
 
+  // The FEEDBACK subjects this worker's consumers read: this readout's
+  // completions (.c) and control operations (.ctl), in stream order, through
+  // one filter subject.
+  std::string ConsumerFilter() const {
+    return ReadoutFeedbackSubjects(fleet(), r_.name);
+  }
+
   absl::Status Subscribe() {
-    // nats-server 2.9 takes one filter subject per consumer, within one of
-    // the stream's subjects: fb.<readout> and ctl.<readout> together need
-    // the whole stream (other readouts' messages are passed over).
-    const std::string filter = ">";
+    const std::string filter = ConsumerFilter();
     jsSubOptions so;
     jsSubOptions_Init(&so);
     const std::string stream = FeedbackStream(fleet());
@@ -349,8 +483,107 @@ class Trainer::Worker {
     return absl::OkStatus();
   }
 
+  // Remembers a completion's message id; false when it was seen before.
+  bool Remember(std::string key) {
+    if (seen_.contains(key)) return false;
+    seen_.insert(key);
+    seen_order_.push_back(std::move(key));
+    if (seen_order_.size() > kRememberedIds) {
+      seen_.erase(seen_order_.front());
+      seen_order_.pop_front();
+    }
+    return true;
+  }
+
+  // The duplicate index of a worker that starts without one (a new process,
+  // a new readout): the message ids of this readout's completions among the
+  // last kRememberedIds FEEDBACK messages up to the state's fleet_seq, read
+  // from the stream (headers only). With it a completion the stream stored
+  // twice (a resend after JetStream's de-duplication window) is skipped
+  // whether or not the trainer restarted in between.
+  absl::Status RebuildSeen() {
+    uint64_t upto;
+    {
+      absl::MutexLock lock(&mu_);
+      upto = fleet_seq_;
+    }
+    if (!seen_order_.empty() || upto == 0) return absl::OkStatus();
+    const int64_t t0 = SteadyNs();
+    const std::string filter = ConsumerFilter();
+    const std::string stream = FeedbackStream(fleet());
+    const std::string fb_subject = FeedbackSubject(fleet(), r_.name);
+    jsSubOptions so;
+    jsSubOptions_Init(&so);
+    so.Stream = stream.c_str();
+    so.Ordered = true;
+    so.Config.HeadersOnly = true;
+    so.Config.DeliverPolicy = js_DeliverByStartSequence;
+    so.Config.OptStartSeq = upto >= kRememberedIds ? upto + 1 - kRememberedIds : 1;
+    natsSubscription* sub = nullptr;
+    jsErrCode code = static_cast<jsErrCode>(0);
+    natsStatus st = js_SubscribeSync(&sub, t_->js_, filter.c_str(), nullptr, &so, &code);
+    if (st != NATS_OK) {
+      return NatsFailure("rebuilding the duplicate index from " + stream, st, code);
+    }
+    natsSubscription_SetPendingLimits(sub, -1, -1);
+    absl::Status result = absl::OkStatus();
+    // Messages the consumer has from its start: delivered (perhaps already
+    // queued here) plus not yet delivered. Each message then says how many
+    // are left after it.
+    uint64_t pending = 1;
+    {
+      jsConsumerInfo* ci = nullptr;
+      if (natsSubscription_GetConsumerInfo(&ci, sub, nullptr, nullptr) == NATS_OK) {
+        pending = ci->NumPending + ci->Delivered.Consumer;
+        jsConsumerInfo_Destroy(ci);
+      }
+    }
+    int64_t read = 0;
+    while (pending > 0 && !stop_.load()) {
+      natsMsg* raw = nullptr;
+      st = natsSubscription_NextMsg(&raw, sub, 5000);
+      if (st != NATS_OK) {
+        result = NatsFailure("rebuilding the duplicate index from " + stream, st);
+        break;
+      }
+      MsgPtr m(raw);
+      jsMsgMetaData* meta = nullptr;
+      uint64_t seq = 0;
+      if (natsMsg_GetMetaData(&meta, m.get()) == NATS_OK) {
+        seq = meta->Sequence.Stream;
+        pending = meta->NumPending;
+        jsMsgMetaData_Destroy(meta);
+      } else {
+        seq = StreamSequence(m.get());
+      }
+      if (seq > upto) break;
+      ++read;
+      if (natsMsg_GetSubject(m.get()) != fb_subject) continue;
+      const char* id = nullptr;
+      if (natsMsgHeader_Get(m.get(), "Nats-Msg-Id", &id) == NATS_OK && id != nullptr) {
+        Remember(std::string(id));
+      }
+    }
+    natsSubscription_Destroy(sub);
+    {
+      absl::MutexLock lock(&mu_);
+      remembered_ = static_cast<int64_t>(seen_order_.size());
+    }
+    if (result.ok()) {
+      Log(absl::StrCat("duplicate index rebuilt from the stream: ", seen_order_.size(),
+                       " message ids from ", read, " messages up to seq ", upto, " in ",
+                       (SteadyNs() - t0) / 1'000'000, " ms"));
+    } else {
+      // Incomplete: the next term rebuilds it again.
+      seen_.clear();
+      seen_order_.clear();
+    }
+    return result;
+  }
+
   void Run() {
     absl::Status s = LoadState();
+    if (s.ok()) s = RebuildSeen();
     if (s.ok()) s = RefreshLastVersion();
     if (s.ok()) s = Subscribe();
     if (!s.ok()) {
@@ -366,7 +599,16 @@ class Trainer::Worker {
       dirty_ = fleet_seq_ > last_published_seq_;
       last_fleet_ckpt_ms_ = SteadyMs();
       last_local_ckpt_ms_ = SteadyMs();
+      fleet_captured_seq_ = fleet_checkpoint_seq_;
+      local_captured_seq_ = local_checkpoint_seq_;
     }
+    {
+      absl::MutexLock lock(&ckpt_mu_);
+      ckpt_stop_ = false;
+      ckpt_drain_ = false;
+      ckpt_job_.reset();
+    }
+    ckpt_thread_ = std::thread([this] { CheckpointLoop(); });
     const int64_t interval = t_->options_.version_interval_ms;
     std::vector<MsgPtr> msgs;
     while (!stop_.load()) {
@@ -375,8 +617,11 @@ class Trainer::Worker {
         wait_ms = std::clamp<int64_t>(last_publish_ms_ + interval - SteadyMs(), 1, 50);
       }
       natsMsg* raw = nullptr;
+      int64_t t0 = SteadyNs();
       natsStatus st = natsSubscription_NextMsg(&raw, sub_, wait_ms);
+      Stage("wait", t0);
       if (st == NATS_OK) {
+        t0 = SteadyNs();
         msgs.clear();
         msgs.emplace_back(raw);
         int pending = 0;
@@ -388,6 +633,7 @@ class Trainer::Worker {
           if (natsSubscription_NextMsg(&raw, sub_, 1) != NATS_OK) break;
           msgs.emplace_back(raw);
         }
+        Stage("read", t0);
         Process(msgs);
         if (stop_.load()) break;
       } else if (st != NATS_TIMEOUT) {
@@ -397,12 +643,21 @@ class Trainer::Worker {
         if (st == NATS_CONNECTION_CLOSED || st == NATS_INVALID_SUBSCRIPTION) break;
       }
       if (dirty_ && SteadyMs() - last_publish_ms_ >= interval) Publish("rls", "");
-      MaybeCheckpoint(false);
+      MaybeCheckpoint(false, /*stopping=*/false);
     }
-    if (final_checkpoint_.load() && !abandoned_) {
-      if (dirty_) Publish("rls", "");
-      MaybeCheckpoint(true);
+    const bool final = final_checkpoint_.load() && !abandoned_;
+    if (final) {
+      // With NATS down nothing more reaches it (the local checkpoint is
+      // still written): the stop stays bounded.
+      if (dirty_ && t_->Connected()) Publish("rls", "", /*stopping=*/true);
+      MaybeCheckpoint(true, /*stopping=*/true);
     }
+    {
+      absl::MutexLock lock(&ckpt_mu_);
+      ckpt_stop_ = true;
+      ckpt_drain_ = final;
+    }
+    ckpt_thread_.join();
     natsSubscription_Destroy(sub_);
     sub_ = nullptr;
     running_.store(false);
@@ -411,6 +666,7 @@ class Trainer::Worker {
   void Process(const std::vector<MsgPtr>& msgs) {
     const std::string fb_subject = FeedbackSubject(fleet(), r_.name);
     const std::string ctl_subject = ControlSubject(fleet(), r_.name);
+    int64_t t0 = SteadyNs();
     for (const MsgPtr& m : msgs) {
       const uint64_t seq = StreamSequence(m.get());
       uint64_t done;
@@ -423,17 +679,21 @@ class Trainer::Worker {
       const absl::string_view subject = natsMsg_GetSubject(m.get());
       if (subject != fb_subject && subject != ctl_subject) continue;
       if (subject == ctl_subject) {
+        Stage("parse", t0);
         ApplyBatch();
         FleetControl c;
         if (!c.ParseFromArray(natsMsg_GetData(m.get()), natsMsg_GetDataLength(m.get()))) {
           Log(absl::StrCat("unparsable control message at seq ", seq, " skipped"));
+          t0 = SteadyNs();
           continue;
         }
         Control(c, seq);
+        t0 = SteadyNs();
         continue;
       }
       AddCompletion(m.get(), seq);
     }
+    Stage("parse", t0);
     ApplyBatch();
   }
 
@@ -446,16 +706,9 @@ class Trainer::Worker {
   void AddCompletion(natsMsg* m, uint64_t seq) {
     const char* id = nullptr;
     if (natsMsgHeader_Get(m, "Nats-Msg-Id", &id) == NATS_OK && id != nullptr) {
-      std::string key(id);
-      if (seen_.contains(key)) {
+      if (!Remember(std::string(id))) {
         Skip("duplicate");
         return;
-      }
-      seen_.insert(key);
-      seen_order_.push_back(std::move(key));
-      if (seen_order_.size() > kRememberedIds) {
-        seen_.erase(seen_order_.front());
-        seen_order_.pop_front();
       }
     }
     bool frozen;
@@ -473,53 +726,49 @@ class Trainer::Worker {
       Skip("invalid");
       return;
     }
-    const int dt = c.dtype();
-    if (dt < 1 || dt > 3) {
-      Skip("invalid");
-      return;
+    if (AugmentRow(c, seq, &batch_u_, &batch_y_)) batch_seq_.push_back(seq);
+  }
+
+  // Applies rows (one exact batch) under mu_. A rejected batch changes
+  // nothing it did not apply (pieces applied before a failure stay); the
+  // rest is kept with its sequences, learning freezes (as a single leapd
+  // keeps such completions queued) until a RESUME retries them.
+  absl::Status UpdateLocked(const float* u, const std::vector<double>& y,
+                            const std::vector<uint64_t>& seqs, int64_t* applied)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const int64_t k = static_cast<int64_t>(y.size());
+    const int64_t before = rls_->updates();
+    absl::Status s = rls_->Update(u, n_, y);
+    *applied = rls_->updates() - before;
+    learned_ += *applied;
+    if (!s.ok()) {
+      frozen_ = true;
+      frozen_reason_ = absl::StrCat("rls: ", s.message());
+      std::vector<float> ku(u + *applied * n_, u + k * n_);
+      std::vector<double> ky(y.begin() + *applied, y.end());
+      std::vector<uint64_t> ks(seqs.begin() + *applied, seqs.end());
+      // Kept ones come first: they were taken before.
+      ku.insert(ku.end(), kept_u_.begin(), kept_u_.end());
+      ky.insert(ky.end(), kept_y_.begin(), kept_y_.end());
+      ks.insert(ks.end(), kept_seq_.begin(), kept_seq_.end());
+      kept_u_ = std::move(ku);
+      kept_y_ = std::move(ky);
+      kept_seq_ = std::move(ks);
     }
-    const auto dtype = static_cast<readout::DType>(dt);
-    const size_t es = readout::DTypeSize(dtype);
-    if (c.features().size() != static_cast<size_t>(r_.spec.dim) * es) {
-      Log(absl::StrCat("completion at seq ", seq, " has ", c.features().size(),
-                       " feature bytes, expected ", r_.spec.dim * es, "; skipped"));
-      Skip("invalid");
-      return;
-    }
-    readout::FeatureView x{c.features().data(), dtype, r_.spec.dim, 1};
-    const size_t off = batch_u_.size();
-    batch_u_.resize(off + n_);
-    r_.standardizer.Augment(x, batch_u_.data() + off);
-    if (!FiniteRow(batch_u_.data() + off, n_, c.target())) {
-      batch_u_.resize(off);
-      Log(absl::StrCat("completion at seq ", seq,
-                       " has non-finite standardized features or target; skipped"));
-      Skip("invalid");
-      return;
-    }
-    batch_y_.push_back(c.target());
+    SetGauges();
+    return s;
   }
 
   // Applies the rows gathered (one exact batch) and moves fleet_seq to the
   // last message processed.
   void ApplyBatch() {
+    const int64_t t0 = SteadyNs();
     const int64_t k = static_cast<int64_t>(batch_y_.size());
     absl::Status s = absl::OkStatus();
     int64_t applied = 0;
     {
       absl::MutexLock lock(&mu_);
-      if (k > 0) {
-        const int64_t before = rls_->updates();
-        s = rls_->Update(batch_u_.data(), n_, batch_y_);
-        applied = rls_->updates() - before;
-        learned_ += applied;
-        if (!s.ok()) {
-          // Never publish a state that failed: learning stops (frozen, in
-          // every version from now on) until an operator resumes, typically
-          // after a rollback to a healthy snapshot.
-          frozen_ = true;
-        }
-      }
+      if (k > 0) s = UpdateLocked(batch_u_.data(), batch_y_, batch_seq_, &applied);
       if (pos_ > fleet_seq_) {
         fleet_seq_ = pos_;
         dirty_ = true;
@@ -536,12 +785,58 @@ class Trainer::Worker {
     }
     batch_u_.clear();
     batch_y_.clear();
-    if (!s.ok()) {
-      Log(absl::StrCat("RLS batch of ", k, " rejected (", s.message(),
-                       "); learning frozen"));
-      Skip("invalid");
-      Publish(absl::StrCat("frozen: rls: ", s.message()), "");
+    batch_seq_.clear();
+    if (k > 0) Stage("apply", t0);
+    if (!s.ok()) RlsRejected(s, k - applied);
+  }
+
+  void RlsRejected(const absl::Status& s, int64_t kept_now) {
+    int64_t kept;
+    {
+      absl::MutexLock lock(&mu_);
+      kept = static_cast<int64_t>(kept_seq_.size());
     }
+    Log(absl::StrCat("RLS batch rejected (", s.message(), "); learning frozen, ",
+                     kept_now, " completions kept (", kept,
+                     " in all) until it is resumed"));
+    if (t_->families_ != nullptr) {
+      t_->families_->rls_errors.Add({{"readout", r_.name}}).Increment();
+    }
+    Publish(absl::StrCat("frozen: rls: ", s.message()), "");
+  }
+
+  // On RESUME: the kept completions first, as one batch. False when it was
+  // rejected again (frozen again, still kept).
+  bool RetryKept() {
+    absl::Status s = absl::OkStatus();
+    int64_t applied = 0;
+    int64_t k = 0;
+    {
+      absl::MutexLock lock(&mu_);
+      if (kept_y_.empty()) return true;
+      std::vector<float> u = std::move(kept_u_);
+      std::vector<double> y = std::move(kept_y_);
+      std::vector<uint64_t> seqs = std::move(kept_seq_);
+      kept_u_.clear();
+      kept_y_.clear();
+      kept_seq_.clear();
+      k = static_cast<int64_t>(y.size());
+      s = UpdateLocked(u.data(), y, seqs, &applied);
+    }
+    if (applied > 0 && t_->families_ != nullptr) {
+      t_->families_->applied.Add({{"readout", r_.name}})
+          .Increment(static_cast<double>(applied));
+    }
+    if (s.ok()) {
+      Log(absl::StrCat("resumed: ", k, " kept completions applied"));
+      return true;
+    }
+    Log(absl::StrCat("resumed: kept batch rejected again (", s.message(),
+                     "); learning frozen, ", k - applied, " completions kept"));
+    if (t_->families_ != nullptr) {
+      t_->families_->rls_errors.Add({{"readout", r_.name}}).Increment();
+    }
+    return false;
   }
 
   void Control(const FleetControl& c, uint64_t seq) {
@@ -558,6 +853,7 @@ class Trainer::Worker {
           s = CaptureLocked();
         }
         s.label = label;
+        s.kept_seqs.clear();  // a snapshot is theta and P only
         absl::StatusOr<int32_t> w = PublishState(
             t_->js_, StateStream(fleet()), SnapshotSubject(fleet(), r_.name, label),
             r_.name, absl::StrCat("snap-", r_.name, "-", seq), s);
@@ -591,6 +887,8 @@ class Trainer::Worker {
           return;
         }
         {
+          // Kept completions (frozen after a rejected batch) stay: they are
+          // learned on top of the snapshot once resumed.
           absl::MutexLock lock(&mu_);
           if (has_p_) {
             rls_.emplace(snap->theta, std::move(*snap->p));
@@ -605,9 +903,22 @@ class Trainer::Worker {
       case FleetControl::FREEZE:
       case FleetControl::RESUME: {
         const bool freeze = c.op() == FleetControl::FREEZE;
+        bool frozen;
         {
           absl::MutexLock lock(&mu_);
           frozen_ = freeze || !has_p_;
+          if (!frozen_) frozen_reason_.clear();
+          frozen = frozen_;
+          SetGauges();
+        }
+        if (!frozen && !RetryKept()) {
+          std::string reason;
+          {
+            absl::MutexLock lock(&mu_);
+            reason = frozen_reason_;
+          }
+          Publish("frozen: " + reason, c.op_id());
+          return;
         }
         Publish(freeze ? "freeze" : "resume", c.op_id());
         return;
@@ -620,8 +931,19 @@ class Trainer::Worker {
   }
 
   // Publishes the current theta as the next version, fenced. False when it
-  // was not published (it stays due).
-  bool Publish(const std::string& cause, const std::string& op_id) {
+  // was not published (it stays due). `stopping`: the last publish of a
+  // clean stop, waiting at most the lease time.
+  bool Publish(const std::string& cause, const std::string& op_id,
+               bool stopping = false) {
+    const int64_t t0 = SteadyNs();
+    const bool ok = PublishFenced(cause, op_id, stopping);
+    Stage("publish", t0);
+    return ok;
+  }
+
+  bool PublishFenced(const std::string& cause, const std::string& op_id,
+                     bool stopping) {
+    jsCtx* js = stopping ? t_->short_js_ : t_->js_;
     for (int attempt = 0; attempt < 2; ++attempt) {
       if (!t_->FenceOk()) {
         Fenced();
@@ -657,7 +979,7 @@ class Trainer::Worker {
       }
       jsPubAck* ack = nullptr;
       jsErrCode code = static_cast<jsErrCode>(0);
-      natsStatus st = js_Publish(&ack, t_->js_, subject.c_str(), bytes.data(),
+      natsStatus st = js_Publish(&ack, js, subject.c_str(), bytes.data(),
                                  static_cast<int>(bytes.size()), &po, &code);
       if (st == NATS_OK) {
         {
@@ -705,72 +1027,141 @@ class Trainer::Worker {
     }
   }
 
-  void MaybeCheckpoint(bool force) {
+  // Checkpoints are written by the checkpoint thread: the worker only
+  // copies theta, P and the position under mu_ (one consistent state) and
+  // goes on learning. A capture not yet taken by the thread is replaced by
+  // a newer one.
+  void MaybeCheckpoint(bool force, bool stopping) {
     const int64_t now = SteadyMs();
     const bool requested = checkpoint_requested_.exchange(false);
     force = force || requested;
-    FleetState s;
+    {
+      absl::MutexLock lock(&ckpt_mu_);
+      if (ckpt_failed_fleet_) fleet_captured_seq_ = 0;  // retried when due
+      if (ckpt_failed_local_) local_captured_seq_ = 0;
+      ckpt_failed_fleet_ = ckpt_failed_local_ = false;
+      // One write at a time; a periodic capture waits for the thread.
+      if (!force && (ckpt_busy_ || ckpt_job_.has_value())) return;
+    }
     uint64_t seq;
+    bool kept;
     {
       absl::MutexLock lock(&mu_);
       seq = fleet_seq_;
+      kept = !kept_seq_.empty();
     }
     const bool fleet_due =
-        seq > fleet_checkpoint_seq_local_ &&
+        seq > fleet_captured_seq_ &&
         (force || now - last_fleet_ckpt_ms_ >= t_->options_.checkpoint_every_ms);
+    // The local store has no place for kept completions: while some are
+    // kept only STATE checkpoints are written (a local one would hide them).
     const bool local_due =
-        t_->options_.local_store != nullptr && seq > local_checkpoint_seq_ &&
+        t_->options_.local_store != nullptr && !kept && seq > local_captured_seq_ &&
         (force || now - last_local_ckpt_ms_ >= t_->options_.local_checkpoint_every_ms);
-    if (!fleet_due && !local_due && !requested) return;
+    if (!fleet_due && !local_due) return;
+    const int64_t t0 = SteadyNs();
+    CheckpointJob job;
     {
       absl::MutexLock lock(&mu_);
-      s = CaptureLocked();
+      job.state = CaptureLocked();
     }
+    Stage("checkpoint_capture", t0);
+    job.local = local_due;
+    job.fleet = fleet_due;
+    job.stopping = stopping;
     if (local_due) {
-      WriteLocal(s);
       last_local_ckpt_ms_ = now;
+      local_captured_seq_ = job.state.fleet_seq;
     }
     if (fleet_due) {
-      // A deposed trainer writes nothing more (its state is a valid prefix,
-      // but its successor owns the subject now).
-      if (!t_->FenceOk()) return;
-      const std::string state_id =
-          absl::StrCat(t_->options_.member, "-", s.fleet_seq, "-", s.unix_ms);
-      absl::StatusOr<int32_t> chunks =
-          PublishState(t_->js_, StateStream(fleet()), CheckpointSubject(fleet(), r_.name),
-                       r_.name, state_id, s);
       last_fleet_ckpt_ms_ = now;
-      if (!chunks.ok()) {
-        Log(absl::StrCat("fleet checkpoint not written: ", chunks.status().message()));
-        return;
-      }
-      fleet_checkpoint_seq_local_ = s.fleet_seq;
+      fleet_captured_seq_ = job.state.fleet_seq;
+    }
+    absl::MutexLock lock(&ckpt_mu_);
+    if (ckpt_job_.has_value()) {
+      // Replaced by a newer state: what it was to write is written now.
+      job.local = job.local || ckpt_job_->local;
+      job.fleet = job.fleet || ckpt_job_->fleet;
+    }
+    ckpt_job_ = std::move(job);
+  }
+
+  void CheckpointLoop() {
+    for (;;) {
+      CheckpointJob job;
       {
-        absl::MutexLock lock(&mu_);
-        fleet_checkpoint_seq_ = s.fleet_seq;
+        absl::MutexLock lock(&ckpt_mu_);
+        auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(ckpt_mu_) {
+          return ckpt_stop_ || ckpt_job_.has_value();
+        };
+        ckpt_mu_.Await(absl::Condition(&ready));
+        if (!ckpt_job_.has_value() || (ckpt_stop_ && !ckpt_drain_)) {
+          ckpt_job_.reset();
+          return;
+        }
+        job = std::move(*ckpt_job_);
+        ckpt_job_.reset();
+        ckpt_busy_ = true;
       }
-      if (t_->families_ != nullptr) {
-        t_->families_->checkpoints.Add({{"readout", r_.name}, {"where", "fleet"}})
-            .Increment();
-      }
-      // Keep the last two (the newest may be unreadable, the one before not).
-      const std::string subject = CheckpointSubject(fleet(), r_.name);
-      jsOptions jo;
-      jsOptions_Init(&jo);
-      jo.Stream.Purge.Subject = subject.c_str();
-      jo.Stream.Purge.Keep = static_cast<uint64_t>(
-          *chunks + std::max<int32_t>(checkpoint_chunks_, *chunks));
-      checkpoint_chunks_ = *chunks;
-      jsErrCode code = static_cast<jsErrCode>(0);
-      natsStatus st = js_PurgeStream(t_->js_, StateStream(fleet()).c_str(), &jo, &code);
-      if (st != NATS_OK) {
-        Log(absl::StrCat("pruning old checkpoints: ",
-                         NatsFailure("purge", st, code).message()));
-      }
+      const int64_t t0 = SteadyNs();
+      const bool local_ok = !job.local || WriteLocal(job.state);
+      const bool fleet_ok = !job.fleet || WriteFleet(job.state, job.stopping);
+      Stage("checkpoint_write", t0);
+      absl::MutexLock lock(&ckpt_mu_);
+      ckpt_busy_ = false;
+      if (!local_ok) ckpt_failed_local_ = true;
+      if (!fleet_ok) ckpt_failed_fleet_ = true;
     }
   }
 
-  void WriteLocal(const FleetState& s) {
+  // Checkpoint thread. True when written or not to be written (fenced).
+  bool WriteFleet(const FleetState& s, bool stopping) {
+    // A deposed trainer writes nothing more (its state is a valid prefix,
+    // but its successor owns the subject now); with NATS down a stop
+    // writes nothing to it.
+    if (!t_->FenceOk()) return true;
+    if (stopping && !t_->Connected()) {
+      Log("NATS unreachable: no final fleet checkpoint (the local one and the "
+          "stream keep everything)");
+      return true;
+    }
+    jsCtx* js = stopping ? t_->short_js_ : t_->js_;
+    const std::string state_id =
+        absl::StrCat(t_->options_.member, "-", s.fleet_seq, "-", s.unix_ms);
+    absl::StatusOr<int32_t> chunks =
+        PublishState(js, StateStream(fleet()), CheckpointSubject(fleet(), r_.name),
+                     r_.name, state_id, s);
+    if (!chunks.ok()) {
+      Log(absl::StrCat("fleet checkpoint not written: ", chunks.status().message()));
+      return false;
+    }
+    {
+      absl::MutexLock lock(&mu_);
+      fleet_checkpoint_seq_ = s.fleet_seq;
+    }
+    if (t_->families_ != nullptr) {
+      t_->families_->checkpoints.Add({{"readout", r_.name}, {"where", "fleet"}})
+          .Increment();
+    }
+    // Keep the last two (the newest may be unreadable, the one before not).
+    const std::string subject = CheckpointSubject(fleet(), r_.name);
+    jsOptions jo;
+    jsOptions_Init(&jo);
+    jo.Stream.Purge.Subject = subject.c_str();
+    jo.Stream.Purge.Keep = static_cast<uint64_t>(
+        *chunks + std::max<int32_t>(checkpoint_chunks_, *chunks));
+    checkpoint_chunks_ = *chunks;
+    jsErrCode code = static_cast<jsErrCode>(0);
+    natsStatus st = js_PurgeStream(js, StateStream(fleet()).c_str(), &jo, &code);
+    if (st != NATS_OK) {
+      Log(absl::StrCat("pruning old checkpoints: ",
+                       NatsFailure("purge", st, code).message()));
+    }
+    return true;
+  }
+
+  // Checkpoint thread (and the worker's start, before it runs).
+  bool WriteLocal(const FleetState& s) {
     storage::StateStore* store = t_->options_.local_store;
     storage::ReadoutCheckpoint c;
     c.version = s.version;
@@ -803,16 +1194,26 @@ class Trainer::Worker {
     }
     if (!st.ok()) {
       Log(absl::StrCat("local checkpoint not written: ", st.message()));
-      return;
+      return false;
     }
-    local_checkpoint_seq_ = s.fleet_seq;
-    batches_since_local_ = 0;
+    {
+      absl::MutexLock lock(&mu_);
+      local_checkpoint_seq_ = s.fleet_seq;
+    }
     local_state_.reset();  // memory is at least as new from here on
     if (t_->families_ != nullptr) {
       t_->families_->checkpoints.Add({{"readout", r_.name}, {"where", "local"}})
           .Increment();
     }
+    return true;
   }
+
+  struct CheckpointJob {
+    FleetState state;
+    bool local = false;
+    bool fleet = false;
+    bool stopping = false;
+  };
 
  public:
   bool abandoned_ = false;
@@ -834,31 +1235,53 @@ class Trainer::Worker {
   uint64_t fleet_seq_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t learned_ ABSL_GUARDED_BY(mu_) = 0;
   bool frozen_ ABSL_GUARDED_BY(mu_) = false;
+  std::string frozen_reason_ ABSL_GUARDED_BY(mu_);
+  // Completions of rejected batches, not applied (rows, targets, stream
+  // sequences), in the order taken.
+  std::vector<float> kept_u_ ABSL_GUARDED_BY(mu_);
+  std::vector<double> kept_y_ ABSL_GUARDED_BY(mu_);
+  std::vector<uint64_t> kept_seq_ ABSL_GUARDED_BY(mu_);
   int64_t last_version_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t ver_seq_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t last_published_seq_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t published_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t fleet_checkpoint_seq_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t local_checkpoint_seq_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t remembered_ ABSL_GUARDED_BY(mu_) = 0;
   bool dirty_ = false;  // worker thread (also written under mu_)
+
+  // The checkpoint thread's hand-over (one pending capture at most).
+  absl::Mutex ckpt_mu_;
+  std::optional<CheckpointJob> ckpt_job_ ABSL_GUARDED_BY(ckpt_mu_);
+  bool ckpt_busy_ ABSL_GUARDED_BY(ckpt_mu_) = false;
+  bool ckpt_stop_ ABSL_GUARDED_BY(ckpt_mu_) = false;
+  bool ckpt_drain_ ABSL_GUARDED_BY(ckpt_mu_) = false;
+  bool ckpt_failed_local_ ABSL_GUARDED_BY(ckpt_mu_) = false;
+  bool ckpt_failed_fleet_ ABSL_GUARDED_BY(ckpt_mu_) = false;
+  std::thread ckpt_thread_;
 
   // Worker thread only.
   natsSubscription* sub_ = nullptr;
   uint64_t pos_ = 0;  // sequence of the last message taken
   std::vector<float> batch_u_;
   std::vector<double> batch_y_;
+  std::vector<uint64_t> batch_seq_;
   std::unordered_set<std::string> seen_;
   std::deque<std::string> seen_order_;
   int64_t last_publish_ms_ = 0;
   int64_t last_fleet_ckpt_ms_ = 0;
   int64_t last_local_ckpt_ms_ = 0;
-  uint64_t fleet_checkpoint_seq_local_ = 0;
-  uint64_t local_checkpoint_seq_ = 0;
+  uint64_t fleet_captured_seq_ = 0;  // fleet_seq of the last capture handed over
+  uint64_t local_captured_seq_ = 0;
   int64_t batches_since_local_ = 0;
+  // Checkpoint thread only (set by LoadState before it starts).
   int32_t checkpoint_chunks_ = 0;
   std::optional<storage::ReadoutMeta> local_meta_;
   std::optional<storage::ReadoutMeta> stale_local_meta_;
+  // Worker start and checkpoint thread (never at the same time).
   std::optional<FleetState> local_state_;
 };
+
 
 // ---- Trainer ----------------------------------------------------------------
 
@@ -884,11 +1307,21 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Start(natsConnection* nc,
     jsCtx_Destroy(js);
     return NatsFailure("opening bucket " + LeaseBucket(options.fleet), st);
   }
+  // What a clean stop writes waits at most twice the lease (at least 1 s).
+  jsCtx* short_js = nullptr;
+  jo.Wait = std::clamp<int64_t>(2 * options.lease_ms, 1000, 10000);
+  if (natsStatus st = natsConnection_JetStream(&short_js, nc, &jo); st != NATS_OK) {
+    kvStore_Destroy(kv);
+    jsCtx_Destroy(js);
+    return NatsFailure("JetStream context", st);
+  }
+
   std::map<std::string, storage::RecoveredReadout> local;
   if (options.local_store != nullptr) {
     absl::StatusOr<storage::RecoveredState> loaded = options.local_store->Load();
     if (!loaded.ok()) {
       kvStore_Destroy(kv);
+      jsCtx_Destroy(short_js);
       jsCtx_Destroy(js);
       return loaded.status();
     }
@@ -897,7 +1330,7 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Start(natsConnection* nc,
       local[name] = std::move(r);
     }
   }
-  std::unique_ptr<Trainer> t(new Trainer(js, kv, std::move(options)));
+  std::unique_ptr<Trainer> t(new Trainer(nc, js, short_js, kv, std::move(options)));
   {
     absl::MutexLock lock(&t->mu_);
     t->local_ = std::move(local);
@@ -906,8 +1339,9 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Start(natsConnection* nc,
   return t;
 }
 
-Trainer::Trainer(jsCtx* js, kvStore* kv, TrainerOptions options)
-    : js_(js), kv_(kv), options_(std::move(options)) {
+Trainer::Trainer(natsConnection* nc, jsCtx* js, jsCtx* short_js, kvStore* kv,
+                 TrainerOptions options)
+    : nc_(nc), js_(js), short_js_(short_js), kv_(kv), options_(std::move(options)) {
   if (options_.registry != nullptr) {
     families_ = std::make_unique<Families>(*options_.registry);
   }
@@ -916,6 +1350,7 @@ Trainer::Trainer(jsCtx* js, kvStore* kv, TrainerOptions options)
 Trainer::~Trainer() {
   StopAll(/*final_checkpoint=*/true, /*release=*/true);
   kvStore_Destroy(kv_);
+  jsCtx_Destroy(short_js_);
   jsCtx_Destroy(js_);
 }
 
@@ -926,7 +1361,8 @@ void Trainer::StopAll(bool final_checkpoint, bool release) {
     stopped_ = true;
     stop_ = true;
   }
-  if (lease_thread_.joinable()) lease_thread_.join();
+  // The workers' final checkpoints run while the lease thread ends (it may
+  // be in a renewal, at most the lease time).
   const bool was_leader = leader_.load();
   {
     absl::MutexLock lock(&mu_);
@@ -935,7 +1371,8 @@ void Trainer::StopAll(bool final_checkpoint, bool release) {
       w->Stop(final_checkpoint && was_leader);
     }
   }
-  if (was_leader && release && FenceOk()) {
+  if (lease_thread_.joinable()) lease_thread_.join();
+  if (was_leader && release && FenceOk() && Connected()) {
     // Our own key, renewed less than a lease ago: deleting it lets another
     // member claim at once instead of after the TTL.
     kvStore_Delete(kv_, kLeaseKey);
@@ -950,6 +1387,10 @@ bool Trainer::FenceOk() const {
   if (!leader_.load()) return false;
   if (!time_fence_.load()) return true;
   return SteadyMs() - last_renew_ms_.load() < options_.lease_ms;
+}
+
+bool Trainer::Connected() const {
+  return natsConnection_Status(nc_) == NATS_CONN_STATUS_CONNECTED;
 }
 
 bool Trainer::LeaseStillOurs() {
@@ -1032,15 +1473,34 @@ void Trainer::LeaseLoop() {
     return l.SerializeAsString();
   };
   int64_t acquired = 0;
+  bool skipped = false;  // the last turn made no call: wait a claim period
   for (;;) {
-    const int64_t wait =
-        leader_.load() ? last_renew_ms_.load() + renew_every - SteadyMs() : claim_every;
+    const int64_t wait = !skipped && leader_.load()
+                             ? last_renew_ms_.load() + renew_every - SteadyMs()
+                             : claim_every;
+    skipped = false;
     {
       absl::MutexLock lock(&mu_);
       auto stopping = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_; };
       mu_.AwaitWithTimeout(absl::Condition(&stopping),
                            absl::Milliseconds(std::max<int64_t>(wait, 0)));
       if (stop_) return;
+    }
+    // No lease call while the connection is down: each would wait for its
+    // timeout (and hold up a stop). A leader stops training at once, as
+    // after a failed renewal.
+    if (!Connected()) {
+      skipped = true;
+      if (leader_.load()) {
+        std::fprintf(stderr,
+                     "leapd: fleet trainer: %s lost the trainer lease (NATS "
+                     "connection down); training stopped\n",
+                     options_.member.c_str());
+        if (families_ != nullptr) families_->lease_lost.Increment();
+        Demote(/*final_checkpoint=*/false);
+        if (options_.on_role) options_.on_role(false);
+      }
+      continue;
     }
     if (!leader_.load()) {
       acquired = UnixMs();
@@ -1063,7 +1523,10 @@ void Trainer::LeaseLoop() {
       if (options_.on_role) options_.on_role(true);
       continue;
     }
-    if (pause_renewals_.load()) continue;
+    if (pause_renewals_.load()) {
+      skipped = true;
+      continue;
+    }
     const std::string bytes = lease_bytes(acquired);
     const int64_t sent = SteadyMs();
     const uint64_t rev = lease_rev_.load();
@@ -1076,6 +1539,7 @@ void Trainer::LeaseLoop() {
       // A worker that stopped on its own (a fence it hit while the lease
       // was in doubt, a state it could not load yet) starts again.
       absl::MutexLock lock(&mu_);
+      if (stop_) return;  // StopAll has stopped them for good
       for (auto& [name, w] : workers_) {
         if (!w->running()) w->Start();
       }

@@ -13,8 +13,8 @@
 //
 // Learning, per readout: starts from the newest state it can find (in memory
 // from an earlier term, the local checkpoint store, the fleet checkpoint in
-// STATE, or the creation state "create"), reads leap.<fleet>.fb.<readout>
-// and leap.<fleet>.ctl.<readout> in stream order from that state's
+// STATE, or the creation state "create"), reads leap.<fleet>.fb.<readout>.>
+// (completions .c and control operations .ctl) in stream order from that state's
 // fleet_seq + 1 with an ordered consumer, applies everything queued (up to
 // max_batch completions) as one exact RLS batch, and publishes a FleetVersion
 // at most every version_interval_ms (at once for control operations).
@@ -99,7 +99,15 @@ struct TrainerReadoutStatus {
   int64_t last_version = 0;     // last version published (by anyone) seen
   int64_t published = 0;        // versions this trainer published
   uint64_t fleet_checkpoint_seq = 0;  // fleet_seq of its last STATE checkpoint
+  uint64_t local_checkpoint_seq = 0;  // fleet_seq of its last local checkpoint
   bool frozen = false;
+  // Why it is frozen ("rls: ..." after a rejected batch; empty otherwise).
+  std::string frozen_reason;
+  // Completions of rejected RLS batches kept (not applied) until learning
+  // resumes.
+  int64_t kept = 0;
+  // Message ids in the duplicate index (rebuilt from the stream at start).
+  int64_t remembered_ids = 0;
   bool running = false;
 };
 
@@ -112,7 +120,10 @@ class Trainer {
   static absl::StatusOr<std::unique_ptr<Trainer>> Start(natsConnection* nc,
                                                         TrainerOptions options);
   // Clean stop: workers write a final checkpoint (local and fleet), then the
-  // lease is released so another member takes over at once.
+  // lease is released so another member takes over at once. Bounded with
+  // NATS down: no lease call and nothing written to NATS once the
+  // connection is lost, and each write of the stop waits at most twice the
+  // lease time.
   ~Trainer();
   Trainer(const Trainer&) = delete;
   Trainer& operator=(const Trainer&) = delete;
@@ -139,7 +150,8 @@ class Trainer {
  private:
   class Worker;
   struct Families;
-  Trainer(jsCtx* js, kvStore* kv, TrainerOptions options);
+  Trainer(natsConnection* nc, jsCtx* js, jsCtx* short_js, kvStore* kv,
+          TrainerOptions options);
   void LeaseLoop();
   void Promote() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Demote(bool final_checkpoint);
@@ -148,9 +160,14 @@ class Trainer {
   bool FenceOk() const;
   // Reads the lease key: true when it still holds this member's revision.
   bool LeaseStillOurs();
+  // The NATS connection is up (a stop writes nothing to NATS otherwise).
+  bool Connected() const;
   void StopAll(bool final_checkpoint, bool release);
 
+  natsConnection* const nc_;
   jsCtx* const js_;
+  // Waits at most twice the lease time (at least 1 s): what a stop writes.
+  jsCtx* const short_js_;
   kvStore* const kv_;
   const TrainerOptions options_;
   std::unique_ptr<Families> families_;

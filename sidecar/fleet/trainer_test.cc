@@ -4,6 +4,7 @@
 // bit-identical rollback, and lease takeover with fencing.
 #include "sidecar/fleet/trainer.h"
 
+#include <signal.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -21,6 +22,8 @@
 #include "gtest/gtest.h"
 #include "tests/support/scoped_temp_dir.h"
 #include "leap/v1/fleet.pb.h"
+#include "prometheus/text_serializer.h"
+#include "storage/rocksdb_store.h"
 
 namespace leap::fleet {
 namespace {
@@ -64,6 +67,11 @@ class NatsServer {
     return proc_->WaitForLine("", deadline - absl::Now()).status();
   }
   const std::string& url() const { return url_; }
+  // kill -9 (NATS down for good).
+  void Kill() {
+    proc_->Signal(SIGKILL);
+    proc_->Wait();
+  }
 
  private:
   TempDir dir_;
@@ -185,11 +193,12 @@ class FleetTrainerTest : public ::testing::Test {
 
   // Streams, the creation state and version 1, as a member creating the
   // readout writes them.
-  void CreateReadout(const Fixture& f, int64_t lease_ms) {
+  void CreateReadout(const Fixture& f, int64_t lease_ms,
+                     std::optional<readout::SymMatrix> p0 = std::nullopt) {
     ASSERT_TRUE(EnsureFleetStreams(conn_->js, fleet_, 1, lease_ms).ok());
     FleetState s;
     s.theta = f.theta0;
-    s.p = f.p0;
+    s.p = p0.has_value() ? *p0 : f.p0;
     s.version = 1;
     ASSERT_TRUE(PublishState(conn_->js, StateStream(fleet_),
                              CheckpointSubject(fleet_, kReadout), kReadout, "create", s)
@@ -573,6 +582,262 @@ TEST_F(FleetTrainerTest, ADeposedTrainerCannotPublishOverItsSuccessor) {
   }
   EXPECT_LT(RelErr(Theta(vb2), ClosedForm(f, f.theta0, f.p0.ToDouble(), rows)), 5e-6);
   a->Abandon();
+}
+
+}  // namespace
+}  // namespace leap::fleet
+
+namespace leap::fleet {
+namespace {
+
+// Counter/gauge value of `name` with the label {readout="chat"} (and
+// `extra` in its label text) in the registry's text form; -1 when absent.
+double MetricValue(prometheus::Registry& r, const std::string& name,
+                   const std::string& extra = "") {
+  const std::string text = prometheus::TextSerializer().Serialize(r.Collect());
+  size_t at = 0;
+  while ((at = text.find(name + "{", at)) != std::string::npos) {
+    const size_t end = text.find('\n', at);
+    const std::string line = text.substr(at, end - at);
+    at = end;
+    if (line.find("readout=\"chat\"") == std::string::npos) continue;
+    if (!extra.empty() && line.find(extra) == std::string::npos) continue;
+    double v = 0;
+    if (absl::SimpleAtod(line.substr(line.rfind(' ') + 1), &v)) return v;
+  }
+  return -1;
+}
+
+// An RLS batch the trainer rejects is kept, not dropped: learning freezes
+// (cause "frozen: rls: ...", leap_fleet_trainer_kept, Status().kept), the
+// kept completions survive a trainer restart through the fleet checkpoint,
+// and after a rollback to a healthy snapshot and a resume they are learned
+// on top of it, once; completions that arrived while frozen are not.
+TEST_F(FleetTrainerTest, ARejectedBatchIsKeptAcrossARestartAndLearnedOnResume) {
+  Fixture f = MakeFixture(6);
+  // P0 = -I: S = I + U P Uᵀ has pivots far below 1/2, so every batch fails
+  // the definiteness check.
+  CreateReadout(f, 600, readout::SymMatrix::ScaledIdentity(kN, -1.0f));
+  auto registry = std::make_shared<prometheus::Registry>();
+  TrainerOptions oa = Options("a", 600);
+  oa.registry = registry;
+  std::unique_ptr<Trainer> a = *Trainer::Start(conn_->nc, oa);
+  a->SetReadouts({f.readout});
+  std::mt19937_64 rng(21);
+  std::vector<Row> rows;
+  std::vector<uint64_t> seqs;
+  for (int i = 0; i < 3; ++i) {
+    rows.push_back(MakeRow(rng, f));
+    seqs.push_back(PublishCompletion(rows.back(), absl::StrCat("c", i)));
+  }
+  FleetVersion frozen = WaitVersion(
+      [](const FleetVersion& v) { return v.cause().rfind("frozen: rls:", 0) == 0; });
+  EXPECT_TRUE(frozen.frozen());
+  EXPECT_EQ(frozen.completions_learned(), 0);
+  EXPECT_EQ(frozen.theta(), std::string(reinterpret_cast<const char*>(f.theta0.data()),
+                                        kN * 8));  // nothing of it applied
+  // Completions published now are skipped (frozen), not kept.
+  for (int i = 3; i < 6; ++i) {
+    rows.push_back(MakeRow(rng, f));
+    seqs.push_back(PublishCompletion(rows.back(), absl::StrCat("c", i)));
+  }
+  // Which rows the rejected batch(es) held: the batch that failed, and
+  // nothing after it (the trainer may have split the first three).
+  absl::StatusOr<FleetState> held;
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  for (;;) {
+    held = a->ExportState(kReadout);
+    ASSERT_TRUE(held.ok()) << held.status();
+    std::optional<TrainerReadoutStatus> st = a->Status(kReadout);
+    if (st->fleet_seq >= seqs.back()) break;
+    ASSERT_LT(absl::Now(), deadline) << "trainer never reached seq " << seqs.back();
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  std::optional<TrainerReadoutStatus> st = a->Status(kReadout);
+  ASSERT_FALSE(held->kept_seqs.empty());
+  EXPECT_EQ(held->kept_seqs.front(), seqs.front());
+  EXPECT_EQ(st->kept, static_cast<int64_t>(held->kept_seqs.size()));
+  EXPECT_TRUE(st->frozen);
+  EXPECT_EQ(st->frozen_reason.rfind("rls:", 0), 0u) << st->frozen_reason;
+  EXPECT_EQ(MetricValue(*registry, "leap_fleet_trainer_kept"),
+            static_cast<double>(held->kept_seqs.size()));
+  EXPECT_GE(MetricValue(*registry, "leap_fleet_trainer_rls_errors_total"), 1);
+  EXPECT_EQ(MetricValue(*registry, "leap_fleet_trainer_frozen"), 1);
+  for (uint64_t k : held->kept_seqs) EXPECT_LE(k, seqs[2]);
+
+  // The fleet checkpoint carries them; a dies; b restarts from it.
+  a->RequestCheckpoint();
+  const absl::Time ck_deadline = absl::Now() + absl::Seconds(20);
+  while (a->Status(kReadout)->fleet_checkpoint_seq < seqs.back()) {
+    ASSERT_LT(absl::Now(), ck_deadline) << "no fleet checkpoint";
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  a->Abandon();
+  std::unique_ptr<Conn> conn_b = Connect(server_.url());
+  std::unique_ptr<Trainer> b = *Trainer::Start(conn_b->nc, Options("b", 600));
+  b->SetReadouts({f.readout});
+
+  // A healthy snapshot "good" (theta0, P0 of the fixture), then rollback to
+  // it and resume: the kept rows are learned on top of it.
+  FleetState good;
+  good.theta = f.theta0;
+  good.p = f.p0;
+  good.label = "good";
+  ASSERT_TRUE(PublishState(conn_->js, StateStream(fleet_),
+                           SnapshotSubject(fleet_, kReadout, "good"), kReadout,
+                           "good-1", good)
+                  .ok());
+  PublishControl(FleetControl::ROLLBACK, "good", "rb");
+  FleetVersion rb = WaitVersion([](const FleetVersion& v) { return v.op_id() == "rb"; });
+  EXPECT_EQ(rb.cause(), "rollback:good");
+  EXPECT_EQ(rb.trainer(), "b");
+  EXPECT_TRUE(rb.frozen());
+  EXPECT_EQ(b->Status(kReadout)->kept, static_cast<int64_t>(held->kept_seqs.size()));
+  PublishControl(FleetControl::RESUME, "", "go");
+  FleetVersion go = WaitVersion([](const FleetVersion& v) { return v.op_id() == "go"; });
+  EXPECT_EQ(go.cause(), "resume");
+  EXPECT_FALSE(go.frozen());
+  EXPECT_EQ(go.completions_learned(), static_cast<int64_t>(held->kept_seqs.size()));
+  EXPECT_EQ(b->Status(kReadout)->kept, 0);
+  std::vector<Row> kept_rows;
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    if (std::find(held->kept_seqs.begin(), held->kept_seqs.end(), seqs[i]) !=
+        held->kept_seqs.end()) {
+      kept_rows.push_back(rows[i]);
+    }
+  }
+  const double err =
+      RelErr(Theta(go), ClosedForm(f, f.theta0, f.p0.ToDouble(), kept_rows));
+  std::printf("fleet trainer: %zu kept completions learned after resume: %.3g relative\n",
+              kept_rows.size(), err);
+  EXPECT_LT(err, 5e-6);
+  // Learning goes on.
+  rows.push_back(MakeRow(rng, f));
+  kept_rows.push_back(rows.back());
+  const uint64_t last = PublishCompletion(rows.back(), "c6");
+  FleetVersion v = WaitVersion([&](const FleetVersion& v) { return v.fleet_seq() >= last; });
+  EXPECT_EQ(v.completions_learned(), static_cast<int64_t>(kept_rows.size()));
+  EXPECT_LT(RelErr(Theta(v), ClosedForm(f, f.theta0, f.p0.ToDouble(), kept_rows)), 5e-6);
+}
+
+// The duplicate index survives a restart: a completion the stream stored
+// twice (resent after JetStream's de-duplication window; the window is
+// shortened here) is learned once by a trainer that started after the
+// first copy was applied and checkpointed. Checkpoints are written all the
+// time meanwhile (every step, local and fleet, on the checkpoint thread):
+// the restarted trainer is still exact.
+TEST_F(FleetTrainerTest, TheDuplicateIndexSurvivesARestart) {
+  Fixture f = MakeFixture(7);
+  CreateReadout(f, 600);
+  {
+    // A 300 ms de-duplication window on FEEDBACK.
+    jsStreamInfo* si = nullptr;
+    ASSERT_EQ(js_GetStreamInfo(&si, conn_->js, FeedbackStream(fleet_).c_str(), nullptr,
+                               nullptr),
+              NATS_OK);
+    si->Config->Duplicates = int64_t{300} * 1'000'000;
+    jsStreamInfo* updated = nullptr;
+    jsErrCode code = static_cast<jsErrCode>(0);
+    ASSERT_EQ(js_UpdateStream(&updated, conn_->js, si->Config, nullptr, &code), NATS_OK)
+        << code;
+    jsStreamInfo_Destroy(updated);
+    jsStreamInfo_Destroy(si);
+  }
+  TempDir store_dir;
+  auto store = storage::OpenRocksStore(store_dir.path());
+  ASSERT_TRUE(store.ok()) << store.status();
+  TrainerOptions oa = Options("a", 600);
+  oa.checkpoint_every_ms = 0;
+  oa.local_checkpoint_every_ms = 0;
+  oa.local_store = store->get();
+  std::unique_ptr<Trainer> a = *Trainer::Start(conn_->nc, oa);
+  a->SetReadouts({f.readout});
+  std::mt19937_64 rng(31);
+  std::vector<Row> rows;
+  uint64_t last = 0;
+  for (int i = 0; i < 200; ++i) {
+    rows.push_back(MakeRow(rng, f));
+    last = PublishCompletion(rows.back(), absl::StrCat("c", i));
+  }
+  WaitVersion([&](const FleetVersion& v) { return v.fleet_seq() >= last; });
+  // The periodic checkpoints (written by the checkpoint thread while the
+  // worker went on) reach the end; then a dies without a final one.
+  std::optional<TrainerReadoutStatus> sa;
+  const absl::Time ck_deadline = absl::Now() + absl::Seconds(20);
+  for (;;) {
+    sa = a->Status(kReadout);
+    if (sa->fleet_checkpoint_seq >= last && sa->local_checkpoint_seq >= last) break;
+    ASSERT_LT(absl::Now(), ck_deadline) << "checkpoints never reached " << last;
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  a->Abandon();
+  // c7 again, after the window: stored a second time.
+  bool dup = true;
+  uint64_t resent = 0;
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  while (dup) {
+    ASSERT_LT(absl::Now(), deadline) << "the stream kept de-duplicating";
+    absl::SleepFor(absl::Milliseconds(100));
+    resent = PublishCompletion(rows[7], "c7", &dup);
+  }
+  EXPECT_GT(resent, last);
+
+  auto registry = std::make_shared<prometheus::Registry>();
+  TrainerOptions ob = Options("b", 600);
+  ob.registry = registry;
+  ob.local_store = store->get();
+  std::unique_ptr<Conn> conn_b = Connect(server_.url());
+  std::unique_ptr<Trainer> b = *Trainer::Start(conn_b->nc, ob);
+  b->SetReadouts({f.readout});
+  rows.push_back(MakeRow(rng, f));
+  last = PublishCompletion(rows.back(), "c200");
+  FleetVersion v = WaitVersion(
+      [&](const FleetVersion& v) { return v.trainer() == "b" && v.fleet_seq() >= last; });
+  EXPECT_EQ(v.completions_learned(), 201);
+  EXPECT_EQ(MetricValue(*registry, "leap_fleet_trainer_completions_skipped_total",
+                        "reason=\"duplicate\""),
+            1);
+  EXPECT_EQ(b->Status(kReadout)->remembered_ids, 200);
+  const double err = RelErr(Theta(v), ClosedForm(f, f.theta0, f.p0.ToDouble(), rows));
+  std::printf("fleet trainer: restart from a periodic checkpoint with a stored resend: "
+              "%.3g relative\n",
+              err);
+  EXPECT_LT(err, 5e-6);
+  b.reset();
+}
+
+// A clean stop with NATS gone is bounded (no NATS call waits longer than
+// the lease; nothing is written to NATS once the connection is down) and
+// still writes the local checkpoint.
+TEST_F(FleetTrainerTest, AStopWithNatsDownIsBoundedAndCheckpointsLocally) {
+  Fixture f = MakeFixture(8);
+  const int64_t lease_ms = 1000;
+  CreateReadout(f, lease_ms);
+  TempDir store_dir;
+  auto store = storage::OpenRocksStore(store_dir.path());
+  ASSERT_TRUE(store.ok()) << store.status();
+  TrainerOptions o = Options("a", lease_ms);
+  o.local_store = store->get();
+  std::unique_ptr<Trainer> t = *Trainer::Start(conn_->nc, o);
+  t->SetReadouts({f.readout});
+  std::mt19937_64 rng(41);
+  uint64_t last = 0;
+  for (int i = 0; i < 50; ++i) last = PublishCompletion(MakeRow(rng, f), absl::StrCat("c", i));
+  WaitVersion([&](const FleetVersion& v) { return v.fleet_seq() >= last; });
+  natsSubscription_Destroy(versions_);
+  versions_ = nullptr;
+  server_.Kill();
+  const absl::Time t0 = absl::Now();
+  t.reset();
+  const int64_t stop_ms = absl::ToInt64Milliseconds(absl::Now() - t0);
+  std::printf("fleet trainer: clean stop with NATS down took %lld ms (lease %lld ms)\n",
+              static_cast<long long>(stop_ms), static_cast<long long>(lease_ms));
+  EXPECT_LT(stop_ms, 4 * lease_ms);  // each call waits <= 2 leases
+  absl::StatusOr<storage::RecoveredState> local = (*store)->Load();
+  ASSERT_TRUE(local.ok()) << local.status();
+  ASSERT_EQ(local->readouts.size(), 1u);
+  EXPECT_EQ(local->readouts[0].checkpoint.last_seq, last);
+  EXPECT_EQ(local->readouts[0].checkpoint.completions_learned, 50);
 }
 
 }  // namespace

@@ -60,6 +60,10 @@ constexpr char kDescription[] =
     "  +hrrn         highest response ratio next (baseline)\n"
     "  +aging[=A]    remaining - A x steps waited (linear aging baseline)\n"
     "  +countdown    the plain countdown (the default)\n"
+    "and after that (or alone) +prior: length-aware admission, the waiting\n"
+    "requests ordered by a prior before prefill (per product line, from the\n"
+    "prompt length, learned online from completions), e.g. leap+prior,\n"
+    "leap+bounded=2.5+prior.\n"
     "e.g. leap+bounded=1.5. leap+D runs reuse the predictions (and measured\n"
     "latencies) of the first frozen LEAP run instead of asking leapd again.\n"
     "With fcfs and oracle in the list a trade-off table follows (share of the\n"
@@ -117,6 +121,7 @@ int ReplayCommand(const std::vector<std::string>& args, std::ostream& out,
   int64_t resident = o.engine.resident, slots = o.engine.slots;
   int64_t model_seed = static_cast<int64_t>(o.model_seed);
   std::string engine = "slots";
+  std::string preempt = "rank";
   int64_t max_num_seqs = o.engine.max_num_seqs;
   int64_t block_size = o.engine.block_size;
   int64_t seed = static_cast<int64_t>(o.seed);
@@ -185,6 +190,12 @@ int ReplayCommand(const std::vector<std::string>& args, std::ostream& out,
   flags.Int64("block-size", &block_size, "N", "vllm: tokens per KV block.");
   flags.Int64("kv-blocks", &o.engine.kv_blocks, "N",
               "vllm: KV cache size in blocks.");
+  flags.String("preempt", &preempt, "rank|latest",
+               "vllm: running requests served in the scheduler's order, the "
+               "lowest-ranked preempted when the KV cache is full (rank), or "
+               "in admission order, the latest admitted preempted, as vLLM's "
+               "FCFS policy (latest; the scheduler then orders only the "
+               "waiting queue).");
   flags.String("tradeoff-plot", &o.tradeoff_plot_path, "OUT.svg",
                "Write the trade-off plot (share of the oracle's PTL gain vs "
                "P99 latency over FCFS's, one point per knob value).");
@@ -273,6 +284,11 @@ int ReplayCommand(const std::vector<std::string>& args, std::ostream& out,
     return cmd.UsageError(absl::InvalidArgumentError(absl::StrCat(
         "--engine must be slots or vllm, got '", engine, "'")));
   }
+  if (preempt != "rank" && preempt != "latest") {
+    return cmd.UsageError(absl::InvalidArgumentError(absl::StrCat(
+        "--preempt must be rank or latest, got '", preempt, "'")));
+  }
+  o.engine.preempt_latest_admitted = preempt == "latest";
   if (max_num_seqs < 1 || max_num_seqs > (int64_t{1} << 20) ||
       block_size < 1 || block_size > 4096) {
     return cmd.UsageError(absl::InvalidArgumentError(absl::StrCat(
