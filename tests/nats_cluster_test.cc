@@ -236,9 +236,10 @@ TEST(NatsCluster, ThreeNodesR3SurvivesKillNine) {
 TEST(NatsCluster, QuickRestartOfTheStreamLeader) {
   const char* env = std::getenv("LEAP_NATS_RESTART_ROUNDS");
   const int rounds = env != nullptr && *env != '\0' ? std::atoi(env) : 2;
+  const ScopedTempDir tmp("nats-restart");
   NatsClusterOptions o;
   o.nodes = 3;
-  o.dir = Dir("restart");
+  o.dir = tmp.path();
   auto started = NatsCluster::Start(o);
   ASSERT_TRUE(started.ok()) << started.status();
   NatsCluster& c = **started;
