@@ -54,6 +54,7 @@
 #include "absl/strings/match.h"
 #include "readout/internal/machine_probe.h"
 #include "readout/rls.h"
+#include "tests/support/bench_load.h"
 #include "tests/support/engine_client.h"
 #include "tests/support/nats_cluster.h"
 #include "tests/support/process.h"
@@ -64,32 +65,15 @@ using Clock = std::chrono::steady_clock;
 
 namespace {
 
-int64_t IntFlag(int argc, char** argv, const std::string& name, int64_t def) {
-  const std::string pre = "--" + name + "=";
-  for (int i = 1; i < argc; ++i) {
-    if (std::strncmp(argv[i], pre.c_str(), pre.size()) == 0) {
-      return std::atoll(argv[i] + pre.size());
-    }
-  }
-  return def;
-}
-
-std::string StrFlag(int argc, char** argv, const std::string& name,
-                    const std::string& def) {
-  const std::string pre = "--" + name + "=";
-  for (int i = 1; i < argc; ++i) {
-    if (std::strncmp(argv[i], pre.c_str(), pre.size()) == 0) {
-      return argv[i] + pre.size();
-    }
-  }
-  return def;
-}
-
-int64_t NowUnixMs() {
-  return std::chrono::duration_cast<std::chrono::milliseconds>(
-             std::chrono::system_clock::now().time_since_epoch())
-      .count();
-}
+using leap::testing::IntFlag;
+using leap::testing::Ms;
+using leap::testing::NowUnixMs;
+using leap::testing::Pct;
+using leap::testing::Sh;
+using leap::testing::StrFlag;
+using Seen = leap::testing::SeenVersion;
+using Watcher = leap::testing::VersionWatcher;
+using Acked = leap::testing::AckedCompletion;
 
 // leap_fleet_trainer_seconds_total by stage from a /metrics page.
 std::map<std::string, double> StageSeconds(const std::string& metrics) {
@@ -117,80 +101,6 @@ std::string StageReport(const std::map<std::string, double>& before,
   }
   return out;
 }
-
-double Ms(Clock::duration d) {
-  return std::chrono::duration<double, std::milli>(d).count();
-}
-
-double Pct(std::vector<double> v, double p) {
-  if (v.empty()) return NAN;
-  std::sort(v.begin(), v.end());
-  return v[std::min(v.size() - 1, static_cast<size_t>(p * (v.size() - 1) + 0.5))];
-}
-
-std::string Sh(const std::string& cmd) {
-  std::string out;
-  FILE* f = popen(cmd.c_str(), "r");
-  if (f == nullptr) return "";
-  char buf[512];
-  while (fgets(buf, sizeof(buf), f) != nullptr) out += buf;
-  pclose(f);
-  while (!out.empty() && out.back() == '\n') out.pop_back();
-  return out;
-}
-
-// Versions seen by one member's WatchReadout: (time, fleet_seq, learned,
-// when the trainer published it).
-struct Seen {
-  Clock::time_point t;
-  uint64_t fleet_seq;
-  int64_t learned;
-  int64_t published_unix_ms;
-};
-
-class Watcher {
- public:
-  Watcher(const std::string& address) : channel_(leap::testing::MakeChannel(address)) {
-    thread_ = std::thread([this] { Run(); });
-  }
-  ~Watcher() {
-    ctx_.TryCancel();
-    thread_.join();
-  }
-  std::vector<Seen> seen() {
-    std::lock_guard<std::mutex> l(mu_);
-    return seen_;
-  }
-  uint64_t last_seq() {
-    std::lock_guard<std::mutex> l(mu_);
-    return seen_.empty() ? 0 : seen_.back().fleet_seq;
-  }
-
- private:
-  void Run() {
-    auto stub = pb::Predictor::NewStub(channel_);
-    pb::WatchReadoutRequest req;
-    req.set_readout("r");
-    auto w = stub->WatchReadout(&ctx_, req);
-    pb::ReadoutVersion v;
-    while (w->Read(&v)) {
-      std::lock_guard<std::mutex> l(mu_);
-      seen_.push_back({Clock::now(), v.fleet_seq(), v.completions_learned(),
-                       v.published_unix_ms()});
-    }
-  }
-  std::shared_ptr<grpc::Channel> channel_;
-  grpc::ClientContext ctx_;
-  std::mutex mu_;
-  std::vector<Seen> seen_;
-  std::thread thread_;
-};
-
-struct Acked {
-  Clock::time_point t;
-  int64_t unix_ms;
-  uint64_t seq;
-};
 
 }  // namespace
 
@@ -329,65 +239,14 @@ int main(int argc, char** argv) {
   std::atomic<int64_t> next_id{0};
   auto run_clients = [&](double per_thread_rate, std::vector<Acked>* acked,
                          int64_t* failures) {
-    std::mutex mu;
-    std::vector<std::thread> threads;
-    const auto start = Clock::now();
-    const auto end = start + std::chrono::seconds(seconds);
-    std::atomic<int64_t> failed{0};
-    for (int64_t c = 0; c < clients; ++c) {
-      threads.emplace_back([&, c] {
-        auto stub = pb::Predictor::NewStub(
-            leap::testing::MakeChannel(addrs[c % addrs.size()]));
-        std::mt19937_64 rng(c + 1 + next_id.load());
-        std::normal_distribution<float> n01;
-        std::vector<float> x(dim);
-        std::vector<Acked> mine;
-        for (int64_t i = 0;; ++i) {
-          if (per_thread_rate > 0) {
-            const auto due = start + std::chrono::microseconds(
-                                         static_cast<int64_t>(i * 1e6 / per_thread_rate));
-            if (due >= end) break;
-            std::this_thread::sleep_until(due);
-          } else if (Clock::now() >= end) {
-            break;
-          }
-          double s = 18;
-          for (int64_t k = 0; k < dim; ++k) {
-            x[k] = n01(rng);
-            if (k < 16) s += 0.5 * x[k];
-          }
-          const std::string id = absl::StrCat("b", next_id.fetch_add(1));
-          pb::PredictRequest preq;
-          preq.set_dtype(pb::FEATURE_DTYPE_FLOAT32);
-          preq.mutable_record()->set_request_id(id);
-          preq.mutable_record()->set_features(
-              std::string(reinterpret_cast<const char*>(x.data()), x.size() * 4));
-          pb::PredictResponse presp;
-          grpc::ClientContext pctx;
-          if (!stub->Predict(&pctx, preq, &presp).ok()) {
-            ++failed;
-            continue;
-          }
-          pb::CompleteRequest creq;
-          creq.mutable_completion()->set_request_id(id);
-          creq.mutable_completion()->set_output_tokens(
-              std::clamp<int64_t>(std::llround(s * s), 1, 4000));
-          creq.mutable_completion()->set_reason(pb::FINISH_REASON_STOP);
-          pb::CompleteResponse cresp;
-          grpc::ClientContext cctx;
-          if (!stub->Complete(&cctx, creq, &cresp).ok() || cresp.fleet_seq() == 0) {
-            ++failed;
-            continue;
-          }
-          mine.push_back({Clock::now(), NowUnixMs(), cresp.fleet_seq()});
-        }
-        std::lock_guard<std::mutex> l(mu);
-        acked->insert(acked->end(), mine.begin(), mine.end());
-      });
-    }
-    for (auto& t : threads) t.join();
-    *failures = failed.load();
-    return Ms(Clock::now() - start) / 1000;
+    leap::testing::PacedClientsOptions o;
+    o.addresses = addrs;
+    o.clients = clients;
+    o.per_client_rate = per_thread_rate;
+    o.seconds = static_cast<double>(seconds);
+    o.dim = dim;
+    o.require_fleet_seq = true;
+    return leap::testing::RunPacedClients(o, &next_id, acked, failures);
   };
   // Waits until every member served fleet_seq >= seq; the time it happened.
   auto wait_all = [&](uint64_t seq) {
@@ -425,7 +284,7 @@ int main(int argc, char** argv) {
     const auto start = Clock::now();
     const double secs = run_clients(0, &acked, &failures);
     uint64_t max_seq = 0;
-    for (const Acked& a : acked) max_seq = std::max(max_seq, a.seq);
+    for (const Acked& a : acked) max_seq = std::max(max_seq, a.fleet_seq);
     if (!wait_all(max_seq)) {
       std::fprintf(stderr, "members never served fleet_seq %llu\n",
                    static_cast<unsigned long long>(max_seq));
@@ -454,7 +313,7 @@ int main(int argc, char** argv) {
     const auto before = stages();
     const double secs = run_clients(static_cast<double>(rate) / clients, &acked, &failures);
     uint64_t max_seq = 0;
-    for (const Acked& a : acked) max_seq = std::max(max_seq, a.seq);
+    for (const Acked& a : acked) max_seq = std::max(max_seq, a.fleet_seq);
     if (!wait_all(max_seq)) {
       std::fprintf(stderr, "members never served fleet_seq %llu\n",
                    static_cast<unsigned long long>(max_seq));
@@ -464,9 +323,9 @@ int main(int argc, char** argv) {
     for (auto& w : watchers) logs.push_back(w->seen());
     std::vector<double> stale, to_publish, to_served;
     for (const Acked& a : acked) {
-      const Clock::time_point all = served_at(logs, a.seq);
+      const Clock::time_point all = served_at(logs, a.fleet_seq);
       stale.push_back(Ms(all - a.t));
-      auto first = first_with(logs[0], a.seq);
+      auto first = first_with(logs[0], a.fleet_seq);
       if (first != logs[0].end()) {
         const double pub = static_cast<double>(first->published_unix_ms - a.unix_ms);
         to_publish.push_back(pub);

@@ -43,6 +43,7 @@
 #include "absl/strings/str_cat.h"
 #include "readout/internal/machine_probe.h"
 #include "readout/rls.h"
+#include "tests/support/bench_load.h"
 #include "tests/support/engine_client.h"
 #include "tests/support/process.h"
 #include "tests/support/scoped_temp_dir.h"
@@ -54,80 +55,13 @@ using Clock = std::chrono::steady_clock;
 
 namespace {
 
-int64_t IntFlag(int argc, char** argv, const std::string& name, int64_t def) {
-  const std::string pre = "--" + name + "=";
-  for (int i = 1; i < argc; ++i) {
-    if (std::strncmp(argv[i], pre.c_str(), pre.size()) == 0) {
-      return std::atoll(argv[i] + pre.size());
-    }
-  }
-  return def;
-}
-
-double Ms(Clock::duration d) {
-  return std::chrono::duration<double, std::milli>(d).count();
-}
-
-double Pct(std::vector<double> v, double p) {
-  if (v.empty()) return NAN;
-  std::sort(v.begin(), v.end());
-  return v[std::min(v.size() - 1, static_cast<size_t>(p * (v.size() - 1) + 0.5))];
-}
-
-std::string Sh(const std::string& cmd) {
-  std::string out;
-  FILE* f = popen(cmd.c_str(), "r");
-  if (f == nullptr) return "";
-  char buf[512];
-  while (fgets(buf, sizeof(buf), f) != nullptr) out += buf;
-  pclose(f);
-  while (!out.empty() && out.back() == '\n') out.pop_back();
-  return out;
-}
-
-// Versions seen by WatchReadout: (time, completions_learned).
-struct Seen {
-  Clock::time_point t;
-  int64_t learned;
-};
-
-class Watcher {
- public:
-  explicit Watcher(const std::string& address)
-      : channel_(leap::testing::MakeChannel(address)) {
-    thread_ = std::thread([this] { Run(); });
-  }
-  ~Watcher() {
-    ctx_.TryCancel();
-    thread_.join();
-  }
-  std::vector<Seen> seen() {
-    std::lock_guard<std::mutex> l(mu_);
-    return seen_;
-  }
-  int64_t learned() {
-    std::lock_guard<std::mutex> l(mu_);
-    return seen_.empty() ? 0 : seen_.back().learned;
-  }
-
- private:
-  void Run() {
-    auto stub = pb::Predictor::NewStub(channel_);
-    pb::WatchReadoutRequest req;
-    req.set_readout("r");
-    auto w = stub->WatchReadout(&ctx_, req);
-    pb::ReadoutVersion v;
-    while (w->Read(&v)) {
-      std::lock_guard<std::mutex> l(mu_);
-      seen_.push_back({Clock::now(), v.completions_learned()});
-    }
-  }
-  std::shared_ptr<grpc::Channel> channel_;
-  grpc::ClientContext ctx_;
-  std::mutex mu_;
-  std::vector<Seen> seen_;
-  std::thread thread_;
-};
+using leap::testing::IntFlag;
+using leap::testing::Ms;
+using leap::testing::Pct;
+using leap::testing::Sh;
+using Seen = leap::testing::SeenVersion;
+using Watcher = leap::testing::VersionWatcher;
+using Acked = leap::testing::AckedCompletion;
 
 // RlsState::Update in this process: completions/s with batches of `k` on
 // `threads` threads over about `seconds` (after one warm-up fold cycle).
@@ -159,10 +93,6 @@ double KernelRate(int64_t dim, int64_t k, int threads, double seconds,
   rls.Flush();
   return done / (Ms(Clock::now() - t0) / 1000);
 }
-
-struct Acked {
-  Clock::time_point t;
-};
 
 }  // namespace
 
@@ -220,66 +150,13 @@ int main(int argc, char** argv) {
   std::atomic<int64_t> next_id{0};
   auto run_clients = [&](int64_t nclients, double per_thread_rate,
                          std::vector<Acked>* acked, int64_t* failures) {
-    std::mutex mu;
-    std::vector<std::thread> ts;
-    const auto start = Clock::now();
-    const auto end = start + std::chrono::seconds(seconds);
-    std::atomic<int64_t> failed{0};
-    for (int64_t c = 0; c < nclients; ++c) {
-      ts.emplace_back([&, c] {
-        auto stub = pb::Predictor::NewStub(leap::testing::MakeChannel(addr));
-        std::mt19937_64 rng(c + 1);
-        std::normal_distribution<float> n01;
-        std::vector<float> x(dim);
-        std::vector<Acked> mine;
-        for (int64_t i = 0;; ++i) {
-          if (per_thread_rate > 0) {
-            const auto due = start + std::chrono::microseconds(
-                                         static_cast<int64_t>(i * 1e6 / per_thread_rate));
-            if (due >= end) break;
-            std::this_thread::sleep_until(due);
-          } else if (Clock::now() >= end) {
-            break;
-          }
-          double s = 18;
-          for (int64_t k = 0; k < dim; ++k) {
-            x[k] = n01(rng);
-            if (k < 16) s += 0.5 * x[k];
-          }
-          const std::string id = absl::StrCat("b", next_id.fetch_add(1));
-          pb::PredictRequest preq;
-          preq.set_dtype(pb::FEATURE_DTYPE_FLOAT32);
-          preq.mutable_record()->set_request_id(id);
-          preq.mutable_record()->set_features(
-              std::string(reinterpret_cast<const char*>(x.data()), x.size() * 4));
-          pb::PredictResponse presp;
-          grpc::ClientContext pctx;
-          if (!stub->Predict(&pctx, preq, &presp).ok()) {
-            ++failed;
-            continue;
-          }
-          pb::CompleteRequest creq;
-          creq.mutable_completion()->set_request_id(id);
-          creq.mutable_completion()->set_output_tokens(
-              std::clamp<int64_t>(std::llround(s * s), 1, 4000));
-          creq.mutable_completion()->set_reason(pb::FINISH_REASON_STOP);
-          pb::CompleteResponse cresp;
-          grpc::ClientContext cctx;
-          if (!stub->Complete(&cctx, creq, &cresp).ok()) {
-            ++failed;
-            continue;
-          }
-          mine.push_back({Clock::now()});
-        }
-        std::lock_guard<std::mutex> l(mu);
-        acked->insert(acked->end(), mine.begin(), mine.end());
-      });
-    }
-    for (auto& t : ts) t.join();
-    *failures = failed.load();
-    std::sort(acked->begin(), acked->end(),
-              [](const Acked& a, const Acked& b) { return a.t < b.t; });
-    return Ms(Clock::now() - start) / 1000;
+    leap::testing::PacedClientsOptions o;
+    o.addresses = {addr};
+    o.clients = nclients;
+    o.per_client_rate = per_thread_rate;
+    o.seconds = static_cast<double>(seconds);
+    o.dim = dim;
+    return leap::testing::RunPacedClients(o, &next_id, acked, failures);
   };
   // Engine streams, closed loop: predict a batch, complete it, repeat.
   auto run_streams = [&](int64_t nstreams, std::vector<Acked>* acked,
@@ -323,7 +200,7 @@ int main(int argc, char** argv) {
           answer = stream.Call(std::move(cm));
           const auto now = Clock::now();
           failed += batch - answer.ack().accepted();
-          for (int64_t i = 0; i < answer.ack().accepted(); ++i) mine.push_back({now});
+          for (int64_t i = 0; i < answer.ack().accepted(); ++i) mine.push_back({now, 0, 0});
         }
         stream.Finish();
         std::lock_guard<std::mutex> l(mu);
