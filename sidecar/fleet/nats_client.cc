@@ -530,14 +530,12 @@ absl::StatusOr<std::unique_ptr<KvBucket>> NatsClient::EnsureKv(
   return std::unique_ptr<KvBucket>(new KvBucket(spec.bucket, kv));
 }
 
-absl::StatusOr<PublishResult> NatsClient::Publish(
-    const std::string& subject, absl::string_view data,
-    const PublishOptions& options) {
-  if (!connected()) {
-    return absl::UnavailableError(absl::StrCat(
-        "publish to ", subject, ": not connected to NATS (",
-        absl::StrJoin(options_.servers, ","), ")"));
-  }
+namespace {
+
+// The JetStream publish options of one publish (msg_id points into
+// `options`, which must outlive the publish call).
+jsPubOptions ToJsPubOptions(const PublishOptions& options,
+                            int64_t default_timeout_ms) {
   jsPubOptions po;
   jsPubOptions_Init(&po);
   if (!options.msg_id.empty()) po.MsgId = options.msg_id.c_str();
@@ -548,7 +546,26 @@ absl::StatusOr<PublishResult> NatsClient::Publish(
       po.ExpectLastSubjectSeq = *options.expect_last_subject_seq;
     }
   }
-  po.MaxWait = options.timeout_ms > 0 ? options.timeout_ms : options_.timeout_ms;
+  po.MaxWait = options.timeout_ms > 0 ? options.timeout_ms : default_timeout_ms;
+  return po;
+}
+
+absl::Status NotConnected(const std::string& subject,
+                          const std::vector<std::string>& servers) {
+  return absl::UnavailableError(absl::StrCat("publish to ", subject,
+                                             ": not connected to NATS (",
+                                             absl::StrJoin(servers, ","), ")"));
+}
+
+}  // namespace
+
+absl::StatusOr<PublishResult> NatsClient::Publish(
+    const std::string& subject, absl::string_view data,
+    const PublishOptions& options) {
+  if (!connected()) {
+    return NotConnected(subject, options_.servers);
+  }
+  jsPubOptions po = ToJsPubOptions(options, options_.timeout_ms);
   jsPubAck* ack = nullptr;
   jsErrCode jerr = static_cast<jsErrCode>(0);
   const natsStatus s = js_Publish(&ack, js_, subject.c_str(), data.data(),
@@ -571,9 +588,7 @@ void NatsClient::PublishAsync(const std::string& subject,
                               const PublishOptions& options,
                               PublishCallback done) {
   if (!connected() || async_js_ == nullptr) {
-    done(absl::UnavailableError(absl::StrCat(
-        "publish to ", subject, ": not connected to NATS (",
-        absl::StrJoin(options_.servers, ","), ")")));
+    done(NotConnected(subject, options_.servers));
     return;
   }
   natsMsg* msg = nullptr;
@@ -583,17 +598,7 @@ void NatsClient::PublishAsync(const std::string& subject,
     done(NatsError(s, 0, absl::StrCat("publish to ", subject)));
     return;
   }
-  jsPubOptions po;
-  jsPubOptions_Init(&po);
-  if (!options.msg_id.empty()) po.MsgId = options.msg_id.c_str();
-  if (options.expect_last_subject_seq.has_value()) {
-    if (*options.expect_last_subject_seq == 0) {
-      po.ExpectNoMessage = true;
-    } else {
-      po.ExpectLastSubjectSeq = *options.expect_last_subject_seq;
-    }
-  }
-  po.MaxWait = options.timeout_ms > 0 ? options.timeout_ms : options_.timeout_ms;
+  jsPubOptions po = ToJsPubOptions(options, options_.timeout_ms);
   natsMsg* const key = msg;
   {
     // Registered first: the acknowledgement may arrive before
