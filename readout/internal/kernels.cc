@@ -564,20 +564,28 @@ LEAP_AVX2 void DotRowsBf16Avx2(const float* w, const uint16_t* const* x,
 }
 
 // gemm_acc micro-tile: up to 6 rows x 16 columns, 12 accumulators.
+constexpr int kMrAvx2 = 6;
 template <int R>
 LEAP_AVX2 void MicroAvx2R(int64_t kc, const float* a, int64_t a_rs,
                           int64_t a_cs, const float* bp, float alpha, float* c,
                           int64_t ldc) {
+  // A packed tile by tile: a_rs = 1, a_cs = kMrAvx2, as constants.
+  (void)a_rs;
+  (void)a_cs;
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r) {
+    _mm_prefetch(reinterpret_cast<const char*>(c + r * ldc), _MM_HINT_T0);
+  }
   __m256 acc[R][2];
 #pragma GCC unroll 6
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t p = 0; p < kc; ++p) {
     const __m256 b0 = _mm256_load_ps(bp + p * 16);
     const __m256 b1 = _mm256_load_ps(bp + p * 16 + 8);
-    const float* ap = a + p * a_cs;
+    const float* ap = a + p * kMrAvx2;
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r) {
-      const __m256 ar = _mm256_broadcast_ss(ap + r * a_rs);
+      const __m256 ar = _mm256_broadcast_ss(ap + r);
       acc[r][0] = _mm256_fmadd_ps(ar, b0, acc[r][0]);
       acc[r][1] = _mm256_fmadd_ps(ar, b1, acc[r][1]);
     }
@@ -608,14 +616,14 @@ LEAP_AVX2 void MicroAvx2(int rows, int /*width = 16*/, int64_t kc,
 void GemmAccAvx2(int64_t m, int64_t N, int64_t K, float alpha, const float* A,
                  int64_t a_rs, int64_t a_cs, const float* B, int64_t ldb,
                  float* C, int64_t ldc) {
-  GemmDriver({6, 16, MicroAvx2}, m, N, K, alpha, A, a_rs, a_cs, B, ldb, C,
+  GemmDriver({kMrAvx2, 16, MicroAvx2}, m, N, K, alpha, A, a_rs, a_cs, B, ldb, C,
              ldc);
 }
 
 void GemmAccSymAvx2(int64_t m, int64_t N, int64_t K, float alpha,
                     const float* A, int64_t a_rs, int64_t a_cs, const float* P,
                     int64_t ldp, int64_t j0, float* C, int64_t ldc) {
-  GemmSymDriver({6, 16, MicroAvx2}, m, N, K, alpha, A, a_rs, a_cs, P, ldp, j0,
+  GemmSymDriver({kMrAvx2, 16, MicroAvx2}, m, N, K, alpha, A, a_rs, a_cs, P, ldp, j0,
                 C, ldc);
 }
 
@@ -768,11 +776,25 @@ LEAP_AVX512 float DotBf16Avx512(const float* w, const uint16_t* x, int64_t n) {
 }
 
 // gemm_acc micro-tile: up to 12 rows x 32 columns, 24 accumulators.
+constexpr int kMrAvx512 = 12;
 template <int R, int NV>
 LEAP_AVX512 void MicroAvx512R(int64_t kc, const float* a, int64_t a_rs,
                               int64_t a_cs, const float* bp, float alpha,
                               float* c, int64_t ldc) {
   constexpr int kW = 16 * NV;
+  // The driver packs A tile by tile: a_rs = 1, a_cs = kMr, as constants
+  // (runtime strides cost an address computation per broadcast).
+  (void)a_rs;
+  (void)a_cs;
+  // C's rows are a long stride apart: start their loads now, not after
+  // the loop.
+#pragma GCC unroll 12
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 2
+    for (int v = 0; v < NV; ++v) {
+      _mm_prefetch(reinterpret_cast<const char*>(c + r * ldc + 16 * v), _MM_HINT_T0);
+    }
+  }
   __m512 acc[R][NV];
 #pragma GCC unroll 12
   for (int r = 0; r < R; ++r)
@@ -782,10 +804,10 @@ LEAP_AVX512 void MicroAvx512R(int64_t kc, const float* a, int64_t a_rs,
     __m512 b[NV];
 #pragma GCC unroll 2
     for (int v = 0; v < NV; ++v) b[v] = _mm512_load_ps(bp + p * kW + 16 * v);
-    const float* ap = a + p * a_cs;
+    const float* ap = a + p * kMrAvx512;
 #pragma GCC unroll 12
     for (int r = 0; r < R; ++r) {
-      const __m512 ar = _mm512_set1_ps(ap[r * a_rs]);
+      const __m512 ar = _mm512_set1_ps(ap[r]);
 #pragma GCC unroll 2
       for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_fmadd_ps(ar, b[v], acc[r][v]);
     }
@@ -831,7 +853,7 @@ LEAP_AVX512 void MicroAvx512(int rows, int width, int64_t kc, const float* a,
 void GemmAccAvx512(int64_t m, int64_t N, int64_t K, float alpha,
                    const float* A, int64_t a_rs, int64_t a_cs, const float* B,
                    int64_t ldb, float* C, int64_t ldc) {
-  GemmDriver({12, 32, MicroAvx512}, m, N, K, alpha, A, a_rs, a_cs, B, ldb, C,
+  GemmDriver({kMrAvx512, 32, MicroAvx512}, m, N, K, alpha, A, a_rs, a_cs, B, ldb, C,
              ldc);
 }
 
@@ -839,7 +861,7 @@ void GemmAccSymAvx512(int64_t m, int64_t N, int64_t K, float alpha,
                       const float* A, int64_t a_rs, int64_t a_cs,
                       const float* P, int64_t ldp, int64_t j0, float* C,
                       int64_t ldc) {
-  GemmSymDriver({12, 32, MicroAvx512}, m, N, K, alpha, A, a_rs, a_cs, P, ldp,
+  GemmSymDriver({kMrAvx512, 32, MicroAvx512}, m, N, K, alpha, A, a_rs, a_cs, P, ldp,
                 j0, C, ldc);
 }
 
