@@ -188,6 +188,16 @@ void GemmDriverT(const MicroSet& ms, int64_t m, int64_t N, int64_t K,
         for (int64_t t = 0; t < tiles; ++t) {
           const int64_t ir = t * ms.mr;
           const int rows = static_cast<int>(std::min<int64_t>(ms.mr, m - ir));
+          // The next tile's C rows (a long stride apart) are fetched while
+          // this one computes; here, not in the micro-kernel, whose
+          // registers are all taken.
+          if (t + 1 < tiles) {
+            const float* cn = C + (ir + ms.mr) * ldc + jc + jr;
+            const int next = static_cast<int>(std::min<int64_t>(ms.mr, m - ir - ms.mr));
+            for (int r = 0; r < next; ++r) {
+              for (int x = 0; x < w; x += 16) __builtin_prefetch(cn + r * ldc + x, 1, 3);
+            }
+          }
           ms.micro(rows, w, kc, blk + t * ms.mr * kc, 1, ms.mr,
                    buf + jr * kc, alpha, C + ir * ldc + jc + jr, ldc);
         }
@@ -572,10 +582,6 @@ LEAP_AVX2 void MicroAvx2R(int64_t kc, const float* a, int64_t a_rs,
   // A packed tile by tile: a_rs = 1, a_cs = kMrAvx2, as constants.
   (void)a_rs;
   (void)a_cs;
-#pragma GCC unroll 6
-  for (int r = 0; r < R; ++r) {
-    _mm_prefetch(reinterpret_cast<const char*>(c + r * ldc), _MM_HINT_T0);
-  }
   __m256 acc[R][2];
 #pragma GCC unroll 6
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
@@ -786,15 +792,6 @@ LEAP_AVX512 void MicroAvx512R(int64_t kc, const float* a, int64_t a_rs,
   // (runtime strides cost an address computation per broadcast).
   (void)a_rs;
   (void)a_cs;
-  // C's rows are a long stride apart: start their loads now, not after
-  // the loop.
-#pragma GCC unroll 12
-  for (int r = 0; r < R; ++r) {
-#pragma GCC unroll 2
-    for (int v = 0; v < NV; ++v) {
-      _mm_prefetch(reinterpret_cast<const char*>(c + r * ldc + 16 * v), _MM_HINT_T0);
-    }
-  }
   __m512 acc[R][NV];
 #pragma GCC unroll 12
   for (int r = 0; r < R; ++r)
