@@ -26,7 +26,8 @@
 //                   [--trainer_cpus=N (m0 pinned to CPUs 0..N-1: its RLS uses
 //                   N threads; 0 = all)] [--version_interval_ms=200]
 //                   [--sustained=1] [--leapd=PATH (default: the one built
-//                   beside it)]
+//                   beside it)] [--trainer_args=--flag=v,--flag=v (more
+//                   flags for m0, e.g. --fleet_checkpoint_every_s=3600)]
 // Each phase also prints the most threads each member had while it ran
 // (sampled from /proc every 20 ms): a call that holds a thread while it
 // waits for JetStream shows there.
@@ -162,6 +163,8 @@ int main(int argc, char** argv) {
   const int64_t interval_ms = IntFlag(argc, argv, "version_interval_ms", 200);
   const bool sustained = IntFlag(argc, argv, "sustained", 1) != 0;
   const std::string leapd_path = StrFlag(argc, argv, "leapd", LEAPD_PATH);
+  const std::vector<std::string> trainer_args = absl::StrSplit(
+      StrFlag(argc, argv, "trainer_args", ""), ',', absl::SkipEmpty());
   std::vector<int64_t> rates;
   for (absl::string_view r : absl::StrSplit(rates_flag, ',', absl::SkipEmpty())) {
     int64_t v = 0;
@@ -190,8 +193,9 @@ int main(int argc, char** argv) {
               "(FMA peak %.1f GFMA/s, %s), %.0f on %ld cores\n",
               static_cast<long long>(dim), bound1, fma_peak / 1e9,
               leap::readout::internal::FmaPeakIsa(), bound_t, trainer_cores);
-  for (int threads : {1, static_cast<int>(trainer_cores)}) {
-    if (threads == trainer_cores && threads == 1) break;
+  std::vector<int> thread_counts = {1};
+  if (trainer_cores > 1) thread_counts.push_back(static_cast<int>(trainer_cores));
+  for (int threads : thread_counts) {
     const int64_t n = dim + 1, k = 64;
     leap::readout::RlsOptions ro;
     ro.threads = threads;
@@ -242,14 +246,14 @@ int main(int argc, char** argv) {
       sched_setaffinity(0, sizeof(set), &set);
     }
     std::string addr;
-    auto p = leap::testing::StartLeapd(
-        leapd_path,
-        {absl::StrCat("--data_dir=", dir, "/m", i), "--fleet=" + (*nats)->urls(),
-         "--fleet_name=bench", absl::StrCat("--fleet_member=m", i),
-         absl::StrCat("--fleet_replicas=", nats_nodes),
-         absl::StrCat("--fleet_trainer=", i == 0 ? "auto" : "never"),
-         absl::StrCat("--fleet_version_interval_ms=", interval_ms)},
-        &addr);
+    std::vector<std::string> args = {
+        absl::StrCat("--data_dir=", dir, "/m", i), "--fleet=" + (*nats)->urls(),
+        "--fleet_name=bench", absl::StrCat("--fleet_member=m", i),
+        absl::StrCat("--fleet_replicas=", nats_nodes),
+        absl::StrCat("--fleet_trainer=", i == 0 ? "auto" : "never"),
+        absl::StrCat("--fleet_version_interval_ms=", interval_ms)};
+    if (i == 0) args.insert(args.end(), trainer_args.begin(), trainer_args.end());
+    auto p = leap::testing::StartLeapd(leapd_path, args, &addr);
     if (i == 0) sched_setaffinity(0, sizeof(all_cpus), &all_cpus);
     if (!p.ok()) {
       std::fprintf(stderr, "member %d: %s\n", i, std::string(p.status().message()).c_str());
