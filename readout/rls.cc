@@ -176,11 +176,11 @@ std::pair<int64_t, int64_t> Slice(int64_t total, int parts, int t,
 
 RlsState::RlsState(Eigen::VectorXd theta, SymMatrix p, RlsOptions options)
     : theta_(std::move(theta)),
-      p_(std::move(p)),
+      p_(std::make_shared<SymMatrix>(std::move(p))),
       options_(options),
-      w_(AllocFloats(int64_t{options.fold_columns} * p_.ld()), FreeFloats),
-      vt_(AllocFloats(int64_t{options.fold_columns} * p_.ld()), FreeFloats) {
-  LEAP_CHECK_EQ(theta_.size(), p_.n());
+      w_(AllocFloats(int64_t{options.fold_columns} * p_->ld()), FreeFloats),
+      vt_(AllocFloats(int64_t{options.fold_columns} * p_->ld()), FreeFloats) {
+  LEAP_CHECK_EQ(theta_.size(), p_->n());
   LEAP_CHECK(options_.Validate().ok()) << options_.Validate();
   kernels_ = options_.kernels.empty() ? &internal::BestKernels()
                                       : internal::KernelsByName(options_.kernels);
@@ -205,11 +205,18 @@ absl::Status RlsState::Update(const float* u, int64_t ldu,
 void RlsState::ComputeVt(const float* u, int64_t ldu, int64_t k) {
   const internal::Kernels& kern = *kernels_;
   const int64_t n = theta_.size();
-  const int64_t ld = p_.ld();
+  const int64_t ld = p_->ld();
   float* vt = vt_.get();
-  const double t0 = Seconds(threads_);
+  double t0 = Seconds(threads_);
   std::memset(vt, 0, sizeof(float) * k * ld);
   if (k <= internal::kPanelMaxVectors) {
+    // The panel reads whole rows of P: the lower triangle must be current.
+    if (lower_stale_) {
+      MirrorLower();
+      const double tm = Seconds(threads_);
+      phases_.mirror += tm - t0;
+      t0 = tm;
+    }
     // Memory-bound: one pass over P for all k vectors, rows split across
     // threads at multiples of 48 (the panel's 3-row groups stay whole, so
     // no row's summation order depends on the split).
@@ -227,7 +234,7 @@ void RlsState::ComputeVt(const float* u, int64_t ldu, int64_t k) {
     RunParts(parts, [&](int t) {
       const auto [i0, i1] = Slice(n, parts, t, 48);
       if (i1 > i0) {
-        kern.panel(p_.data() + i0 * ld, ld, i1 - i0, n, ua.get(), ld,
+        kern.panel(p_->data() + i0 * ld, ld, i1 - i0, n, ua.get(), ld,
                    static_cast<int>(k), v.data() + i0 * k);
       }
     });
@@ -236,14 +243,16 @@ void RlsState::ComputeVt(const float* u, int64_t ldu, int64_t k) {
     }
   } else {
     // Compute-bound: Vt = U P (P symmetric) as a blocked product, columns
-    // split across threads.
+    // split across threads. Only P's upper blocks are read (the packing
+    // takes the lower ones from their transposes), so the lower triangle
+    // may be stale: no mirror after a fold.
     const int parts = static_cast<int>(
         std::min<int64_t>(threads_, std::max<int64_t>(1, ld / 64)));
     RunParts(parts, [&](int t) {
       const auto [j0, j1] = Slice(ld, parts, t, 64);
       if (j1 > j0) {
-        kern.gemm_acc(k, j1 - j0, n, 1.0f, u, ldu, 1, p_.data() + j0, ld,
-                      vt + j0, ld);
+        kern.gemm_acc_sym(k, j1 - j0, n, 1.0f, u, ldu, 1, p_->data(), ld, j0,
+                          vt + j0, ld);
       }
     });
   }
@@ -286,7 +295,7 @@ absl::Status RlsState::UpdateChunk(const float* u, int64_t ldu,
                                    std::span<const double> y) {
   const int64_t k = static_cast<int64_t>(y.size());
   const int64_t n = theta_.size();
-  const int64_t ld = p_.ld();
+  const int64_t ld = p_->ld();
   if (k == 0) return absl::OkStatus();
   LEAP_CHECK_GE(ldu, n);
   for (int64_t a = 0; a < k; ++a) {
@@ -394,12 +403,13 @@ absl::Status RlsState::UpdateChunk(const float* u, int64_t ldu,
 
 void RlsState::Flush() {
   if (pending_ == 0) return;
-  const int64_t n = p_.n();
-  const int64_t ld = p_.ld();
+  const int64_t n = p_->n();
+  const int64_t ld = p_->ld();
   // Upper triangle of P_base -= W_all W_all', in row blocks of 96 whose
   // columns start at the block's diagonal (rounded down to 16), balanced by
   // area across the threads.
-  constexpr int64_t kRows = 96;
+  constexpr int64_t kRows = internal::kSymBlock;
+  static_assert(kRows % 16 == 0, "diagonal blocks folded whole");
   const int64_t blocks = (n + kRows - 1) / kRows;
   const int parts = static_cast<int>(std::min<int64_t>(threads_, blocks));
   std::vector<int64_t> first(parts + 1, blocks);
@@ -415,7 +425,8 @@ void RlsState::Flush() {
     }
   }
   float* w = w_.get();
-  float* p = p_.data();
+  UnshareP();
+  float* p = p_->data();
   const int64_t pending = pending_;
   const internal::Kernels& kern = *kernels_;
   const double t0 = Seconds(threads_);
@@ -429,35 +440,104 @@ void RlsState::Flush() {
   });
   const double t1 = Seconds(threads_);
   phases_.fold += t1 - t0;
-  // Mirror, tiles of rows split the same way (each writes its own columns).
+  // The lower triangle outside the diagonal blocks is stale now: the
+  // blocked product reads the upper one only; the panel and P() mirror
+  // when they need it.
+  lower_stale_ = true;
+  pending_ = 0;
+}
+
+void RlsState::UnshareP() {
+  // A checkpoint may still be reading the upper blocks: write a copy.
+  if (p_.use_count() > 1) p_ = std::make_shared<SymMatrix>(*p_);
+}
+
+void RlsState::MirrorLower() {
+  if (!lower_stale_) return;
+  // Only the blocks strictly below the diagonal blocks are written (the
+  // diagonal blocks are folded whole), so a checkpoint reading the upper
+  // blocks of a shared P (SharedP) is never raced. Row blocks split across
+  // threads by area; each writes its own columns.
+  const int64_t n = p_->n();
+  const int64_t ld = p_->ld();
+  float* p = p_->data();
+  constexpr int64_t kB = internal::kSymBlock;
+  const int64_t blocks = (n + kB - 1) / kB;
+  const int parts = static_cast<int>(std::min<int64_t>(threads_, blocks));
+  std::vector<int64_t> first(parts + 1, blocks);
+  {
+    double total = 0;
+    for (int64_t b = 0; b < blocks; ++b) total += double(n - b * kB);
+    double acc = 0;
+    int t = 0;
+    first[0] = 0;
+    for (int64_t b = 0; b < blocks && t + 1 < parts; ++b) {
+      acc += double(n - b * kB);
+      if (acc >= total * (t + 1) / parts) first[++t] = b + 1;
+    }
+  }
   RunParts(parts, [&](int t) {
-    const int64_t r0 = first[t] * kRows, r1 = std::min(n, first[t + 1] * kRows);
-    constexpr int64_t kTile = 64;
-    for (int64_t i0 = r0; i0 < r1; i0 += kTile) {
-      const int64_t i1 = std::min(r1, i0 + kTile);
-      for (int64_t j0 = i0; j0 < n; j0 += kTile) {
-        const int64_t j1 = std::min(n, j0 + kTile);
-        for (int64_t i = i0; i < i1; ++i) {
-          for (int64_t j = std::max(j0, i + 1); j < j1; ++j) {
-            p[j * ld + i] = p[i * ld + j];
+    for (int64_t b = first[t]; b < first[t + 1]; ++b) {
+      const int64_t r0 = b * kB, r1 = std::min(n, r0 + kB);
+      constexpr int64_t kTile = 32;
+      for (int64_t i0 = r0; i0 < r1; i0 += kTile) {
+        const int64_t i1 = std::min(r1, i0 + kTile);
+        for (int64_t j0 = r1; j0 < n; j0 += kTile) {
+          const int64_t j1 = std::min(n, j0 + kTile);
+          for (int64_t i = i0; i < i1; ++i) {
+            for (int64_t j = j0; j < j1; ++j) p[j * ld + i] = p[i * ld + j];
           }
         }
       }
     }
   });
-  phases_.mirror += Seconds(threads_) - t1;
-  pending_ = 0;
+  lower_stale_ = false;
 }
 
 const SymMatrix& RlsState::P() {
   Flush();
+  if (lower_stale_) {
+    const double t0 = Seconds(threads_);
+    MirrorLower();
+    phases_.mirror += Seconds(threads_) - t0;
+  }
+  return *p_;
+}
+
+std::shared_ptr<const SymMatrix> RlsState::SharedP() {
+  Flush();
   return p_;
+}
+
+SymMatrix CopySymmetric(const SymMatrix& p) {
+  SymMatrix out(p.n());
+  const int64_t n = p.n();
+  constexpr int64_t kB = internal::kSymBlock;
+  for (int64_t r0 = 0; r0 < n; r0 += kB) {
+    const int64_t r1 = std::min(n, r0 + kB);
+    // The block row's upper part (diagonal block included) as it is.
+    for (int64_t i = r0; i < r1; ++i) {
+      std::memcpy(out.row(i) + r0, p.row(i) + r0, sizeof(float) * (n - r0));
+    }
+    // Its transpose below the diagonal block.
+    constexpr int64_t kTile = 32;
+    for (int64_t i0 = r0; i0 < r1; i0 += kTile) {
+      const int64_t i1 = std::min(r1, i0 + kTile);
+      for (int64_t j0 = r1; j0 < n; j0 += kTile) {
+        const int64_t j1 = std::min(n, j0 + kTile);
+        for (int64_t i = i0; i < i1; ++i) {
+          for (int64_t j = j0; j < j1; ++j) out(j, i) = p(i, j);
+        }
+      }
+    }
+  }
+  return out;
 }
 
 absl::Status RlsState::CheckHealth() {
   Flush();
-  for (int64_t i = 0; i < p_.n(); ++i) {
-    const float v = p_(i, i);
+  for (int64_t i = 0; i < p_->n(); ++i) {
+    const float v = (*p_)(i, i);
     if (!std::isfinite(v) || !(v > 0.0f)) {
       return absl::FailedPreconditionError(absl::StrCat(
           "RLS P lost positive definiteness: P[", i, ",", i, "] = ", v));

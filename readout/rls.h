@@ -14,7 +14,10 @@
 // batches of up to 8 with the panel kernel (memory-bound), wider ones with
 // a blocked matrix product (compute-bound: P is streamed once for all k
 // rows). Products with P and the fold run on `threads` threads. P is FP32, symmetric by construction
-// (the fold updates one triangle and mirrors it), and its loss of positive
+// (the fold updates the upper triangle in blocks of 96 rows, diagonal blocks
+// whole; the blocked product reads only those blocks, and the lower
+// triangle is mirrored only when a batch of up to 8 or P() needs whole
+// rows), and its loss of positive
 // definiteness is detected: S = I + U P U' has all Cholesky pivots >= 1 in
 // exact arithmetic, so a pivot below 1/2 rejects the batch, state unchanged.
 #ifndef LEAP_READOUT_RLS_H_
@@ -73,6 +76,10 @@ class SymMatrix {
   std::unique_ptr<float[], Free> data_;
 };
 
+// A full symmetric copy of p from its blocks on and above the diagonal of
+// internal::kSymBlock-row blocks only (what RlsState::SharedP guarantees).
+SymMatrix CopySymmetric(const SymMatrix& p);
+
 // The cores this process may run on (its CPU affinity mask), at least 1.
 int AvailableCores();
 
@@ -103,7 +110,8 @@ struct RlsPhaseSeconds {
   double solve = 0;    // S = I + U V (FP64), Cholesky, theta
   double w = 0;        // the pending columns W' = L^-1 V'
   double fold = 0;     // P_base -= W_all W_all' (upper triangle)
-  double mirror = 0;   // upper triangle copied onto the lower one
+  double mirror = 0;   // upper triangle copied onto the lower one (only
+                       // before a batch of <= 8 or P() after a fold)
   double total() const { return product + pending + solve + w + fold + mirror; }
 };
 
@@ -125,8 +133,16 @@ class RlsState {
   void Flush();
 
   const Eigen::VectorXd& theta() const { return theta_; }
-  // P with every update applied (flushes first).
+  // P with every update applied (flushes first; mirrors the upper triangle
+  // onto the lower one if a fold left it stale).
   const SymMatrix& P();
+  // P with every update applied (flushes first), shared without a copy and
+  // without the mirror: only its blocks on and above the diagonal of
+  // internal::kSymBlock-row blocks are meaningful, and they stay unchanged
+  // while the pointer is held (the next fold copies P first if it is still
+  // held). For copying P off the updating thread (CopySymmetric), e.g. for
+  // a checkpoint. The pointer may be read on another thread.
+  std::shared_ptr<const SymMatrix> SharedP();
   int64_t n() const { return theta_.size(); }
   int64_t pending_columns() const { return pending_; }
   // Completions applied since construction.
@@ -148,9 +164,16 @@ class RlsState {
                            std::span<const double> y);
   // Vt (k rows of ld floats, padding zero) = U P_base.
   void ComputeVt(const float* u, int64_t ldu, int64_t k);
+  // Copies the upper triangle onto the stale lower one (blocks strictly
+  // below the diagonal blocks only).
+  void MirrorLower();
+  // Gives P_base its own buffer when a SharedP() holder still reads it.
+  void UnshareP();
 
   Eigen::VectorXd theta_;
-  SymMatrix p_;
+  std::shared_ptr<SymMatrix> p_;
+  // After a fold: P_base's blocks below the diagonal blocks are stale.
+  bool lower_stale_ = false;
   RlsOptions options_;
   // Pending columns of W, stored as rows of length p_.ld() (row-major
   // fold_columns x ld), so the fold is one SYRK.

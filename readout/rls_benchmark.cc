@@ -10,7 +10,11 @@
 // One-core figures and the limits are timed in this thread's CPU time (the
 // machines are shared); the all-core figure in wall time, so it is only
 // meaningful on an otherwise idle machine (the load average is printed).
-//   rls_benchmark [--completions=N]   (default 2048 per measurement)
+// The limits and the runs are interleaved in rounds (default 3), each ratio
+// taken against its own round's limits; medians are printed.
+//   rls_benchmark [--completions=N] [--rounds=N]
+//   (default 2048 completions per measurement, 3 rounds)
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -134,6 +138,12 @@ void PrintPhases(const char* label, const RateResult& r, int64_t total,
   }
 }
 
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t m = v.size() / 2;
+  return v.size() % 2 == 1 ? v[m] : 0.5 * (v[m - 1] + v[m]);
+}
+
 std::string LoadAverage() {
   std::ifstream in("/proc/loadavg");
   std::string a, b, c;
@@ -148,11 +158,14 @@ int main(int argc, char** argv) {
   using namespace leap::readout;
   using namespace leap::readout::internal;
   int64_t total = 2048;
+  int rounds = 3;
   for (int i = 1; i < argc; ++i) {
     if (std::strncmp(argv[i], "--completions=", 14) == 0) {
       total = std::max<int64_t>(256, std::atoll(argv[i] + 14) / 256 * 256);
+    } else if (std::strncmp(argv[i], "--rounds=", 9) == 0) {
+      rounds = std::max(1, std::atoi(argv[i] + 9));
     } else {
-      std::fprintf(stderr, "usage: rls_benchmark [--completions=N]\n");
+      std::fprintf(stderr, "usage: rls_benchmark [--completions=N] [--rounds=N]\n");
       return 1;
     }
   }
@@ -161,38 +174,58 @@ int main(int argc, char** argv) {
   std::printf("cpu: %s\n", CpuDescription().c_str());
   std::printf("load average at start: %s (cores available: %d)\n",
               LoadAverage().c_str(), cores);
-  const double peak = MeasureFmaPeak();
-  const double bw = MeasureReadBandwidth();
+  // Rounds interleave the limits and the RLS runs (the cores are shared:
+  // a limit measured minutes before a run says little about it); every
+  // ratio is taken against the limits of its own round, and the medians
+  // are printed.
   const double fma_per_completion = 1.5 * double(kN) * double(kN);
   const double p_bytes = 4.0 * double(kN) * double(kN);
-  const double fma_bound = peak / fma_per_completion;
-  const double bw_bound8 = bw / p_bytes * 8;
-  std::printf("limits (one core, this run):\n");
-  std::printf("  FMA peak (%s):        %8.1f GFMA/s fp32 -> exact-RLS bound %7.0f completions/s\n",
-              FmaPeakIsa(), peak / 1e9, fma_bound);
-  std::printf("  read bandwidth:          %8.1f GB/s -> batches of 8 bound %7.0f completions/s\n",
-              bw / 1e9, bw_bound8);
-  std::printf("  plain 4096-float dot:    %8.2f M/s\n", MeasurePlainDot(4096) / 1e6);
-
   std::vector<float> u = MakeRows(1024, 3);
-  const RateResult r8 = Rate(u, total, 8, 1);
-  const RateResult rbig1 = Rate(u, total, 256, 1);
-  const RateResult rbigall = cores > 1 ? Rate(u, total, 256, cores) : rbig1;
-  const RateResult r8all = cores > 1 ? Rate(u, total, 8, cores) : r8;
-  const double b8 = r8.rate, big1 = rbig1.rate, bigall = rbigall.rate,
-               b8all = r8all.rate;
-  const double tighter8 = std::min(fma_bound, bw_bound8);
-  std::printf("RLS at d = 4096 (%lld completions each):\n",
-              static_cast<long long>(total));
-  std::printf("  batches of 8,  1 core:   %7.0f completions/s = %.2f x the tighter limit (%s, %.0f/s)  [target >= 0.6]\n",
-              b8, b8 / tighter8, fma_bound < bw_bound8 ? "FMA" : "bandwidth", tighter8);
-  std::printf("  batches of 256, 1 core:  %7.0f completions/s = %.2f x the FMA bound  [target >= 0.7]\n",
-              big1, big1 / fma_bound);
-  std::printf("  batches of 256, %d cores: %7.0f completions/s = %.2f x one core  [target >= 1.6]\n",
-              cores, bigall, bigall / big1);
-  std::printf("  batches of 8,  %d cores:  %7.0f completions/s = %.2f x one core\n",
-              cores, b8all, b8all / b8);
-  std::printf("  where the time goes:\n");
+  std::vector<double> q8, qbig, qall, q8all, peaks, bws;
+  RateResult r8, rbig1, rbigall, r8all;
+  double peak = 0, bw = 0;
+  for (int round = 0; round < rounds; ++round) {
+    peak = MeasureFmaPeak();
+    bw = MeasureReadBandwidth();
+    const double fma_bound = peak / fma_per_completion;
+    const double bw_bound8 = bw / p_bytes * 8;
+    const double tighter8 = std::min(fma_bound, bw_bound8);
+    r8 = Rate(u, total, 8, 1);
+    rbig1 = Rate(u, total, 256, 1);
+    rbigall = cores > 1 ? Rate(u, total, 256, cores) : rbig1;
+    r8all = cores > 1 ? Rate(u, total, 8, cores) : r8;
+    peaks.push_back(peak);
+    bws.push_back(bw);
+    q8.push_back(r8.rate / tighter8);
+    qbig.push_back(rbig1.rate / fma_bound);
+    qall.push_back(rbigall.rate / rbig1.rate);
+    q8all.push_back(r8all.rate / r8.rate);
+    std::printf("round %d: FMA peak (%s) %.1f GFMA/s, read %.1f GB/s; batches of 8: "
+                "%.0f/s = %.2f x the %s bound; batches of 256: %.0f/s = %.2f x "
+                "the FMA bound; %d cores: %.2f x one core (256), %.2f (8)\n",
+                round + 1, FmaPeakIsa(), peak / 1e9, bw / 1e9, r8.rate, q8.back(),
+                fma_bound < bw_bound8 ? "FMA" : "bandwidth", rbig1.rate,
+                qbig.back(), cores, qall.back(), q8all.back());
+  }
+  const double mpeak = Median(peaks), mbw = Median(bws);
+  const double fma_bound = mpeak / fma_per_completion;
+  const double bw_bound8 = mbw / p_bytes * 8;
+  std::printf("limits (one core, medians of %d rounds):\n", rounds);
+  std::printf("  FMA peak (%s):        %8.1f GFMA/s fp32 -> exact-RLS bound %7.0f completions/s\n",
+              FmaPeakIsa(), mpeak / 1e9, fma_bound);
+  std::printf("  read bandwidth:          %8.1f GB/s -> batches of 8 bound %7.0f completions/s\n",
+              mbw / 1e9, bw_bound8);
+  std::printf("  plain 4096-float dot:    %8.2f M/s\n", MeasurePlainDot(4096) / 1e6);
+  std::printf("RLS at d = 4096 (%lld completions each; ratios: medians over %d rounds, each to its own round's limits):\n",
+              static_cast<long long>(total), rounds);
+  std::printf("  batches of 8,  1 core:   %.2f x the tighter limit (%s)  [target >= 0.6]\n",
+              Median(q8), fma_bound < bw_bound8 ? "FMA" : "bandwidth");
+  std::printf("  batches of 256, 1 core:  %.2f x the FMA bound (1.5 (d+1)^2 multiply-adds per completion)  [target >= 0.7]\n",
+              Median(qbig));
+  std::printf("  batches of 256, %d cores: %.2f x one core  [target >= 1.6]\n",
+              cores, Median(qall));
+  std::printf("  batches of 8,  %d cores:  %.2f x one core\n", cores, Median(q8all));
+  std::printf("  where the time goes (last round):\n");
   PrintPhases("batches of 8", r8, total, 8, 1, peak, bw);
   PrintPhases("batches of 256", rbig1, total, 256, 1, peak, bw);
   if (cores > 1) PrintPhases("batches of 256", rbigall, total, 256, cores, peak, bw);

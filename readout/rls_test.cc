@@ -221,6 +221,42 @@ TEST(Rls, PStaysExactlySymmetric) {
   EXPECT_TRUE(rls.CheckHealth().ok());
 }
 
+// A shared P (a checkpoint's, copied off the updating thread) is the state
+// at that moment bit for bit, stays so while later batches fold (they copy P
+// first), and sharing changes nothing in the learning.
+TEST(Rls, SharedPIsTheStateAndSurvivesLaterFolds) {
+  const int64_t d = 230, n = d + 1;  // three 96-row blocks
+  DataGen gen(d, 31);
+  Anchor an = MakeAnchor(gen, d, 400, 2.0);
+  RlsOptions opt;
+  opt.fold_columns = 32;
+  opt.threads = 2;
+  RlsState shared(an.theta0, SymMatrix::FromDouble(an.p0), opt);
+  RlsState plain(an.theta0, SymMatrix::FromDouble(an.p0), opt);
+  std::shared_ptr<const SymMatrix> held;
+  MatrixXd held_value;
+  for (int b = 0; b < 24; ++b) {
+    std::vector<float> u;
+    std::vector<double> y;
+    const int64_t k = b % 3 == 0 ? 4 : 16;  // the panel and the blocked path
+    gen.Rows(k, u, n, y);
+    ASSERT_TRUE(shared.Update(u.data(), n, y).ok());
+    ASSERT_TRUE(plain.Update(u.data(), n, y).ok());
+    if (b % 5 == 2) {
+      if (held != nullptr) {
+        ASSERT_EQ(CopySymmetric(*held).ToDouble(), held_value) << "batch " << b;
+      }
+      held = shared.SharedP();
+      held_value = CopySymmetric(*held).ToDouble();
+      plain.Flush();  // the same fold points as `shared`
+      ASSERT_EQ(held_value, plain.P().ToDouble()) << "batch " << b;
+    }
+  }
+  ASSERT_EQ(CopySymmetric(*held).ToDouble(), held_value);
+  EXPECT_EQ(shared.theta(), plain.theta());
+  EXPECT_EQ(shared.P().ToDouble(), plain.P().ToDouble());
+}
+
 TEST(Rls, LossOfDefinitenessIsDetectedAndStateUnchanged) {
   const int64_t n = 9;
   VectorXd theta = VectorXd::LinSpaced(n, -1, 1);
@@ -350,6 +386,47 @@ TEST_P(KernelVariant, GemmAccMatchesFp64AndIgnoresSplits) {
           }
           ASSERT_EQ(split, got) << kern.name;
         }
+      }
+    }
+  }
+}
+
+// gemm_acc_sym reads only the upper kSymBlock blocks of a symmetric P (the
+// rest is poisoned with NaN here) and gives gemm_acc's result on the fully
+// stored P bit for bit, for any column range.
+TEST_P(KernelVariant, GemmAccSymReadsUpperBlocksOnlyAndMatchesGemmAcc) {
+  LEAP_REQUIRE_VARIANT();
+  const internal::Kernels& kern = *Kern();
+  std::mt19937_64 rng(23);
+  std::uniform_real_distribution<float> unif(-1, 1);
+  constexpr int64_t kB = internal::kSymBlock;
+  for (int64_t K : {5, 97, 300}) {
+    const int64_t ld = (K + 15) / 16 * 16;
+    std::vector<float> full(K * ld, 0.0f);
+    for (int64_t i = 0; i < K; ++i) {
+      for (int64_t j = i; j < K; ++j) full[i * ld + j] = full[j * ld + i] = unif(rng);
+    }
+    std::vector<float> upper = full;
+    for (int64_t i = 0; i < K; ++i) {
+      for (int64_t j = 0; j < K; ++j) {
+        if (i / kB > j / kB) upper[i * ld + j] = std::nanf("");
+      }
+    }
+    for (int64_t m : {1, 13, 40}) {
+      std::vector<float> a(m * (K + 3)), c(m * ld);
+      for (auto& x : a) x = unif(rng);
+      for (auto& x : c) x = unif(rng);
+      std::vector<float> want = c;
+      kern.gemm_acc(m, ld, K, 1.0f, a.data(), K + 3, 1, full.data(), ld,
+                    want.data(), ld);
+      for (int64_t step : {int64_t{16}, int64_t{64}, ld}) {
+        std::vector<float> got = c;
+        for (int64_t j0 = 0; j0 < ld; j0 += step) {
+          kern.gemm_acc_sym(m, std::min(step, ld - j0), K, 1.0f, a.data(),
+                            K + 3, 1, upper.data(), ld, j0, got.data() + j0, ld);
+        }
+        ASSERT_EQ(got, want) << kern.name << " K=" << K << " m=" << m
+                             << " step=" << step;
       }
     }
   }

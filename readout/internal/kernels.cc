@@ -137,9 +137,11 @@ float* PackBuffer() {
   return buf.p;
 }
 
-void GemmDriver(const MicroSet& ms, int64_t m, int64_t N, int64_t K,
-                float alpha, const float* A, int64_t a_rs, int64_t a_cs,
-                const float* B, int64_t ldb, float* C, int64_t ldc) {
+// pack_b(dst, pc, kc, j, w) writes B[pc.., j..] as kc rows of w floats.
+template <typename PackB>
+void GemmDriverT(const MicroSet& ms, int64_t m, int64_t N, int64_t K,
+                 float alpha, const float* A, int64_t a_rs, int64_t a_cs,
+                 const PackB& pack_b, float* C, int64_t ldc) {
   float* buf = PackBuffer();
   // A packed once for the whole call (not once per column block of B): for
   // each block of kGemmKc terms, tile by tile (mr rows, p-major): rows of A
@@ -177,11 +179,7 @@ void GemmDriver(const MicroSet& ms, int64_t m, int64_t N, int64_t K,
       // Pack B[pc.., jc..] panel by panel: kc rows of `w` floats each.
       for (int64_t jr = 0; jr < nc; jr += ms.nr) {
         const int64_t w = std::min<int64_t>(ms.nr, nc - jr);
-        float* dst = buf + jr * kc;
-        const float* src = B + pc * ldb + jc + jr;
-        for (int64_t p = 0; p < kc; ++p) {
-          std::memcpy(dst + p * w, src + p * ldb, sizeof(float) * w);
-        }
+        pack_b(buf + jr * kc, pc, kc, jc + jr, w);
       }
       // BLIS order: a B micro-panel stays in L1 while the A tiles stream
       // from L2 past it.
@@ -190,12 +188,76 @@ void GemmDriver(const MicroSet& ms, int64_t m, int64_t N, int64_t K,
         for (int64_t t = 0; t < tiles; ++t) {
           const int64_t ir = t * ms.mr;
           const int rows = static_cast<int>(std::min<int64_t>(ms.mr, m - ir));
+          // The next tile's C rows (a long stride apart) are fetched while
+          // this one computes; here, not in the micro-kernel, whose
+          // registers are all taken.
+          if (t + 1 < tiles) {
+            const float* cn = C + (ir + ms.mr) * ldc + jc + jr;
+            const int next = static_cast<int>(std::min<int64_t>(ms.mr, m - ir - ms.mr));
+            for (int r = 0; r < next; ++r) {
+              for (int x = 0; x < w; x += 16) __builtin_prefetch(cn + r * ldc + x, 1, 3);
+            }
+          }
           ms.micro(rows, w, kc, blk + t * ms.mr * kc, 1, ms.mr,
                    buf + jr * kc, alpha, C + ir * ldc + jc + jr, ldc);
         }
       }
     }
   }
+}
+
+void GemmDriver(const MicroSet& ms, int64_t m, int64_t N, int64_t K,
+                float alpha, const float* A, int64_t a_rs, int64_t a_cs,
+                const float* B, int64_t ldb, float* C, int64_t ldc) {
+  GemmDriverT(
+      ms, m, N, K, alpha, A, a_rs, a_cs,
+      [B, ldb](float* dst, int64_t pc, int64_t kc, int64_t j, int64_t w) {
+        const float* src = B + pc * ldb + j;
+        for (int64_t p = 0; p < kc; ++p) {
+          std::memcpy(dst + p * w, src + p * ldb, sizeof(float) * w);
+        }
+      },
+      C, ldc);
+}
+
+// B = columns j0.. of the K x K symmetric P of which only the blocks on and
+// above the diagonal of kSymBlock x kSymBlock blocks are valid: P(p, j) is
+// read at [p][j] when p's block is not below j's, else at [j][p]. Rows
+// j >= K (padding columns) are zero. The packed panel holds the same values
+// as for a fully stored P, so the result is bit for bit gemm_acc's.
+void GemmSymDriver(const MicroSet& ms, int64_t m, int64_t N, int64_t K,
+                   float alpha, const float* A, int64_t a_rs, int64_t a_cs,
+                   const float* P, int64_t ldp, int64_t j0, float* C,
+                   int64_t ldc) {
+  GemmDriverT(
+      ms, m, N, K, alpha, A, a_rs, a_cs,
+      [P, ldp, j0, K](float* dst, int64_t pc, int64_t kc, int64_t jrel,
+                      int64_t w) {
+        const int64_t j = j0 + jrel;
+        // Rows below `e` are read directly; panels never straddle a block
+        // boundary when kSymBlock is a multiple of the panel width, but each
+        // column is checked anyway.
+        const int64_t e_first = (j / kSymBlock + 1) * kSymBlock;
+        const int64_t direct_end = std::clamp<int64_t>(e_first, pc, pc + kc);
+        for (int64_t p = pc; p < direct_end; ++p) {
+          std::memcpy(dst + (p - pc) * w, P + p * ldp + j, sizeof(float) * w);
+        }
+        if (direct_end == pc + kc) return;
+        for (int64_t x = 0; x < w; ++x) {
+          const int64_t jj = j + x;
+          const int64_t e = (jj / kSymBlock + 1) * kSymBlock;
+          float* d = dst + x;
+          if (jj >= K) {
+            for (int64_t p = direct_end; p < pc + kc; ++p) d[(p - pc) * w] = 0.0f;
+            continue;
+          }
+          const float* row = P + jj * ldp;
+          for (int64_t p = direct_end; p < pc + kc; ++p) {
+            d[(p - pc) * w] = p < e ? P[p * ldp + jj] : row[p];
+          }
+        }
+      },
+      C, ldc);
 }
 
 void MicroPortable(int rows, int width, int64_t kc, const float* a,
@@ -241,11 +303,19 @@ void DotF64BlockPortable(const float* X, int64_t ldx, const float* Y,
   }
 }
 
+void GemmAccSymPortable(int64_t m, int64_t N, int64_t K, float alpha,
+                        const float* A, int64_t a_rs, int64_t a_cs,
+                        const float* P, int64_t ldp, int64_t j0, float* C,
+                        int64_t ldc) {
+  GemmSymDriver({4, 16, MicroPortable}, m, N, K, alpha, A, a_rs, a_cs, P, ldp,
+                j0, C, ldc);
+}
+
 constexpr Kernels kPortable = {"portable",         DotF32Portable,
                                DotBf16Portable,    DotF16Portable,
                                DotRowsF32Portable, DotRowsBf16Portable,
                                PanelPortable,      GemmAccPortable,
-                               DotF64BlockPortable};
+                               DotF64BlockPortable, GemmAccSymPortable};
 
 #if defined(__x86_64__)
 // ---------------------------------------------------------------- AVX2+FMA
@@ -504,20 +574,24 @@ LEAP_AVX2 void DotRowsBf16Avx2(const float* w, const uint16_t* const* x,
 }
 
 // gemm_acc micro-tile: up to 6 rows x 16 columns, 12 accumulators.
+constexpr int kMrAvx2 = 6;
 template <int R>
 LEAP_AVX2 void MicroAvx2R(int64_t kc, const float* a, int64_t a_rs,
                           int64_t a_cs, const float* bp, float alpha, float* c,
                           int64_t ldc) {
+  // A packed tile by tile: a_rs = 1, a_cs = kMrAvx2, as constants.
+  (void)a_rs;
+  (void)a_cs;
   __m256 acc[R][2];
 #pragma GCC unroll 6
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t p = 0; p < kc; ++p) {
     const __m256 b0 = _mm256_load_ps(bp + p * 16);
     const __m256 b1 = _mm256_load_ps(bp + p * 16 + 8);
-    const float* ap = a + p * a_cs;
+    const float* ap = a + p * kMrAvx2;
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r) {
-      const __m256 ar = _mm256_broadcast_ss(ap + r * a_rs);
+      const __m256 ar = _mm256_broadcast_ss(ap + r);
       acc[r][0] = _mm256_fmadd_ps(ar, b0, acc[r][0]);
       acc[r][1] = _mm256_fmadd_ps(ar, b1, acc[r][1]);
     }
@@ -548,8 +622,15 @@ LEAP_AVX2 void MicroAvx2(int rows, int /*width = 16*/, int64_t kc,
 void GemmAccAvx2(int64_t m, int64_t N, int64_t K, float alpha, const float* A,
                  int64_t a_rs, int64_t a_cs, const float* B, int64_t ldb,
                  float* C, int64_t ldc) {
-  GemmDriver({6, 16, MicroAvx2}, m, N, K, alpha, A, a_rs, a_cs, B, ldb, C,
+  GemmDriver({kMrAvx2, 16, MicroAvx2}, m, N, K, alpha, A, a_rs, a_cs, B, ldb, C,
              ldc);
+}
+
+void GemmAccSymAvx2(int64_t m, int64_t N, int64_t K, float alpha,
+                    const float* A, int64_t a_rs, int64_t a_cs, const float* P,
+                    int64_t ldp, int64_t j0, float* C, int64_t ldc) {
+  GemmSymDriver({kMrAvx2, 16, MicroAvx2}, m, N, K, alpha, A, a_rs, a_cs, P, ldp, j0,
+                C, ldc);
 }
 
 // FP64 dot products of float rows: RA rows of X against RB rows of Y.
@@ -605,7 +686,8 @@ LEAP_AVX2 void DotF64BlockAvx2(const float* X, int64_t ldx, const float* Y,
 
 constexpr Kernels kAvx2 = {"avx2",         DotF32Avx2,      DotBf16Avx2,
                            DotF16Avx2,     DotRowsF32Avx2,  DotRowsBf16Avx2,
-                           PanelAvx2,      GemmAccAvx2,     DotF64BlockAvx2};
+                           PanelAvx2,      GemmAccAvx2,     DotF64BlockAvx2,
+                           GemmAccSymAvx2};
 
 bool CpuHasAvx2Fma() {
   __builtin_cpu_init();
@@ -700,11 +782,16 @@ LEAP_AVX512 float DotBf16Avx512(const float* w, const uint16_t* x, int64_t n) {
 }
 
 // gemm_acc micro-tile: up to 12 rows x 32 columns, 24 accumulators.
+constexpr int kMrAvx512 = 12;
 template <int R, int NV>
 LEAP_AVX512 void MicroAvx512R(int64_t kc, const float* a, int64_t a_rs,
                               int64_t a_cs, const float* bp, float alpha,
                               float* c, int64_t ldc) {
   constexpr int kW = 16 * NV;
+  // The driver packs A tile by tile: a_rs = 1, a_cs = kMr, as constants
+  // (runtime strides cost an address computation per broadcast).
+  (void)a_rs;
+  (void)a_cs;
   __m512 acc[R][NV];
 #pragma GCC unroll 12
   for (int r = 0; r < R; ++r)
@@ -714,10 +801,10 @@ LEAP_AVX512 void MicroAvx512R(int64_t kc, const float* a, int64_t a_rs,
     __m512 b[NV];
 #pragma GCC unroll 2
     for (int v = 0; v < NV; ++v) b[v] = _mm512_load_ps(bp + p * kW + 16 * v);
-    const float* ap = a + p * a_cs;
+    const float* ap = a + p * kMrAvx512;
 #pragma GCC unroll 12
     for (int r = 0; r < R; ++r) {
-      const __m512 ar = _mm512_set1_ps(ap[r * a_rs]);
+      const __m512 ar = _mm512_set1_ps(ap[r]);
 #pragma GCC unroll 2
       for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_fmadd_ps(ar, b[v], acc[r][v]);
     }
@@ -763,8 +850,16 @@ LEAP_AVX512 void MicroAvx512(int rows, int width, int64_t kc, const float* a,
 void GemmAccAvx512(int64_t m, int64_t N, int64_t K, float alpha,
                    const float* A, int64_t a_rs, int64_t a_cs, const float* B,
                    int64_t ldb, float* C, int64_t ldc) {
-  GemmDriver({12, 32, MicroAvx512}, m, N, K, alpha, A, a_rs, a_cs, B, ldb, C,
+  GemmDriver({kMrAvx512, 32, MicroAvx512}, m, N, K, alpha, A, a_rs, a_cs, B, ldb, C,
              ldc);
+}
+
+void GemmAccSymAvx512(int64_t m, int64_t N, int64_t K, float alpha,
+                      const float* A, int64_t a_rs, int64_t a_cs,
+                      const float* P, int64_t ldp, int64_t j0, float* C,
+                      int64_t ldc) {
+  GemmSymDriver({kMrAvx512, 32, MicroAvx512}, m, N, K, alpha, A, a_rs, a_cs, P, ldp,
+                j0, C, ldc);
 }
 
 template <int RA, int RB>
@@ -905,7 +1000,8 @@ LEAP_AVX512 void PanelAvx512(const float* P, int64_t ldp, int64_t rows,
 
 constexpr Kernels kAvx512 = {"avx512",        DotF32Avx512,      DotBf16Avx512,
                              DotF16Avx512,    DotRowsF32Avx2,    DotRowsBf16Avx2,
-                             PanelAvx512,     GemmAccAvx512,     DotF64BlockAvx512};
+                             PanelAvx512,     GemmAccAvx512,     DotF64BlockAvx512,
+                             GemmAccSymAvx512};
 
 bool CpuHasAvx512() {
   if (!CpuHasAvx2Fma()) return false;

@@ -23,6 +23,11 @@ inline constexpr int kPanelMaxVectors = 8;
 // result never depends on how rows or columns are split).
 inline constexpr int64_t kGemmKc = 128;
 
+// RlsState keeps P's lower triangle stale between folds except inside the
+// diagonal blocks of this many rows and columns (the fold's row blocks);
+// gemm_acc_sym reads the rest from the upper triangle.
+inline constexpr int64_t kSymBlock = 96;
+
 struct Kernels {
   const char* name;
   // sum_i w[i] * x[i], fp32 accumulation over many lanes; x contiguous.
@@ -63,6 +68,16 @@ struct Kernels {
   void (*dot_f64_block)(const float* X, int64_t ldx, const float* Y,
                         int64_t ldy, int64_t k, int64_t n, double* S,
                         int64_t lds);
+  // gemm_acc with B = columns j0 .. j0 + N of the K x K symmetric P (row
+  // stride ldp) of which only the kSymBlock blocks on and above the block
+  // diagonal are read: P(p, j) comes from [p][j] when p / kSymBlock <=
+  // j / kSymBlock, else from [j][p]; columns j >= K are zero. Same values,
+  // same summation order: the result equals gemm_acc's on the fully stored
+  // P bit for bit. j0 a multiple of 16.
+  void (*gemm_acc_sym)(int64_t m, int64_t N, int64_t K, float alpha,
+                       const float* A, int64_t a_rs, int64_t a_cs,
+                       const float* P, int64_t ldp, int64_t j0, float* C,
+                       int64_t ldc);
 };
 
 // Reorders w for dot_bf16: every full block of 16 becomes its 8 even-index

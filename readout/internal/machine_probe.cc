@@ -36,6 +36,12 @@ double Now() {
 
 // Twelve independent chains (named registers, so nothing spills): enough
 // to cover 4-cycle FMA latency at two or three FMAs per cycle.
+// A small value the compiler cannot see (so the FMA chains stay distinct).
+float ProbeSeed() {
+  static volatile float seed = 1e-6f;
+  return seed;
+}
+
 #define LEAP_FMA12(FMA)                                                       \
   a0 = FMA(a0, m, c); a1 = FMA(a1, m, c); a2 = FMA(a2, m, c);                 \
   a3 = FMA(a3, m, c); a4 = FMA(a4, m, c); a5 = FMA(a5, m, c);                 \
@@ -45,8 +51,16 @@ double Now() {
 LEAP_PROBE_AVX2 double FmaPeakAvx2() {
   const __m256 s = _mm256_set1_ps(1.0f), m = _mm256_set1_ps(0.9999999f),
                c = _mm256_set1_ps(1e-7f);
-  __m256 a0 = s, a1 = s, a2 = s, a3 = s, a4 = s, a5 = s, a6 = s, a7 = s,
-         a8 = s, a9 = s, a10 = s, a11 = s;
+  // Twelve chains with different starting values: from one common value
+  // the compiler merges them into one dependent chain (latency-bound: one
+  // FMA per latency counted as twelve, which overstated the peak ~1.6x).
+  const __m256 e = _mm256_set1_ps(ProbeSeed());
+  __m256 a0 = s, a1 = _mm256_add_ps(a0, e), a2 = _mm256_add_ps(a1, e),
+         a3 = _mm256_add_ps(a2, e), a4 = _mm256_add_ps(a3, e),
+         a5 = _mm256_add_ps(a4, e), a6 = _mm256_add_ps(a5, e),
+         a7 = _mm256_add_ps(a6, e), a8 = _mm256_add_ps(a7, e),
+         a9 = _mm256_add_ps(a8, e), a10 = _mm256_add_ps(a9, e),
+         a11 = _mm256_add_ps(a10, e);
   const long iters = 20'000'000;
   const double t0 = Now();
   for (long it = 0; it < iters; ++it) {
@@ -67,8 +81,14 @@ LEAP_PROBE_AVX2 double FmaPeakAvx2() {
 LEAP_PROBE_AVX512 double FmaPeakAvx512() {
   const __m512 s = _mm512_set1_ps(1.0f), m = _mm512_set1_ps(0.9999999f),
                c = _mm512_set1_ps(1e-7f);
-  __m512 a0 = s, a1 = s, a2 = s, a3 = s, a4 = s, a5 = s, a6 = s, a7 = s,
-         a8 = s, a9 = s, a10 = s, a11 = s;
+  // Twelve distinct chains (see FmaPeakAvx2).
+  const __m512 e = _mm512_set1_ps(ProbeSeed());
+  __m512 a0 = s, a1 = _mm512_add_ps(a0, e), a2 = _mm512_add_ps(a1, e),
+         a3 = _mm512_add_ps(a2, e), a4 = _mm512_add_ps(a3, e),
+         a5 = _mm512_add_ps(a4, e), a6 = _mm512_add_ps(a5, e),
+         a7 = _mm512_add_ps(a6, e), a8 = _mm512_add_ps(a7, e),
+         a9 = _mm512_add_ps(a8, e), a10 = _mm512_add_ps(a9, e),
+         a11 = _mm512_add_ps(a10, e);
   const long iters = 10'000'000;
   const double t0 = Now();
   for (long it = 0; it < iters; ++it) {

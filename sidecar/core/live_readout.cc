@@ -689,14 +689,21 @@ readout::ReadoutState LiveReadout::Export() {
   return s;
 }
 
-storage::ReadoutCheckpoint LiveReadout::CaptureLocked() {
+storage::ReadoutCheckpoint LiveReadout::CaptureLocked(
+    std::shared_ptr<const readout::SymMatrix>* shared_p) {
   storage::ReadoutCheckpoint c;
   c.version = current()->version;
   c.completions_learned = learned_.load();
   c.last_seq = applied_seq_;
   c.unix_ms = UnixMs();
   c.theta = theta_;
-  if (rls_.has_value()) c.p = rls_->P();
+  if (rls_.has_value()) {
+    if (shared_p != nullptr) {
+      *shared_p = rls_->SharedP();
+    } else {
+      c.p = rls_->P();
+    }
+  }
   batches_since_ckpt_ = 0;
   last_ckpt_ns_ = NowNs();
   return c;
@@ -722,6 +729,7 @@ absl::Status LiveReadout::WriteCheckpoint(const storage::ReadoutCheckpoint& c) {
 void LiveReadout::CheckpointLoop() {
   for (;;) {
     storage::ReadoutCheckpoint c;
+    std::shared_ptr<const readout::SymMatrix> p;
     {
       absl::MutexLock lock(&ckpt_mu_);
       auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(ckpt_mu_) {
@@ -731,7 +739,12 @@ void LiveReadout::CheckpointLoop() {
       if (!ckpt_pending_.has_value()) return;  // stop, nothing pending
       c = std::move(*ckpt_pending_);
       ckpt_pending_.reset();
+      p = std::move(ckpt_pending_p_);
       ckpt_busy_ = true;
+    }
+    if (p != nullptr) {
+      c.p = readout::CopySymmetric(*p);  // off the RLS thread
+      p.reset();
     }
     WriteCheckpoint(c).IgnoreError();  // counted and logged; the next one retries
     absl::MutexLock lock(&ckpt_mu_);
@@ -844,6 +857,7 @@ absl::StatusOr<int64_t> LiveReadout::RollbackLocked(const std::string& label) {
     // it (it would resurrect the pre-rollback state on recovery).
     absl::MutexLock lock(&ckpt_mu_);
     ckpt_pending_.reset();
+    ckpt_pending_p_.reset();
     auto written = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(ckpt_mu_) {
       return !ckpt_busy_;
     };
@@ -1015,6 +1029,7 @@ void LiveReadout::WorkerLoop() {
     const auto t0 = std::chrono::steady_clock::now();
     absl::Status s;
     std::optional<storage::ReadoutCheckpoint> ckpt;
+    std::shared_ptr<const readout::SymMatrix> ckpt_p;
     int64_t applied = k;
     {
       absl::MutexLock lock(&state_mu_);
@@ -1036,13 +1051,14 @@ void LiveReadout::WorkerLoop() {
         if (store_ != nullptr &&
             (batches_since_ckpt_ >= options_.checkpoint_every_batches ||
              NowNs() - last_ckpt_ns_ >= options_.checkpoint_every_ns)) {
-          ckpt = CaptureLocked();
+          ckpt = CaptureLocked(&ckpt_p);
         }
       }
     }
     if (ckpt.has_value()) {
       absl::MutexLock lock(&ckpt_mu_);
       ckpt_pending_ = std::move(ckpt);  // replaces a capture not yet written
+      ckpt_pending_p_ = std::move(ckpt_p);
     }
     if (!s.ok()) {
       // Never publish a state that failed: stop adapting (durably, with the

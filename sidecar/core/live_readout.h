@@ -288,8 +288,12 @@ class LiveReadout {
   void PublishLocked(const Eigen::VectorXd& theta, int64_t learned,
                      const std::string& cause)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_mu_);
-  // Copies the state for a checkpoint. Caller holds state_mu_.
-  storage::ReadoutCheckpoint CaptureLocked()
+  // Copies the state for a checkpoint. Caller holds state_mu_. With
+  // `shared_p`, P is not copied into the result: *shared_p gets the RLS
+  // state's shared P instead (no mirror, no 64 MiB copy on the RLS thread;
+  // the checkpoint thread copies it with readout::CopySymmetric).
+  storage::ReadoutCheckpoint CaptureLocked(
+      std::shared_ptr<const readout::SymMatrix>* shared_p = nullptr)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_mu_);
   absl::Status WriteCheckpoint(const storage::ReadoutCheckpoint& c);
 
@@ -352,6 +356,9 @@ class LiveReadout {
   // Checkpoint hand-off (one slot: a newer capture replaces a waiting one).
   absl::Mutex ckpt_mu_ ABSL_ACQUIRED_AFTER(log_mu_);
   std::optional<storage::ReadoutCheckpoint> ckpt_pending_
+      ABSL_GUARDED_BY(ckpt_mu_);
+  // ckpt_pending_'s P, still to be copied (by the checkpoint thread).
+  std::shared_ptr<const readout::SymMatrix> ckpt_pending_p_
       ABSL_GUARDED_BY(ckpt_mu_);
   bool ckpt_stop_ ABSL_GUARDED_BY(ckpt_mu_) = false;
   bool ckpt_busy_ ABSL_GUARDED_BY(ckpt_mu_) = false;
