@@ -5,8 +5,9 @@
 // sweeps). The folder of a killed child is gone after the next process made
 // its first folder; folders of live processes, folders without an owner
 // file (foreign ones, kept ones) stay; a pid reused by a process started at
-// another time does not protect a dead owner's folder; the Python tests'
-// folders (tests/support/temp_dirs.py) are swept alike.
+// another time does not protect a dead owner's folder; an owner of another
+// pid namespace is not judged; the Python tests' folders
+// (tests/support/temp_dirs.py) are swept alike.
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/stat.h>
@@ -124,7 +125,13 @@ TEST(ScopedTempDirTest, FoldersOfKilledTestsAreSweptByTheNextProcess) {
       base + "/py-" + std::to_string(victim.pid) + "-abcdefgh";
   ASSERT_TRUE(fs::create_directory(python_form));
   std::ofstream(fs::path(python_form) / ScopedTempDir::kOwnerFile)
-      << victim.pid << " 1\n";
+      << victim.pid << " 1 " << ScopedTempDir::PidNamespace() << "\n";
+  // A dead pid of another pid namespace (a /tmp shared with a container):
+  // this process cannot judge it, it stays.
+  const std::string other_ns = base + "/otherns-" + std::to_string(victim.pid) + "-abcdef";
+  ASSERT_TRUE(fs::create_directory(other_ns));
+  std::ofstream(fs::path(other_ns) / ScopedTempDir::kOwnerFile)
+      << victim.pid << " 1 pid:[1]\n";
 
   // A running test's folder.
   Child alive = Spawn("hold", env);
@@ -137,7 +144,8 @@ TEST(ScopedTempDirTest, FoldersOfKilledTestsAreSweptByTheNextProcess) {
   // that pid was reused, the owner is gone.
   const std::string reused = base + "/reused-" + std::to_string(::getpid()) + "-abcdef";
   ASSERT_TRUE(fs::create_directory(reused));
-  std::ofstream(fs::path(reused) / ScopedTempDir::kOwnerFile) << ::getpid() << " 1\n";
+  std::ofstream(fs::path(reused) / ScopedTempDir::kOwnerFile)
+      << ::getpid() << " 1 " << ScopedTempDir::PidNamespace() << "\n";
   // A folder kept with LEAP_KEEP_TEST_DIRS=1 (its maker ended normally).
   Child kept = Spawn("make", {"TEST_TMPDIR=" + base, "LEAP_KEEP_TEST_DIRS=1"});
   ASSERT_EQ(Wait(kept.pid), 0);
@@ -150,6 +158,7 @@ TEST(ScopedTempDirTest, FoldersOfKilledTestsAreSweptByTheNextProcess) {
   EXPECT_FALSE(fs::exists(python_form)) << "a Python test's folder is swept too";
   EXPECT_TRUE(fs::exists(alive.path)) << "a running test's folder stays";
   EXPECT_TRUE(fs::exists(foreign)) << "a folder without an owner file stays";
+  EXPECT_TRUE(fs::exists(other_ns)) << "another pid namespace's folder stays";
   EXPECT_TRUE(fs::exists(kept.path)) << "a kept folder stays";
 
   // With LEAP_KEEP_TEST_DIRS=1 nothing is swept, not even a dead owner's.

@@ -3,8 +3,8 @@
 folder with temp_dirs.make() and is killed with SIGKILL (what a ctest
 timeout does); the next make() of another process removes it, and a folder
 in the C++ helper's form (<name>-<pid>-XXXXXX) of a dead owner too, while a
-running owner's folder, a folder without an owner file and a folder kept
-with LEAP_KEEP_TEST_DIRS=1 stay.
+running owner's folder, a folder without an owner file, an owner of another
+pid namespace and a folder kept with LEAP_KEEP_TEST_DIRS=1 stay.
 
 Run: /usr/bin/python3 tests/temp_dirs_test.py
 """
@@ -65,7 +65,12 @@ class TempDirsTest(unittest.TestCase):
         cxx = os.path.join(self.base, "cxx-%d-abcdef" % victim.pid)
         os.mkdir(cxx)
         with open(os.path.join(cxx, temp_dirs.OWNER_FILE), "w") as f:
-            f.write("%d %s\n" % (victim.pid, "1"))
+            f.write("%d 1 %s\n" % (victim.pid, temp_dirs.pid_namespace()))
+        # A dead pid of another pid namespace: not judged, it stays.
+        other_ns = os.path.join(self.base, "otherns-%d-abcdef" % victim.pid)
+        os.mkdir(other_ns)
+        with open(os.path.join(other_ns, temp_dirs.OWNER_FILE), "w") as f:
+            f.write("%d 1 pid:[1]\n" % victim.pid)
         foreign = os.path.join(self.base, "foreign-%d-abcdef" % victim.pid)
         os.mkdir(foreign)
         keeper, kept = self.spawn("make", "kept",
@@ -83,6 +88,7 @@ class TempDirsTest(unittest.TestCase):
         self.assertFalse(os.path.exists(cxx), "a C++ folder of a dead owner is swept")
         self.assertTrue(os.path.isdir(alive_path), "a running owner's folder stays")
         self.assertTrue(os.path.isdir(foreign), "a folder without an owner file stays")
+        self.assertTrue(os.path.isdir(other_ns), "another pid namespace's folder stays")
         self.assertTrue(os.path.isdir(kept), "a kept folder stays")
 
         # The sweep, called directly: the owner killed now goes too.

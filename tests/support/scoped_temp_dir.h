@@ -10,12 +10,14 @@
 //
 // A test killed before its destructors run (a ctest timeout, kill -9)
 // cannot remove its folder, so each folder holds an owner file,
-// .leap-test-owner ("<pid> <start time>" of the process that made it), and
+// .leap-test-owner ("<pid> <start time> <pid namespace>" of the process
+// that made it), and
 // the first ScopedTempDir a process makes sweeps the base folder: every
 // <name>-<pid>-XXXXXX folder (and the Python tests' <name>-<pid>-XXXXXXXX,
 // tests/support/temp_dirs.py) whose owner file names a process that is no
 // longer running (no such pid, or a pid reused by a process started at
-// another time) is removed. Folders without an owner file (anything not
+// another time) is removed; only the owners of the sweeper's own pid
+// namespace are judged. Folders without an owner file (anything not
 // made here, and folders kept with LEAP_KEEP_TEST_DIRS=1, whose owner file
 // is removed when they are kept) are never touched; with
 // LEAP_KEEP_TEST_DIRS=1 nothing is swept.
@@ -64,7 +66,7 @@ class ScopedTempDir {
     }
     path_ = buf.data();
     std::ofstream owner(File(kOwnerFile));
-    owner << ::getpid() << " " << StartTime(::getpid()) << "\n";
+    owner << ::getpid() << " " << StartTime(::getpid()) << " " << PidNamespace() << "\n";
     if (!owner.flush()) {
       std::fprintf(stderr, "ScopedTempDir: cannot write %s\n", File(kOwnerFile).c_str());
       std::abort();
@@ -113,6 +115,15 @@ class ScopedTempDir {
     return base;
   }
 
+  // This process's pid namespace ("pid:[N]"): a pid is judged only by a
+  // process of the namespace that recorded it (a /tmp shared between
+  // containers holds folders whose owners this one cannot see).
+  static std::string PidNamespace() {
+    std::error_code ec;
+    const std::string ns = std::filesystem::read_symlink("/proc/self/ns/pid", ec).string();
+    return ec || ns.empty() ? "-" : ns;
+  }
+
   // Field 22 of /proc/PID/stat (start time in clock ticks since boot);
   // "" when the process does not exist.
   static std::string StartTime(pid_t pid) {
@@ -153,8 +164,11 @@ class ScopedTempDir {
       struct stat st;
       if (::lstat(it->path().c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) continue;
       std::ifstream owner(it->path() / kOwnerFile);
-      std::string owner_pid, owner_start;
-      if (!(owner >> owner_pid >> owner_start) || owner_pid != pid_text) continue;
+      std::string owner_pid, owner_start, owner_ns;
+      if (!(owner >> owner_pid >> owner_start >> owner_ns) || owner_pid != pid_text ||
+          owner_ns != PidNamespace()) {
+        continue;  // not ours, or a pid this process cannot judge
+      }
       const pid_t pid = static_cast<pid_t>(std::stol(pid_text));
       const bool gone = (::kill(pid, 0) != 0 && errno == ESRCH) ||
                         StartTime(pid) != owner_start;

@@ -1,14 +1,15 @@
 """Temp folders of the Python tests, with the same rules as the C++ tests'
 ScopedTempDir (tests/support/scoped_temp_dir.h): made by make() under
 $TEST_TMPDIR, else $TMPDIR, else /tmp, as <name>-<pid>-XXXXXXXX with an owner
-file (.leap-test-owner: "<pid> <start time>"); removed by remove() when the
+file (.leap-test-owner: "<pid> <start time> <pid namespace>"); removed by remove() when the
 test ends, kept (the path printed to stderr, the owner file removed) with
 LEAP_KEEP_TEST_DIRS=1.
 
 A test killed before its clean-ups ran (a ctest timeout, kill -9) leaves
 its folder: the first make() of a process removes every such folder whose
-owner process is no longer running (C++ and Python folders alike; never a
-folder without an owner file; nothing with LEAP_KEEP_TEST_DIRS=1)."""
+owner process is no longer running (C++ and Python folders alike; only
+owners of the sweeper's pid namespace; never a folder without an owner
+file; nothing with LEAP_KEEP_TEST_DIRS=1)."""
 
 import errno
 import os
@@ -46,6 +47,15 @@ def start_time(pid):
     return fields[19] if len(fields) > 19 else ""
 
 
+def pid_namespace():
+    """This process's pid namespace ("pid:[N]"); a pid is judged only by a
+    process of the namespace that recorded it."""
+    try:
+        return os.readlink("/proc/self/ns/pid") or "-"
+    except OSError:
+        return "-"
+
+
 def _running(pid, started):
     try:
         os.kill(pid, 0)
@@ -75,7 +85,7 @@ def sweep(where=None):
                 owner = f.read().split()
         except OSError:
             continue
-        if len(owner) != 2 or owner[0] != m.group(1):
+        if len(owner) != 3 or owner[0] != m.group(1) or owner[2] != pid_namespace():
             continue
         if _running(int(owner[0]), owner[1]):
             continue
@@ -97,7 +107,7 @@ def make(name):
     pid = os.getpid()
     path = tempfile.mkdtemp(prefix="%s-%d-" % (name, pid), dir=base())
     with open(os.path.join(path, OWNER_FILE), "w") as f:
-        f.write("%d %s\n" % (pid, start_time(pid)))
+        f.write("%d %s %s\n" % (pid, start_time(pid), pid_namespace()))
     return path
 
 
