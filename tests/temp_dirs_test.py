@@ -91,9 +91,13 @@ class TempDirsTest(unittest.TestCase):
         self.assertTrue(os.path.isdir(other_ns), "another pid namespace's folder stays")
         self.assertTrue(os.path.isdir(kept), "a kept folder stays")
 
-        # The sweep, called directly: the owner killed now goes too.
-        self.kill9(alive)
+        # The sweep, called directly: the owner killed now goes too, while
+        # it is still a zombie (killed, not reaped).
+        alive.kill()
+        os.waitid(os.P_PID, alive.pid, os.WEXITED | os.WNOWAIT)
         self.assertEqual(temp_dirs.sweep(self.base), [alive_path])
+        self.assertEqual(alive.wait(timeout=DEADLINE_S), -signal.SIGKILL)
+        alive.stdout.close()
 
 
 if __name__ == "__main__":

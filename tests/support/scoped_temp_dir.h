@@ -15,8 +15,8 @@
 // the first ScopedTempDir a process makes sweeps the base folder: every
 // <name>-<pid>-XXXXXX folder (and the Python tests' <name>-<pid>-XXXXXXXX,
 // tests/support/temp_dirs.py) whose owner file names a process that is no
-// longer running (no such pid, or a pid reused by a process started at
-// another time) is removed; only the owners of the sweeper's own pid
+// longer running (no such pid, a zombie, or a pid reused by a process
+// started at another time) is removed; only the owners of the sweeper's own pid
 // namespace are judged. Folders without an owner file (anything not
 // made here, and folders kept with LEAP_KEEP_TEST_DIRS=1, whose owner file
 // is removed when they are kept) are never touched; with
@@ -26,7 +26,6 @@
 #ifndef LEAP_TESTS_SUPPORT_SCOPED_TEMP_DIR_H_
 #define LEAP_TESTS_SUPPORT_SCOPED_TEMP_DIR_H_
 
-#include <signal.h>
 #include <stdlib.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -125,7 +124,9 @@ class ScopedTempDir {
   }
 
   // Field 22 of /proc/PID/stat (start time in clock ticks since boot);
-  // "" when the process does not exist.
+  // "" when the process does not exist. A zombie (state Z: dead, not yet
+  // reaped, e.g. a killed test reparented to an init that does not reap)
+  // has none either.
   static std::string StartTime(pid_t pid) {
     std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
     std::string stat((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
@@ -134,6 +135,7 @@ class ScopedTempDir {
     std::istringstream rest(stat.substr(paren + 1));
     std::string field;
     for (int i = 3; i <= 22 && (rest >> field); ++i) {
+      if (i == 3 && field == "Z") return "";
       if (i == 22) return field;
     }
     return "";
@@ -170,9 +172,9 @@ class ScopedTempDir {
         continue;  // not ours, or a pid this process cannot judge
       }
       const pid_t pid = static_cast<pid_t>(std::stol(pid_text));
-      const bool gone = (::kill(pid, 0) != 0 && errno == ESRCH) ||
-                        StartTime(pid) != owner_start;
-      if (!gone) continue;
+      // Gone: no such process, a zombie, or the pid reused by a process
+      // started at another time.
+      if (StartTime(pid) == owner_start) continue;
       std::error_code rm;
       std::filesystem::remove_all(it->path(), rm);
       if (!rm) {

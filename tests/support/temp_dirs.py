@@ -11,7 +11,6 @@ owner process is no longer running (C++ and Python folders alike; only
 owners of the sweeper's pid namespace; never a folder without an owner
 file; nothing with LEAP_KEEP_TEST_DIRS=1)."""
 
-import errno
 import os
 import re
 import shutil
@@ -37,14 +36,17 @@ def base():
 
 
 def start_time(pid):
-    """Field 22 of /proc/PID/stat; '' when the process does not exist."""
+    """Field 22 of /proc/PID/stat; '' when the process does not exist or is
+    a zombie (dead, not yet reaped)."""
     try:
         with open("/proc/%d/stat" % pid) as f:
             stat = f.read()
     except OSError:
         return ""
     fields = stat[stat.rfind(")") + 1:].split()
-    return fields[19] if len(fields) > 19 else ""
+    if len(fields) < 20 or fields[0] == "Z":
+        return ""
+    return fields[19]
 
 
 def pid_namespace():
@@ -54,15 +56,6 @@ def pid_namespace():
         return os.readlink("/proc/self/ns/pid") or "-"
     except OSError:
         return "-"
-
-
-def _running(pid, started):
-    try:
-        os.kill(pid, 0)
-    except OSError as e:
-        if e.errno == errno.ESRCH:
-            return False
-    return start_time(pid) == started
 
 
 def sweep(where=None):
@@ -87,8 +80,8 @@ def sweep(where=None):
             continue
         if len(owner) != 3 or owner[0] != m.group(1) or owner[2] != pid_namespace():
             continue
-        if _running(int(owner[0]), owner[1]):
-            continue
+        if start_time(int(owner[0])) == owner[1]:
+            continue  # running: no such process, a zombie or a reused pid is not
         shutil.rmtree(path, ignore_errors=True)
         if not os.path.exists(path):
             removed.append(path)
