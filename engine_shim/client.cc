@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/shm_format.h"
 
 namespace leap::shim {
 namespace {
@@ -50,6 +51,21 @@ absl::Status ClientOptions::Validate() const {
   }
   if (response_timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("response_timeout must be > 0");
+  }
+  if (instance_id.size() > 128 || instance_id.find('\0') != std::string::npos) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "instance_id must be at most 128 bytes without NUL, got ", instance_id.size(),
+        " bytes", instance_id.find('\0') != std::string::npos ? " with a NUL" : ""));
+  }
+  if (shm_slots < 1 || shm_slots > ::leap::shm::kMaxSlots) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "shm_slots must be in [1, ", ::leap::shm::kMaxSlots, "], got ", shm_slots));
+  }
+  if (shm_ring_bytes < ::leap::shm::kMinRingBytes || shm_ring_bytes > ::leap::shm::kMaxRingBytes ||
+      (shm_ring_bytes & (shm_ring_bytes - 1)) != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "shm_ring_bytes must be a power of two in [", ::leap::shm::kMinRingBytes, ", ",
+        ::leap::shm::kMaxRingBytes, "], got ", shm_ring_bytes));
   }
   if (max_batch_records < 1) {
     return absl::InvalidArgumentError("max_batch_records must be >= 1");

@@ -64,7 +64,7 @@ struct ClientOptions {
   // This engine's instance id (Hello.instance_id): leapd scopes request ids
   // to it, so engines that number requests alike never collide. Kept for
   // the Client's life (reconnects find their requests again). Default: a
-  // random 128-bit hex id made by Start.
+  // random 128-bit hex id made by Start. At most 128 bytes, no NUL.
   std::string instance_id;
   std::string model_id;
   int32_t layer = -1;
@@ -80,8 +80,9 @@ struct ClientOptions {
   // SIGSTOPped or wedged): the client reconnects and reports degraded.
   // Default: 2 s
   absl::Duration response_timeout = absl::Seconds(2);
-  // shm only: feature slots (each live request holds one until it ends) and
-  // ring bytes. Default: 1024, 1 MiB
+  // shm only: feature slots (each live request holds one until it ends),
+  // in [1, 1048576], and ring bytes, a power of two in [64 KiB, 64 MiB].
+  // Default: 1024, 1 MiB
   uint32_t shm_slots = 1024;
   uint32_t shm_ring_bytes = 1 << 20;
   // Records per FeatureBatch message. Default: 256
@@ -165,6 +166,9 @@ class Client {
   // not Poll or SetCallback. Pass nullptr to go back to Poll.
   void SetCallback(std::function<void(const Event&)> cb);
 
+  // The instance id in every Hello: ClientOptions::instance_id, or the one
+  // Start made up when it was empty.
+  const std::string& instance_id() const { return options_.instance_id; }
   bool connected() const { return connected_.load(); }
   // True while no leapd is answering: before the first hello is
   // acknowledged, after a disconnect or a stall, until the next

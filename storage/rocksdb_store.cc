@@ -899,6 +899,11 @@ absl::StatusOr<std::unique_ptr<StateStore>> OpenRocksStore(
   dbo.create_if_missing = true;
   dbo.create_missing_column_families = true;
   dbo.max_background_jobs = 2;
+  // No fallocate: RocksDB would otherwise reserve 1.1 x the largest write
+  // buffer (141 MiB, for the checkpoint families' 128 MiB) ahead of the live
+  // WAL, which holds a few MiB: a data folder's disk then pays for its
+  // content only. Durability is unchanged (the same writes are synced).
+  dbo.allow_fallocate = false;
   std::vector<rocksdb::ColumnFamilyDescriptor> cfs;
   for (const char* name : kFamilies) {
     rocksdb::ColumnFamilyOptions co;

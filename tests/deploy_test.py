@@ -71,7 +71,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import unittest
 import urllib.request
@@ -427,7 +426,7 @@ class DockerfileTest(unittest.TestCase):
         self.assertEqual(len(builds), 1, builds)
         build_dir = [a for a in builds[0] if not a.startswith("-")][0]
         flags = [a for a in builds[0] if a.startswith("-D")]
-        tmp = tempfile.mkdtemp(prefix="leap_docker_configure_")
+        tmp = temp_dirs.make("leap_docker_configure")
         try:
             gen = ["-G", "Ninja"] if shutil.which("ninja") else []
             r = subprocess.run(
@@ -550,7 +549,7 @@ class DockerfileTest(unittest.TestCase):
                            text=True)
         documented = set(re.findall(r"--(\w+) \(", h.stdout + h.stderr))
         ports = set()
-        tmp = tempfile.mkdtemp(prefix="leap_docker_cmd_")
+        tmp = temp_dirs.make("leap_docker_cmd")
         local = []
         for a in args:
             m = re.fullmatch(r"--(\w+)=(.*)", a)
@@ -1102,7 +1101,7 @@ class FleetManifestTest(unittest.TestCase):
             # The real nats-server accepts the configuration.
             server = shutil.which("nats-server") or "/usr/sbin/nats-server"
             if os.path.exists(server):
-                tmp = tempfile.mkdtemp(prefix="leap_deploy_nats_")
+                tmp = temp_dirs.make("leap_deploy_nats")
                 try:
                     path = os.path.join(tmp, conf_file)
                     with open(path, "w") as f:
@@ -1162,7 +1161,7 @@ class PrometheusTest(unittest.TestCase):
         self.assertEqual(jobs[0]["job_name"], "leap")
 
     def test_alerts_use_metrics_leapd_serves(self):
-        tmp = tempfile.mkdtemp(prefix="leap_deploy_metrics_")
+        tmp = temp_dirs.make("leap_deploy_metrics")
         token = os.path.join(tmp, "token")
         with open(token, "w") as f:
             f.write("deploy-test-token\n")

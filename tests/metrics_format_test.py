@@ -29,7 +29,6 @@ import re
 import signal
 import subprocess
 import sys
-import tempfile
 import unittest
 import urllib.request
 
@@ -90,7 +89,7 @@ class MetricsFormatTest(unittest.TestCase):
 
     @classmethod
     def setUpClass(cls):
-        cls.tmp = tempfile.mkdtemp(prefix="leap_metrics_")
+        cls.tmp = temp_dirs.make("leap_metrics")
         cls.stub_dir, cls.pb = proto_stubs.generate(
             os.path.join(ARGS.source_dir, "proto"), "leap_metrics_stubs_")
         t = cls.tmp

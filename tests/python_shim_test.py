@@ -225,7 +225,7 @@ class LeapdFixture(unittest.TestCase):
     dim 64 on the default route."""
 
     def setUp(self):
-        self.dir = tempfile.mkdtemp(prefix="leap_shim_test_")
+        self.dir = temp_dirs.make("leap_shim_test")
         self.addCleanup(temp_dirs.remove, self.dir)
         self.sock = os.path.join(self.dir, "leapd.sock")
         self.data_dir = os.path.join(self.dir, "db")
@@ -486,6 +486,77 @@ class EndToEndTest(LeapdFixture):
         self.leapd.terminate()
 
 
+class ClientOptionsTest(LeapdFixture):
+    """The Client options shared with the C++ Client reach leapd: the
+    instance id scopes request ids, shm_slots and shm_ring_bytes size the
+    shared-memory segment, response_timeout_s abandons a hung leapd."""
+
+    def options_client(self, endpoint, **kw):
+        c = leap_shim.Client(endpoint, DIM, min_backoff_s=0.02,
+                             max_backoff_s=0.2, **kw)
+        self.addCleanup(c.close)
+        self.assertTrue(c.wait_connected(DEADLINE_S), "client never connected")
+        return c
+
+    def test_instance_id_scopes_request_ids(self):
+        unix = "unix://" + self.sock
+        a = self.options_client(unix, instance_id="engine-a")
+        b = self.options_client(unix, instance_id="engine-b")
+        again = self.options_client(unix, instance_id="engine-a")
+        self.assertEqual((a.instance_id, b.instance_id), ("engine-a", "engine-b"))
+        made = self.options_client(unix)
+        self.assertRegex(made.instance_id, "^[0-9a-f]{32}$")
+        self.assertNotEqual(made.instance_id, self.options_client(unix).instance_id)
+        row = self.rows([0.5])
+        # Same request id from two instances: two live requests.
+        for c in (a, b):
+            ev = Events(c)
+            c.capture(row, ["r0"])
+            self.assertTrue(ev.wait_for(lambda e: latest(e, {"r0"}, ("prediction",))),
+                            "no prediction for " + c.instance_id)
+        # The same id again from a client saying instance "engine-a": leapd
+        # holds it live for that instance already.
+        ev = Events(again)
+        again.capture(row, ["r0"])
+        self.assertTrue(ev.wait_for(lambda e: any(x.kind == "error" for x in e)))
+        err = [x for x in ev.all if x.kind == "error"][0]
+        self.assertEqual((err.request_id, err.code), ("r0", 6), err.message)
+
+    def test_shm_slots_and_ring_bytes_size_the_segment(self):
+        shm = "shm://" + self.sock + ".shm"
+        sizes = {}
+        for name, slots, ring in (("small", 16, 65536), ("large", 16, 1 << 20),
+                                  ("slots", 48, 65536)):
+            c = self.options_client(shm, engine_id=name, shm_slots=slots,
+                                    shm_ring_bytes=ring)
+            self.assertEqual((c.shm_slots, c.shm_ring_bytes), (slots, ring))
+            line = self.leapd.wait_for_line("shm: engine '%s' attached:" % name)
+            self.assertIn(" %d slots," % slots, line)
+            sizes[name] = os.path.getsize(line.rsplit("segment ", 1)[1].strip())
+        # Two rings per segment; a slot of 64 float32 values is 256 bytes.
+        self.assertEqual(sizes["large"] - sizes["small"], 2 * ((1 << 20) - 65536))
+        self.assertEqual(sizes["slots"] - sizes["small"], 32 * DIM * 4)
+
+    def test_response_timeout_abandons_a_hung_leapd(self):
+        c = self.options_client("unix://" + self.sock, response_timeout_s=0.3)
+        self.assertEqual(c.response_timeout_s, 0.3)
+        ev = Events(c)
+        self.leapd.proc.send_signal(signal.SIGSTOP)
+        self.addCleanup(self.leapd.proc.send_signal, signal.SIGCONT)
+        start = time.monotonic()
+        c.capture(self.rows([0.1]), ["hung"])
+        deadline = start + DEADLINE_S
+        while c.stats["stalls"] < 1 and time.monotonic() < deadline:
+            ev.wait_for(lambda e: False, timeout=0.05)
+        waited = time.monotonic() - start
+        self.assertGreaterEqual(c.stats["stalls"], 1, "never abandoned")
+        # The default (2 s) would not have abandoned it yet.
+        self.assertLess(waited, 1.9)
+        self.assertTrue(c.degraded)
+        self.leapd.proc.send_signal(signal.SIGCONT)
+        self.assertTrue(c.wait_connected(DEADLINE_S), "no reconnect after SIGCONT")
+
+
 def make_certificates(d):
     """openssl at test time: a CA `ca`, a server certificate for 127.0.0.1
     signed by it, a client certificate signed by it, and a client
@@ -684,10 +755,38 @@ class BadInputTest(unittest.TestCase):
             self.assertEqual((c.dim, c.dtype), (DIM, "float32"))
         self.assertTrue(c.closed)
 
+    def test_client_option_errors(self):
+        """instance_id, response_timeout_s, shm_slots and shm_ring_bytes:
+        a bad value is a ValueError naming the option, the value and the
+        allowed range (before any I/O)."""
+        def raises(msg, **kw):
+            with self.assertRaises(ValueError) as cm:
+                leap_shim.Client("unix:///nowhere", DIM, **kw)
+            self.assertEqual(str(cm.exception), msg)
+
+        raises("instance_id must be at most 128 bytes without NUL, got 129 bytes",
+               instance_id="i" * 129)
+        raises("instance_id must be at most 128 bytes without NUL, got 3 bytes with a NUL",
+               instance_id="a\0b")
+        for bad in (0.0, -1.0, float("nan")):
+            raises("response_timeout_s must be > 0 seconds, got %s" % (
+                "nan" if bad != bad else "%g" % bad), response_timeout_s=bad)
+        for bad in (0, -1, (1 << 20) + 1, 1 << 40):
+            raises("shm_slots must be in [1, 1048576], got %d" % bad, shm_slots=bad)
+        for bad in (0, 1000, 3 * 65536, 1 << 27, -65536, 1 << 40):
+            raises("shm_ring_bytes must be a power of two in [65536, 67108864], "
+                   "got %d" % bad, shm_ring_bytes=bad)
+        with leap_shim.Client("unix:///nowhere", DIM, instance_id="i" * 128,
+                              response_timeout_s=0.5, shm_slots=1 << 20,
+                              shm_ring_bytes=1 << 26) as c:
+            self.assertEqual((c.instance_id, c.response_timeout_s, c.shm_slots,
+                              c.shm_ring_bytes), ("i" * 128, 0.5, 1 << 20, 1 << 26))
+        self.assertEqual(c.instance_id, "i" * 128)  # still readable after close
+
     def test_tls_option_errors(self):
         """TLS files are read when the client starts: a missing one, or a
         certificate without its key, is a ValueError naming it."""
-        d = tempfile.mkdtemp(prefix="leap_shim_tls_")
+        d = temp_dirs.make("leap_shim_tls")
         self.addCleanup(shutil.rmtree, d, True)
         missing = os.path.join(d, "missing-ca.pem")
         with self.assertRaisesRegex(ValueError, "cannot read TLS file .*missing-ca.pem"):

@@ -33,7 +33,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import unittest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)),
@@ -172,7 +171,7 @@ elif cmd == "same-version":
 class RunbookTest(unittest.TestCase):
 
     def setUp(self):
-        self.tmp = tempfile.mkdtemp(prefix="leap_runbook_")
+        self.tmp = temp_dirs.make("leap_runbook")
         self.work = os.path.join(self.tmp, "work")
         self.home = os.path.join(self.tmp, "home")
         self.state = os.path.join(self.tmp, "state")

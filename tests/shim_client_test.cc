@@ -295,5 +295,47 @@ TEST_P(ShimClient, SameIdFromTwoEnginesIsTwoRequestsAndCollisionsAreReported) {
 INSTANTIATE_TEST_SUITE_P(Transports, ShimClient, ::testing::Values("unix", "shm"),
                          [](const auto& info) { return info.param; });
 
+// Options checked by Start, before any I/O: the message names the option,
+// the allowed values and the value given.
+TEST(ShimClientOptions, BadInstanceIdAndShmGeometryAreRefusedByStart) {
+  auto refused = [](shim::ClientOptions o) {
+    o.endpoint = "unix:///nowhere";
+    o.dim = 8;
+    auto c = shim::Client::Start(o);
+    EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
+    return std::string(c.status().message());
+  };
+  shim::ClientOptions o;
+  o.instance_id = std::string(129, 'i');
+  EXPECT_EQ(refused(o), "instance_id must be at most 128 bytes without NUL, got 129 bytes");
+  o.instance_id = std::string("a\0b", 3);
+  EXPECT_EQ(refused(o),
+            "instance_id must be at most 128 bytes without NUL, got 3 bytes with a NUL");
+  o = {};
+  for (uint32_t bad : {0u, (1u << 20) + 1}) {
+    o.shm_slots = bad;
+    EXPECT_EQ(refused(o), "shm_slots must be in [1, 1048576], got " + std::to_string(bad));
+  }
+  o = {};
+  for (uint32_t bad : {0u, 65535u, 3u * 65536, 1u << 27}) {
+    o.shm_ring_bytes = bad;
+    EXPECT_EQ(refused(o), "shm_ring_bytes must be a power of two in [65536, 67108864], got " +
+                              std::to_string(bad));
+  }
+  o = {};
+  o.endpoint = "unix:///nowhere";
+  o.dim = 8;
+  o.instance_id = std::string(128, 'i');
+  o.shm_slots = 1u << 20;
+  o.shm_ring_bytes = 1u << 16;
+  auto c = shim::Client::Start(o);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ((*c)->instance_id(), std::string(128, 'i'));
+  o.instance_id.clear();
+  auto made = shim::Client::Start(o);
+  ASSERT_TRUE(made.ok()) << made.status();
+  EXPECT_EQ((*made)->instance_id().size(), 32u);  // made up by Start
+}
+
 }  // namespace
 }  // namespace leap

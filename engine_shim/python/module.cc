@@ -114,7 +114,8 @@ request and resends unacknowledged completions. Results arrive as events
 through poll(). Usable as a context manager (close() on exit).)doc")
       .def(py::init<std::string, int64_t, std::string, std::string, std::string,
                     int32_t, double, double, double, int, int64_t, int64_t,
-                    std::string, std::string, std::string>(),
+                    std::string, std::string, std::string, std::string, double,
+                    int64_t, int64_t>(),
            py::arg("endpoint"), py::arg("dim"), py::arg("dtype") = "float32",
            py::arg("engine_id") = "", py::arg("model_id") = "",
            py::arg("layer") = -1, py::arg("min_backoff_s") = 0.05,
@@ -123,7 +124,9 @@ through poll(). Usable as a context manager (close() on exit).)doc")
            py::arg("max_live_requests") = 65536,
            py::arg("cuda_staging_bytes") = int64_t{64} << 20,
            py::arg("tls_ca_file") = "", py::arg("tls_cert_file") = "",
-           py::arg("tls_key_file") = "",
+           py::arg("tls_key_file") = "", py::arg("instance_id") = "",
+           py::arg("response_timeout_s") = 2.0, py::arg("shm_slots") = 1024,
+           py::arg("shm_ring_bytes") = 1 << 20,
            R"doc(Starts the client; connecting happens in the background.
 
 Args:
@@ -148,10 +151,24 @@ Args:
     for mutual TLS (leapd --tls_client_ca); together or not at all.
     All three empty (the default): plaintext. leapd's unix sockets are
     plaintext only (leave these empty for unix://); shm:// ignores them.
+  instance_id: this engine's instance id (Hello.instance_id, at most 128
+    bytes, no NUL): leapd scopes request ids to it, so engines that number
+    their requests alike never collide. '' (default): a random 128-bit hex
+    id, kept for the client's life (see the instance_id property).
+  response_timeout_s: a connection on which leapd answered nothing for this
+    long while a message awaited its answer is abandoned as hung; the
+    client reconnects and reports degraded. > 0; default 2.0.
+  shm_slots: shm:// only: feature slots; each live request holds one until
+    it ends. In [1, 1048576]; default 1024. leapd refuses more than its
+    --shm_max_slots.
+  shm_ring_bytes: shm:// only: bytes of each message ring, a power of two
+    in [65536, 67108864]; default 1048576 (1 MiB).
 
 Raises:
   ValueError: a bad option (dim outside [1, 16384], unknown dtype, a TLS
-    file that cannot be read, a certificate without its key, ...).)doc")
+    file that cannot be read, a certificate without its key, an instance_id
+    over 128 bytes, response_timeout_s <= 0, shm_slots or shm_ring_bytes
+    out of range, ...), with a message naming it.)doc")
       .def(
           "capture", &PyClient::Capture, py::arg("tensor"),
           py::arg("request_ids"), py::arg("product_line") = "",
@@ -248,7 +265,7 @@ RuntimeError. Queued, unsent work is dropped.)doc")
           R"doc(Counters since start, as a dict: connected, connects, resubmitted
 (features resent after a sidecar restart), predictions, rescores, errors,
 live (requests kept for resubmission), stalls (connections abandoned because
-leapd answered nothing for 2 s), degraded, degraded_reason,
+leapd answered nothing for response_timeout_s), degraded, degraded_reason,
 cuda_captures_in_flight.)doc")
       .def_property_readonly("connected", &PyClient::connected,
                              "True while a session with leapd is up.")
@@ -263,6 +280,17 @@ cuda_captures_in_flight.)doc")
                              "Element type shipped to leapd.")
       .def_property_readonly("endpoint", &PyClient::endpoint,
                              "leapd's address.")
+      .def_property_readonly(
+          "instance_id", &PyClient::instance_id,
+          "The instance id sent in every Hello: the one given, or the random "
+          "one made at start.")
+      .def_property_readonly("response_timeout_s", &PyClient::response_timeout_s,
+                             "Seconds without an answer before a connection "
+                             "is abandoned as hung.")
+      .def_property_readonly("shm_slots", &PyClient::shm_slots,
+                             "Feature slots asked of an shm:// leapd.")
+      .def_property_readonly("shm_ring_bytes", &PyClient::shm_ring_bytes,
+                             "Bytes of each shm:// message ring.")
       .def(
           "__enter__", [](py::object self) { return self; },
           "Returns the client.")

@@ -3,12 +3,14 @@
 #include <pybind11/stl.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <stdexcept>
 #include <utility>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/shm_format.h"
 #include "engine_shim/python/py_convert.h"
 
 namespace leap::shim::python {
@@ -62,6 +64,15 @@ class LandedFlag {
   std::shared_ptr<std::atomic<bool>> landed_;
 };
 
+// A Python int for a uint32 option; a value outside [0, 2^32) raises
+// ValueError saying what the option must be (the Client checks the rest).
+uint32_t Uint32Option(int64_t v, const char* what, const std::string& must_be) {
+  if (v < 0 || v > int64_t{UINT32_MAX}) {
+    throw py::value_error(absl::StrCat(what, " must be ", must_be, ", got ", v));
+  }
+  return static_cast<uint32_t>(v);
+}
+
 }  // namespace
 
 PyClient::PyClient(std::string endpoint, int64_t dim, std::string dtype,
@@ -70,7 +81,9 @@ PyClient::PyClient(std::string endpoint, int64_t dim, std::string dtype,
                    double connect_timeout_s, int max_batch_records,
                    int64_t max_live_requests, int64_t cuda_staging_bytes,
                    std::string tls_ca_file, std::string tls_cert_file,
-                   std::string tls_key_file) {
+                   std::string tls_key_file, std::string instance_id,
+                   double response_timeout_s, int64_t shm_slots,
+                   int64_t shm_ring_bytes) {
   options_.endpoint = std::move(endpoint);
   options_.dim = dim;
   options_.dtype = ParseDType(std::move(dtype));
@@ -85,6 +98,21 @@ PyClient::PyClient(std::string endpoint, int64_t dim, std::string dtype,
   options_.tls_ca_file = std::move(tls_ca_file);
   options_.tls_cert_file = std::move(tls_cert_file);
   options_.tls_key_file = std::move(tls_key_file);
+  options_.instance_id = std::move(instance_id);
+  if (!(response_timeout_s > 0)) {  // NaN too
+    throw py::value_error(absl::StrCat(
+        "response_timeout_s must be > 0 seconds, got ", response_timeout_s));
+  }
+  options_.response_timeout = Seconds(response_timeout_s, "response_timeout_s");
+  // Python ints wider than the options' uint32 are refused here with the
+  // Client's own wording (ClientOptions::Validate checks the rest), never
+  // truncated.
+  options_.shm_slots = Uint32Option(
+      shm_slots, "shm_slots", absl::StrCat("in [1, ", ::leap::shm::kMaxSlots, "]"));
+  options_.shm_ring_bytes = Uint32Option(
+      shm_ring_bytes, "shm_ring_bytes",
+      absl::StrCat("a power of two in [", ::leap::shm::kMinRingBytes, ", ",
+                   ::leap::shm::kMaxRingBytes, "]"));
   if (cuda_staging_bytes < 256) {
     throw py::value_error(absl::StrCat(
         "cuda_staging_bytes must be >= 256, got ", cuda_staging_bytes));
@@ -93,6 +121,7 @@ PyClient::PyClient(std::string endpoint, int64_t dim, std::string dtype,
   absl::StatusOr<std::unique_ptr<Client>> c = Client::Start(options_);
   if (!c.ok()) ThrowStatus(c.status());
   client_ = std::shared_ptr<Client>(std::move(*c));
+  instance_id_ = client_->instance_id();
   events_ = std::make_shared<EventQueue>();
   client_->SetCallback([q = events_](const Event& e) { q->Push(e); });
   // Whatever the reader emitted before the callback was set.

@@ -88,7 +88,9 @@ class PyClient {
            double min_backoff_s, double max_backoff_s, double connect_timeout_s,
            int max_batch_records, int64_t max_live_requests,
            int64_t cuda_staging_bytes, std::string tls_ca_file,
-           std::string tls_cert_file, std::string tls_key_file);
+           std::string tls_cert_file, std::string tls_key_file,
+           std::string instance_id, double response_timeout_s,
+           int64_t shm_slots, int64_t shm_ring_bytes);
 
   ~PyClient();
   PyClient(const PyClient&) = delete;
@@ -112,6 +114,13 @@ class PyClient {
   int64_t dim() const { return options_.dim; }
   std::string dtype() const { return std::string(DTypeName(options_.dtype)); }
   const std::string& endpoint() const { return options_.endpoint; }
+  // The Client's instance id (the given one, or the one Start made up).
+  const std::string& instance_id() const { return instance_id_; }
+  double response_timeout_s() const {
+    return absl::ToDoubleSeconds(options_.response_timeout);
+  }
+  int64_t shm_slots() const { return options_.shm_slots; }
+  int64_t shm_ring_bytes() const { return options_.shm_ring_bytes; }
   bool closed() const { return client_ == nullptr; }
 
  private:
@@ -132,6 +141,7 @@ class PyClient {
 
   ClientOptions options_;
   size_t cuda_staging_bytes_ = 0;
+  std::string instance_id_;  // stays readable after close()
   std::shared_ptr<Client> client_;
   std::shared_ptr<EventQueue> events_;
   absl::Mutex cuda_mu_;

@@ -288,14 +288,31 @@ std::vector<char*> JoinRepeated(int argc, char** argv,
 }
 
 
-// A readable PEM file (checked at start; later changes are picked up by the
-// certificate watcher).
-absl::Status CheckPemFile(const std::string& flag, const std::string& path) {
+// --FLAG=PATH names a file leapd can open for reading: the file, or
+// INVALID_ARGUMENT "--FLAG=PATH: cannot read: <why>".
+absl::StatusOr<std::FILE*> OpenFlagFile(const std::string& flag,
+                                        const std::string& path) {
   std::FILE* f = std::fopen(path.c_str(), "rb");
   if (f == nullptr) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--", flag, "=", path, ": cannot read: ", std::strerror(errno)));
   }
+  return f;
+}
+
+// INVALID_ARGUMENT "--FLAG must be in [LO, HI], got V" outside [lo, hi].
+absl::Status CheckFlagRange(const char* flag, int64_t v, int64_t lo, int64_t hi) {
+  if (v >= lo && v <= hi) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat("--", flag, " must be in [", lo, ", ", hi, "], got ", v));
+}
+
+// A readable PEM file (checked at start; later changes are picked up by the
+// certificate watcher).
+absl::Status CheckPemFile(const std::string& flag, const std::string& path) {
+  absl::StatusOr<std::FILE*> opened = OpenFlagFile(flag, path);
+  if (!opened.ok()) return opened.status();
+  std::FILE* f = *opened;
   char buf[4096];
   const size_t n = std::fread(buf, 1, sizeof(buf), f);
   std::fclose(f);
@@ -371,29 +388,30 @@ absl::StatusOr<std::optional<LeapdFleetOptions>> FleetOptions() {
         absl::StrCat("--fleet_member (default $HOSTNAME): ", s.message()));
   }
   o.replicas = absl::GetFlag(FLAGS_fleet_replicas);
-  if (o.replicas < 1 || o.replicas > 5) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--fleet_replicas must be in [1, 5], got ", o.replicas));
+  if (absl::Status s = CheckFlagRange("fleet_replicas", o.replicas, 1, 5); !s.ok()) {
+    return s;
   }
   o.lease_ms = absl::GetFlag(FLAGS_fleet_lease_ms);
-  if (o.lease_ms < 300 || o.lease_ms > 600'000) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--fleet_lease_ms must be in [300, 600000], got ", o.lease_ms));
+  if (absl::Status s = CheckFlagRange("fleet_lease_ms", o.lease_ms, 300, 600'000);
+      !s.ok()) {
+    return s;
   }
-  if (const int64_t v = absl::GetFlag(FLAGS_fleet_version_interval_ms);
-      v < 0 || v > 3'600'000) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--fleet_version_interval_ms must be in [0, 3600000], got ", v));
+  if (absl::Status s = CheckFlagRange("fleet_version_interval_ms",
+                                      absl::GetFlag(FLAGS_fleet_version_interval_ms),
+                                      0, 3'600'000);
+      !s.ok()) {
+    return s;
   }
   if (const std::string t = absl::GetFlag(FLAGS_fleet_trainer);
       t != "auto" && t != "never") {
     return absl::InvalidArgumentError(absl::StrCat(
         "--fleet_trainer must be 'auto' or 'never', got '", t, "'"));
   }
-  if (const int64_t c = absl::GetFlag(FLAGS_fleet_checkpoint_every_s);
-      c < 1 || c > 86'400) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--fleet_checkpoint_every_s must be in [1, 86400], got ", c));
+  if (absl::Status s = CheckFlagRange("fleet_checkpoint_every_s",
+                                      absl::GetFlag(FLAGS_fleet_checkpoint_every_s),
+                                      1, 86'400);
+      !s.ok()) {
+    return s;
   }
   if (absl::GetFlag(FLAGS_fleet_wait_ms) < 0) {
     return absl::InvalidArgumentError("--fleet_wait_ms must be >= 0");
@@ -412,12 +430,9 @@ absl::StatusOr<std::optional<LeapdFleetOptions>> FleetOptions() {
         {"fleet_tls_cert", o.nats.tls_cert},
         {"fleet_tls_key", o.nats.tls_key}}) {
     if (path.empty()) continue;
-    std::FILE* f = std::fopen(path.c_str(), "rb");
-    if (f == nullptr) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "--", flag, "=", path, ": cannot read: ", std::strerror(errno)));
-    }
-    std::fclose(f);
+    absl::StatusOr<std::FILE*> f = OpenFlagFile(flag, path);
+    if (!f.ok()) return f.status();
+    std::fclose(*f);
   }
   o.nats.name = "leapd-" + o.member;
   lo.train = absl::GetFlag(FLAGS_fleet_trainer) == "auto";

@@ -5,7 +5,8 @@ Test-only."""
 import importlib
 import subprocess
 import sys
-import tempfile
+
+import temp_dirs  # tests/support/temp_dirs.py (same folder)
 
 _MODULES = ("predictor_pb2", "predictor_pb2_grpc", "admin_pb2", "admin_pb2_grpc")
 
@@ -14,7 +15,7 @@ def generate(proto_dir, prefix):
     """Compiles predictor.proto and admin.proto into a new temporary
     directory (the caller removes it) put first on sys.path; returns
     (directory, {module name: module})."""
-    out = tempfile.mkdtemp(prefix=prefix)
+    out = temp_dirs.make(prefix.rstrip("_"))
     subprocess.run(
         [sys.executable, "-m", "grpc_tools.protoc", "-I" + proto_dir,
          "--python_out=" + out, "--grpc_python_out=" + out,
