@@ -478,9 +478,10 @@ grpc::Status PredictorService::Complete(grpc::ServerContext*,
   absl::StatusOr<readout::FinishReason> reason =
       ReasonFromProto(req->completion().reason());
   if (!reason.ok()) return ToGrpc(reason.status());
-  absl::StatusOr<CompletionOutcome> o = core_->Complete(
-      req->completion().request_id(), req->completion().output_tokens(),
-      *reason, req->instance_id());
+  absl::StatusOr<CompletionOutcome> o = CompleteWithPrior(
+      core_, req->completion().request_id(), req->completion().output_tokens(),
+      *reason, req->instance_id(), /*defer_fleet_ack=*/false,
+      req->completion().prompt_tokens());
   if (!o.ok()) return ToGrpc(o.status());
   resp->set_learned(o->learned);
   resp->set_skip_reason(o->skip_reason);
