@@ -682,6 +682,23 @@ class BadInputTest(unittest.TestCase):
         # Nothing of the above was submitted.
         self.assertEqual(c.stats["live"], 0)
 
+    def test_priors_fail_open_without_leapd(self):
+        """No leapd: request_priors returns at once, drops the queries and
+        no 'prior' event ever comes (FCFS admission); its argument errors
+        are still raised."""
+        c = self.client
+        c.request_priors(["x", "y"], prompt_tokens=[10, 20])
+        st = c.stats
+        self.assertEqual(st["priors_dropped"], 2)
+        self.assertTrue(st["degraded"])
+        self.assertFalse(any(e.kind == "prior" for e in c.poll()))
+        with self.assertRaisesRegex(ValueError, "prompt_tokens must be >= 1"):
+            c.request_priors(["x"], prompt_tokens=0)
+        with self.assertRaisesRegex(ValueError, "one prompt_tokens per request"):
+            c.request_priors(["x", "y"], prompt_tokens=[1])
+        with self.assertRaisesRegex(ValueError, "max_tokens must be >= 0"):
+            c.request_priors(["x"], prompt_tokens=5, max_tokens=-2)
+
     def test_rejected_capsules_are_not_consumed(self):
         c = self.client
         data = np.zeros((3, DIM), np.float32)
