@@ -10,18 +10,22 @@ namespace leap::sidecar {
 
 namespace pb = ::leap::v1;
 
-absl::Status PriorTable::Learn(absl::string_view product_line, int64_t budget,
+absl::StatusOr<bool> PriorTable::Learn(absl::string_view product_line,
+                                       int64_t budget,
                                const core::PriorRequest& request,
                                int64_t output_tokens) {
   absl::MutexLock lock(&mu_);
   auto it = lines_.find(product_line);
   if (it == lines_.end()) {
-    if (lines_.size() >= kMaxProductLines) return absl::OkStatus();
+    if (lines_.size() >= kMaxProductLines) return false;
     core::LengthPriorOptions o;
     o.budget = std::max<int64_t>(budget, 1);
     it = lines_.emplace(std::string(product_line), core::LengthPrior(o)).first;
   }
-  return it->second.Learn(request, output_tokens);
+  if (absl::Status s = it->second.Learn(request, output_tokens); !s.ok()) {
+    return s;
+  }
+  return true;
 }
 
 PriorAnswer PriorTable::Predict(absl::string_view product_line,
@@ -82,7 +86,11 @@ absl::StatusOr<PriorAnswer> QueryPrior(Core& core, const pb::ArrivalRecord& r) {
   core::PriorRequest q;
   q.prompt_tokens = r.prompt_tokens();
   q.max_tokens = r.decoding().max_tokens();
-  return core.priors().Predict(r.product_line(), q);
+  PriorAnswer a = core.priors().Predict(r.product_line(), q);
+  (a.available ? core.metrics().prior_answered()
+               : core.metrics().prior_unavailable())
+      .Increment();
+  return a;
 }
 
 void AnswerPriorQueries(Core* core, const pb::PriorQueryBatch& in,
@@ -140,7 +148,11 @@ absl::StatusOr<CompletionOutcome> CompleteWithPrior(
       request_id, output_tokens, reason, instance, defer_fleet_ack);
   if (found && o.ok() && !o->duplicate) {
     // Counts were validated by Complete: Learn cannot fail here.
-    core->priors().Learn(product_line, budget, q, output_tokens).IgnoreError();
+    absl::StatusOr<bool> learned =
+        core->priors().Learn(product_line, budget, q, output_tokens);
+    if (learned.ok() && *learned) core->metrics().prior_learned().Increment();
+    core->metrics().prior_product_lines().Set(
+        static_cast<double>(core->priors().product_lines()));
   }
   return o;
 }

@@ -45,9 +45,10 @@ class PriorTable {
   PriorTable() = default;
 
   // Learns one completion of `product_line` (its prior is created with
-  // budget `budget` on the first one). Callers apply the feedback rule
-  // (LearnCompletion below); INVALID_ARGUMENT for negative counts.
-  absl::Status Learn(absl::string_view product_line, int64_t budget,
+  // budget `budget` on the first one): true when learned, false for a new
+  // line beyond kMaxProductLines. Callers apply the feedback rule
+  // (CompleteWithPrior below); INVALID_ARGUMENT for negative counts.
+  absl::StatusOr<bool> Learn(absl::string_view product_line, int64_t budget,
                      const core::PriorRequest& request, int64_t output_tokens)
       ABSL_LOCKS_EXCLUDED(mu_);
   PriorAnswer Predict(absl::string_view product_line,

@@ -73,7 +73,11 @@ TEST(PriorTableTest, ProductLinesAreCapped) {
     ASSERT_TRUE(table.Learn(absl::StrCat("l", i), 2048, {10, 0}, 5).ok());
   }
   EXPECT_EQ(table.product_lines(), PriorTable::kMaxProductLines);
-  EXPECT_EQ(table.Predict("l0", {10, 0}).samples, 1);
+  absl::StatusOr<bool> over = table.Learn("one-more", 2048, {10, 0}, 5);
+  ASSERT_TRUE(over.ok());
+  EXPECT_FALSE(*over);
+  EXPECT_TRUE(*table.Learn("l0", 2048, {10, 0}, 5));
+  EXPECT_EQ(table.Predict("l0", {10, 0}).samples, 2);
   EXPECT_EQ(table.Predict(absl::StrCat("l", PriorTable::kMaxProductLines),
                           {10, 0}).samples,
             0);
@@ -117,6 +121,7 @@ class CompleteWithPriorTest : public ::testing::Test {
   std::unique_ptr<Core> core_;
   std::mt19937_64 rng_{1};
   std::vector<std::vector<float>> x_;
+  leap::v1::ArrivalRecord pb_record_;
 };
 
 TEST_F(CompleteWithPriorTest, TeachesTheRequestsProductLineByTheRule) {
@@ -175,6 +180,16 @@ TEST_F(CompleteWithPriorTest, TeachesTheRequestsProductLineByTheRule) {
   const PriorAnswer a = core_->priors().Predict("chat", {20, 0});
   ASSERT_TRUE(a.available);
   EXPECT_NEAR(a.predicted_tokens, *ref.Predict({20, 0}), 1e-9);
+  EXPECT_EQ(metrics_.prior_learned().Value(), 32);
+  EXPECT_EQ(metrics_.prior_product_lines().Value(), 1);
+  pb_record_.set_request_id("q");
+  pb_record_.set_product_line("chat");
+  pb_record_.set_prompt_tokens(20);
+  ASSERT_TRUE(QueryPrior(*core_, pb_record_).ok());
+  pb_record_.set_product_line("none");
+  ASSERT_TRUE(QueryPrior(*core_, pb_record_).ok());
+  EXPECT_EQ(metrics_.prior_answered().Value(), 1);
+  EXPECT_EQ(metrics_.prior_unavailable().Value(), 1);
   core_->Shutdown(/*drain=*/true);
   core_.reset();
 }
