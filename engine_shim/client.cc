@@ -316,15 +316,18 @@ void Client::ReaderLoop(Transport* t, uint64_t generation) {
         case pb::SidecarMessage::kError:
           if (auto q = prior_inflight_.find(m.seq());
               q != prior_inflight_.end()) {
-            // A leapd older than priors cannot parse the query: no prior
-            // on this connection (fail-open, no error event).
             stats_.priors_dropped += q->second;
             prior_inflight_.erase(q);
-            priors_unsupported_ = true;
-            stats_.priors_unsupported = true;
-            stats_.priors_dropped += static_cast<int64_t>(priors_out_.size());
-            priors_out_.clear();
-            break;
+            if (m.error().code() == kInvalidArgument) {
+              // A leapd older than priors cannot parse the query ("empty
+              // engine message"): no prior on this connection (fail-open,
+              // no error event).
+              priors_unsupported_ = true;
+              stats_.priors_unsupported = true;
+              stats_.priors_dropped += static_cast<int64_t>(priors_out_.size());
+              priors_out_.clear();
+              break;
+            }
           }
           ++stats_.errors;
           events.push_back(
