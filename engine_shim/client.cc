@@ -172,14 +172,26 @@ void Client::Submit(std::vector<CapturedFeatures> features) {
 }
 
 void Client::Complete(const std::string& request_id, int64_t output_tokens,
-                      FinishReason reason) {
+                      FinishReason reason, int64_t prompt_tokens) {
   absl::MutexLock lock(&mu_);
   auto it = live_.find(request_id);
   if (it == live_.end() || it->second.completing) return;
   it->second.completing = true;
   it->second.output_tokens = output_tokens;
   it->second.reason = reason;
+  it->second.prompt_tokens = std::max<int64_t>(prompt_tokens, 0);
   outbox_.push_back({Outgoing::Kind::kCompletion, request_id});
+}
+
+void Client::RequestPriors(std::vector<Arrival> arrivals) {
+  absl::MutexLock lock(&mu_);
+  if (!acked_hello_ || broken_ || priors_unsupported_ ||
+      static_cast<int64_t>(priors_out_.size() + arrivals.size()) >
+          options_.max_live_requests) {
+    stats_.priors_dropped += static_cast<int64_t>(arrivals.size());
+    return;
+  }
+  for (Arrival& a : arrivals) priors_out_.push_back(std::move(a));
 }
 
 void Client::Cancel(const std::string& request_id) {
@@ -228,7 +240,8 @@ void Client::ReaderLoop(Transport* t, uint64_t generation) {
       absl::MutexLock lock(&mu_);
       if (generation != generation_) break;
       if (m.seq() > answered_seq_ &&
-          (m.has_predictions() || m.has_ack() || m.has_error())) {
+          (m.has_predictions() || m.has_ack() || m.has_error() ||
+           m.has_priors())) {
         // Answers come in the order of the messages they answer.
         answered_seq_ = m.seq();
         awaiting_since_ = answered_seq_ >= sent_seq_ ? absl::InfiniteFuture()
@@ -296,7 +309,42 @@ void Client::ReaderLoop(Transport* t, uint64_t generation) {
             events.push_back(PredictionEvent(Event::Kind::kRescore, p));
           }
           break;
+        case pb::SidecarMessage::kPriors:
+          prior_inflight_.erase(m.seq());
+          for (const auto& p : m.priors().priors()) {
+            if (!p.available()) {
+              ++stats_.priors_unavailable;
+              continue;
+            }
+            ++stats_.priors;
+            Event e;
+            e.kind = Event::Kind::kPrior;
+            e.request_id = p.request_id();
+            e.predicted_tokens = p.predicted_tokens();
+            events.push_back(std::move(e));
+          }
+          for (const auto& err : m.priors().errors()) {
+            ++stats_.errors;
+            events.push_back(
+                ErrorEvent(err.request_id(), err.code(), err.message()));
+          }
+          break;
         case pb::SidecarMessage::kError:
+          if (auto q = prior_inflight_.find(m.seq());
+              q != prior_inflight_.end()) {
+            stats_.priors_dropped += q->second;
+            prior_inflight_.erase(q);
+            if (m.error().code() == kInvalidArgument) {
+              // A leapd older than priors cannot parse the query ("empty
+              // engine message"): no prior on this connection (fail-open,
+              // no error event).
+              priors_unsupported_ = true;
+              stats_.priors_unsupported = true;
+              stats_.priors_dropped += static_cast<int64_t>(priors_out_.size());
+              priors_out_.clear();
+              break;
+            }
+          }
           ++stats_.errors;
           events.push_back(
               ErrorEvent("", m.error().code(), m.error().message()));
@@ -355,15 +403,32 @@ bool Client::Session(Transport* t) {
   connected_.store(true);
   uint64_t seq = 1;
   for (;;) {
-    pb::EngineMessage features, completions, cancels;
+    pb::EngineMessage priors, features, completions, cancels;
     std::vector<std::string> completing;
     {
       absl::MutexLock lock(&mu_);
       auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-        return stop_ || broken_ || !outbox_.empty();
+        return stop_ || broken_ || !outbox_.empty() || !priors_out_.empty();
       };
       mu_.Await(absl::Condition(&ready));
       if (stop_ || broken_) return false;
+      // Prior queries first: they order admission, which comes before
+      // everything else a request does.
+      while (!priors_out_.empty() &&
+             priors.prior_queries().records_size() < options_.max_batch_records) {
+        Arrival a = std::move(priors_out_.front());
+        priors_out_.pop_front();
+        auto* r = priors.mutable_prior_queries()->add_records();
+        r->set_request_id(std::move(a.request_id));
+        r->set_product_line(std::move(a.product_line));
+        r->set_prompt_tokens(a.prompt_tokens);
+        r->mutable_decoding()->set_max_tokens(a.max_tokens);
+      }
+      if (priors.has_prior_queries()) {
+        priors.set_seq(seq++);
+        prior_inflight_[priors.seq()] = priors.prior_queries().records_size();
+        NoteSent(priors.seq());
+      }
       while (!outbox_.empty() &&
              features.features().records_size() < options_.max_batch_records &&
              completions.completions().completions_size() <
@@ -388,6 +453,9 @@ bool Client::Session(Transport* t) {
             c->set_request_id(o.request_id);
             c->set_output_tokens(it->second.output_tokens);
             c->set_reason(static_cast<pb::FinishReason>(it->second.reason));
+            if (it->second.prompt_tokens > 0) {
+              c->set_prompt_tokens(it->second.prompt_tokens);
+            }
             completing.push_back(o.request_id);
             break;
           }
@@ -406,6 +474,7 @@ bool Client::Session(Transport* t) {
       if (completions.has_completions()) NoteSent(completions.seq());
       if (cancels.has_cancels()) NoteSent(cancels.seq());
     }
+    if (priors.has_prior_queries() && !t->Send(priors)) return false;
     if (features.has_features() && !t->Send(features)) return false;
     if (completions.has_completions() && !t->Send(completions)) return false;
     if (cancels.has_cancels() && !t->Send(cancels)) return false;
@@ -457,6 +526,13 @@ void Client::ManagerLoop() {
         ++generation_;  // the reader's late messages are ignored
         // Completions in flight lose their ack: resend them next time.
         inflight_.clear();
+        // Prior queries are not: a late prior is worth nothing.
+        stats_.priors_dropped += static_cast<int64_t>(priors_out_.size());
+        for (const auto& [seq, n] : prior_inflight_) stats_.priors_dropped += n;
+        priors_out_.clear();
+        prior_inflight_.clear();
+        priors_unsupported_ = false;
+        stats_.priors_unsupported = false;
         current_ = nullptr;
         if (stats_.stalls == stalls_seen) {
           degraded_reason_ = had_session ? "the connection to leapd ended"

@@ -54,6 +54,17 @@ struct CapturedFeatures {
   int64_t max_tokens = 0;
 };
 
+// What the engine knows about a request at arrival, before its prefill: the
+// question RequestPriors asks leapd (docs/WIRE.md, "Length prior").
+struct Arrival {
+  std::string request_id;
+  std::string product_line;
+  // Prompt length in tokens (>= 1).
+  int64_t prompt_tokens = 0;
+  // The request's own output cap (0 = none).
+  int64_t max_tokens = 0;
+};
+
 struct ClientOptions {
   // "host:port" or "unix:///path" (gRPC), or "shm:///path" (shared memory
   // with a leapd in the same pod; /path is its --shm socket).
@@ -103,8 +114,17 @@ struct ClientOptions {
 // Something the sidecar said, delivered asynchronously.
 struct Event {
   // kDisconnected: the client is degraded from now on (message: why);
-  // kConnected: no longer (message: the sidecar id).
-  enum class Kind { kPrediction, kRescore, kError, kConnected, kDisconnected };
+  // kConnected: no longer (message: the sidecar id). kPrior: the length
+  // prior asked by RequestPriors (predicted_tokens; hand it to
+  // CountdownScheduler::SetPrior).
+  enum class Kind {
+    kPrediction,
+    kRescore,
+    kError,
+    kConnected,
+    kDisconnected,
+    kPrior
+  };
   Kind kind = Kind::kPrediction;
   std::string request_id;
   // kPrediction / kRescore.
@@ -133,6 +153,16 @@ struct ClientStats {
   int64_t errors = 0;
   int64_t live = 0;          // requests kept for resubmission
   int64_t stalls = 0;        // connections abandoned as hung (response_timeout)
+  // Length priors (RequestPriors): received (kPrior events), answered as
+  // not available yet (the product line has not learned enough; no event),
+  // dropped unasked (no leapd answering, or one that does not serve priors:
+  // fail-open, no event).
+  int64_t priors = 0;
+  int64_t priors_unavailable = 0;
+  int64_t priors_dropped = 0;
+  // The connected leapd answered a prior query with "empty engine message"
+  // (older than priors): no more are sent until the next connection.
+  bool priors_unsupported = false;
   bool degraded = true;      // no leapd answering now (see degraded())
   std::string degraded_reason;  // why, while degraded
 };
@@ -153,11 +183,22 @@ class Client {
   // events (INVALID_ARGUMENT), never thrown.
   void Submit(std::vector<CapturedFeatures> features);
   // Queues how a request ended. It stays known (for resending) until the
-  // sidecar acknowledges it.
+  // sidecar acknowledges it. `prompt_tokens` (0 = not given; negative is
+  // treated as 0) is the request's prompt length: sent with the completion,
+  // it teaches leapd's length prior of the request's product line.
   void Complete(const std::string& request_id, int64_t output_tokens,
-                FinishReason reason);
+                FinishReason reason, int64_t prompt_tokens = 0);
   // Drops a request (no learning).
   void Cancel(const std::string& request_id);
+  // Asks leapd for the length prior of requests that just arrived (before
+  // prefill). Each available prior comes back as a kPrior event; a query
+  // leapd refuses is a kError event (INVALID_ARGUMENT naming the field).
+  // Fail-open: while degraded, or connected to a leapd that does not serve
+  // priors, the queries are dropped at once (ClientStats::priors_dropped)
+  // and no event comes: the scheduler keeps first-come placement. Queries
+  // not yet answered when the connection ends are dropped too (never
+  // resent: a late prior is worth nothing once prefill ran).
+  void RequestPriors(std::vector<Arrival> arrivals);
 
   // Takes up to `max` queued events (when no callback is set).
   std::vector<Event> Poll(size_t max = SIZE_MAX);
@@ -187,8 +228,14 @@ class Client {
     int sends = 0;        // times its features were sent
     bool completing = false;
     int64_t output_tokens = 0;
+    int64_t prompt_tokens = 0;
     FinishReason reason = FinishReason::kStop;
   };
+  // Prior queries waiting to be sent on this connection.
+  std::deque<Arrival> priors_out_ ABSL_GUARDED_BY(mu_);
+  // Sequence numbers of prior queries in flight on this connection.
+  std::map<uint64_t, int> prior_inflight_ ABSL_GUARDED_BY(mu_);
+  bool priors_unsupported_ ABSL_GUARDED_BY(mu_) = false;
   struct Outgoing {
     enum class Kind { kFeatures, kCompletion, kCancel } kind;
     std::string request_id;

@@ -13,7 +13,8 @@
 // Checks: no crash or sanitizer report; the answer echoes seq; a feature
 // batch gets one prediction or one error per record (or one error for an
 // oversized batch); completions and cancels get one count or one error
-// each; predictions are finite and within [1, M].
+// each; predictions are finite and within [1, M]; prior queries get one
+// prior or one error per record, priors finite and within [0, M].
 #include <cmath>
 #include <cstdint>
 #include <map>
@@ -131,6 +132,19 @@ void CheckAnswer(const pb::EngineMessage& in_copy, const pb::SidecarMessage& out
       const auto& a = out.ack();
       FUZZ_CHECK(a.accepted() + a.errors_size() ==
                  in_copy.cancels().request_ids_size());
+      break;
+    }
+    case pb::EngineMessage::kPriorQueries: {
+      FUZZ_CHECK(out.has_priors());
+      const auto& b = out.priors();
+      FUZZ_CHECK(b.priors_size() + b.errors_size() ==
+                 in_copy.prior_queries().records_size());
+      for (const auto& p : b.priors()) {
+        FUZZ_CHECK(std::isfinite(p.predicted_tokens()));
+        FUZZ_CHECK(p.predicted_tokens() >= 0 &&
+                   p.predicted_tokens() <= kMaxTokens);
+        FUZZ_CHECK(p.available() || p.predicted_tokens() == 0);
+      }
       break;
     }
     default:

@@ -275,6 +275,29 @@ pb::EngineMessage Completions(uint64_t seq, int n, pb::FinishReason reason) {
   return m;
 }
 
+// Completions that carry their prompt length (they teach the length
+// prior), and prior queries at arrival (one bad record: prompt_tokens 0).
+pb::EngineMessage PromptCompletions(uint64_t seq, int n) {
+  pb::EngineMessage m = Completions(seq, n, pb::FINISH_REASON_STOP);
+  for (int i = 0; i < n; ++i) {
+    m.mutable_completions()->mutable_completions(i)->set_prompt_tokens(10 + 40 * i);
+  }
+  return m;
+}
+
+pb::EngineMessage PriorQueries(uint64_t seq, int n) {
+  pb::EngineMessage m;
+  m.set_seq(seq);
+  for (int i = 0; i < n; ++i) {
+    auto* r = m.mutable_prior_queries()->add_records();
+    r->set_request_id(Id(i));
+    r->set_product_line(i % 2 ? "pl" : "");
+    r->set_prompt_tokens(i == n - 1 ? 0 : 20 * (i + 1));
+    r->mutable_decoding()->set_max_tokens(i * 100);
+  }
+  return m;
+}
+
 pb::EngineMessage Cancels(uint64_t seq, int n) {
   pb::EngineMessage m;
   m.set_seq(seq);
@@ -303,6 +326,10 @@ void EngineSeeds() {
         Stream({Hello(pb::FEATURE_DTYPE_FLOAT32, 4, "engine-a"),
                 Features(2, 2, 16, "pl"), Completions(3, 2, pb::FINISH_REASON_STOP),
                 Completions(4, 2, pb::FINISH_REASON_STOP)}));
+  Write("engine_session", "prior_learn_query",
+        Stream({Hello(pb::FEATURE_DTYPE_FLOAT32, 4), PriorQueries(2, 3),
+                Features(3, 3, 16, "pl"), PromptCompletions(4, 3),
+                PriorQueries(5, 4)}));
   Write("engine_session", "dim_mismatch",
         Stream({Hello(pb::FEATURE_DTYPE_FLOAT32, 8), Features(2, 1, 32, "")}));
 }

@@ -13,6 +13,7 @@
 #include <map>
 #include <memory>
 #include <set>
+#include <tuple>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
@@ -361,6 +362,11 @@ absl::Status ReplayOptions::Validate() const {
   if (!tradeoff_plot_path.empty() &&
       !absl::EndsWith(tradeoff_plot_path, ".svg")) {
     return bad("--tradeoff-plot must end in .svg, got '", tradeoff_plot_path,
+               "'");
+  }
+  if (!admission_plot_path.empty() &&
+      !absl::EndsWith(admission_plot_path, ".svg")) {
+    return bad("--admission-plot must end in .svg, got '", admission_plot_path,
                "'");
   }
   if (!plot_path.empty() && !absl::EndsWith(plot_path, ".png") &&
@@ -774,6 +780,10 @@ absl::StatusOr<ReplayReport> RunReplay(const ReplayOptions& o,
     ASSIGN_OR_RETURN(rep.tradeoff_plot_written,
                      WriteTradeoffPlot(rep, o.tradeoff_plot_path));
   }
+  if (!o.admission_plot_path.empty()) {
+    ASSIGN_OR_RETURN(rep.admission_plot_written,
+                     WriteAdmissionPlot(rep, o.admission_plot_path));
+  }
   return rep;
 }
 
@@ -877,10 +887,15 @@ std::string FormatReplayTable(const ReplayReport& r) {
   if (const std::string t = FormatTradeoffTable(r); !t.empty()) {
     s += "\n" + t;
   }
+  if (const std::string t = FormatAdmissionTable(r); !t.empty()) {
+    s += "\n" + t;
+  }
   if (!r.plot_written.empty())
     s += absl::StrCat("plot: ", r.plot_written, "\n");
   if (!r.tradeoff_plot_written.empty())
     s += absl::StrCat("trade-off plot: ", r.tradeoff_plot_written, "\n");
+  if (!r.admission_plot_written.empty())
+    s += absl::StrCat("admission plot: ", r.admission_plot_written, "\n");
   return s;
 }
 
@@ -933,6 +948,53 @@ std::string FormatTradeoffTable(const ReplayReport& r) {
         p.long_p95_ratio.has_value() && std::isfinite(*p.long_p95_ratio)
             ? absl::StrFormat("%.2f", *p.long_p95_ratio)
             : "-");
+  }
+  return s;
+}
+
+std::vector<AdmissionPoint> Admission(const ReplayReport& r) {
+  const std::vector<TradeoffPoint> points = Tradeoff(r);
+  std::map<std::pair<std::string, double>, const TradeoffPoint*> by;
+  for (const TradeoffPoint& p : points) by[{p.policy, p.load}] = &p;
+  std::vector<AdmissionPoint> out;
+  constexpr absl::string_view kPrior = "+prior";
+  for (const TradeoffPoint& p : points) {
+    if (!absl::EndsWith(p.policy, kPrior)) continue;
+    std::string base = p.policy.substr(0, p.policy.size() - kPrior.size());
+    // "oracle+prior" pairs with "oracle"; a bare "+prior" does not parse.
+    auto it = by.find({base, p.load});
+    if (it == by.end()) continue;
+    AdmissionPoint a;
+    a.policy = std::move(base);
+    a.load = p.load;
+    a.gain_without = it->second->gain;
+    a.gain_with = p.gain;
+    a.p99_without = it->second->p99_ratio;
+    a.p99_with = p.p99_ratio;
+    out.push_back(std::move(a));
+  }
+  return out;
+}
+
+std::string FormatAdmissionTable(const ReplayReport& r) {
+  const std::vector<AdmissionPoint> points = Admission(r);
+  if (points.empty()) return "";
+  size_t w = 6;
+  for (const AdmissionPoint& p : points) w = std::max(w, p.policy.size());
+  const auto f = [](double v, int prec) {
+    return std::isfinite(v) ? absl::StrFormat("%.*f", prec, v)
+                            : std::string("-");
+  };
+  std::string s = absl::StrFormat(
+      "admission: share of the oracle's gain and P99/fcfs, FCFS admission -> "
+      "length-aware admission (+prior)\n%-*s %5s %15s %13s\n",
+      w, "policy", "load", "gain", "P99/fcfs");
+  for (const AdmissionPoint& p : points) {
+    absl::StrAppendFormat(&s, "%-*s %5.2f %15s %13s\n", w, p.policy, p.load,
+                          absl::StrCat(f(p.gain_without, 3), " -> ",
+                                       f(p.gain_with, 3)),
+                          absl::StrCat(f(p.p99_without, 2), " -> ",
+                                       f(p.p99_with, 2)));
   }
   return s;
 }
@@ -1226,6 +1288,83 @@ absl::StatusOr<std::string> WriteTradeoffPlot(const ReplayReport& r,
                           "<circle cx=\"%g\" cy=\"%g\" r=\"4\" fill=\"%s\"/>"
                           "<text x=\"%g\" y=\"%g\">%s</text>\n",
                           lx, ly, c, lx + 10, ly + 4, XmlEscape(name));
+  }
+  s += "</svg>\n";
+  RETURN_IF_ERROR(WriteFileAtomically(path, s));
+  return path;
+}
+
+absl::StatusOr<std::string> WriteAdmissionPlot(const ReplayReport& r,
+                                               const std::string& path) {
+  const std::vector<AdmissionPoint> points = Admission(r);
+  const double group = 110, L = 70, R = 20, T = 60, B = 90, H = 420;
+  // Wide enough for the title lines.
+  const double W = std::max(
+      760.0,
+      L + R + group * static_cast<double>(std::max<size_t>(points.size(), 1)));
+  double y0 = 0, y1 = 1;
+  for (const AdmissionPoint& p : points) {
+    for (double g : {p.gain_without, p.gain_with}) {
+      if (!std::isfinite(g)) continue;
+      y0 = std::min(y0, g);
+      y1 = std::max(y1, g);
+    }
+  }
+  y1 *= 1.1;
+  const auto py = [&](double y) { return H - B - (y - y0) / (y1 - y0) * (H - T - B); };
+  std::string s = absl::StrFormat(
+      "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%g\" height=\"%g\" "
+      "font-family=\"sans-serif\" font-size=\"12\">\n"
+      "<rect width=\"100%%\" height=\"100%%\" fill=\"white\"/>\n"
+      "<text x=\"%g\" y=\"20\" font-size=\"14\" text-anchor=\"middle\">%s"
+      "</text>\n<text x=\"%g\" y=\"38\" text-anchor=\"middle\">share of "
+      "the oracle's PTL gain: FCFS admission (grey) vs length-aware admission "
+      "(blue); labels: P99 / FCFS's</text>\n"
+      "<rect x=\"%g\" y=\"%g\" width=\"%g\" height=\"%g\" fill=\"none\" "
+      "stroke=\"black\"/>\n",
+      W, H, W / 2, XmlEscape(r.trace), W / 2, L, T, W - L - R, H - T - B);
+  const double ys = TickStep(y1 - y0, 6);
+  for (double y = std::ceil(y0 / ys) * ys; y <= y1 + 1e-9; y += ys) {
+    absl::StrAppendFormat(&s,
+                          "<line x1=\"%g\" y1=\"%.1f\" x2=\"%g\" y2=\"%.1f\" "
+                          "stroke=\"#ddd\"/><text x=\"%g\" y=\"%.1f\" "
+                          "text-anchor=\"end\">%g</text>\n",
+                          L, py(y), W - R, py(y), L - 6, py(y) + 4, y);
+  }
+  absl::StrAppendFormat(&s,
+                        "<line x1=\"%g\" y1=\"%.1f\" x2=\"%g\" y2=\"%.1f\" "
+                        "stroke=\"black\"/>\n",
+                        L, py(0), W - R, py(0));
+  for (size_t i = 0; i < points.size(); ++i) {
+    const AdmissionPoint& p = points[i];
+    const double gx = L + group * static_cast<double>(i) + 15;
+    const double bw = 35;
+    int k = 0;
+    for (auto [gain, p99, color] :
+         {std::tuple{p.gain_without, p.p99_without, "#999999"},
+          std::tuple{p.gain_with, p.p99_with, "#1f77b4"}}) {
+      const double x = gx + bw * k++;
+      if (std::isfinite(gain)) {
+        const double top = std::min(py(gain), py(0));
+        absl::StrAppendFormat(
+            &s,
+            "<rect class=\"bar\" x=\"%g\" y=\"%.1f\" width=\"%g\" "
+            "height=\"%.1f\" fill=\"%s\"/>\n",
+            x, top, bw - 4, std::abs(py(gain) - py(0)), color);
+      }
+      absl::StrAppendFormat(
+          &s,
+          "<text x=\"%g\" y=\"%.1f\" font-size=\"10\" "
+          "text-anchor=\"middle\">%s</text>\n",
+          x + (bw - 4) / 2,
+          (std::isfinite(gain) ? std::min(py(gain), py(0)) : py(0)) - 4,
+          std::isfinite(p99) ? absl::StrFormat("%.2fx", p99) : "-");
+    }
+    absl::StrAppendFormat(
+        &s,
+        "<text x=\"%g\" y=\"%g\" font-size=\"10\" text-anchor=\"end\" "
+        "transform=\"rotate(-35 %g %g)\">%s @ %.2f</text>\n",
+        gx + bw, H - B + 14, gx + bw, H - B + 14, XmlEscape(p.policy), p.load);
   }
   s += "</svg>\n";
   RETURN_IF_ERROR(WriteFileAtomically(path, s));

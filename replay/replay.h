@@ -130,6 +130,10 @@ struct ReplayOptions {
   // tradeoff_plot_path, plot it (one series per predictor+discipline, one
   // point per knob value). Needs fcfs and oracle among the policies.
   std::string tradeoff_plot_path;
+  // With P and P+prior among the policies (and fcfs, oracle): plot, per
+  // load, each such P's share of the oracle's gain with FCFS admission and
+  // with length-aware admission side by side, the P99 ratios on the bars.
+  std::string admission_plot_path;
   // Output budget M: longer outputs are cut to M. Default: 2048
   int64_t max_tokens = 2048;
   // Scheduler of every length-aware policy (FCFS runs with the cap off).
@@ -197,6 +201,7 @@ struct ReplayReport {
   std::vector<PolicySpec> policies;
   std::string plot_written;  // actual plot path ("" when none)
   std::string tradeoff_plot_written;
+  std::string admission_plot_written;
   EngineKind engine = EngineKind::kSlots;
 };
 
@@ -218,6 +223,22 @@ struct TradeoffPoint {
 };
 std::vector<TradeoffPoint> Tradeoff(const ReplayReport& report);
 std::string FormatTradeoffTable(const ReplayReport& report);
+// Length-aware admission against FCFS admission: for every policy P+prior
+// whose P ran too at the same load, both shares of the oracle's gain and
+// both P99 ratios to FCFS (from Tradeoff), in row order.
+struct AdmissionPoint {
+  std::string policy;  // P (without "+prior")
+  double load = 0;
+  double gain_without = 0, gain_with = 0;
+  double p99_without = 0, p99_with = 0;
+};
+std::vector<AdmissionPoint> Admission(const ReplayReport& report);
+// "" when there is no pair.
+std::string FormatAdmissionTable(const ReplayReport& report);
+// SVG bars: per (P, load), the gain share with FCFS admission and with the
+// prior side by side, each labelled with its P99 ratio to FCFS.
+absl::StatusOr<std::string> WriteAdmissionPlot(const ReplayReport& report,
+                                               const std::string& path);
 // SVG: gain captured (y) vs P99 ratio to FCFS (x), one panel per load, one
 // series per predictor+discipline (points joined in knob order).
 absl::StatusOr<std::string> WriteTradeoffPlot(const ReplayReport& report,

@@ -132,6 +132,8 @@ int main(int argc, char** argv) {
           break;
         case leap::shim::Event::Kind::kError:
           break;
+        case leap::shim::Event::Kind::kPrior:  // this engine asks for none
+          break;
       }
     }
     // Requests without a prediction are served first-come among

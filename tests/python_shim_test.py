@@ -33,6 +33,7 @@ Run: /usr/bin/python3 tests/python_shim_test.py --leapd PATH --proto-dir DIR
 import argparse
 import ctypes
 import importlib
+import math
 import os
 import shutil
 import signal
@@ -327,6 +328,74 @@ class EndToEndTest(LeapdFixture):
         self.assert_scores({k: got[k] for k in ids}, expected, w, v.bias)
         client.complete("m0", 321, reason="stop")
         self.assertIsNotNone(self.wait_learned(1))
+
+    def test_length_prior(self):
+        """request_priors end to end: leapd learns the prior from the
+        completions that carry prompt_tokens, 'prior' events equal an FP64
+        ridge solve, and Scheduler.apply makes admission follow them."""
+        client = self.client()
+        ev = Events(client)
+        n = 40
+        ids = ["p%d" % i for i in range(n)]
+        client.capture(self.rows([0.0] * n), ids)
+        client.capture(self.rows([0.0]), ["sentinel"], max_tokens=10)
+        samples = []
+        for i, rid in enumerate(ids):
+            p = 20 + 10 * i
+            client.complete(rid, 3 * p + 7, "stop", prompt_tokens=p)
+            samples.append((p, 3 * p + 7))
+        # Refused by leapd (a length stop above its own cap): its error is
+        # the answer to the last completion message, so every completion
+        # before it was learned once it arrives.
+        client.complete("sentinel", 50, "length", prompt_tokens=5)
+        self.assertTrue(ev.wait_for(lambda a: any(
+            e.kind == "error" and e.request_id == "sentinel" for e in a)))
+        # FP64 reference: ridge (lambda 1 off the intercept) on
+        # (1, log1p p, log1p M, 0) -> sqrt(tokens); M = 2048.
+        budget = 2048.0
+        x = torch.tensor([[1.0, math.log1p(p), math.log1p(budget), 0.0]
+                          for p, _ in samples], dtype=torch.float64)
+        y = torch.tensor([math.sqrt(t) for _, t in samples], dtype=torch.float64)
+        a = x.T @ x + torch.diag(torch.tensor([0.0, 1.0, 1.0, 1.0],
+                                              dtype=torch.float64))
+        wref = torch.linalg.solve(a, x.T @ y)
+
+        def prior(p):
+            s = max(float(wref @ torch.tensor(
+                [1.0, math.log1p(p), math.log1p(budget), 0.0],
+                dtype=torch.float64)), 0.0)
+            return min(s * s, budget)
+
+        sched = leap_shim.Scheduler(slots=1, waiting_cap=0)
+        arrivals = [("a400", 400), ("a30", 30), ("a200", 200)]
+        for rid, _ in arrivals:
+            sched.add(rid)
+        start = len(ev.all)
+        client.request_priors([r for r, _ in arrivals],
+                              prompt_tokens=[p for _, p in arrivals])
+        self.assertTrue(ev.wait_for(
+            lambda a: len(ev.since(start, "prior")) == len(arrivals)),
+            "no prior events")
+        got = {e.request_id: e for e in ev.since(start, "prior")}
+        for rid, p in arrivals:
+            want = prior(p)
+            self.assertAlmostEqual(got[rid].predicted_tokens, want,
+                                   delta=1e-6 * max(want, 1.0), msg=rid)
+        self.assertIn("predicted_tokens=", repr(got["a30"]))
+        self.assertEqual(sched.apply(ev.since(start, "prior")), 3)
+        self.assertEqual(sched.select(3), ["a30", "a200", "a400"])
+        st = client.stats
+        self.assertEqual(st["priors"], 3)
+        self.assertFalse(st["priors_unsupported"])
+        # The caller's mistakes are exceptions.
+        with self.assertRaises(ValueError):
+            client.request_priors(["x"], prompt_tokens=0)
+        with self.assertRaises(ValueError):
+            client.request_priors(["x"])
+        with self.assertRaises(ValueError):
+            client.request_priors(["x", "y"], prompt_tokens=[5])
+        with self.assertRaises(ValueError):
+            client.complete("p0", 1, "stop", prompt_tokens=-1)
 
     def test_capture_learn_rescore_schedule_and_restart(self):
         client = self.client()
@@ -683,6 +752,23 @@ class BadInputTest(unittest.TestCase):
             c.capture(ok, ["x", "y"], stream=0)
         # Nothing of the above was submitted.
         self.assertEqual(c.stats["live"], 0)
+
+    def test_priors_fail_open_without_leapd(self):
+        """No leapd: request_priors returns at once, drops the queries and
+        no 'prior' event ever comes (FCFS admission); its argument errors
+        are still raised."""
+        c = self.client
+        c.request_priors(["x", "y"], prompt_tokens=[10, 20])
+        st = c.stats
+        self.assertEqual(st["priors_dropped"], 2)
+        self.assertTrue(st["degraded"])
+        self.assertFalse(any(e.kind == "prior" for e in c.poll()))
+        with self.assertRaisesRegex(ValueError, "prompt_tokens must be >= 1"):
+            c.request_priors(["x"], prompt_tokens=0)
+        with self.assertRaisesRegex(ValueError, "one prompt_tokens per request"):
+            c.request_priors(["x", "y"], prompt_tokens=[1])
+        with self.assertRaisesRegex(ValueError, "max_tokens must be >= 0"):
+            c.request_priors(["x"], prompt_tokens=5, max_tokens=-2)
 
     def test_rejected_capsules_are_not_consumed(self):
         c = self.client

@@ -12,10 +12,12 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <random>
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "readout/artifact.h"
@@ -875,6 +877,64 @@ TEST(ReplayCliTest, VllmEngineDisciplinesAndTradeoff) {
   std::string head(4, '\0');
   svg.read(head.data(), 4);
   EXPECT_EQ(head, "<svg");
+}
+
+// The admission table and plot (vLLM-shaped engine, where the prior moves
+// the tail): oracle+prior beside oracle, each pair's
+// gain shares and P99 ratios equal to the trade-off table's entries for the
+// two policies (oracle's own share is 1 by definition).
+TEST(ReplayCliTest, AdmissionTableAndPlot) {
+  const std::string plot = TempPath("admission.svg");
+  std::ostringstream out, err;
+  const int rc = RunLeapctl(
+      {"replay", "--requests", "600", "--policies",
+       "fcfs,oracle,oracle+prior,oracle+hrrn,oracle+hrrn+prior", "--sweep",
+       "1.2", "--engine", "vllm", "--max-num-seqs", "16",
+       "--max-num-batched-tokens", "1024", "--kv-blocks", "800",
+       "--admission-plot", plot},
+      out, err);
+  ASSERT_EQ(rc, 0) << err.str();
+  const std::string o = out.str();
+  ASSERT_NE(o.find("admission: "), std::string::npos) << o;
+  EXPECT_NE(o.find("admission plot: " + plot), std::string::npos) << o;
+  // The trade-off rows of the four policies, then the admission rows.
+  auto field = [&](const std::string& section, const std::string& policy) {
+    const size_t at = o.find(section);
+    EXPECT_NE(at, std::string::npos) << section;
+    const size_t line = o.find("\n" + policy + " ", at);
+    EXPECT_NE(line, std::string::npos) << policy << " in " << section;
+    return std::vector<std::string>(absl::StrSplit(
+        o.substr(line + 1, o.find('\n', line + 1) - line - 1), ' ',
+        absl::SkipEmpty()));
+  };
+  const auto plain = field("trade-off:", "oracle");
+  const auto prior = field("trade-off:", "oracle+prior");
+  const auto bplain = field("trade-off:", "oracle+hrrn");
+  const auto bprior = field("trade-off:", "oracle+hrrn+prior");
+  EXPECT_EQ(plain[2], "1.000");
+  const auto a = field("admission:", "oracle");
+  // policy load gain_without -> gain_with p99_without -> p99_with
+  ASSERT_EQ(a.size(), 8u);
+  EXPECT_EQ(a[2], plain[2]);
+  EXPECT_EQ(a[4], prior[2]);
+  EXPECT_EQ(a[5], plain[3]);
+  EXPECT_EQ(a[7], prior[3]);
+  // The prior changes this run (so a swapped pair would show).
+  EXPECT_NE(a[5], a[7]);
+  const auto b = field("admission:", "oracle+hrrn");
+  ASSERT_EQ(b.size(), 8u);
+  EXPECT_EQ(b[2], bplain[2]);
+  EXPECT_EQ(b[4], bprior[2]);
+  std::ifstream svg(plot);
+  const std::string text((std::istreambuf_iterator<char>(svg)),
+                         std::istreambuf_iterator<char>());
+  EXPECT_EQ(text.rfind("<svg", 0), 0u);
+  size_t bars = 0;
+  for (size_t at = text.find("class=\"bar\""); at != std::string::npos;
+       at = text.find("class=\"bar\"", at + 1)) {
+    ++bars;
+  }
+  EXPECT_EQ(bars, 4u);  // two pairs
 }
 
 TEST(ReplayCliTest, UsageErrors) {

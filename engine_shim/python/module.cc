@@ -60,10 +60,11 @@ Attributes (read-only):
   kind: 'prediction' (first prediction of a request), 'rescore' (a new
     readout version re-predicted a live request), 'error' (a request or the
     connection failed; see code/message), 'connected' (message = the
-    sidecar's id) or 'disconnected'.
+    sidecar's id), 'disconnected', or 'prior' (a length prior asked by
+    request_priors: predicted_tokens).
   request_id: the request ('' for connection events and stream errors).
   predicted_tokens: predicted output length L-hat in tokens (prediction,
-    rescore).
+    rescore), or the prior (prior).
   score: the readout's raw score (prediction, rescore).
   readout: the readout that predicted (prediction, rescore).
   version: that readout's version (prediction, rescore).
@@ -93,7 +94,8 @@ Attributes (read-only):
 makes its own.)doc")
       .def_property_readonly(
           "kind", [](const Event& e) { return std::string(KindName(e.kind)); },
-          "'prediction', 'rescore', 'error', 'connected' or 'disconnected'.")
+          "'prediction', 'rescore', 'error', 'connected', 'disconnected' or "
+          "'prior'.")
       .def_readonly("request_id", &Event::request_id, "The request's id.")
       .def_readonly("predicted_tokens", &Event::predicted_tokens,
                     "Predicted output length in tokens.")
@@ -210,8 +212,32 @@ Raises:
   RuntimeError: a CUDA tensor without CUDA capture in this build or
     process, the pinned staging memory full (RESOURCE_EXHAUSTED: flush()
     and retry), or the client is closed.)doc")
+      .def("request_priors", &PyClient::RequestPriors, py::arg("request_ids"),
+           py::arg("product_line") = "", py::arg("prompt_tokens") = py::none(),
+           py::arg("max_tokens") = 0,
+           R"doc(Asks leapd for the length prior of requests that just arrived,
+before their prefill (length-aware admission, docs/SCHEDULING.md).
+
+Args:
+  request_ids: the requests' ids.
+  product_line: their product line ('' = default).
+  prompt_tokens: prompt lengths in tokens (>= 1), an int for all or one
+    per id. Required.
+  max_tokens: each request's own output cap (0 = none).
+
+Each available prior comes back through poll() as a 'prior' event
+(predicted_tokens; Scheduler.apply() hands it to set_prior). A product line
+that has not learned enough completions yet answers no event; a record
+leapd refuses is an 'error' event (code 3). Fail-open: while no leapd
+answers, or the connected one does not serve priors, the queries are
+dropped at once (stats: priors_dropped) and the scheduler keeps first-come
+placement. Never blocks.
+
+Raises:
+  ValueError / TypeError: bad prompt_tokens or max_tokens.)doc")
       .def("complete", &PyClient::Complete, py::arg("request_id"),
            py::arg("output_tokens"), py::arg("reason") = "stop",
+           py::arg("prompt_tokens") = 0,
            R"doc(Reports how a request ended, so leapd learns from it.
 
 Args:
@@ -220,12 +246,16 @@ Args:
   reason: "stop" (EOS or stop string: learned), "length" (hit max_tokens:
     learned only when it reached leapd's budget), "cancelled" or "aborted"
     (not learned).
+  prompt_tokens: the request's prompt length in tokens (0 = not given).
+    Given, a 'stop' or 'length' completion also teaches leapd's length
+    prior of the request's product line (request_priors).
 
 The request stays known to the client until leapd acknowledges it (resent
 after a reconnect). Unknown or already completed ids are ignored.
 
 Raises:
-  ValueError: negative output_tokens or an unknown reason.)doc")
+  ValueError: negative output_tokens or prompt_tokens, or an unknown
+    reason.)doc")
       .def(
           "cancel", &PyClient::Cancel, py::arg("request_id"),
           R"doc(Drops a request without learning from it. Unknown ids are ignored.)doc")
@@ -265,7 +295,11 @@ RuntimeError. Queued, unsent work is dropped.)doc")
           R"doc(Counters since start, as a dict: connected, connects, resubmitted
 (features resent after a sidecar restart), predictions, rescores, errors,
 live (requests kept for resubmission), stalls (connections abandoned because
-leapd answered nothing for response_timeout_s), degraded, degraded_reason,
+leapd answered nothing for response_timeout_s), priors (prior events received),
+priors_unavailable (answered without a prior: the product line has not
+learned enough), priors_dropped (not asked: no leapd answering, or one
+without priors), priors_unsupported (the connected leapd does not serve
+priors), degraded, degraded_reason,
 cuda_captures_in_flight.)doc")
       .def_property_readonly("connected", &PyClient::connected,
                              "True while a session with leapd is up.")
@@ -414,13 +448,14 @@ Returns:
       .def("apply", &PyScheduler::Apply, py::arg("events"),
            R"doc(Feeds a client's events into the scheduler: 'prediction' and
 'rescore' events set the request's predicted_tokens, unless an event of a
-newer readout version was applied to it already; events of requests that
+newer readout version was applied to it already; 'prior' events call
+set_prior (ignored once the request is predicted); events of requests that
 are not live here and all other kinds are skipped.
 
   events = client.poll(); sched.apply(events); batch = sched.select()
 
 Returns:
-  int: how many events changed a prediction.
+  int: how many events changed a prediction or set a prior.
 
 Raises:
   TypeError: an element is not a leap_shim.Event.)doc")

@@ -163,15 +163,19 @@ void PyClient::Capture(py::object tensor,
 }
 
 void PyClient::Complete(const std::string& request_id, int64_t output_tokens,
-                        const std::string& reason) {
+                        const std::string& reason, int64_t prompt_tokens) {
   if (output_tokens < 0) {
     throw py::value_error(
         absl::StrCat("output_tokens must be >= 0, got ", output_tokens));
   }
+  if (prompt_tokens < 0) {
+    throw py::value_error(absl::StrCat(
+        "prompt_tokens must be >= 0 (0 = not given), got ", prompt_tokens));
+  }
   const FinishReason r = ParseReason(reason);
   std::shared_ptr<Client> client = Live();
   py::gil_scoped_release nogil;
-  client->Complete(request_id, output_tokens, r);
+  client->Complete(request_id, output_tokens, r, prompt_tokens);
 }
 
 void PyClient::Cancel(const std::string& request_id) {
@@ -220,6 +224,10 @@ py::dict PyClient::Stats() {
   d["errors"] = s.errors;
   d["live"] = s.live;
   d["stalls"] = s.stalls;
+  d["priors"] = s.priors;
+  d["priors_unavailable"] = s.priors_unavailable;
+  d["priors_dropped"] = s.priors_dropped;
+  d["priors_unsupported"] = s.priors_unsupported;
   d["degraded"] = s.degraded;
   d["degraded_reason"] = s.degraded_reason;
   d["cuda_captures_in_flight"] = pending_.size();
@@ -269,29 +277,59 @@ std::shared_ptr<Client> PyClient::Live() const {
 }
 
 std::vector<int64_t> PyClient::MaxTokens(py::handle max_tokens, size_t rows) {
-  std::vector<int64_t> caps;
-  if (py::isinstance<py::int_>(max_tokens)) {
-    caps.assign(rows, max_tokens.cast<int64_t>());
+  return Counts(max_tokens, rows, "max_tokens", 0, "(0 = none)");
+}
+
+std::vector<int64_t> PyClient::Counts(py::handle value, size_t rows,
+                                      const char* what, int64_t min,
+                                      const char* note) {
+  std::vector<int64_t> out;
+  if (value.is_none()) {
+    out.assign(rows, 0);
+  } else if (py::isinstance<py::int_>(value)) {
+    out.assign(rows, value.cast<int64_t>());
   } else {
     try {
-      caps = max_tokens.cast<std::vector<int64_t>>();
+      out = value.cast<std::vector<int64_t>>();
     } catch (const py::cast_error&) {
-      throw py::type_error(
-          "max_tokens must be an int or a sequence of ints (one per row)");
+      throw py::type_error(absl::StrCat(
+          what, " must be an int or a sequence of ints (one per row)"));
     }
-    if (caps.size() != rows) {
-      throw py::value_error(
-          absl::StrCat("expected one max_tokens per request id: ", rows,
-                       " request ids, got ", caps.size(), " max_tokens"));
-    }
-  }
-  for (int64_t c : caps) {
-    if (c < 0) {
-      throw py::value_error(
-          absl::StrCat("max_tokens must be >= 0 (0 = none), got ", c));
+    if (out.size() != rows) {
+      throw py::value_error(absl::StrCat("expected one ", what,
+                                         " per request id: ", rows,
+                                         " request ids, got ", out.size(),
+                                         " ", what));
     }
   }
-  return caps;
+  for (int64_t c : out) {
+    if (c < min) {
+      throw py::value_error(
+          absl::StrCat(what, " must be >= ", min, " ", note, ", got ", c));
+    }
+  }
+  return out;
+}
+
+void PyClient::RequestPriors(const std::vector<std::string>& request_ids,
+                             const std::string& product_line,
+                             py::object prompt_tokens, py::object max_tokens) {
+  std::shared_ptr<Client> client = Live();
+  if (prompt_tokens.is_none()) {
+    throw py::value_error("prompt_tokens is required (>= 1)");
+  }
+  const std::vector<int64_t> prompts =
+      Counts(prompt_tokens, request_ids.size(), "prompt_tokens", 1, "");
+  const std::vector<int64_t> caps = MaxTokens(max_tokens, request_ids.size());
+  std::vector<Arrival> arrivals(request_ids.size());
+  for (size_t i = 0; i < request_ids.size(); ++i) {
+    arrivals[i].request_id = request_ids[i];
+    arrivals[i].product_line = product_line;
+    arrivals[i].prompt_tokens = prompts[i];
+    arrivals[i].max_tokens = caps[i];
+  }
+  py::gil_scoped_release nogil;
+  client->RequestPriors(std::move(arrivals));
 }
 
 void PyClient::ReleaseLanded() {

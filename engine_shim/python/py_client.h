@@ -100,8 +100,12 @@ class PyClient {
                const std::vector<std::string>& request_ids,
                const std::string& product_line, pybind11::object max_tokens,
                std::optional<int64_t> stream);
+  void RequestPriors(const std::vector<std::string>& request_ids,
+                     const std::string& product_line,
+                     pybind11::object prompt_tokens,
+                     pybind11::object max_tokens);
   void Complete(const std::string& request_id, int64_t output_tokens,
-                const std::string& reason);
+                const std::string& reason, int64_t prompt_tokens);
   void Cancel(const std::string& request_id);
   std::vector<Event> Poll(std::optional<int64_t> max, double timeout_s);
   bool WaitConnected(double timeout_s);
@@ -132,6 +136,11 @@ class PyClient {
   std::shared_ptr<Client> Live() const;
   static std::vector<int64_t> MaxTokens(pybind11::handle max_tokens,
                                         size_t rows);
+  // An int (every row), a sequence of one int per row, or None (0 each),
+  // each >= min; ValueError / TypeError naming `what` otherwise.
+  static std::vector<int64_t> Counts(pybind11::handle value, size_t rows,
+                                     const char* what, int64_t min,
+                                     const char* note);
   // Releases the CUDA captures' tensors whose copies have landed. GIL held.
   void ReleaseLanded();
   void CaptureCuda(Client& client, ImportedTensor in,

@@ -58,6 +58,8 @@ const char* KindName(Event::Kind k) {
       return "connected";
     case Event::Kind::kDisconnected:
       return "disconnected";
+    case Event::Kind::kPrior:
+      return "prior";
   }
   return "unknown";
 }
@@ -65,12 +67,13 @@ const char* KindName(Event::Kind k) {
 Event::Kind ParseKind(const std::string& kind) {
   for (Event::Kind k :
        {Event::Kind::kPrediction, Event::Kind::kRescore, Event::Kind::kError,
-        Event::Kind::kConnected, Event::Kind::kDisconnected}) {
+        Event::Kind::kConnected, Event::Kind::kDisconnected,
+        Event::Kind::kPrior}) {
     if (kind == KindName(k)) return k;
   }
   throw py::value_error(absl::StrCat(
-      "kind must be 'prediction', 'rescore', 'error', 'connected' or "
-      "'disconnected', got '",
+      "kind must be 'prediction', 'rescore', 'error', 'connected', "
+      "'disconnected' or 'prior', got '",
       kind, "'"));
 }
 
@@ -109,6 +112,9 @@ std::string EventRepr(const Event& e) {
     absl::StrAppend(&s, ", predicted_tokens=", e.predicted_tokens,
                     ", score=", e.score, ", readout='", e.readout,
                     "', version=", e.version);
+  }
+  if (e.kind == Event::Kind::kPrior) {
+    absl::StrAppend(&s, ", predicted_tokens=", e.predicted_tokens);
   }
   if (e.code != 0) absl::StrAppend(&s, ", code=", e.code);
   if (!e.message.empty()) absl::StrAppend(&s, ", message='", e.message, "'");

@@ -48,6 +48,11 @@ int PyScheduler::Apply(py::iterable events) {
           std::string(py::str(py::type::handle_of(h).attr("__name__")))));
     }
     const Event& e = h.cast<const Event&>();
+    if (e.kind == Event::Kind::kPrior) {
+      // Ignored by the scheduler once the request is predicted.
+      if (s_.SetPrior(e.request_id, e.predicted_tokens).ok()) ++applied;
+      continue;
+    }
     if (e.kind != Event::Kind::kPrediction && e.kind != Event::Kind::kRescore) {
       continue;
     }

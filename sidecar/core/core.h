@@ -22,6 +22,7 @@
 #include "sidecar/core/fleet_link.h"
 #include "sidecar/core/live_readout.h"
 #include "sidecar/core/metrics.h"
+#include "sidecar/core/prior_table.h"
 #include "sidecar/core/quality.h"
 #include "sidecar/core/routing.h"
 #include "storage/state_store.h"
@@ -227,6 +228,10 @@ class Core {
                    std::vector<absl::Status>* status,
                    absl::string_view instance = "");
 
+  // --- length priors before prefill (prior_table.h): learned by
+  // CompleteWithPrior, served by AnswerPriorQueries / QueryPrior.
+  PriorTable& priors() { return priors_; }
+
   // --- stats
   std::vector<ArmStat> ArmStats() const;
   int64_t unknown_completions() const { return unknown_.load(); }
@@ -287,6 +292,7 @@ class Core {
   std::atomic<DatasetObserver*> dataset_observer_{nullptr};
   std::atomic<bool> serving_{true};
   std::atomic<FleetLink*> fleet_{nullptr};
+  PriorTable priors_;
 };
 
 // Engine instance ids (Hello.instance_id): at most 128 bytes, no NUL.

@@ -3,6 +3,7 @@
 #include <cstdio>
 
 #include "absl/strings/str_cat.h"
+#include "sidecar/core/prior_table.h"
 
 namespace leap::sidecar {
 
@@ -195,6 +196,9 @@ void HandleEngineMessage(Core* core, uint64_t session, const pb::Hello& hello,
                      hello.instance_id());
       break;
     }
+    case pb::EngineMessage::kPriorQueries:
+      AnswerPriorQueries(core, in->prior_queries(), out->mutable_priors());
+      break;
     case pb::EngineMessage::kHello:
       out->mutable_error()->set_code(
           static_cast<int>(absl::StatusCode::kFailedPrecondition));
@@ -219,9 +223,10 @@ std::shared_ptr<CompletionsAnswer> StartCompletions(
     absl::StatusOr<readout::FinishReason> reason = ReasonFromProto(c.reason());
     answer->entries_.push_back(
         {c.request_id(),
-         reason.ok() ? core->Complete(c.request_id(), c.output_tokens(), *reason,
-                                      hello.instance_id(),
-                                      /*defer_fleet_ack=*/true)
+         reason.ok() ? CompleteWithPrior(core, c.request_id(), c.output_tokens(),
+                                         *reason, hello.instance_id(),
+                                         /*defer_fleet_ack=*/true,
+                                         c.prompt_tokens())
                      : absl::StatusOr<CompletionOutcome>(reason.status())});
   }
   std::vector<std::shared_ptr<PendingFleetAck>> acks;

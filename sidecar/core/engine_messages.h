@@ -87,7 +87,9 @@ std::shared_ptr<CompletionsAnswer> StartCompletions(
     const leap::v1::CompletionBatch& completions);
 
 // Answers one EngineMessage after the hello (features carried inline,
-// completions, cancels; a second hello or an empty message is a
+// completions, cancels, length prior queries (prior_table.h; completions
+// that carry prompt_tokens teach the priors); a second hello or an empty
+// message is a
 // message-level error). `in` may be consumed (feature bytes are moved).
 // Completions are answered once the fleet acknowledged them (fleet mode):
 // this call waits for it (StartCompletions does not).

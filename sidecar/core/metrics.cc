@@ -164,6 +164,24 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
                     .Register(r);
   evicted_capacity_ = &evict.Add({{"reason", "capacity"}});
   evicted_ttl_ = &evict.Add({{"reason", "ttl"}});
+  auto& prior_queries =
+      BuildCounter()
+          .Name("leap_length_prior_queries_total")
+          .Help("Length prior queries answered, by result (prior, "
+                "unavailable: the product line has not learned enough)")
+          .Register(r);
+  prior_answered_ = &prior_queries.Add({{"result", "prior"}});
+  prior_unavailable_ = &prior_queries.Add({{"result", "unavailable"}});
+  prior_learned_ = &BuildCounter()
+                        .Name("leap_length_prior_learned_total")
+                        .Help("Completions the length priors learned")
+                        .Register(r)
+                        .Add({});
+  prior_product_lines_ = &BuildGauge()
+                              .Name("leap_length_prior_product_lines")
+                              .Help("Product lines with a length prior model")
+                              .Register(r)
+                              .Add({});
   unknown_completions_ =
       &BuildCounter()
            .Name("leap_unknown_completions_total")

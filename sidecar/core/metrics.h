@@ -102,6 +102,13 @@ class Metrics {
   prometheus::Gauge& outbox_peak_bytes() { return *outbox_peak_bytes_; }
   prometheus::Counter& outbox_coalesced() { return *outbox_coalesced_; }
   prometheus::Counter& OutboxDropped(const std::string& stream);
+  // Length priors (prior_table.h): queries answered with a prior or without
+  // one (the product line has not learned enough), completions the priors
+  // learned, product lines with a prior model.
+  prometheus::Counter& prior_answered() { return *prior_answered_; }
+  prometheus::Counter& prior_unavailable() { return *prior_unavailable_; }
+  prometheus::Counter& prior_learned() { return *prior_learned_; }
+  prometheus::Gauge& prior_product_lines() { return *prior_product_lines_; }
 
  private:
   std::shared_ptr<prometheus::Registry> registry_;
@@ -144,6 +151,10 @@ class Metrics {
   prometheus::Gauge* outbox_peak_bytes_;
   prometheus::Counter* outbox_coalesced_;
   prometheus::Family<prometheus::Counter>* outbox_dropped_;
+  prometheus::Counter* prior_answered_;
+  prometheus::Counter* prior_unavailable_;
+  prometheus::Counter* prior_learned_;
+  prometheus::Gauge* prior_product_lines_;
 };
 
 }  // namespace leap::sidecar

@@ -484,9 +484,10 @@ grpc::ServerUnaryReactor* PredictorService::Complete(
   }
   // Fleet mode: the publish is in flight when Complete returns; the call is
   // answered once JetStream acknowledged it (or UNAVAILABLE when it failed).
-  absl::StatusOr<CompletionOutcome> o = core_->Complete(
-      req->completion().request_id(), req->completion().output_tokens(),
-      *reason, req->instance_id(), /*defer_fleet_ack=*/true);
+  absl::StatusOr<CompletionOutcome> o = CompleteWithPrior(
+      core_, req->completion().request_id(), req->completion().output_tokens(),
+      *reason, req->instance_id(), /*defer_fleet_ack=*/true,
+      req->completion().prompt_tokens());
   if (!o.ok()) {
     reactor->Finish(ToGrpc(o.status()));
     return reactor;

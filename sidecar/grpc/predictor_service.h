@@ -83,6 +83,10 @@ class PredictorService final
   grpc::ServerUnaryReactor* Complete(grpc::CallbackServerContext* ctx,
                                      const leap::v1::CompleteRequest* req,
                                      leap::v1::CompleteResponse* resp) override;
+  // The length prior at arrival: QueryPrior (sidecar/core/prior_table.h).
+  grpc::Status Prior(grpc::ServerContext* ctx,
+                     const leap::v1::PriorRequest* req,
+                     leap::v1::PriorResponse* resp) override;
   grpc::Status WatchReadout(
       grpc::ServerContext* ctx, const leap::v1::WatchReadoutRequest* req,
       grpc::ServerWriter<leap::v1::ReadoutVersion>* writer) override;

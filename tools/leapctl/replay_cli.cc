@@ -68,7 +68,8 @@ constexpr char kDescription[] =
     "latencies) of the first frozen LEAP run instead of asking leapd again.\n"
     "With fcfs and oracle in the list a trade-off table follows (share of the\n"
     "oracle's mean-PTL gain over FCFS, P99 and long-request P95 over FCFS's);\n"
-    "--tradeoff-plot draws it.\n"
+    "--tradeoff-plot draws it. Policies run with and without +prior (e.g.\n"
+    "leap,leap+prior) add an admission table; --admission-plot draws it.\n"
     "\n"
     "--engine vllm replaces the engine model by one shaped like vLLM V1's\n"
     "scheduler: every running request advances each step (continuous\n"
@@ -199,6 +200,11 @@ int ReplayCommand(const std::vector<std::string>& args, std::ostream& out,
   flags.String("tradeoff-plot", &o.tradeoff_plot_path, "OUT.svg",
                "Write the trade-off plot (share of the oracle's PTL gain vs "
                "P99 latency over FCFS's, one point per knob value).");
+  flags.String("admission-plot", &o.admission_plot_path, "OUT.svg",
+               "Write the admission plot: per load, each policy P that ran "
+               "beside P+prior, its share of the oracle's PTL gain with FCFS "
+               "admission and with length-aware admission, with the P99 "
+               "ratios to FCFS.");
   flags.Int64("resident", &resident, "N", "Requests held in memory at once.");
   flags.Int64("slots", &slots, "N", "Decode slots per step.");
   flags.Double("step-base-ms", &o.engine.step_base_ms, "MS",

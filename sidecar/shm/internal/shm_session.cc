@@ -34,6 +34,8 @@ void FitAnswer(pb::SidecarMessage* m, size_t limit) {
     errors = m->mutable_ack()->mutable_errors();
   } else if (m->has_predictions()) {
     errors = m->mutable_predictions()->mutable_errors();
+  } else if (m->has_priors()) {
+    errors = m->mutable_priors()->mutable_errors();
   }
   if (errors == nullptr) return;
   int keep = errors->size();
