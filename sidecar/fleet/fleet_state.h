@@ -41,6 +41,9 @@ struct FleetState {
   // Checkpoints: FEEDBACK sequences <= fleet_seq of completions taken but not
   // applied (kept after a rejected RLS batch, retried on resume).
   std::vector<uint64_t> kept_seqs;
+  // Checkpoints: the trainer's fleet-wide quality (a serialized FleetQuality
+  // with pairs, FleetStateChunk.quality on the last chunk); "" when none.
+  std::string quality;
   int64_t unix_ms = 0;
   std::string state_id;  // as read or written
   int32_t chunks = 0;    // as read or written

@@ -11,6 +11,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "common/clock.h"
+#include "sidecar/fleet/fleet_quality.h"
 #include "sidecar/fleet/fleet_state.h"
 #include "leap/v1/fleet.pb.h"
 #include "prometheus/registry.h"
@@ -548,6 +549,20 @@ void FleetMember::InstallVersionMsg(const std::string& readout,
 void FleetMember::OnConfig(const KvEntry& e) {
   const std::string readout_prefix = "readout.";
   const std::string route_prefix = "route.";
+  const std::string quality_prefix = "quality.";
+  if (e.key.rfind(quality_prefix, 0) == 0) {
+    absl::StatusOr<std::string> name =
+        NameFromToken(e.key.substr(quality_prefix.size()));
+    if (!name.ok()) return;
+    fpb::FleetQuality q;
+    absl::MutexLock l(&mu_);
+    if (e.deleted || !q.ParseFromString(e.value)) {
+      quality_.erase(*name);
+    } else {
+      quality_[*name] = {q.created_unix_ms(), QualityView(q)};
+    }
+    return;
+  }
   if (e.key.rfind(readout_prefix, 0) == 0) {
     absl::StatusOr<std::string> name =
         NameFromToken(e.key.substr(readout_prefix.size()));
@@ -754,6 +769,8 @@ absl::Status FleetMember::DeleteReadout(const std::string& name) {
   if (absl::Status s = config_kv_->Delete(ReadoutConfigKey(name)); !s.ok()) {
     return s;
   }
+  // Its fleet-wide quality goes with it (a new incarnation starts afresh).
+  config_kv_->Delete(QualityConfigKey(name)).IgnoreError();
   absl::Status local = core_->DeleteReadout(name);
   if (absl::IsNotFound(local)) return absl::OkStatus();
   return local;
@@ -939,6 +956,20 @@ sidecar::FleetStatus FleetMember::Status() const {
   s.degraded_reason = degraded_reason_;
   s.unconfirmed = static_cast<int64_t>(pending_.size());
   return s;
+}
+
+std::optional<sidecar::FleetQualityView> FleetMember::Quality(
+    const std::string& readout) const {
+  absl::MutexLock l(&mu_);
+  auto it = quality_.find(readout);
+  if (it == quality_.end()) return std::nullopt;
+  // Only for the incarnation this member serves (the key of a deleted one
+  // may outlive it).
+  auto cfg = config_.find(readout);
+  if (cfg == config_.end() || cfg->second.created_unix_ms != it->second.first) {
+    return std::nullopt;
+  }
+  return it->second.second;
 }
 
 }  // namespace leap::fleet
