@@ -161,8 +161,8 @@ class FleetLink {
                                            const std::string& label) = 0;
   virtual absl::Status SetFrozen(const std::string& readout, bool frozen) = 0;
   // The readout's complete state as the fleet's trainer holds it now (theta
-  // and P of one version). Not used by ExportReadout yet: it adds a version
-  // to the fleet's history (docs/FLEET.md).
+  // and P of one version), asked with an EXPORT operation that adds no
+  // version (ExportReadout with from_trainer, docs/FLEET.md).
   virtual absl::StatusOr<readout::ReadoutState> ExportState(
       const std::string& readout) = 0;
   // The fleet's snapshots of a readout (in the STATE stream).

@@ -172,18 +172,23 @@ TEST(FleetIntegration, MemberAndTrainerLearnServeSnapshotAndRollBack) {
   EXPECT_EQ(v->folded.w(), folded.w());
   EXPECT_EQ(v->folded.b(), folded.b());
 
-  // ExportState through the member (what Admin.ExportReadout returns in
-  // fleet mode): theta and P of one version, as the trainer holds them —
-  // theta bit for bit, P against the FP64 closed form (P0^-1 + sum uu')^-1 —
-  // and its one-off snapshot label is not left in the fleet's list.
+  // ExportState through the member (what Admin.ExportReadout with
+  // from_trainer returns in fleet mode): theta and P of one version, as the
+  // trainer holds them — theta bit for bit, P against the FP64 closed form
+  // (P0^-1 + sum uu')^-1 — with no version added to the fleet's history and
+  // nothing left in its snapshot list.
+  const int64_t published_before = t->Status("chat")->published;
+  const int64_t last_before = t->Status("chat")->last_version;
   absl::StatusOr<readout::ReadoutState> exported = m->ExportState("chat");
   ASSERT_TRUE(exported.ok()) << exported.status();
   ASSERT_TRUE(exported->p.has_value());
   EXPECT_EQ(std::memcmp(exported->theta.data(), state->theta.data(), kN * 8), 0);
   EXPECT_EQ(exported->completions_learned, 150);
-  // The state's own version (the snapshot's answer is a new number with
-  // the same theta).
+  // The state's own version, and no new one.
   EXPECT_EQ(exported->version, v->version);
+  EXPECT_EQ(t->Status("chat")->published, published_before);
+  EXPECT_EQ(t->Status("chat")->last_version, last_before);
+  EXPECT_EQ((*core->GetReadout("chat"))->current()->version, v->version);
   const Eigen::MatrixXd p_want = a.inverse();
   const double p_err = (exported->p->ToDouble() - p_want).norm() / p_want.norm();
   std::printf("fleet integration: exported P vs FP64 closed form: %.3g relative\n", p_err);
@@ -196,6 +201,13 @@ TEST(FleetIntegration, MemberAndTrainerLearnServeSnapshotAndRollBack) {
   // Snapshot and rollback through the member, answered by the trainer.
   absl::StatusOr<storage::SnapshotInfo> snap = m->Snapshot("chat", "s1");
   ASSERT_TRUE(snap.ok()) << snap.status();
+  // The snapshot's answer is the next number after the export: the export
+  // added none (not even a coalesced "rls" one).
+  {
+    auto served = (*core->GetReadout("chat"))->current();
+    EXPECT_EQ(served->cause, "snapshot:s1");
+    EXPECT_EQ(served->version, last_before + 1);
+  }
   for (int i = 150; i < 200; ++i) publish(i);
   ASSERT_NE(recorder->Await([&](const sidecar::PublishedVersion& v) {
               return v.fleet_seq >= last;

@@ -97,6 +97,11 @@ absl::Status DecodeStatePayload(absl::string_view data, FleetState* s) {
   return absl::OkStatus();
 }
 
+std::string ExportSubject(absl::string_view fleet, absl::string_view readout,
+                          absl::string_view op_id) {
+  return absl::StrCat(CheckpointSubject(fleet, readout), ".export.", NameToken(op_id));
+}
+
 absl::StatusOr<int32_t> PublishState(jsCtx* js, const std::string& stream,
                                      const std::string& subject,
                                      const std::string& readout,

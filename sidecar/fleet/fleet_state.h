@@ -51,6 +51,12 @@ struct FleetState {
 
 // Stream, bucket and subject names: sidecar/fleet/nats_client.h.
 
+// Where the trainer writes the state an EXPORT operation asks for:
+// leap.<fleet>.ckpt.<readout>.export.<token of op_id> (STATE stream; read
+// and purged by the asking member).
+std::string ExportSubject(absl::string_view fleet, absl::string_view readout,
+                          absl::string_view op_id);
+
 // theta, P and the flags as one byte string (little-endian), and back.
 std::string EncodeStatePayload(const FleetState& s);
 absl::Status DecodeStatePayload(absl::string_view data, FleetState* s);

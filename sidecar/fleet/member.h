@@ -134,9 +134,9 @@ class FleetMember : public sidecar::FleetLink {
   absl::Status SetFrozen(const std::string& readout, bool frozen) override;
   absl::StatusOr<std::vector<storage::SnapshotInfo>> ListSnapshots(
       const std::string& readout) override;
-  // Asks the trainer: a SNAPSHOT operation under a one-off label
-  // ("export-<op id>"), whose complete state (theta, P) is read back from
-  // STATE, then purged from it.
+  // Asks the trainer: an EXPORT operation, answered by the complete state
+  // (theta, P) on STATE subject leap.<fleet>.ckpt.<readout>.export.<op id>
+  // (read back, then purged) and no version.
   absl::StatusOr<readout::ReadoutState> ExportState(
       const std::string& readout) override;
   sidecar::FleetStatus Status() const override;

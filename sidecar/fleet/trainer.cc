@@ -29,6 +29,9 @@ constexpr char kLeaseKey[] = "trainer";
 // Message ids remembered per readout to skip a completion that reached the
 // stream twice (outside JetStream's de-duplication window).
 constexpr size_t kRememberedIds = 1 << 20;
+// An EXPORT operation older than this is not answered (its asker waits
+// 10 s).
+constexpr int64_t kExportMaxAgeMs = 60'000;
 
 int64_t SteadyMs() {
   return std::chrono::duration_cast<std::chrono::milliseconds>(
@@ -771,24 +774,30 @@ class Trainer::Worker {
       }
       pos_ = seq;
       if (subject != fb_subject && subject != ctl_subject) {
+        moved_ = true;
         PassQuality(seq);
         continue;
       }
       if (subject == ctl_subject) {
         Stage("parse", t0);
-        ApplyBatch();
         FleetControl c;
-        if (!c.ParseFromArray(natsMsg_GetData(m.get()), natsMsg_GetDataLength(m.get()))) {
+        const bool parsed =
+            c.ParseFromArray(natsMsg_GetData(m.get()), natsMsg_GetDataLength(m.get()));
+        // An EXPORT alone is no reason for a version.
+        if (!parsed || c.op() != FleetControl::EXPORT) moved_ = true;
+        ApplyBatch();
+        if (!parsed) {
           Log(absl::StrCat("unparsable control message at seq ", seq, " skipped"));
           PassQuality(seq);
           t0 = SteadyNs();
           continue;
         }
-        Control(c, seq);
+        Control(c, seq, m.get());
         PassQuality(seq);
         t0 = SteadyNs();
         continue;
       }
+      moved_ = true;
       AddCompletion(m.get(), seq);
       PassQuality(seq);
     }
@@ -904,8 +913,9 @@ class Trainer::Worker {
       if (k > 0) s = UpdateLocked(batch_u_.data(), batch_y_, batch_seq_, &applied);
       if (pos_ > fleet_seq_) {
         fleet_seq_ = pos_;
-        dirty_ = true;
+        if (moved_) dirty_ = true;
       }
+      moved_ = false;
       if (t_->families_ != nullptr) {
         t_->families_->applied_seq.Add({{"readout", r_.name}})
             .Set(static_cast<double>(fleet_seq_));
@@ -972,7 +982,11 @@ class Trainer::Worker {
     return false;
   }
 
-  void Control(const FleetControl& c, uint64_t seq) {
+  void Control(const FleetControl& c, uint64_t seq, natsMsg* m) {
+    if (c.op() == FleetControl::EXPORT) {
+      Export(c, seq, m);
+      return;
+    }
     {
       absl::MutexLock lock(&mu_);
       fleet_seq_ = seq;  // the op is part of the state from here on
@@ -1061,6 +1075,37 @@ class Trainer::Worker {
         Log(absl::StrCat("unknown control op ", static_cast<int>(c.op()),
                          " at seq ", seq, " skipped"));
         return;
+    }
+  }
+
+  // EXPORT: the state now (theta, P, no kept completions, no quality) to
+  // the asker's subject; no version, and nothing when the operation is
+  // older than kExportMaxAgeMs (read again after a crash: its asker gave
+  // up long ago).
+  void Export(const FleetControl& c, uint64_t seq, natsMsg* m) {
+    jsMsgMetaData* meta = nullptr;
+    int64_t age_ms = 0;
+    if (natsMsg_GetMetaData(&meta, m) == NATS_OK) {
+      age_ms = UnixMs() - meta->Timestamp / 1'000'000;
+      jsMsgMetaData_Destroy(meta);
+    }
+    if (age_ms > kExportMaxAgeMs) {
+      Log(absl::StrCat("export ", c.op_id(), " at seq ", seq, " is ", age_ms,
+                       " ms old; not answered"));
+      return;
+    }
+    if (!t_->FenceOk()) return;
+    FleetState s;
+    {
+      absl::MutexLock lock(&mu_);
+      s = CaptureLocked();
+    }
+    s.kept_seqs.clear();
+    absl::StatusOr<int32_t> w = PublishState(
+        t_->js_, StateStream(fleet()), ExportSubject(fleet(), r_.name, c.op_id()),
+        r_.name, absl::StrCat("export-", c.op_id()), s);
+    if (!w.ok()) {
+      Log(absl::StrCat("export ", c.op_id(), " not written: ", w.status().message()));
     }
   }
 
@@ -1428,6 +1473,8 @@ class Trainer::Worker {
   // Worker thread only.
   natsSubscription* sub_ = nullptr;
   uint64_t pos_ = 0;  // sequence of the last message taken
+  // A message other than an EXPORT was taken since the last ApplyBatch.
+  bool moved_ = false;
   std::vector<float> batch_u_;
   std::vector<double> batch_y_;
   std::vector<uint64_t> batch_seq_;

@@ -188,7 +188,15 @@ grpc::Status AdminService::ExportReadout(grpc::ServerContext* ctx,
   if (grpc::Status s = CheckAdmin(ctx); !s.ok()) return s;
   auto r = core_->GetReadout(req->name());
   if (!r.ok()) return ToGrpc(r.status());
-  readout::ReadoutState state = (*r)->Export();
+  readout::ReadoutState state;
+  if (req->from_trainer() && core_->fleet() != nullptr) {
+    // Fleet mode: theta and P as the trainer holds them (no version added).
+    absl::StatusOr<readout::ReadoutState> s = core_->fleet()->ExportState(req->name());
+    if (!s.ok()) return ToGrpc(s.status());
+    state = std::move(*s);
+  } else {
+    state = (*r)->Export();
+  }
   state.note = absl::StrCat("exported from leapd readout '", req->name(), "'");
   auto bytes = readout::SerializeArtifact(state);
   if (!bytes.ok()) return ToGrpc(bytes.status());
