@@ -56,23 +56,26 @@ void FleetQualityTracker::Fill(const Series& s, bool with_pairs,
 fpb::FleetQuality FleetQualityTracker::Encode(bool with_pairs) const {
   fpb::FleetQuality q;
   q.set_window(window_);
-  Fill(overall_, with_pairs, q.mutable_overall());
-  int64_t budget = kQualityCheckpointPairs - static_cast<int64_t>(overall_.pairs.size());
+  // Series keep their pairs while they fit, in this order: overall, arms,
+  // versions newest first (the versions still predicting).
+  int64_t budget = kQualityCheckpointPairs;
+  auto fill = [&](const Series& s, fpb::FleetQualitySeries* out) {
+    const int64_t n = static_cast<int64_t>(s.pairs.size());
+    const bool fits = with_pairs && n <= budget;
+    Fill(s, fits, out);
+    if (fits) budget -= n;
+  };
+  fill(overall_, q.mutable_overall());
   for (const auto& [key, s] : arms_) {
     fpb::FleetQualitySeries* a = q.add_arms();
     a->set_product_line(key.first);
     a->set_arm(key.second);
-    Fill(s, with_pairs, a);
-    budget -= static_cast<int64_t>(s.pairs.size());
+    fill(s, a);
   }
-  // Newest first: the versions still predicting keep their pairs.
   for (auto it = versions_.rbegin(); it != versions_.rend(); ++it) {
     fpb::FleetQualitySeries* v = q.add_versions();
     v->set_version(it->first);
-    const int64_t n = static_cast<int64_t>(it->second.pairs.size());
-    const bool fits = with_pairs && n <= budget;
-    Fill(it->second, fits, v);
-    if (fits) budget -= n;
+    fill(it->second, v);
   }
   return q;
 }

@@ -38,10 +38,10 @@ class FleetQualityTracker {
   void Add(int64_t version, const std::string& product_line,
            const std::string& arm, double predicted, double truth);
 
-  // With pairs (a checkpoint's): overall and arms whole, then versions
-  // newest first while the pairs fit in kQualityCheckpointPairs; an older
-  // version keeps its counts and Spearman without pairs. Without pairs:
-  // the summary members read.
+  // With pairs (a checkpoint's): each series with its pairs while they fit
+  // in kQualityCheckpointPairs, in the order overall, arms, versions newest
+  // first; a series that does not fit keeps its counts and Spearman without
+  // pairs. Without pairs: the summary members read.
   leap::v1::fleet::FleetQuality Encode(bool with_pairs) const;
   // Replaces the state with a checkpoint's (window kept as constructed).
   void Decode(const leap::v1::fleet::FleetQuality& q);

@@ -1081,5 +1081,51 @@ TEST_F(FleetTrainerTest, FleetWideQualityCountsEveryMembersPairsOnce) {
               published.versions_size(), published.arms_size());
 }
 
+
+// A checkpoint's quality fits under the chunk room however much there is:
+// series keep their pairs while they fit (overall, arms, newest versions),
+// the others their numbers, and decoding gives back the same report.
+TEST(FleetQualityTracker, ACheckpointKeepsPairsWithinItsBudgetAndRestoresTheReport) {
+  FleetQualityTracker t(1000);
+  std::mt19937_64 rng(3);
+  std::uniform_real_distribution<double> u(1, 1000);
+  for (int64_t v = 1; v <= 40; ++v) {
+    for (int i = 0; i < 1200; ++i) {
+      const double truth = std::floor(u(rng));
+      t.Add(v, "chat", i % 3 == 0 ? "b" : "a", truth * std::exp(u(rng) / 2000), truth);
+    }
+  }
+  const FleetQuality full = t.Encode(/*with_pairs=*/true);
+  int64_t pairs = full.overall().predicted_size();
+  for (const auto& a : full.arms()) pairs += a.predicted_size();
+  int versions_with_pairs = 0;
+  for (const auto& v : full.versions()) {
+    pairs += v.predicted_size();
+    if (v.predicted_size() > 0) ++versions_with_pairs;
+  }
+  EXPECT_LE(pairs, kQualityCheckpointPairs);
+  EXPECT_LT(full.ByteSizeLong(), static_cast<size_t>(kStateChunkBytes / 2));
+  EXPECT_EQ(full.versions(0).version(), 40);  // newest first, with pairs
+  EXPECT_GT(full.versions(0).predicted_size(), 0);
+  EXPECT_EQ(versions_with_pairs, (kQualityCheckpointPairs - 3000) / 1000);
+  FleetQualityTracker back(1000);
+  back.Decode(full);
+  EXPECT_EQ(back.Encode(false).SerializeAsString(), t.Encode(false).SerializeAsString());
+  // A version restored without pairs reports its numbers until its next
+  // pair, then counts on from a fresh window.
+  back.Add(1, "chat", "a", 1, 1);
+  back.Add(1, "chat", "a", 2, 2);
+  const FleetQuality after = back.Encode(false);
+  bool found = false;
+  for (const auto& v : after.versions()) {
+    if (v.version() != 1) continue;
+    found = true;
+    EXPECT_EQ(v.completions(), 1202);
+    EXPECT_EQ(v.spearman_n(), 2);
+    EXPECT_DOUBLE_EQ(v.spearman(), 1.0);
+  }
+  EXPECT_TRUE(found);
+}
+
 }  // namespace
 }  // namespace leap::fleet
