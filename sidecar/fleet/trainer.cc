@@ -670,7 +670,13 @@ class Trainer::Worker {
     {
       absl::MutexLock lock(&mu_);
       Log(absl::StrCat("training from fleet_seq ", fleet_seq_, ", last version ",
-                       last_version_));
+                       last_version_,
+                       quality_seq_ < fleet_seq_
+                           ? absl::StrCat(", quality counted from seq ", quality_seq_)
+                           : std::string()));
+      // This term reads from the older of the two positions (a position
+      // left by an earlier term must not hide what the quality lacks).
+      pos_ = std::min(fleet_seq_, quality_seq_);
       dirty_ = fleet_seq_ > last_published_seq_;
       last_fleet_ckpt_ms_ = SteadyMs();
       last_local_ckpt_ms_ = SteadyMs();
