@@ -167,10 +167,11 @@ absl::StatusOr<pb::ReadoutInfo> RunCreateReadout(
 
 absl::StatusOr<ExportReport> RunExport(AdminClient& client,
                                        const std::string& name,
-                                       const std::string& out_path) {
+                                       const std::string& out_path,
+                                       bool from_trainer) {
   if (name.empty()) return Usage("missing required argument NAME");
   if (out_path.empty()) return Usage("missing required flag --out");
-  ASSIGN_OR_RETURN(pb::ExportReadoutResponse resp, client.ExportReadout(name));
+  ASSIGN_OR_RETURN(pb::ExportReadoutResponse resp, client.ExportReadout(name, from_trainer));
   absl::StatusOr<readout::ReadoutState> state = readout::ParseArtifact(
       resp.artifact(),
       absl::StrCat("artifact exported by leapd for '", name, "'"));
