@@ -25,7 +25,12 @@
 //                   [--clients=6] [--nats_nodes=3] [--members=3]
 //                   [--trainer_cpus=N (m0 pinned to CPUs 0..N-1: its RLS uses
 //                   N threads; 0 = all)] [--version_interval_ms=200]
-//                   [--sustained=1]
+//                   [--sustained=1] [--leapd=PATH (default: the one built
+//                   beside it)] [--trainer_args=--flag=v,--flag=v (more
+//                   flags for m0, e.g. --fleet_checkpoint_every_s=3600)]
+// Each phase also prints the most threads each member had while it ran
+// (sampled from /proc every 20 ms): a call that holds a thread while it
+// waits for JetStream shows there.
 // A benchmark program, not a ctest test. Release build.
 #include <sched.h>
 #include <signal.h>
@@ -52,6 +57,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/match.h"
+#include "absl/strings/ascii.h"
 #include "readout/internal/machine_probe.h"
 #include "readout/rls.h"
 #include "tests/support/bench_load.h"
@@ -102,6 +108,48 @@ std::string StageReport(const std::map<std::string, double>& before,
   return out;
 }
 
+// The most threads each process had while this object lived (sampled from
+// /proc/PID/status every 20 ms on its own thread).
+class ThreadPeak {
+ public:
+  explicit ThreadPeak(std::vector<pid_t> pids)
+      : pids_(std::move(pids)), peak_(pids_.size(), 0) {
+    thread_ = std::thread([this] {
+      while (!stop_.load()) {
+        for (size_t i = 0; i < pids_.size(); ++i) {
+          std::ifstream f(absl::StrCat("/proc/", pids_[i], "/status"));
+          std::string line;
+          while (std::getline(f, line)) {
+            int64_t n = 0;
+            if (absl::StartsWith(line, "Threads:") &&
+                absl::SimpleAtoi(absl::StripAsciiWhitespace(line.substr(8)), &n)) {
+              peak_[i] = std::max(peak_[i], n);
+            }
+          }
+        }
+        // Benchmark bookkeeping, not a test: a sampling period.
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+    });
+  }
+  ~ThreadPeak() { Stop(); }
+  // Stops sampling; "m0 N, m1 N, ...".
+  std::string Stop() {
+    if (!stop_.exchange(true)) thread_.join();
+    std::string out;
+    for (size_t i = 0; i < peak_.size(); ++i) {
+      absl::StrAppend(&out, i == 0 ? "" : ", ", "m", i, " ", peak_[i]);
+    }
+    return out;
+  }
+
+ private:
+  const std::vector<pid_t> pids_;
+  std::vector<int64_t> peak_;
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+};
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -114,6 +162,9 @@ int main(int argc, char** argv) {
   const int64_t trainer_cpus = IntFlag(argc, argv, "trainer_cpus", 0);
   const int64_t interval_ms = IntFlag(argc, argv, "version_interval_ms", 200);
   const bool sustained = IntFlag(argc, argv, "sustained", 1) != 0;
+  const std::string leapd_path = StrFlag(argc, argv, "leapd", LEAPD_PATH);
+  const std::vector<std::string> trainer_args = absl::StrSplit(
+      StrFlag(argc, argv, "trainer_args", ""), ',', absl::SkipEmpty());
   std::vector<int64_t> rates;
   for (absl::string_view r : absl::StrSplit(rates_flag, ',', absl::SkipEmpty())) {
     int64_t v = 0;
@@ -142,8 +193,9 @@ int main(int argc, char** argv) {
               "(FMA peak %.1f GFMA/s, %s), %.0f on %ld cores\n",
               static_cast<long long>(dim), bound1, fma_peak / 1e9,
               leap::readout::internal::FmaPeakIsa(), bound_t, trainer_cores);
-  for (int threads : {1, static_cast<int>(trainer_cores)}) {
-    if (threads == trainer_cores && threads == 1) break;
+  std::vector<int> thread_counts = {1};
+  if (trainer_cores > 1) thread_counts.push_back(static_cast<int>(trainer_cores));
+  for (int threads : thread_counts) {
     const int64_t n = dim + 1, k = 64;
     leap::readout::RlsOptions ro;
     ro.threads = threads;
@@ -194,14 +246,14 @@ int main(int argc, char** argv) {
       sched_setaffinity(0, sizeof(set), &set);
     }
     std::string addr;
-    auto p = leap::testing::StartLeapd(
-        LEAPD_PATH,
-        {absl::StrCat("--data_dir=", dir, "/m", i), "--fleet=" + (*nats)->urls(),
-         "--fleet_name=bench", absl::StrCat("--fleet_member=m", i),
-         absl::StrCat("--fleet_replicas=", nats_nodes),
-         absl::StrCat("--fleet_trainer=", i == 0 ? "auto" : "never"),
-         absl::StrCat("--fleet_version_interval_ms=", interval_ms)},
-        &addr);
+    std::vector<std::string> args = {
+        absl::StrCat("--data_dir=", dir, "/m", i), "--fleet=" + (*nats)->urls(),
+        "--fleet_name=bench", absl::StrCat("--fleet_member=m", i),
+        absl::StrCat("--fleet_replicas=", nats_nodes),
+        absl::StrCat("--fleet_trainer=", i == 0 ? "auto" : "never"),
+        absl::StrCat("--fleet_version_interval_ms=", interval_ms)};
+    if (i == 0) args.insert(args.end(), trainer_args.begin(), trainer_args.end());
+    auto p = leap::testing::StartLeapd(leapd_path, args, &addr);
     if (i == 0) sched_setaffinity(0, sizeof(all_cpus), &all_cpus);
     if (!p.ok()) {
       std::fprintf(stderr, "member %d: %s\n", i, std::string(p.status().message()).c_str());
@@ -231,6 +283,8 @@ int main(int argc, char** argv) {
       return 1;
     }
   }
+  std::vector<pid_t> member_pids;
+  for (const auto& m : members) member_pids.push_back(m->pid());
   std::vector<std::unique_ptr<Watcher>> watchers;
   for (const std::string& a : addrs) watchers.push_back(std::make_unique<Watcher>(a));
 
@@ -282,7 +336,9 @@ int main(int argc, char** argv) {
     int64_t failures = 0;
     const auto before = stages();
     const auto start = Clock::now();
+    ThreadPeak peak(member_pids);
     const double secs = run_clients(0, &acked, &failures);
+    const std::string threads = peak.Stop();
     uint64_t max_seq = 0;
     for (const Acked& a : acked) max_seq = std::max(max_seq, a.fleet_seq);
     if (!wait_all(max_seq)) {
@@ -304,6 +360,7 @@ int main(int argc, char** argv) {
                 learn_rate / bound1, learn_rate / bound_t, trainer_cores);
     std::printf("  trainer worker time: %s\n",
                 StageReport(before, stages(), learn_secs).c_str());
+    std::printf("  most threads per member: %s\n", threads.c_str());
   }
 
   // 3. Staleness at steady rates.
@@ -311,7 +368,9 @@ int main(int argc, char** argv) {
     std::vector<Acked> acked;
     int64_t failures = 0;
     const auto before = stages();
+    ThreadPeak peak(member_pids);
     const double secs = run_clients(static_cast<double>(rate) / clients, &acked, &failures);
+    const std::string threads = peak.Stop();
     uint64_t max_seq = 0;
     for (const Acked& a : acked) max_seq = std::max(max_seq, a.fleet_seq);
     if (!wait_all(max_seq)) {
@@ -342,6 +401,7 @@ int main(int argc, char** argv) {
                 Pct(to_publish, 0.99), Pct(to_served, 0.5), Pct(to_served, 0.99));
     std::printf("  trainer worker time: %s\n",
                 StageReport(before, stages(), secs).c_str());
+    std::printf("  most threads per member: %s\n", threads.c_str());
   }
   std::printf("uptime after: %s\n", Sh("uptime").c_str());
   watchers.clear();

@@ -22,6 +22,7 @@
 #include <signal.h>
 
 #include <algorithm>
+#include <thread>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -636,8 +637,26 @@ TEST(FleetDegraded, NatsDownRefusesCompletionsKeepsPredicting) {
   }
   ASSERT_TRUE(ps.ok()) << ps.error_message();
   ASSERT_TRUE(complete("a", &cr).ok());
-  const uint64_t seq_a = cr.fleet_seq();
+  uint64_t seq_a = cr.fleet_seq();
   EXPECT_GT(seq_a, 0u);
+  {
+    // Concurrent unary Completes (callback handler, publishes pipelined on
+    // the member's connection): each acknowledged with its own sequence.
+    constexpr int kN = 16;
+    for (int i = 0; i < kN; ++i) ASSERT_TRUE(predict(absl::StrCat("c", i), &p).ok());
+    std::vector<uint64_t> seqs(kN, 0);
+    std::vector<std::thread> calls;
+    for (int i = 0; i < kN; ++i) {
+      calls.emplace_back([&, i] {
+        pb::CompleteResponse r;
+        if (complete(absl::StrCat("c", i), &r).ok()) seqs[i] = r.fleet_seq();
+      });
+    }
+    for (auto& t : calls) t.join();
+    std::sort(seqs.begin(), seqs.end());
+    for (int i = 0; i < kN; ++i) EXPECT_EQ(seqs[i], seq_a + 1 + i) << i;
+    seq_a = seqs.back();
+  }
   auto metric = [&](const std::string& name) {
     const std::string text = m.d.MetricsText();
     const size_t at = text.find("\n" + name + " ");

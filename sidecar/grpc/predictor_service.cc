@@ -472,22 +472,46 @@ grpc::Status PredictorService::Predict(grpc::ServerContext*,
   return grpc::Status::OK;
 }
 
-grpc::Status PredictorService::Complete(grpc::ServerContext*,
-                                        const pb::CompleteRequest* req,
-                                        pb::CompleteResponse* resp) {
+grpc::ServerUnaryReactor* PredictorService::Complete(
+    grpc::CallbackServerContext* ctx, const pb::CompleteRequest* req,
+    pb::CompleteResponse* resp) {
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
   absl::StatusOr<readout::FinishReason> reason =
       ReasonFromProto(req->completion().reason());
-  if (!reason.ok()) return ToGrpc(reason.status());
+  if (!reason.ok()) {
+    reactor->Finish(ToGrpc(reason.status()));
+    return reactor;
+  }
+  // Fleet mode: the publish is in flight when Complete returns; the call is
+  // answered once JetStream acknowledged it (or UNAVAILABLE when it failed).
   absl::StatusOr<CompletionOutcome> o = core_->Complete(
       req->completion().request_id(), req->completion().output_tokens(),
-      *reason, req->instance_id());
-  if (!o.ok()) return ToGrpc(o.status());
+      *reason, req->instance_id(), /*defer_fleet_ack=*/true);
+  if (!o.ok()) {
+    reactor->Finish(ToGrpc(o.status()));
+    return reactor;
+  }
+  std::shared_ptr<PendingFleetAck> ack = std::move(o->fleet_ack);
   resp->set_learned(o->learned);
   resp->set_skip_reason(o->skip_reason);
   resp->set_duplicate(o->duplicate);
   resp->set_duplicate_reason(o->duplicate_reason);
   resp->set_fleet_seq(o->fleet_seq);
-  return grpc::Status::OK;
+  if (ack == nullptr) {
+    reactor->Finish(grpc::Status::OK);
+    return reactor;
+  }
+  // Runs inside ack->Set (the ack is alive), on the thread that set it.
+  ack->OnDone([reactor, resp, ack_raw = ack.get()] {
+    absl::StatusOr<uint64_t> seq = ack_raw->Wait();  // set: no wait
+    if (!seq.ok()) {
+      reactor->Finish(ToGrpc(seq.status()));
+      return;
+    }
+    resp->set_fleet_seq(*seq);
+    reactor->Finish(grpc::Status::OK);
+  });
+  return reactor;
 }
 
 grpc::Status PredictorService::WatchReadout(

@@ -3,8 +3,13 @@
 // protos and Core types and map absl::Status codes one to one onto
 // grpc::Status codes (sidecar/grpc/status.h).
 //
-// Threads: gRPC's synchronous server calls every handler on one of its
-// threads, any number at once. A Connect call's handler thread reads the
+// Threads: gRPC's synchronous server calls every handler but Complete on one
+// of its threads, any number at once. Complete is a callback method: its
+// handler runs on one of gRPC's callback threads and, in fleet mode, returns
+// with the completion's JetStream publish in flight; the call is finished on
+// the NATS thread that receives the acknowledgement, so concurrent unary
+// Completes pipeline on the member's one NATS connection without holding a
+// thread each. A Connect call's handler thread reads the
 // engine's messages and answers them; each Connect stream also owns one
 // writer thread that does every Write (answers, publish notices, rescores),
 // so a publish never waits on a slow engine. The publishing thread (an RLS
@@ -51,7 +56,9 @@ class OutboxLimits {
   std::atomic<int64_t> peak_{0};
 };
 
-class PredictorService final : public leap::v1::Predictor::Service {
+class PredictorService final
+    : public leap::v1::Predictor::WithCallbackMethod_Complete<
+          leap::v1::Predictor::Service> {
  public:
   // `sidecar_id` identifies this process (engines resubmit on change).
   // `outbox_bytes` bounds each consumer's outbox (see OutboxLimits).
@@ -73,9 +80,9 @@ class PredictorService final : public leap::v1::Predictor::Service {
   grpc::Status Predict(grpc::ServerContext* ctx,
                        const leap::v1::PredictRequest* req,
                        leap::v1::PredictResponse* resp) override;
-  grpc::Status Complete(grpc::ServerContext* ctx,
-                        const leap::v1::CompleteRequest* req,
-                        leap::v1::CompleteResponse* resp) override;
+  grpc::ServerUnaryReactor* Complete(grpc::CallbackServerContext* ctx,
+                                     const leap::v1::CompleteRequest* req,
+                                     leap::v1::CompleteResponse* resp) override;
   grpc::Status WatchReadout(
       grpc::ServerContext* ctx, const leap::v1::WatchReadoutRequest* req,
       grpc::ServerWriter<leap::v1::ReadoutVersion>* writer) override;

@@ -11,6 +11,10 @@
 // live (its features are what rescoring and learning read), and hands it
 // back with a kRelease frame when the request is gone.
 //
+// Fleet mode: a completions frame is answered once JetStream acknowledged
+// its completions; meanwhile its answer is parked and the loop goes on
+// serving (its Ack may follow the answers to later frames: match by seq).
+//
 // Failures: the engine's socket hanging up (exit, kill -9) makes leapd
 // cancel that engine's live requests, release its segment and keep serving
 // the others. A malformed frame, or an index or length out of range, is

@@ -170,6 +170,9 @@ void ShmSession::Detach(const std::string& why, bool corrupt,
   }
   by_slot.clear();
   inline_live.clear();
+  // Completions still awaiting JetStream stay unacknowledged (the engine
+  // resends them); the publishes themselves go on.
+  parked.clear();
   core->metrics().shm_reclaimed().Increment(static_cast<double>(reclaimed));
   core->metrics().ShmDetached(label).Increment();
   hdr->sidecar_closed.store(1);
@@ -234,6 +237,9 @@ bool ShmSession::Service() {
   }
   FlushReleases();
   if (has_publish.load(std::memory_order_relaxed)) FlushPublishes();
+  if (!parked.empty() && parked_ready->load(std::memory_order_acquire)) {
+    busy |= FlushParked();
+  }
   if (pending_bytes > kMaxPendingBytes) {
     // An engine that stopped reading (hung, or its ring's head is garbage):
     // do not buffer for it without bound.
@@ -461,11 +467,55 @@ void ShmSession::HandleProto(const char* payload, size_t bytes) {
     answer.mutable_error()->set_message(
         absl::StrCat("malformed EngineMessage frame of ", bytes, " bytes"));
     core->metrics().RequestErrors("INVALID_ARGUMENT").Increment();
+  } else if (msg.body_case() == pb::EngineMessage::kCompletions) {
+    StartCompletionsAnswer(msg);
+    return;
   } else {
     HandleEngineMessage(core, session, hello, dtype, &msg, &answer, this);
     FitAnswer(&answer, out.max_payload());
   }
   EmitProto(answer);
+}
+
+void ShmSession::StartCompletionsAnswer(const pb::EngineMessage& msg) {
+  // As HandleEngineMessage answers it, but without waiting for JetStream
+  // (fleet mode): the answer is parked until its acknowledgements are in.
+  std::shared_ptr<CompletionsAnswer> a =
+      StartCompletions(core, hello, msg.completions());
+  if (!a->ready()) {
+    parked.push_back({msg.seq(), a});
+    a->OnReady([ready = parked_ready, w = waker] {
+      ready->store(true, std::memory_order_release);
+      w->Notify();
+    });
+    return;
+  }
+  pb::SidecarMessage answer;
+  answer.set_seq(msg.seq());
+  a->Finish(answer.mutable_ack(), this);
+  FitAnswer(&answer, out.max_payload());
+  EmitProto(answer);
+}
+
+bool ShmSession::FlushParked() {
+  // Cleared first: an answer that turns ready after its check below sets
+  // it again (and wakes the loop).
+  parked_ready->store(false, std::memory_order_seq_cst);
+  bool emitted = false;
+  for (auto it = parked.begin(); it != parked.end();) {
+    if (!it->answer->ready()) {
+      ++it;
+      continue;
+    }
+    pb::SidecarMessage answer;
+    answer.set_seq(it->seq);
+    it->answer->Finish(answer.mutable_ack(), this);
+    FitAnswer(&answer, out.max_payload());
+    EmitProto(answer);
+    emitted = true;
+    it = parked.erase(it);
+  }
+  return emitted;
 }
 
 void ShmSession::HandleCancels(const char* payload, size_t bytes) {

@@ -7,7 +7,9 @@
 // Threads: a ShmSession belongs to the shm server thread (the loop in
 // shm_server.cc); every member and method is touched there only, except
 //   - OnPublish (the publish hub's thread), which takes pub_mu;
-//   - has_publish and the Waker, which are atomics;
+//   - has_publish, parked_ready and the Waker, which are atomics (a parked
+//     completions answer's OnReady, on a NATS thread, sets parked_ready and
+//     wakes the loop);
 //   - Mapping::Release, which any thread may call (a request destroyed on an
 //     RLS or gRPC thread).
 // The loop's shutdown (ShmServer::Stop) calls Detach after joining the
@@ -126,6 +128,20 @@ struct ShmSession final : public PublishListener, public LiveTracker {
   absl::flat_hash_map<std::string, std::weak_ptr<LiveRequest>> inline_live;
   size_t prune_at = 1024;
 
+  // Completions frames whose answer waits for JetStream's acknowledgements
+  // (fleet mode): parked, so predictions on this ring keep flowing; each is
+  // answered by Service once ready, ready ones first (the answer carries the
+  // frame's seq). Server thread only.
+  struct Parked {
+    uint64_t seq = 0;
+    std::shared_ptr<CompletionsAnswer> answer;
+  };
+  std::deque<Parked> parked;
+  // Set (then the waker notified) by a parked answer that became ready; it
+  // may outlive the session. Any thread.
+  std::shared_ptr<std::atomic<bool>> parked_ready =
+      std::make_shared<std::atomic<bool>>(false);
+
   // Publishes waiting for the server thread (OnPublish: any thread).
   absl::Mutex pub_mu;
   std::vector<std::pair<std::string, int64_t>> published
@@ -164,6 +180,10 @@ struct ShmSession final : public PublishListener, public LiveTracker {
   void HandleFeatures(const char* payload, size_t bytes);
   void HandleProto(const char* payload, size_t bytes);
   void HandleCancels(const char* payload, size_t bytes);
+  // Starts a completions message; answers it now or parks it.
+  void StartCompletionsAnswer(const leap::v1::EngineMessage& msg);
+  // Emits the parked answers that are ready. True when it emitted any.
+  bool FlushParked();
   void Emit(shm::FrameKind kind, const std::string& bytes);
   void EmitParts(shm::FrameKind kind,
                  std::initializer_list<absl::string_view> parts);

@@ -1,0 +1,277 @@
+// The shared-memory server in fleet mode, in process: a Core over a real
+// RocksDB store with a real FleetMember connected to a real nats-server
+// started by the test (-js, file storage in a temp dir, a free loopback
+// port), and an engine_shim ShmChannel attached to the server. A completions
+// frame is answered only after JetStream acknowledged it, and while its
+// answer waits (the nats-server stopped with SIGSTOP) the loop goes on
+// answering predictions on the same ring; once the server runs again the
+// completion is acknowledged and is in the FEEDBACK stream.
+// With NATS gone completions are refused UNAVAILABLE while predictions go on.
+// Fails when /usr/sbin/nats-server is missing (scripts/install-deps).
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "client/process.h"
+#include "engine_shim/shm_channel.h"
+#include "gtest/gtest.h"
+#include "sidecar/fleet/member.h"
+#include "sidecar/shm/shm_server.h"
+#include "storage/rocksdb_store.h"
+#include "tests/support/readout_fixtures.h"
+#include "tests/support/scoped_temp_dir.h"
+
+namespace leap::sidecar {
+namespace {
+
+namespace pb = ::leap::v1;
+
+constexpr char kNatsServer[] = "/usr/sbin/nats-server";
+constexpr int64_t kDim = 16;
+constexpr absl::Duration kDeadline = absl::Seconds(30);
+
+int FreePort() {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = 0;
+  bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
+  socklen_t len = sizeof(a);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  const int port = ntohs(a.sin_port);
+  close(fd);
+  return port;
+}
+
+class ShmFleetTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ASSERT_TRUE(std::filesystem::exists(kNatsServer))
+        << kNatsServer << " missing (scripts/install-deps installs nats-server)";
+    // A short name: the shm path must fit a unix socket path.
+    tmp_ = std::make_unique<::leap::testing::ScopedTempDir>("shm_fleet_test");
+    dir_ = tmp_->path();
+    std::filesystem::create_directories(dir_ / "js");
+    port_ = FreePort();
+    client::ProcessOptions po;
+    po.merge_stderr = true;
+    po.die_with_parent = true;
+    auto p = client::Process::Start(
+        {kNatsServer, "-js", "-sd", (dir_ / "js").string(), "-a", "127.0.0.1",
+         "-p", std::to_string(port_)},
+        po);
+    ASSERT_TRUE(p.ok()) << p.status();
+    nats_ = std::move(*p);
+
+    auto st = storage::OpenRocksStore((dir_ / "m").string(), {});
+    ASSERT_TRUE(st.ok()) << st.status();
+    store_ = std::move(*st);
+    auto loaded = store_->Load();
+    ASSERT_TRUE(loaded.ok()) << loaded.status();
+    CoreOptions co;
+    co.readout.serving_only = true;
+    core_ = std::make_unique<Core>(co, &metrics_, store_.get());
+    ASSERT_TRUE(core_->Recover(std::move(*loaded)).ok());
+    fleet::FleetMemberOptions fo;
+    fo.nats.servers = {absl::StrCat("nats://127.0.0.1:", port_)};
+    fo.fleet = "shm";
+    fo.member = "m";
+    // JetStream's acknowledgement timeout well beyond the time the test
+    // keeps the server stopped.
+    fo.nats.timeout_ms = 20'000;
+    fo.on_degraded = [this](bool d) {
+      absl::MutexLock l(&mu_);
+      degraded_ = d;
+    };
+    auto f = fleet::FleetMember::Create(core_.get(), fo);
+    ASSERT_TRUE(f.ok()) << f.status();
+    fleet_ = std::move(*f);
+    core_->SetFleet(fleet_.get());
+    ASSERT_TRUE(fleet_->Start({}, 20'000).ok());
+    state_ = testing::RandomState(kDim, 41);
+    ASSERT_TRUE(fleet_->CreateReadout("chat", state_).ok());
+    Route route;
+    route.arms.push_back({"chat", "chat", 100.0, false});
+    ASSERT_TRUE(fleet_->SetRoute(route).ok());
+
+    ShmServerOptions so;
+    so.path = (dir_ / "leap.shm").string();
+    so.max_slots = 64;
+    auto server = ShmServer::Start(core_.get(), "fleet-sidecar", so);
+    ASSERT_TRUE(server.ok()) << server.status();
+    server_ = std::move(*server);
+    shim::ShmChannelOptions o;
+    o.path = server_->path();
+    o.hello.set_engine_id("e");
+    o.hello.set_dim(kDim);
+    o.hello.set_dtype(pb::FEATURE_DTYPE_FLOAT32);
+    o.slots = 16;
+    o.ring_bytes = 1 << 16;
+    o.timeout = absl::Seconds(10);
+    pb::SidecarMessage ack;
+    auto ch = shim::ShmChannel::Attach(o, &ack);
+    ASSERT_TRUE(ch.ok()) << ch.status();
+    ch_ = std::move(*ch);
+  }
+  void TearDown() override {
+    if (nats_ != nullptr) nats_->Signal(SIGCONT);
+    ch_.reset();
+    server_.reset();
+    if (core_ != nullptr) core_->SetFleet(nullptr);
+    if (fleet_ != nullptr) fleet_->Stop();
+    fleet_.reset();
+    if (core_ != nullptr) core_->Shutdown(false);
+    core_.reset();
+    store_.reset();
+    nats_.reset();
+    tmp_.reset();
+  }
+
+  // Submits one request's features in a slot as frame `seq`.
+  void Submit(uint64_t seq, const std::string& id) {
+    const int64_t slot = ch_->AcquireSlot();
+    ASSERT_GE(slot, 0);
+    const std::vector<float> x = testing::RandomFeatures(state_, rng_);
+    std::memcpy(ch_->slot(static_cast<uint32_t>(slot)), x.data(), kDim * sizeof(float));
+    const shim::ShmChannel::Record r{static_cast<uint32_t>(slot), id, "", 0};
+    ASSERT_TRUE(ch_->SendFeatures(seq, {r}).ok());
+    ch_->Flush();
+  }
+  void SendCompletion(uint64_t seq, const std::string& id) {
+    pb::EngineMessage m;
+    m.set_seq(seq);
+    pb::Completion* c = m.mutable_completions()->add_completions();
+    c->set_request_id(id);
+    c->set_output_tokens(40);
+    c->set_reason(pb::FINISH_REASON_STOP);
+    ASSERT_TRUE(ch_->SendProto(m).ok());
+    ch_->Flush();
+  }
+  // What an answer frame said.
+  struct Answer {
+    bool predictions = false;  // a predictions frame (else an Ack)
+    size_t n_predictions = 0;
+    pb::SidecarMessage proto;
+  };
+  // Receives frames until the answer to `seq` (a predictions frame or an
+  // Ack) is in; every answer is kept by seq, and its seq appended to
+  // answered_ in arrival order.
+  bool AwaitAnswer(uint64_t seq) {
+    const absl::Time deadline = absl::Now() + kDeadline;
+    shim::ShmIncoming in;
+    while (answers_.count(seq) == 0) {
+      if (absl::Now() > deadline) return false;
+      absl::Status s = ch_->Receive(&in, absl::Milliseconds(200));
+      if (absl::IsDeadlineExceeded(s)) continue;
+      if (!s.ok()) {
+        ADD_FAILURE() << s;
+        return false;
+      }
+      Answer a;
+      a.predictions = in.kind == shim::ShmIncoming::Kind::kPredictions;
+      if (!a.predictions &&
+          (in.kind != shim::ShmIncoming::Kind::kProto || !in.proto.has_ack())) {
+        continue;
+      }
+      a.n_predictions = in.predictions.size();
+      a.proto = in.proto;
+      answers_[in.seq] = std::move(a);
+      answered_.push_back(in.seq);
+    }
+    return true;
+  }
+  bool AwaitDegraded(bool want) {
+    absl::MutexLock l(&mu_);
+    auto cond = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return degraded_ == want; };
+    return mu_.AwaitWithTimeout(absl::Condition(&cond), kDeadline);
+  }
+
+  std::unique_ptr<::leap::testing::ScopedTempDir> tmp_;
+  std::filesystem::path dir_;
+  int port_ = 0;
+  std::unique_ptr<client::Process> nats_;
+  std::unique_ptr<storage::StateStore> store_;
+  Metrics metrics_;
+  std::unique_ptr<Core> core_;
+  std::unique_ptr<fleet::FleetMember> fleet_;
+  readout::ReadoutState state_;
+  std::unique_ptr<ShmServer> server_;
+  std::unique_ptr<shim::ShmChannel> ch_;
+  std::mt19937_64 rng_{3};
+  std::map<uint64_t, Answer> answers_;
+  std::vector<uint64_t> answered_;
+  absl::Mutex mu_;
+  bool degraded_ ABSL_GUARDED_BY(mu_) = true;
+};
+
+TEST_F(ShmFleetTest, PredictionsFlowWhileACompletionAwaitsJetStream) {
+  auto last_in_stream = [&] {
+    auto last = fleet_->nats().LastSeq(fleet::FeedbackStream("shm"));
+    EXPECT_TRUE(last.ok()) << last.status();
+    return last.value_or(0);
+  };
+  // NATS answering: the completion is acknowledged, and it is in the stream.
+  Submit(1, "a");
+  ASSERT_TRUE(AwaitAnswer(1));
+  SendCompletion(2, "a");
+  ASSERT_TRUE(AwaitAnswer(2));
+  ASSERT_EQ(answers_[2].proto.ack().accepted(), 1) << answers_[2].proto.DebugString();
+  const uint64_t stored = last_in_stream();
+  ASSERT_GT(stored, 0u);
+  EXPECT_EQ(fleet_->Status().last_fleet_seq, stored);
+
+  // NATS stopped (it holds the connection but answers nothing): the
+  // completion's answer is parked; a prediction sent after it is answered.
+  Submit(3, "b");
+  Submit(4, "c");
+  ASSERT_TRUE(AwaitAnswer(3));
+  ASSERT_TRUE(AwaitAnswer(4));
+  answered_.clear();
+  nats_->Signal(SIGSTOP);
+  SendCompletion(5, "b");
+  Submit(6, "d");
+  ASSERT_TRUE(AwaitAnswer(6));
+  EXPECT_TRUE(answers_[6].predictions);
+  EXPECT_EQ(answers_[6].n_predictions, 1u);
+  // The completion is still unanswered: the prediction came first.
+  EXPECT_EQ(answered_, std::vector<uint64_t>{6});
+  nats_->Signal(SIGCONT);
+  ASSERT_TRUE(AwaitAnswer(5));
+  // Acknowledged once JetStream stored it.
+  const pb::Ack& ack = answers_[5].proto.ack();
+  EXPECT_EQ(ack.accepted(), 1) << answers_[5].proto.DebugString();
+  EXPECT_EQ(last_in_stream(), stored + 1);
+  EXPECT_EQ(fleet_->Status().last_fleet_seq, stored + 1);
+
+  // NATS gone: completions are refused UNAVAILABLE, predictions go on.
+  nats_->Signal(SIGKILL);
+  nats_->Wait();
+  nats_.reset();
+  ASSERT_TRUE(AwaitDegraded(true));
+  SendCompletion(7, "c");
+  Submit(8, "e");
+  ASSERT_TRUE(AwaitAnswer(8));
+  EXPECT_EQ(answers_[8].n_predictions, 1u);
+  ASSERT_TRUE(AwaitAnswer(7));
+  const pb::Ack& refused = answers_[7].proto.ack();
+  EXPECT_EQ(refused.accepted(), 0);
+  ASSERT_EQ(refused.errors_size(), 1) << answers_[7].proto.DebugString();
+  EXPECT_EQ(refused.errors(0).code(), static_cast<int>(absl::StatusCode::kUnavailable));
+  EXPECT_EQ(refused.errors(0).request_id(), "c");
+}
+
+}  // namespace
+}  // namespace leap::sidecar
