@@ -186,9 +186,10 @@ absl::StatusOr<pb::ListVersionsResponse> AdminClient::ListVersions(
 }
 
 absl::StatusOr<pb::ExportReadoutResponse> AdminClient::ExportReadout(
-    const std::string& name) {
+    const std::string& name, bool from_trainer) {
   pb::ExportReadoutRequest req;
   req.set_name(name);
+  req.set_from_trainer(from_trainer);
   return Call<pb::ExportReadoutRequest, pb::ExportReadoutResponse>(
       &pb::Admin::Stub::ExportReadout, req);
 }

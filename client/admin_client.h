@@ -84,8 +84,10 @@ class AdminClient {
   absl::Status ExportDataset(
       const std::string& readout, int64_t limit,
       const std::function<bool(const v1::DatasetChunk&)>& on_chunk);
+  // `from_trainer`: fleet mode, theta and P as the fleet's trainer holds
+  // them (ExportReadoutRequest.from_trainer).
   absl::StatusOr<v1::ExportReadoutResponse> ExportReadout(
-      const std::string& name);
+      const std::string& name, bool from_trainer = false);
   absl::StatusOr<v1::ReadoutInfo> SetAdaptation(const std::string& name,
                                                 bool frozen);
   absl::StatusOr<v1::Route> SetRoute(const v1::Route& route);

@@ -444,6 +444,10 @@ absl::Status LeapdServer::StartFleet() {
     to.lease_ms = fleet_->options().lease_ms;
     to.version_interval_ms = options_.fleet->version_interval_ms;
     to.checkpoint_every_ms = options_.fleet->checkpoint_every_ms;
+    // The trainer's RLS is tuned like a single leapd's (docs/FLEET.md).
+    to.max_batch = options_.core.readout.rls_batch_max;
+    to.rls_threads = options_.core.readout.rls_threads;
+    to.quality_window = options_.core.readout.quality_window;
     to.local_store = trainer_store_.get();
     to.registry = metrics_->registry();
     to.on_role = [member = fleet_.get()](bool lead) { member->SetRole(lead); };

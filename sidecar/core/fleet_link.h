@@ -56,6 +56,26 @@ struct FleetStatus {
   int64_t unconfirmed = 0;      // outbox records not yet in the stream
 };
 
+// Fleet-wide online quality of a readout (docs/FLEET.md "Online quality"):
+// what the trainer counted over every member's completions.
+struct FleetQualitySeriesView {
+  int64_t version = 0;       // a version's series (0 otherwise)
+  std::string product_line;  // an arm's series
+  std::string arm;
+  int64_t completions = 0;   // counted in all
+  double spearman = 0;       // over the newest spearman_n (NaN if undefined)
+  int64_t spearman_n = 0;
+};
+struct FleetQualityView {
+  uint64_t fleet_seq = 0;  // every completion up to this sequence counted
+  int64_t window = 0;
+  std::string trainer;
+  int64_t unix_ms = 0;
+  FleetQualitySeriesView overall;
+  std::vector<FleetQualitySeriesView> versions;
+  std::vector<FleetQualitySeriesView> arms;
+};
+
 // One completion's publish to the fleet's stream, in flight (fleet mode,
 // Core::Complete with defer_fleet_ack): set once, from the thread that
 // receives JetStream's acknowledgement, to the completion's FEEDBACK
@@ -141,8 +161,8 @@ class FleetLink {
                                            const std::string& label) = 0;
   virtual absl::Status SetFrozen(const std::string& readout, bool frozen) = 0;
   // The readout's complete state as the fleet's trainer holds it now (theta
-  // and P of one version). Not used by ExportReadout yet: it adds a version
-  // to the fleet's history (docs/FLEET.md).
+  // and P of one version), asked with an EXPORT operation that adds no
+  // version (ExportReadout with from_trainer, docs/FLEET.md).
   virtual absl::StatusOr<readout::ReadoutState> ExportState(
       const std::string& readout) = 0;
   // The fleet's snapshots of a readout (in the STATE stream).
@@ -150,6 +170,13 @@ class FleetLink {
       const std::string& readout) = 0;
 
   virtual FleetStatus Status() const = 0;
+  // The newest fleet-wide quality the trainer published for this
+  // incarnation of the readout; nullopt when there is none (yet).
+  virtual std::optional<FleetQualityView> Quality(
+      const std::string& readout) const {
+    (void)readout;
+    return std::nullopt;
+  }
 };
 
 }  // namespace leap::sidecar

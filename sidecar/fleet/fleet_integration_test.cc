@@ -8,18 +8,24 @@
 // snapshot and a rollback through the member are answered by the trainer,
 // and the served weights are the snapshot's bit for bit. nats-server
 // (installed by scripts/install-deps) is required: without it the test fails.
+// Then two members behind their Admin APIs: the fleet-wide quality.
 #include <unistd.h>
 
+#include <algorithm>
+#include <cmath>
 #include <filesystem>
+#include <map>
 #include <random>
 
 #include "Eigen/Dense"
 #include "absl/strings/str_cat.h"
 #include "client/process.h"
+#include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "tests/support/scoped_temp_dir.h"
 #include "sidecar/core/core.h"
 #include "sidecar/fleet/member.h"
+#include "sidecar/grpc/admin_service.h"
 #include "sidecar/fleet/trainer.h"
 #include "storage/rocksdb_store.h"
 #include "tests/support/nats_cluster.h"
@@ -166,18 +172,23 @@ TEST(FleetIntegration, MemberAndTrainerLearnServeSnapshotAndRollBack) {
   EXPECT_EQ(v->folded.w(), folded.w());
   EXPECT_EQ(v->folded.b(), folded.b());
 
-  // ExportState through the member (what Admin.ExportReadout returns in
-  // fleet mode): theta and P of one version, as the trainer holds them —
-  // theta bit for bit, P against the FP64 closed form (P0^-1 + sum uu')^-1 —
-  // and its one-off snapshot label is not left in the fleet's list.
+  // ExportState through the member (what Admin.ExportReadout with
+  // from_trainer returns in fleet mode): theta and P of one version, as the
+  // trainer holds them — theta bit for bit, P against the FP64 closed form
+  // (P0^-1 + sum uu')^-1 — with no version added to the fleet's history and
+  // nothing left in its snapshot list.
+  const int64_t published_before = t->Status("chat")->published;
+  const int64_t last_before = t->Status("chat")->last_version;
   absl::StatusOr<readout::ReadoutState> exported = m->ExportState("chat");
   ASSERT_TRUE(exported.ok()) << exported.status();
   ASSERT_TRUE(exported->p.has_value());
   EXPECT_EQ(std::memcmp(exported->theta.data(), state->theta.data(), kN * 8), 0);
   EXPECT_EQ(exported->completions_learned, 150);
-  // The state's own version (the snapshot's answer is a new number with
-  // the same theta).
+  // The state's own version, and no new one.
   EXPECT_EQ(exported->version, v->version);
+  EXPECT_EQ(t->Status("chat")->published, published_before);
+  EXPECT_EQ(t->Status("chat")->last_version, last_before);
+  EXPECT_EQ((*core->GetReadout("chat"))->current()->version, v->version);
   const Eigen::MatrixXd p_want = a.inverse();
   const double p_err = (exported->p->ToDouble() - p_want).norm() / p_want.norm();
   std::printf("fleet integration: exported P vs FP64 closed form: %.3g relative\n", p_err);
@@ -190,6 +201,13 @@ TEST(FleetIntegration, MemberAndTrainerLearnServeSnapshotAndRollBack) {
   // Snapshot and rollback through the member, answered by the trainer.
   absl::StatusOr<storage::SnapshotInfo> snap = m->Snapshot("chat", "s1");
   ASSERT_TRUE(snap.ok()) << snap.status();
+  // The snapshot's answer is the next number after the export: the export
+  // added none (not even a coalesced "rls" one).
+  {
+    auto served = (*core->GetReadout("chat"))->current();
+    EXPECT_EQ(served->cause, "snapshot:s1");
+    EXPECT_EQ(served->version, last_before + 1);
+  }
   for (int i = 150; i < 200; ++i) publish(i);
   ASSERT_NE(recorder->Await([&](const sidecar::PublishedVersion& v) {
               return v.fleet_seq >= last;
@@ -216,6 +234,275 @@ TEST(FleetIntegration, MemberAndTrainerLearnServeSnapshotAndRollBack) {
   trainer->reset();
   core->SetFleet(nullptr);
   m->Stop();
+}
+
+
+// Spearman with average ranks, FP64: the test's own reference.
+double RefSpearman(const std::vector<std::pair<double, double>>& pairs) {
+  const size_t n = pairs.size();
+  if (n < 2) return NAN;
+  auto ranks = [n](const std::vector<double>& v) {
+    std::vector<size_t> idx(n);
+    for (size_t i = 0; i < n; ++i) idx[i] = i;
+    std::sort(idx.begin(), idx.end(), [&](size_t a, size_t b) { return v[a] < v[b]; });
+    std::vector<double> r(n);
+    for (size_t i = 0; i < n;) {
+      size_t j = i;
+      while (j + 1 < n && v[idx[j + 1]] == v[idx[i]]) ++j;
+      for (size_t k = i; k <= j; ++k) r[idx[k]] = static_cast<double>(i + j) / 2.0 + 1.0;
+      i = j + 1;
+    }
+    return r;
+  };
+  std::vector<double> a(n), b(n);
+  for (size_t i = 0; i < n; ++i) {
+    a[i] = pairs[i].first;
+    b[i] = pairs[i].second;
+  }
+  const std::vector<double> ra = ranks(a), rb = ranks(b);
+  double ma = 0, mb = 0;
+  for (size_t i = 0; i < n; ++i) {
+    ma += ra[i] / static_cast<double>(n);
+    mb += rb[i] / static_cast<double>(n);
+  }
+  double sab = 0, saa = 0, sbb = 0;
+  for (size_t i = 0; i < n; ++i) {
+    sab += (ra[i] - ma) * (rb[i] - mb);
+    saa += (ra[i] - ma) * (ra[i] - ma);
+    sbb += (rb[i] - mb) * (rb[i] - mb);
+  }
+  if (saa == 0 || sbb == 0) return NAN;
+  return sab / std::sqrt(saa * sbb);
+}
+
+// One leapd member as leapd --fleet builds it (serving-only Core, RocksDB
+// outbox, FleetMember) with its Admin service on a real gRPC port.
+struct Member {
+  std::unique_ptr<storage::StateStore> store;
+  sidecar::Metrics metrics;
+  std::unique_ptr<sidecar::Core> core;
+  std::unique_ptr<FleetMember> fleet;
+  std::unique_ptr<sidecar::AdminService> admin;
+  std::unique_ptr<grpc::Server> server;
+  std::unique_ptr<leap::v1::Admin::Stub> stub;
+
+  void Start(const std::filesystem::path& dir, const std::string& url,
+             const std::string& fleet_name, const std::string& id) {
+    auto opened = storage::OpenRocksStore((dir / id).string());
+    ASSERT_TRUE(opened.ok()) << opened.status();
+    store = std::move(*opened);
+    sidecar::CoreOptions co;
+    co.readout.serving_only = true;
+    core = std::make_unique<sidecar::Core>(co, &metrics, store.get());
+    auto loaded = store->Load();
+    ASSERT_TRUE(loaded.ok());
+    ASSERT_TRUE(core->Recover(std::move(*loaded)).ok());
+    FleetMemberOptions fo;
+    fo.nats.servers = {url};
+    fo.fleet = fleet_name;
+    fo.member = id;
+    fo.lease_ms = 1000;
+    auto m = FleetMember::Create(core.get(), fo);
+    ASSERT_TRUE(m.ok()) << m.status();
+    fleet = std::move(*m);
+    fleet->SetCreateStateWriter([fleet_name](NatsClient& nats, const std::string& readout,
+                                             const readout::ReadoutState& state,
+                                             uint64_t fleet_seq) {
+      return WriteCreateState(nats.raw_jetstream(), fleet_name, readout, state, fleet_seq);
+    });
+    core->SetFleet(fleet.get());
+    ASSERT_TRUE(fleet->Start({}, 20000).ok());
+    admin = std::make_unique<sidecar::AdminService>(core.get());
+    grpc::ServerBuilder b;
+    int port = 0;
+    b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    b.RegisterService(admin.get());
+    server = b.BuildAndStart();
+    ASSERT_NE(server, nullptr);
+    ASSERT_GT(port, 0);
+    stub = leap::v1::Admin::NewStub(grpc::CreateChannel(
+        absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials()));
+  }
+  void Stop() {
+    if (server != nullptr) server->Shutdown();
+    if (core != nullptr) core->SetFleet(nullptr);
+    if (fleet != nullptr) fleet->Stop();
+  }
+};
+
+// Issue 12's "online quality per version and arm is computed from all
+// members' (prediction, outcome) pairs": two members each serve half of
+// the traffic on two arms; every member's Admin API (GetStats,
+// ListVersions) reports, as "fleet", the Spearman per readout, version and
+// arm of the union of both members' pairs.
+TEST(FleetIntegration, EveryMemberReportsTheFleetWideQualityPerVersionAndArm) {
+  const ::leap::testing::ScopedTempDir tmp("fleet_quality");
+  const std::filesystem::path dir = tmp.path();
+  testing::NatsClusterOptions no;
+  no.nodes = 1;
+  no.dir = (dir / "nats").string();
+  auto server = testing::NatsCluster::Start(no);
+  ASSERT_TRUE(server.ok()) << server.status();
+  const std::string url = (*server)->url(0);
+  Member m1, m2;
+  ASSERT_NO_FATAL_FAILURE(m1.Start(dir, url, "fq", "m1"));
+  ASSERT_NO_FATAL_FAILURE(m2.Start(dir, url, "fq", "m2"));
+
+  TrainerOptions to;
+  to.fleet = "fq";
+  to.member = "m1";
+  to.lease_ms = 1000;
+  to.version_interval_ms = 20;
+  FleetMember* f1 = m1.fleet.get();
+  to.on_role = [f1](bool lead) { f1->SetRole(lead); };
+  auto trainer = Trainer::Start(f1->nats().raw_connection(), to);
+  ASSERT_TRUE(trainer.ok()) << trainer.status();
+  Trainer* t = trainer->get();
+  f1->SetReadoutsListener([t](const std::vector<FleetReadoutEntry>& entries) {
+    std::vector<TrainerReadout> rs;
+    for (const auto& e : entries) {
+      rs.push_back({e.name, e.spec, e.standardizer, e.created_unix_ms});
+    }
+    t->SetReadouts(std::move(rs));
+  });
+
+  const readout::ReadoutState st = ::leap::testing::RandomState(kDim, 31);
+  ASSERT_TRUE(f1->CreateReadout("chat", st).ok());
+  sidecar::Route route;
+  route.product_line = "";
+  route.arms = {{"a", "chat", 50, false}, {"b", "chat", 50, false}};
+  // Both members apply the readout and the route from CONFIG.
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  while (!m1.core->GetReadout("chat").ok() || !m2.core->GetReadout("chat").ok()) {
+    ASSERT_LT(absl::Now(), deadline) << "the readout never reached both members";
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  ASSERT_TRUE(f1->SetRoute(route).ok());
+  while (m2.core->ListRoutes().empty() || m1.core->ListRoutes().empty()) {
+    ASSERT_LT(absl::Now(), deadline) << "the route never reached both members";
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+
+  // 240 requests, alternately on m1 and m2.
+  std::mt19937_64 rng(5);
+  std::uniform_real_distribution<double> logt(1.0, 7.0);
+  std::normal_distribution<double> noise(0.0, 0.5);
+  struct Pair {
+    int64_t version;
+    std::string arm;
+    double predicted, truth;
+    bool on_m1;
+  };
+  std::vector<Pair> pairs;
+  uint64_t last = 0;
+  for (int i = 0; i < 240; ++i) {
+    Member& m = i % 2 == 0 ? m1 : m2;
+    const std::vector<float> x = ::leap::testing::RandomFeatures(st, rng);
+    const std::string id = absl::StrCat("r", i);
+    sidecar::ScoreRequest req;
+    req.request_id = id;
+    req.instance = i % 2 == 0 ? "e1" : "e2";
+    req.features = absl::string_view(reinterpret_cast<const char*>(x.data()),
+                                     kDim * sizeof(float));
+    absl::StatusOr<sidecar::ScoreResult> r = m.core->Predict(req, 0, nullptr);
+    ASSERT_TRUE(r.ok()) << r.status();
+    // An outcome that follows the prediction, with noise.
+    const int64_t tokens = std::clamp<int64_t>(
+        static_cast<int64_t>(std::llround(r->predicted_tokens * std::exp(noise(rng)) +
+                                          std::exp(logt(rng)))),
+        1, st.spec.max_tokens - 1);
+    absl::StatusOr<sidecar::CompletionOutcome> c =
+        m.core->Complete(id, tokens, readout::FinishReason::kStop, req.instance);
+    ASSERT_TRUE(c.ok()) << c.status();
+    ASSERT_TRUE(c->learned);
+    last = std::max(last, c->fleet_seq);
+    pairs.push_back({r->version, r->arm, r->predicted_tokens,
+                     static_cast<double>(tokens), i % 2 == 0});
+    if (i % 80 == 79) {
+      // Both members serve a newer version before the next 80: pairs of
+      // several versions.
+      for (Member* mm : {&m1, &m2}) {
+        while ((*mm->core->GetReadout("chat"))->current()->fleet_seq < last) {
+          ASSERT_LT(absl::Now(), deadline + absl::Seconds(20)) << "no new version";
+          absl::SleepFor(absl::Milliseconds(5));
+        }
+      }
+    }
+  }
+  // Each member's view of the quality reaches the last completion.
+  for (Member* m : {&m1, &m2}) {
+    for (;;) {
+      std::optional<sidecar::FleetQualityView> q = m->fleet->Quality("chat");
+      if (q.has_value() && q->fleet_seq >= last) break;
+      ASSERT_LT(absl::Now(), deadline + absl::Seconds(20)) << "quality never published";
+      absl::SleepFor(absl::Milliseconds(5));
+    }
+  }
+
+  std::map<int64_t, std::vector<std::pair<double, double>>> by_version;
+  std::map<std::string, std::vector<std::pair<double, double>>> by_arm;
+  std::vector<std::pair<double, double>> all, only_m1;
+  for (const Pair& p : pairs) {
+    by_version[p.version].emplace_back(p.predicted, p.truth);
+    by_arm[p.arm].emplace_back(p.predicted, p.truth);
+    all.emplace_back(p.predicted, p.truth);
+    if (p.on_m1) only_m1.emplace_back(p.predicted, p.truth);
+  }
+  ASSERT_EQ(by_arm.size(), 2u);
+  EXPECT_GE(by_version.size(), 3u);
+  const double want = RefSpearman(all);
+  std::printf("fleet quality: spearman of the union %.4f over %zu (m1's own %.4f over %zu), "
+              "%zu versions\n",
+              want, all.size(), RefSpearman(only_m1), only_m1.size(), by_version.size());
+  for (Member* m : {&m1, &m2}) {
+    SCOPED_TRACE(m == &m1 ? "m1" : "m2");
+    grpc::ClientContext ctx;
+    leap::v1::GetStatsRequest req;
+    leap::v1::StatsResponse stats;
+    ASSERT_TRUE(m->stub->GetStats(&ctx, req, &stats).ok());
+    ASSERT_EQ(stats.readouts_size(), 1);
+    const leap::v1::ReadoutStats& rs = stats.readouts(0);
+    EXPECT_EQ(rs.quality_scope(), "fleet");
+    EXPECT_GE(rs.quality_fleet_seq(), last);
+    EXPECT_EQ(rs.spearman_n(), 240);
+    EXPECT_NEAR(rs.spearman(), want, 1e-12);
+    int versions_checked = 0;
+    for (const leap::v1::VersionInfo& v : rs.versions()) {
+      auto it = by_version.find(v.version());
+      if (it == by_version.end()) continue;
+      EXPECT_EQ(v.spearman_n(), static_cast<int64_t>(it->second.size())) << v.version();
+      if (it->second.size() >= 2) {
+        EXPECT_NEAR(v.spearman(), RefSpearman(it->second), 1e-12);
+      }
+      ++versions_checked;
+    }
+    EXPECT_GT(versions_checked, 0);
+    int arms = 0;
+    for (const leap::v1::ArmStats& a : stats.arms()) {
+      EXPECT_EQ(a.quality_scope(), "fleet");
+      EXPECT_EQ(a.completions(), static_cast<int64_t>(by_arm[a.arm()].size())) << a.arm();
+      EXPECT_NEAR(a.spearman(), RefSpearman(by_arm[a.arm()]), 1e-12) << a.arm();
+      ++arms;
+    }
+    EXPECT_EQ(arms, 2);
+    grpc::ClientContext vctx;
+    leap::v1::ListVersionsRequest vreq;
+    vreq.set_name("chat");
+    leap::v1::ListVersionsResponse list;
+    ASSERT_TRUE(m->stub->ListVersions(&vctx, vreq, &list).ok());
+    EXPECT_EQ(list.quality_scope(), "fleet");
+    for (const leap::v1::VersionInfo& v : list.versions()) {
+      auto it = by_version.find(v.version());
+      EXPECT_EQ(v.spearman_n(),
+                it == by_version.end() ? 0 : static_cast<int64_t>(it->second.size()))
+          << v.version();
+    }
+  }
+
+  f1->SetReadoutsListener(nullptr);
+  trainer->reset();
+  m2.Stop();
+  m1.Stop();
 }
 
 }  // namespace

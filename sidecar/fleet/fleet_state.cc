@@ -97,6 +97,11 @@ absl::Status DecodeStatePayload(absl::string_view data, FleetState* s) {
   return absl::OkStatus();
 }
 
+std::string ExportSubject(absl::string_view fleet, absl::string_view readout,
+                          absl::string_view op_id) {
+  return absl::StrCat(CheckpointSubject(fleet, readout), ".export.", NameToken(op_id));
+}
+
 absl::StatusOr<int32_t> PublishState(jsCtx* js, const std::string& stream,
                                      const std::string& subject,
                                      const std::string& readout,
@@ -104,17 +109,28 @@ absl::StatusOr<int32_t> PublishState(jsCtx* js, const std::string& stream,
                                      const FleetState& s) {
   const std::string data = EncodeStatePayload(s);
   const uint32_t crc = Crc32c(data.data(), data.size());
-  const int32_t chunks = static_cast<int32_t>(
-      std::max<int64_t>(1, (static_cast<int64_t>(data.size()) + kStateChunkBytes - 1) /
-                               kStateChunkBytes));
+  // The quality rides on the last chunk, whose data shrinks to make room
+  // (every message stays under kStateChunkBytes of payload).
+  const int64_t extra = static_cast<int64_t>(s.quality.size());
+  if (extra > kStateChunkBytes / 2) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "state quality of ", extra, " bytes exceeds ", kStateChunkBytes / 2));
+  }
+  const int64_t size = static_cast<int64_t>(data.size());
+  int32_t chunks = static_cast<int32_t>(
+      std::max<int64_t>(1, (size + kStateChunkBytes - 1) / kStateChunkBytes));
+  if (extra > 0 && size - static_cast<int64_t>(chunks - 1) * kStateChunkBytes + extra >
+                       kStateChunkBytes) {
+    ++chunks;
+  }
   std::string bytes;
   for (int32_t i = 0; i < chunks; ++i) {
     leap::v1::fleet::FleetStateChunk c;
     c.set_readout(readout);
     c.set_state_id(state_id);
     c.set_index(i);
-    const int64_t off = static_cast<int64_t>(i) * kStateChunkBytes;
-    c.set_data(data.substr(off, kStateChunkBytes));
+    const int64_t off = std::min<int64_t>(static_cast<int64_t>(i) * kStateChunkBytes, size);
+    c.set_data(data.substr(static_cast<size_t>(off), kStateChunkBytes));
     if (i == chunks - 1) {
       c.set_last(true);
       c.set_version(s.version);
@@ -125,6 +141,7 @@ absl::StatusOr<int32_t> PublishState(jsCtx* js, const std::string& stream,
       c.set_label(s.label);
       c.set_chunks(chunks);
       for (uint64_t k : s.kept_seqs) c.add_kept_seqs(k);
+      if (!s.quality.empty()) c.set_quality(s.quality);
     }
     bytes.clear();
     c.SerializeToString(&bytes);
@@ -221,6 +238,7 @@ absl::StatusOr<FleetState> ReadNewestState(jsCtx* js, const std::string& stream,
             s.state_id = id;
             s.chunks = c.chunks();
             s.kept_seqs.assign(c.kept_seqs().begin(), c.kept_seqs().end());
+            s.quality = c.quality();
             best = std::move(s);
           }
         }

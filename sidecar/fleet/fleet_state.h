@@ -41,12 +41,21 @@ struct FleetState {
   // Checkpoints: FEEDBACK sequences <= fleet_seq of completions taken but not
   // applied (kept after a rejected RLS batch, retried on resume).
   std::vector<uint64_t> kept_seqs;
+  // Checkpoints: the trainer's fleet-wide quality (a serialized FleetQuality
+  // with pairs, FleetStateChunk.quality on the last chunk); "" when none.
+  std::string quality;
   int64_t unix_ms = 0;
   std::string state_id;  // as read or written
   int32_t chunks = 0;    // as read or written
 };
 
 // Stream, bucket and subject names: sidecar/fleet/nats_client.h.
+
+// Where the trainer writes the state an EXPORT operation asks for:
+// leap.<fleet>.ckpt.<readout>.export.<token of op_id> (STATE stream; read
+// and purged by the asking member).
+std::string ExportSubject(absl::string_view fleet, absl::string_view readout,
+                          absl::string_view op_id);
 
 // theta, P and the flags as one byte string (little-endian), and back.
 std::string EncodeStatePayload(const FleetState& s);

@@ -11,6 +11,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "common/clock.h"
+#include "sidecar/fleet/fleet_quality.h"
 #include "sidecar/fleet/fleet_state.h"
 #include "leap/v1/fleet.pb.h"
 #include "prometheus/registry.h"
@@ -548,6 +549,20 @@ void FleetMember::InstallVersionMsg(const std::string& readout,
 void FleetMember::OnConfig(const KvEntry& e) {
   const std::string readout_prefix = "readout.";
   const std::string route_prefix = "route.";
+  const std::string quality_prefix = "quality.";
+  if (e.key.rfind(quality_prefix, 0) == 0) {
+    absl::StatusOr<std::string> name =
+        NameFromToken(e.key.substr(quality_prefix.size()));
+    if (!name.ok()) return;
+    fpb::FleetQuality q;
+    absl::MutexLock l(&mu_);
+    if (e.deleted || !q.ParseFromString(e.value)) {
+      quality_.erase(*name);
+    } else {
+      quality_[*name] = {q.created_unix_ms(), QualityView(q)};
+    }
+    return;
+  }
   if (e.key.rfind(readout_prefix, 0) == 0) {
     absl::StatusOr<std::string> name =
         NameFromToken(e.key.substr(readout_prefix.size()));
@@ -754,6 +769,8 @@ absl::Status FleetMember::DeleteReadout(const std::string& name) {
   if (absl::Status s = config_kv_->Delete(ReadoutConfigKey(name)); !s.ok()) {
     return s;
   }
+  // Its fleet-wide quality goes with it (a new incarnation starts afresh).
+  config_kv_->Delete(QualityConfigKey(name)).IgnoreError();
   absl::Status local = core_->DeleteReadout(name);
   if (absl::IsNotFound(local)) return absl::OkStatus();
   return local;
@@ -859,15 +876,57 @@ absl::StatusOr<readout::ReadoutState> FleetMember::ExportState(
   absl::StatusOr<std::shared_ptr<sidecar::LiveReadout>> local =
       core_->GetReadout(readout);
   if (!local.ok()) return local.status();
-  const std::string label = absl::StrCat("export-", RandomOpId(options_.member));
-  absl::StatusOr<OpResult> r =
-      RunControl(readout, fpb::FleetControl::SNAPSHOT, label);
-  if (!r.ok()) return r.status();
+  if (!ready_.load()) return NotReady(options_.fleet);
+  // An EXPORT operation: the trainer writes its state at that point of the
+  // stream to a subject of its own, and publishes no version.
+  const std::string op_id = RandomOpId(options_.member);
   const std::string stream = StateStream(options_.fleet);
-  const std::string subject = SnapshotSubject(options_.fleet, readout, label);
+  const std::string subject = ExportSubject(options_.fleet, readout, op_id);
+  natsSubscription* sub = nullptr;
+  if (natsStatus st =
+          natsConnection_SubscribeSync(&sub, nats_->raw_connection(), subject.c_str());
+      st != NATS_OK) {
+    return NatsFailure("subscribing to " + subject, st);
+  }
+  natsSubscription_SetPendingLimits(sub, -1, -1);
+  fpb::FleetControl c;
+  c.set_readout(readout);
+  c.set_op(fpb::FleetControl::EXPORT);
+  c.set_member(options_.member);
+  c.set_op_id(op_id);
+  PublishOptions po;
+  po.msg_id = op_id;
+  absl::StatusOr<PublishResult> published = nats_->Publish(
+      ControlSubject(options_.fleet, readout), c.SerializeAsString(), po);
+  absl::Status answered = published.status();
+  const absl::Time deadline = absl::Now() + absl::Milliseconds(options_.op_timeout_ms);
+  while (answered.ok()) {
+    natsMsg* m = nullptr;
+    const int64_t left = absl::ToInt64Milliseconds(deadline - absl::Now());
+    natsStatus st = natsSubscription_NextMsg(&m, sub, std::max<int64_t>(left, 1));
+    if (st == NATS_TIMEOUT) {
+      answered = absl::DeadlineExceededError(absl::StrCat(
+          "fleet ", options_.fleet, ": the EXPORT of readout '", readout,
+          "' is in the stream (sequence ", published->seq,
+          ") but no trainer answered within ", options_.op_timeout_ms,
+          " ms (trainer: ", Status().trainer.empty() ? "none" : Status().trainer, ")"));
+      break;
+    }
+    if (st != NATS_OK) {
+      answered = NatsFailure("waiting for the export on " + subject, st);
+      break;
+    }
+    fpb::FleetStateChunk chunk;
+    const bool last = chunk.ParseFromArray(natsMsg_GetData(m), natsMsg_GetDataLength(m)) &&
+                      chunk.last();
+    natsMsg_Destroy(m);
+    if (last) break;
+  }
+  natsSubscription_Destroy(sub);
   absl::StatusOr<FleetState> fs =
-      ReadNewestState(nats_->raw_jetstream(), stream, subject);
-  // A one-off label: nothing is left in the fleet's snapshot list.
+      answered.ok() ? ReadNewestState(nats_->raw_jetstream(), stream, subject)
+                    : absl::StatusOr<FleetState>(answered);
+  // A one-off subject: nothing is left in STATE.
   jsOptions jo;
   jsOptions_Init(&jo);
   jo.Stream.Purge.Subject = subject.c_str();
@@ -939,6 +998,20 @@ sidecar::FleetStatus FleetMember::Status() const {
   s.degraded_reason = degraded_reason_;
   s.unconfirmed = static_cast<int64_t>(pending_.size());
   return s;
+}
+
+std::optional<sidecar::FleetQualityView> FleetMember::Quality(
+    const std::string& readout) const {
+  absl::MutexLock l(&mu_);
+  auto it = quality_.find(readout);
+  if (it == quality_.end()) return std::nullopt;
+  // Only for the incarnation this member serves (the key of a deleted one
+  // may outlive it).
+  auto cfg = config_.find(readout);
+  if (cfg == config_.end() || cfg->second.created_unix_ms != it->second.first) {
+    return std::nullopt;
+  }
+  return it->second.second;
 }
 
 }  // namespace leap::fleet

@@ -134,12 +134,16 @@ class FleetMember : public sidecar::FleetLink {
   absl::Status SetFrozen(const std::string& readout, bool frozen) override;
   absl::StatusOr<std::vector<storage::SnapshotInfo>> ListSnapshots(
       const std::string& readout) override;
-  // Asks the trainer: a SNAPSHOT operation under a one-off label
-  // ("export-<op id>"), whose complete state (theta, P) is read back from
-  // STATE, then purged from it.
+  // Asks the trainer: an EXPORT operation, answered by the complete state
+  // (theta, P) on STATE subject leap.<fleet>.ckpt.<readout>.export.<op id>
+  // (read back, then purged) and no version.
   absl::StatusOr<readout::ReadoutState> ExportState(
       const std::string& readout) override;
   sidecar::FleetStatus Status() const override;
+  // The newest quality.<readout> the trainer published in CONFIG, for the
+  // readout's current incarnation.
+  std::optional<sidecar::FleetQualityView> Quality(
+      const std::string& readout) const override;
 
   // The JetStream message id of a completion: the same on every member for
   // the same (readout, request, features, target).
@@ -230,6 +234,9 @@ class FleetMember : public sidecar::FleetLink {
   // CONFIG readouts as last seen (name -> entry).
   std::map<std::string, FleetReadoutEntry> config_ ABSL_GUARDED_BY(mu_);
   bool config_initial_done_ ABSL_GUARDED_BY(mu_) = false;
+  // CONFIG quality.<readout> as last seen: (created_unix_ms, summary).
+  std::map<std::string, std::pair<int64_t, sidecar::FleetQualityView>> quality_
+      ABSL_GUARDED_BY(mu_);
   std::function<void(const std::vector<FleetReadoutEntry>&)> readouts_listener_
       ABSL_GUARDED_BY(mu_);
 

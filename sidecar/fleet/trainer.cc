@@ -14,6 +14,7 @@
 #include "prometheus/counter.h"
 #include "prometheus/family.h"
 #include "prometheus/gauge.h"
+#include "sidecar/fleet/fleet_quality.h"
 
 namespace leap::fleet {
 namespace {
@@ -21,12 +22,16 @@ namespace {
 using leap::v1::fleet::FleetCompletion;
 using leap::v1::fleet::FleetControl;
 using leap::v1::fleet::FleetLease;
+using leap::v1::fleet::FleetQuality;
 using leap::v1::fleet::FleetVersion;
 
 constexpr char kLeaseKey[] = "trainer";
 // Message ids remembered per readout to skip a completion that reached the
 // stream twice (outside JetStream's de-duplication window).
 constexpr size_t kRememberedIds = 1 << 20;
+// An EXPORT operation older than this is not answered (its asker waits
+// 10 s).
+constexpr int64_t kExportMaxAgeMs = 60'000;
 
 int64_t SteadyMs() {
   return std::chrono::duration_cast<std::chrono::milliseconds>(
@@ -71,6 +76,10 @@ absl::Status TrainerOptions::Validate() const {
     return absl::InvalidArgumentError("trainer intervals must be >= 0");
   }
   if (max_batch < 1) return absl::InvalidArgumentError("max_batch must be >= 1");
+  if (rls_threads < 0) return absl::InvalidArgumentError("rls_threads must be >= 0");
+  if (quality_window < 1) {
+    return absl::InvalidArgumentError("quality_window must be >= 1");
+  }
   if (replicas < 1 || replicas > 5) {
     return absl::InvalidArgumentError("fleet_replicas must be in [1, 5]");
   }
@@ -180,7 +189,8 @@ class Trainer::Worker {
  public:
   Worker(Trainer* t, TrainerReadout r,
          std::optional<storage::RecoveredReadout> local)
-      : t_(t), r_(std::move(r)), n_(r_.spec.dim + 1) {
+      : t_(t), r_(std::move(r)), n_(r_.spec.dim + 1),
+        quality_(t->options_.quality_window) {
     if (local.has_value() &&
         local->meta.created_unix_ms == r_.created_unix_ms &&
         local->checkpoint.theta.size() == n_) {
@@ -232,8 +242,15 @@ class Trainer::Worker {
     s.frozen_reason = frozen_reason_;
     s.kept = static_cast<int64_t>(kept_seq_.size());
     s.remembered_ids = remembered_;
+    s.quality_seq = quality_seq_;
+    s.quality_completions = quality_.completions();
     s.running = running_.load();
     return s;
+  }
+
+  FleetQuality QualitySummary() const {
+    absl::MutexLock lock(&mu_);
+    return QualityLocked(/*with_pairs=*/false);
   }
 
   absl::StatusOr<FleetState> Export() {
@@ -266,6 +283,23 @@ class Trainer::Worker {
     t_->families_->kept.Add({{"readout", r_.name}})
         .Set(static_cast<double>(kept_seq_.size()));
     t_->families_->frozen.Add({{"readout", r_.name}}).Set(frozen_ ? 1 : 0);
+  }
+
+  // The fleet-wide quality counted so far, with its position.
+  FleetQuality QualityLocked(bool with_pairs) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    FleetQuality q = quality_.Encode(with_pairs);
+    q.set_readout(r_.name);
+    q.set_fleet_seq(quality_seq_);
+    q.set_trainer(t_->options_.member);
+    q.set_unix_ms(UnixMs());
+    q.set_created_unix_ms(r_.created_unix_ms);
+    return q;
+  }
+
+  readout::RlsOptions RlsOpts() const {
+    readout::RlsOptions o;
+    o.threads = t_->options_.rls_threads;
+    return o;
   }
 
   // theta, P and the position, consistent with each other (checkpoints
@@ -335,6 +369,10 @@ class Trainer::Worker {
     // The newest checkpoint's last chunk names its fleet_seq: the whole
     // state is read only when it is newer than what this member has.
     bool read_fleet = true;
+    // The fleet-wide quality of the newest complete STATE checkpoint (bytes,
+    // that state's fleet_seq): where counting goes on unless the start is
+    // from memory.
+    std::optional<std::pair<std::string, uint64_t>> fleet_quality;
     {
       natsMsg* raw = nullptr;
       jsErrCode code = static_cast<jsErrCode>(0);
@@ -343,10 +381,10 @@ class Trainer::Worker {
       if (st == NATS_OK) {
         MsgPtr m(raw);
         leap::v1::fleet::FleetStateChunk c;
-        if (best.has_value() &&
-            c.ParseFromArray(natsMsg_GetData(m.get()),
-                             natsMsg_GetDataLength(m.get())) &&
-            c.last() && c.fleet_seq() <= best->fleet_seq) {
+        const bool parsed = c.ParseFromArray(natsMsg_GetData(m.get()),
+                                             natsMsg_GetDataLength(m.get()));
+        if (parsed && c.last()) fleet_quality.emplace(c.quality(), c.fleet_seq());
+        if (best.has_value() && parsed && c.last() && c.fleet_seq() <= best->fleet_seq) {
           read_fleet = false;
         }
       } else if (st == NATS_NOT_FOUND || code == JSNoMessageFoundErr) {
@@ -361,6 +399,7 @@ class Trainer::Worker {
           ReadNewestState(t_->js_, StateStream(fleet()), subject);
       if (f.ok()) {
         checkpoint_chunks_ = f->chunks;
+        fleet_quality.emplace(f->quality, f->fleet_seq);
         if (!best.has_value() || f->fleet_seq > best->fleet_seq) {
           best = std::move(*f);
           from_memory = false;
@@ -381,6 +420,37 @@ class Trainer::Worker {
           ", the readout ", n_));
     }
     if (from_memory) return absl::OkStatus();  // kept rows still in memory
+    if (!fleet_quality.has_value()) {
+      // The last message was not a complete state's last chunk (a write cut
+      // short): the newest complete one.
+      absl::StatusOr<FleetState> f =
+          ReadNewestState(t_->js_, StateStream(fleet()), subject);
+      if (f.ok()) {
+        fleet_quality.emplace(f->quality, f->fleet_seq);
+      } else if (!absl::IsNotFound(f.status())) {
+        return f.status();
+      }
+    }
+    // Counting goes on from the checkpoint's quality, at its own position:
+    // the completions after it (even those already in theta and P, when
+    // the start is a newer local checkpoint) are counted once as they are
+    // read again. A checkpoint without quality (the creation state, a
+    // trainer that predates it) starts counting after its position.
+    FleetQualityTracker quality(t_->options_.quality_window);
+    uint64_t quality_seq = best->fleet_seq;
+    if (fleet_quality.has_value()) {
+      quality_seq = fleet_quality->second;
+      FleetQuality q;
+      if (fleet_quality->first.empty()) {
+        // nothing counted before it
+      } else if (q.ParseFromString(fleet_quality->first)) {
+        quality.Decode(q);
+        quality_seq = q.fleet_seq();
+      } else {
+        Log(absl::StrCat("unreadable quality in the fleet checkpoint; quality counted "
+                         "from seq ", quality_seq));
+      }
+    }
     // The completions a checkpoint kept (a rejected batch): read back from
     // the stream by sequence.
     std::vector<float> kept_u;
@@ -411,9 +481,9 @@ class Trainer::Worker {
     absl::MutexLock lock(&mu_);
     has_p_ = best->p.has_value();
     if (has_p_) {
-      rls_.emplace(best->theta, std::move(*best->p));
+      rls_.emplace(best->theta, std::move(*best->p), RlsOpts());
     } else {
-      rls_.emplace(best->theta, readout::SymMatrix::ScaledIdentity(n_, 1.0f));
+      rls_.emplace(best->theta, readout::SymMatrix::ScaledIdentity(n_, 1.0f), RlsOpts());
     }
     fleet_seq_ = best->fleet_seq;
     learned_ = best->completions_learned;
@@ -421,6 +491,8 @@ class Trainer::Worker {
     kept_u_ = std::move(kept_u);
     kept_y_ = std::move(kept_y);
     kept_seq_ = std::move(kept_seq);
+    quality_ = std::move(quality);
+    quality_seq_ = quality_seq;
     if (!kept_seq_.empty() && frozen_reason_.empty()) {
       frozen_reason_ = "rls: a rejected batch is kept (from the checkpoint)";
     }
@@ -471,7 +543,9 @@ class Trainer::Worker {
     so.Config.DeliverPolicy = js_DeliverByStartSequence;
     {
       absl::MutexLock lock(&mu_);
-      so.Config.OptStartSeq = fleet_seq_ + 1;
+      // The quality may be behind theta and P (a start from a local
+      // checkpoint): read from the older of the two.
+      so.Config.OptStartSeq = std::min(fleet_seq_, quality_seq_) + 1;
     }
     jsErrCode code = static_cast<jsErrCode>(0);
     natsStatus st = js_SubscribeSync(&sub_, t_->js_, filter.c_str(), nullptr, &so, &code);
@@ -505,7 +579,8 @@ class Trainer::Worker {
     uint64_t upto;
     {
       absl::MutexLock lock(&mu_);
-      upto = fleet_seq_;
+      // Up to where the consumer starts: it remembers the rest as it reads.
+      upto = std::min(fleet_seq_, quality_seq_);
     }
     if (!seen_order_.empty() || upto == 0) return absl::OkStatus();
     const int64_t t0 = SteadyNs();
@@ -595,7 +670,13 @@ class Trainer::Worker {
     {
       absl::MutexLock lock(&mu_);
       Log(absl::StrCat("training from fleet_seq ", fleet_seq_, ", last version ",
-                       last_version_));
+                       last_version_,
+                       quality_seq_ < fleet_seq_
+                           ? absl::StrCat(", quality counted from seq ", quality_seq_)
+                           : std::string()));
+      // This term reads from the older of the two positions (a position
+      // left by an earlier term must not hide what the quality lacks).
+      pos_ = std::min(fleet_seq_, quality_seq_);
       dirty_ = fleet_seq_ > last_published_seq_;
       last_fleet_ckpt_ms_ = SteadyMs();
       last_local_ckpt_ms_ = SteadyMs();
@@ -610,6 +691,14 @@ class Trainer::Worker {
     }
     ckpt_thread_ = std::thread([this] { CheckpointLoop(); });
     const int64_t interval = t_->options_.version_interval_ms;
+    if (js_KeyValue(&config_kv_, t_->js_, ConfigBucket(fleet()).c_str()) != NATS_OK) {
+      config_kv_ = nullptr;
+      Log("no CONFIG bucket: the fleet-wide quality is counted but not published");
+    }
+    {
+      absl::MutexLock lock(&mu_);
+      quality_dirty_ = true;  // members learn who counts from here
+    }
     std::vector<MsgPtr> msgs;
     while (!stop_.load()) {
       int64_t wait_ms = 50;
@@ -643,6 +732,7 @@ class Trainer::Worker {
         if (st == NATS_CONNECTION_CLOSED || st == NATS_INVALID_SUBSCRIPTION) break;
       }
       if (dirty_ && SteadyMs() - last_publish_ms_ >= interval) Publish("rls", "");
+      if (SteadyMs() - last_quality_put_ms_ >= interval) PublishQuality();
       MaybeCheckpoint(false, /*stopping=*/false);
     }
     const bool final = final_checkpoint_.load() && !abandoned_;
@@ -650,7 +740,12 @@ class Trainer::Worker {
       // With NATS down nothing more reaches it (the local checkpoint is
       // still written): the stop stays bounded.
       if (dirty_ && t_->Connected()) Publish("rls", "", /*stopping=*/true);
+      if (t_->Connected()) PublishQuality();
       MaybeCheckpoint(true, /*stopping=*/true);
+    }
+    if (config_kv_ != nullptr) {
+      kvStore_Destroy(config_kv_);
+      config_kv_ = nullptr;
     }
     {
       absl::MutexLock lock(&ckpt_mu_);
@@ -674,24 +769,43 @@ class Trainer::Worker {
         absl::MutexLock lock(&mu_);
         done = fleet_seq_;
       }
-      if (seq <= done || seq <= pos_) continue;  // already in the state
-      pos_ = seq;
+      if (seq <= pos_) continue;
       const absl::string_view subject = natsMsg_GetSubject(m.get());
-      if (subject != fb_subject && subject != ctl_subject) continue;
+      if (seq <= done) {
+        // Already in theta and P: only the quality may lack it.
+        pos_ = seq;
+        if (subject == fb_subject) CountOnly(m.get(), seq);
+        PassQuality(seq);
+        continue;
+      }
+      pos_ = seq;
+      if (subject != fb_subject && subject != ctl_subject) {
+        moved_ = true;
+        PassQuality(seq);
+        continue;
+      }
       if (subject == ctl_subject) {
         Stage("parse", t0);
-        ApplyBatch();
         FleetControl c;
-        if (!c.ParseFromArray(natsMsg_GetData(m.get()), natsMsg_GetDataLength(m.get()))) {
+        const bool parsed =
+            c.ParseFromArray(natsMsg_GetData(m.get()), natsMsg_GetDataLength(m.get()));
+        // An EXPORT alone is no reason for a version.
+        if (!parsed || c.op() != FleetControl::EXPORT) moved_ = true;
+        ApplyBatch();
+        if (!parsed) {
           Log(absl::StrCat("unparsable control message at seq ", seq, " skipped"));
+          PassQuality(seq);
           t0 = SteadyNs();
           continue;
         }
-        Control(c, seq);
+        Control(c, seq, m.get());
+        PassQuality(seq);
         t0 = SteadyNs();
         continue;
       }
+      moved_ = true;
       AddCompletion(m.get(), seq);
+      PassQuality(seq);
     }
     Stage("parse", t0);
     ApplyBatch();
@@ -703,6 +817,37 @@ class Trainer::Worker {
     }
   }
 
+  // Counts a completion's (prediction, outcome) pair in the fleet-wide
+  // quality, once: only past the position the quality has reached.
+  void CountQuality(const FleetCompletion& c, uint64_t seq) {
+    absl::MutexLock lock(&mu_);
+    if (seq <= quality_seq_) return;
+    quality_.Add(c.served_version(), c.product_line(), c.arm(), c.predicted_tokens(),
+                 c.true_tokens());
+    quality_dirty_ = true;
+  }
+
+  // Every message up to `seq` is accounted for in the quality.
+  void PassQuality(uint64_t seq) {
+    absl::MutexLock lock(&mu_);
+    quality_seq_ = std::max(quality_seq_, seq);
+  }
+
+  // A completion already in theta and P, read again because the quality is
+  // behind (a start from a newer local checkpoint than the fleet's): its
+  // id joins the duplicate index, its pair the quality.
+  void CountOnly(natsMsg* m, uint64_t seq) {
+    const char* id = nullptr;
+    if (natsMsgHeader_Get(m, "Nats-Msg-Id", &id) == NATS_OK && id != nullptr &&
+        !Remember(std::string(id))) {
+      return;
+    }
+    FleetCompletion c;
+    if (c.ParseFromArray(natsMsg_GetData(m), natsMsg_GetDataLength(m))) {
+      CountQuality(c, seq);
+    }
+  }
+
   void AddCompletion(natsMsg* m, uint64_t seq) {
     const char* id = nullptr;
     if (natsMsgHeader_Get(m, "Nats-Msg-Id", &id) == NATS_OK && id != nullptr) {
@@ -711,6 +856,15 @@ class Trainer::Worker {
         return;
       }
     }
+    FleetCompletion c;
+    if (!c.ParseFromArray(natsMsg_GetData(m), natsMsg_GetDataLength(m))) {
+      Log(absl::StrCat("unparsable completion at seq ", seq, " skipped"));
+      Skip("invalid");
+      return;
+    }
+    // Counted whether or not it is learned (as a single leapd records the
+    // quality of a frozen readout's completions).
+    CountQuality(c, seq);
     bool frozen;
     {
       absl::MutexLock lock(&mu_);
@@ -718,12 +872,6 @@ class Trainer::Worker {
     }
     if (frozen) {
       Skip("frozen");
-      return;
-    }
-    FleetCompletion c;
-    if (!c.ParseFromArray(natsMsg_GetData(m), natsMsg_GetDataLength(m))) {
-      Log(absl::StrCat("unparsable completion at seq ", seq, " skipped"));
-      Skip("invalid");
       return;
     }
     if (AugmentRow(c, seq, &batch_u_, &batch_y_)) batch_seq_.push_back(seq);
@@ -771,8 +919,9 @@ class Trainer::Worker {
       if (k > 0) s = UpdateLocked(batch_u_.data(), batch_y_, batch_seq_, &applied);
       if (pos_ > fleet_seq_) {
         fleet_seq_ = pos_;
-        dirty_ = true;
+        if (moved_) dirty_ = true;
       }
+      moved_ = false;
       if (t_->families_ != nullptr) {
         t_->families_->applied_seq.Add({{"readout", r_.name}})
             .Set(static_cast<double>(fleet_seq_));
@@ -839,7 +988,11 @@ class Trainer::Worker {
     return false;
   }
 
-  void Control(const FleetControl& c, uint64_t seq) {
+  void Control(const FleetControl& c, uint64_t seq, natsMsg* m) {
+    if (c.op() == FleetControl::EXPORT) {
+      Export(c, seq, m);
+      return;
+    }
     {
       absl::MutexLock lock(&mu_);
       fleet_seq_ = seq;  // the op is part of the state from here on
@@ -891,9 +1044,10 @@ class Trainer::Worker {
           // learned on top of the snapshot once resumed.
           absl::MutexLock lock(&mu_);
           if (has_p_) {
-            rls_.emplace(snap->theta, std::move(*snap->p));
+            rls_.emplace(snap->theta, std::move(*snap->p), RlsOpts());
           } else {
-            rls_.emplace(snap->theta, readout::SymMatrix::ScaledIdentity(n_, 1.0f));
+            rls_.emplace(snap->theta, readout::SymMatrix::ScaledIdentity(n_, 1.0f),
+                         RlsOpts());
           }
           learned_ = snap->completions_learned;
         }
@@ -927,6 +1081,37 @@ class Trainer::Worker {
         Log(absl::StrCat("unknown control op ", static_cast<int>(c.op()),
                          " at seq ", seq, " skipped"));
         return;
+    }
+  }
+
+  // EXPORT: the state now (theta, P, no kept completions, no quality) to
+  // the asker's subject; no version, and nothing when the operation is
+  // older than kExportMaxAgeMs (read again after a crash: its asker gave
+  // up long ago).
+  void Export(const FleetControl& c, uint64_t seq, natsMsg* m) {
+    jsMsgMetaData* meta = nullptr;
+    int64_t age_ms = 0;
+    if (natsMsg_GetMetaData(&meta, m) == NATS_OK) {
+      age_ms = UnixMs() - meta->Timestamp / 1'000'000;
+      jsMsgMetaData_Destroy(meta);
+    }
+    if (age_ms > kExportMaxAgeMs) {
+      Log(absl::StrCat("export ", c.op_id(), " at seq ", seq, " is ", age_ms,
+                       " ms old; not answered"));
+      return;
+    }
+    if (!t_->FenceOk()) return;
+    FleetState s;
+    {
+      absl::MutexLock lock(&mu_);
+      s = CaptureLocked();
+    }
+    s.kept_seqs.clear();
+    absl::StatusOr<int32_t> w = PublishState(
+        t_->js_, StateStream(fleet()), ExportSubject(fleet(), r_.name, c.op_id()),
+        r_.name, absl::StrCat("export-", c.op_id()), s);
+    if (!w.ok()) {
+      Log(absl::StrCat("export ", c.op_id(), " not written: ", w.status().message()));
     }
   }
 
@@ -1021,6 +1206,30 @@ class Trainer::Worker {
     return false;
   }
 
+  // The quality counted so far (no pairs) into CONFIG quality.<readout>,
+  // when it changed; only while this member may publish.
+  void PublishQuality() {
+    if (config_kv_ == nullptr || !t_->FenceOk()) return;
+    std::string bytes;
+    {
+      absl::MutexLock lock(&mu_);
+      if (!quality_dirty_) return;
+      bytes = QualityLocked(/*with_pairs=*/false).SerializeAsString();
+      quality_dirty_ = false;
+    }
+    last_quality_put_ms_ = SteadyMs();
+    uint64_t rev = 0;
+    const std::string key = QualityConfigKey(r_.name);
+    natsStatus st = kvStore_Put(&rev, config_kv_, key.c_str(), bytes.data(),
+                                static_cast<int>(bytes.size()));
+    if (st != NATS_OK) {
+      Log(absl::StrCat("quality not published (retried): ",
+                       NatsFailure("put " + key, st).message()));
+      absl::MutexLock lock(&mu_);
+      quality_dirty_ = true;
+    }
+  }
+
   void Fenced() {
     if (t_->families_ != nullptr) {
       t_->families_->fenced.Add({{"readout", r_.name}}).Increment();
@@ -1064,6 +1273,8 @@ class Trainer::Worker {
     {
       absl::MutexLock lock(&mu_);
       job.state = CaptureLocked();
+      // Always (a pending fleet write may be merged into this one).
+      job.state.quality = QualityLocked(/*with_pairs=*/true).SerializeAsString();
     }
     Stage("checkpoint_capture", t0);
     job.local = local_due;
@@ -1248,6 +1459,11 @@ class Trainer::Worker {
   uint64_t fleet_checkpoint_seq_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t local_checkpoint_seq_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t remembered_ ABSL_GUARDED_BY(mu_) = 0;
+  // Fleet-wide quality: every completion with sequence <= quality_seq_ is
+  // counted (once) in quality_.
+  FleetQualityTracker quality_ ABSL_GUARDED_BY(mu_);
+  uint64_t quality_seq_ ABSL_GUARDED_BY(mu_) = 0;
+  bool quality_dirty_ ABSL_GUARDED_BY(mu_) = false;
   bool dirty_ = false;  // worker thread (also written under mu_)
 
   // The checkpoint thread's hand-over (one pending capture at most).
@@ -1263,12 +1479,16 @@ class Trainer::Worker {
   // Worker thread only.
   natsSubscription* sub_ = nullptr;
   uint64_t pos_ = 0;  // sequence of the last message taken
+  // A message other than an EXPORT was taken since the last ApplyBatch.
+  bool moved_ = false;
   std::vector<float> batch_u_;
   std::vector<double> batch_y_;
   std::vector<uint64_t> batch_seq_;
   std::unordered_set<std::string> seen_;
   std::deque<std::string> seen_order_;
   int64_t last_publish_ms_ = 0;
+  int64_t last_quality_put_ms_ = 0;
+  kvStore* config_kv_ = nullptr;  // CONFIG, for quality.<readout>
   int64_t last_fleet_ckpt_ms_ = 0;
   int64_t last_local_ckpt_ms_ = 0;
   uint64_t fleet_captured_seq_ = 0;  // fleet_seq of the last capture handed over
@@ -1428,6 +1648,13 @@ void Trainer::SetReadouts(std::vector<TrainerReadout> readouts) {
     if (leader_.load()) w->Start();
     workers_[name] = std::move(w);
   }
+}
+
+std::optional<FleetQuality> Trainer::Quality(const std::string& readout) const {
+  absl::MutexLock lock(&mu_);
+  auto it = workers_.find(readout);
+  if (it == workers_.end()) return std::nullopt;
+  return it->second->QualitySummary();
 }
 
 std::optional<TrainerReadoutStatus> Trainer::Status(const std::string& readout) const {

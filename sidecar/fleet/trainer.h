@@ -39,6 +39,7 @@
 #include "prometheus/registry.h"
 #include "readout/artifact.h"
 #include "readout/readout.h"
+#include "leap/v1/fleet.pb.h"
 #include "sidecar/fleet/fleet_state.h"
 #include "storage/state_store.h"
 
@@ -68,9 +69,15 @@ struct TrainerOptions {
   int64_t checkpoint_every_ms = 30'000;
   // Local checkpoint period (with local_store). Default: 10 s
   int64_t local_checkpoint_every_ms = 10'000;
-  // Most completions applied as one RLS batch (everything queued up to it).
-  // Default: 256
+  // Most completions applied as one RLS batch (everything queued up to it;
+  // leapd --rls_batch_max). Default: 256
   int max_batch = 256;
+  // Threads of each RLS update and fold (leapd --rls_threads); 0 = the
+  // cores this process may run on. Results do not depend on it. Default: 0
+  int rls_threads = 0;
+  // Pairs in each rolling Spearman window of the fleet-wide quality (leapd
+  // --quality_window). Default: 1000
+  int64_t quality_window = 1000;
   // The trainer's own checkpoint store (not the member's: its log is
   // unused); null keeps no local checkpoints.
   storage::StateStore* local_store = nullptr;
@@ -108,6 +115,10 @@ struct TrainerReadoutStatus {
   int64_t kept = 0;
   // Message ids in the duplicate index (rebuilt from the stream at start).
   int64_t remembered_ids = 0;
+  // Fleet-wide quality: every completion with sequence <= quality_seq is
+  // counted; quality_completions counted in all.
+  uint64_t quality_seq = 0;
+  int64_t quality_completions = 0;
   bool running = false;
 };
 
@@ -137,6 +148,9 @@ class Trainer {
   void RequestCheckpoint();
   // The state a worker holds (theta, P, fleet_seq), after its last batch.
   absl::StatusOr<FleetState> ExportState(const std::string& readout);
+  // The fleet-wide quality a worker counted (without pairs), as it would
+  // publish it now.
+  std::optional<leap::v1::fleet::FleetQuality> Quality(const std::string& readout) const;
 
   // Crash stand-in (tests): stops every thread with no checkpoint and no
   // lease release; the destructor then does nothing more.

@@ -1,15 +1,19 @@
 // The fleet trainer against a real nats-server (JetStream, file storage in a
 // temp dir, a random loopback port) started by the test: exactness against
 // an FP64 closed form, restart from the fleet checkpoint without doubling,
-// bit-identical rollback, and lease takeover with fencing.
+// bit-identical rollback, lease takeover with fencing, and the fleet-wide
+// online quality against an FP64 Spearman of both members' pairs.
 #include "sidecar/fleet/trainer.h"
 
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <map>
 #include <random>
 #include <string>
 #include <vector>
@@ -23,6 +27,7 @@
 #include "tests/support/scoped_temp_dir.h"
 #include "leap/v1/fleet.pb.h"
 #include "prometheus/text_serializer.h"
+#include "sidecar/fleet/fleet_quality.h"
 #include "storage/rocksdb_store.h"
 
 namespace leap::fleet {
@@ -30,6 +35,7 @@ namespace {
 
 using leap::v1::fleet::FleetCompletion;
 using leap::v1::fleet::FleetControl;
+using leap::v1::fleet::FleetQuality;
 using leap::v1::fleet::FleetStateChunk;
 using leap::v1::fleet::FleetVersion;
 
@@ -838,6 +844,287 @@ TEST_F(FleetTrainerTest, AStopWithNatsDownIsBoundedAndCheckpointsLocally) {
   ASSERT_EQ(local->readouts.size(), 1u);
   EXPECT_EQ(local->readouts[0].checkpoint.last_seq, last);
   EXPECT_EQ(local->readouts[0].checkpoint.completions_learned, 50);
+}
+
+
+// Spearman with average ranks, FP64: the test's own reference.
+double RefSpearman(const std::vector<std::pair<double, double>>& pairs) {
+  const size_t n = pairs.size();
+  if (n < 2) return NAN;
+  auto ranks = [n](const std::vector<double>& v) {
+    std::vector<size_t> idx(n);
+    for (size_t i = 0; i < n; ++i) idx[i] = i;
+    std::sort(idx.begin(), idx.end(), [&](size_t a, size_t b) { return v[a] < v[b]; });
+    std::vector<double> r(n);
+    for (size_t i = 0; i < n;) {
+      size_t j = i;
+      while (j + 1 < n && v[idx[j + 1]] == v[idx[i]]) ++j;
+      for (size_t k = i; k <= j; ++k) r[idx[k]] = (static_cast<double>(i + j) / 2.0) + 1.0;
+      i = j + 1;
+    }
+    return r;
+  };
+  std::vector<double> a(n), b(n);
+  for (size_t i = 0; i < n; ++i) {
+    a[i] = pairs[i].first;
+    b[i] = pairs[i].second;
+  }
+  const std::vector<double> ra = ranks(a), rb = ranks(b);
+  double ma = 0, mb = 0;
+  for (size_t i = 0; i < n; ++i) {
+    ma += ra[i];
+    mb += rb[i];
+  }
+  ma /= static_cast<double>(n);
+  mb /= static_cast<double>(n);
+  double sab = 0, saa = 0, sbb = 0;
+  for (size_t i = 0; i < n; ++i) {
+    sab += (ra[i] - ma) * (rb[i] - mb);
+    saa += (ra[i] - ma) * (ra[i] - ma);
+    sbb += (rb[i] - mb) * (rb[i] - mb);
+  }
+  if (saa == 0 || sbb == 0) return NAN;
+  return sab / std::sqrt(saa * sbb);
+}
+
+// One completion as a member publishes it, with what quality needs.
+struct Served {
+  std::string member, product_line, arm;
+  int64_t version = 0;
+  double predicted = 0, truth = 0;
+};
+
+// Fleet-wide quality (docs/FLEET.md "Online quality"): two members' pairs,
+// counted once per (version, arm) by the trainer, equal to the union's
+// Spearman; the same after a crash restarted from a newer local checkpoint
+// than the fleet's (the quality is then behind theta and P and catches up)
+// and after a takeover from the fleet checkpoint; published in CONFIG.
+TEST_F(FleetTrainerTest, FleetWideQualityCountsEveryMembersPairsOnce) {
+  Fixture f = MakeFixture(9);
+  const int64_t lease_ms = 600;
+  CreateReadout(f, lease_ms);
+  {
+    kvConfig kc;
+    kvConfig_Init(&kc);
+    const std::string bucket = ConfigBucket(fleet_);
+    kc.Bucket = bucket.c_str();
+    kc.History = 1;
+    kvStore* kv = nullptr;
+    ASSERT_EQ(js_CreateKeyValue(&kv, conn_->js, &kc), NATS_OK);
+    kvStore_Destroy(kv);
+  }
+  TempDir store_dir;
+  auto store = storage::OpenRocksStore(store_dir.path());
+  ASSERT_TRUE(store.ok()) << store.status();
+  constexpr int64_t kWindow = 64;  // small: the windows roll
+  TrainerOptions oa = Options("a", lease_ms);
+  oa.local_store = store->get();
+  oa.local_checkpoint_every_ms = 0;  // local checkpoints follow the stream
+  oa.quality_window = kWindow;
+  std::unique_ptr<Trainer> a = *Trainer::Start(conn_->nc, oa);
+  a->SetReadouts({f.readout});
+
+  std::unique_ptr<Conn> m2 = Connect(server_.url());
+  std::mt19937_64 rng(51);
+  std::uniform_real_distribution<double> logt(1.0, 7.0);
+  std::normal_distribution<double> noise(0.0, 0.6);
+  std::vector<Served> served;
+  int next = 0;
+  // Member m1 serves product line chat arm "a"; m2 chat arms "a" and "b"
+  // and code arm "a"; versions move on every 40 completions.
+  auto publish = [&](int count) {
+    uint64_t seq = 0;
+    for (int i = 0; i < count; ++i, ++next) {
+      static const std::string kNames[] = {"m1", "m2", "chat", "code", "a", "b"};
+      const bool m1 = next % 2 == 0;
+      const double truth = std::floor(std::exp(logt(rng)));
+      const Served s{kNames[m1 ? 0 : 1], kNames[m1 || next % 3 != 0 ? 2 : 3],
+                     kNames[m1 || next % 5 != 1 ? 4 : 5], 1 + next / 40,
+                     truth * std::exp(noise(rng)), truth};
+      const Row r = MakeRow(rng, f);
+      FleetCompletion c;
+      c.set_readout(kReadout);
+      c.set_request_id(absl::StrCat("q", next));
+      c.set_dtype(1);
+      c.set_features(std::string(reinterpret_cast<const char*>(r.x.data()), kDim * 4));
+      c.set_target(r.y);
+      c.set_member(s.member);
+      c.set_product_line(s.product_line);
+      c.set_arm(s.arm);
+      c.set_served_version(s.version);
+      c.set_predicted_tokens(s.predicted);
+      c.set_true_tokens(s.truth);
+      const std::string bytes = c.SerializeAsString();
+      const std::string id = absl::StrCat("q", next);
+      jsPubOptions po;
+      jsPubOptions_Init(&po);
+      po.MsgId = id.c_str();
+      jsPubAck* ack = nullptr;
+      jsCtx* js = s.member == "m1" ? conn_->js : m2->js;
+      EXPECT_EQ(js_Publish(&ack, js, FeedbackSubject(fleet_, kReadout).c_str(), bytes.data(),
+                           static_cast<int>(bytes.size()), &po, nullptr),
+                NATS_OK);
+      if (ack != nullptr) {
+        seq = ack->Sequence;
+        jsPubAck_Destroy(ack);
+      }
+      served.push_back(s);
+    }
+    return seq;
+  };
+  // The union of both members' pairs, series by series, in stream order.
+  auto check = [&](const FleetQuality& q, const char* when) {
+    SCOPED_TRACE(when);
+    std::map<int64_t, std::vector<std::pair<double, double>>> by_version;
+    std::map<std::pair<std::string, std::string>, std::vector<std::pair<double, double>>>
+        by_arm;
+    std::vector<std::pair<double, double>> all;
+    for (const Served& s : served) {
+      by_version[s.version].emplace_back(s.predicted, s.truth);
+      by_arm[{s.product_line, s.arm}].emplace_back(s.predicted, s.truth);
+      all.emplace_back(s.predicted, s.truth);
+    }
+    auto expect_series = [&](const leap::v1::fleet::FleetQualitySeries& got,
+                             const std::vector<std::pair<double, double>>& pairs) {
+      EXPECT_EQ(got.completions(), static_cast<int64_t>(pairs.size()));
+      const size_t from = pairs.size() > kWindow ? pairs.size() - kWindow : 0;
+      const std::vector<std::pair<double, double>> newest(pairs.begin() + from, pairs.end());
+      EXPECT_EQ(got.spearman_n(), static_cast<int64_t>(newest.size()));
+      EXPECT_NEAR(got.spearman(), RefSpearman(newest), 1e-12);
+    };
+    EXPECT_EQ(q.window(), kWindow);
+    expect_series(q.overall(), all);
+    ASSERT_EQ(q.versions_size(), static_cast<int>(by_version.size()));
+    for (const auto& v : q.versions()) expect_series(v, by_version[v.version()]);
+    ASSERT_EQ(q.arms_size(), static_cast<int>(by_arm.size()));
+    for (const auto& a : q.arms()) expect_series(a, by_arm[{a.product_line(), a.arm()}]);
+  };
+  auto wait_status = [&](Trainer& t, const std::function<bool(const TrainerReadoutStatus&)>& p) {
+    const absl::Time deadline = absl::Now() + absl::Seconds(20);
+    for (;;) {
+      std::optional<TrainerReadoutStatus> st = t.Status(kReadout);
+      if (st.has_value() && st->running && p(*st)) return;
+      ASSERT_LT(absl::Now(), deadline) << "trainer never reached the state";
+      absl::SleepFor(absl::Milliseconds(5));
+    }
+  };
+
+  // 1. 150 completions (20 of them while learning is frozen: still counted),
+  // then a fleet checkpoint.
+  uint64_t last = publish(100);
+  PublishControl(FleetControl::FREEZE, "", "op-freeze");
+  publish(20);
+  PublishControl(FleetControl::RESUME, "", "op-resume");
+  last = publish(30);
+  wait_status(*a, [&](const TrainerReadoutStatus& s) { return s.fleet_seq >= last; });
+  a->RequestCheckpoint();
+  wait_status(*a, [&](const TrainerReadoutStatus& s) { return s.fleet_checkpoint_seq >= last; });
+  check(*a->Quality(kReadout), "first trainer");
+  // 2. 100 more, in the local checkpoints only; then a crash.
+  last = publish(100);
+  wait_status(*a, [&](const TrainerReadoutStatus& s) {
+    return s.local_checkpoint_seq >= last && s.quality_seq >= last;
+  });
+  check(*a->Quality(kReadout), "first trainer, more");
+  a->Abandon();
+  a.reset();
+  // 3. Restarted: theta and P from the local checkpoint (newer), the
+  // quality from the fleet checkpoint, counted on from there.
+  std::unique_ptr<Conn> conn_a2 = Connect(server_.url());
+  std::unique_ptr<Trainer> a2 = *Trainer::Start(conn_a2->nc, oa);
+  a2->SetReadouts({f.readout});
+  last = publish(30);
+  wait_status(*a2, [&](const TrainerReadoutStatus& s) { return s.quality_seq >= last; });
+  EXPECT_EQ(a2->Status(kReadout)->completions_learned, 280 - 20);
+  check(*a2->Quality(kReadout), "restarted from the local checkpoint");
+  a2->RequestCheckpoint();
+  wait_status(*a2, [&](const TrainerReadoutStatus& s) { return s.fleet_checkpoint_seq >= last; });
+  // 4. Another member takes over from the fleet checkpoint after a crash.
+  last = publish(20);
+  wait_status(*a2, [&](const TrainerReadoutStatus& s) { return s.quality_seq >= last; });
+  a2->Abandon();
+  a2.reset();
+  std::unique_ptr<Conn> conn_b = Connect(server_.url());
+  TrainerOptions ob = Options("b", lease_ms);
+  ob.quality_window = kWindow;
+  std::unique_ptr<Trainer> b = *Trainer::Start(conn_b->nc, ob);
+  b->SetReadouts({f.readout});
+  wait_status(*b, [&](const TrainerReadoutStatus& s) { return s.quality_seq >= last; });
+  const FleetQuality qb = *b->Quality(kReadout);
+  check(qb, "taken over from the fleet checkpoint");
+  EXPECT_EQ(qb.overall().completions(), 300);
+  // 5. What members read: CONFIG quality.<readout>, without pairs.
+  kvStore* kv = nullptr;
+  ASSERT_EQ(js_KeyValue(&kv, conn_->js, ConfigBucket(fleet_).c_str()), NATS_OK);
+  kvWatcher* w = nullptr;
+  ASSERT_EQ(kvStore_Watch(&w, kv, QualityConfigKey(kReadout).c_str(), nullptr), NATS_OK);
+  FleetQuality published;
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  while (!(published.trainer() == "b" && published.fleet_seq() >= last)) {
+    kvEntry* e = nullptr;
+    const int64_t left = absl::ToInt64Milliseconds(deadline - absl::Now());
+    ASSERT_EQ(kvWatcher_Next(&e, w, std::max<int64_t>(left, 1)), NATS_OK)
+        << "no quality published by b";
+    if (e == nullptr) continue;  // end of the initial values
+    published.ParseFromArray(kvEntry_Value(e), kvEntry_ValueLen(e));
+    kvEntry_Destroy(e);
+  }
+  kvWatcher_Destroy(w);
+  kvStore_Destroy(kv);
+  check(published, "published in CONFIG");
+  EXPECT_EQ(published.overall().predicted_size(), 0);
+  EXPECT_EQ(published.created_unix_ms(), f.readout.created_unix_ms);
+  std::printf("fleet trainer: fleet-wide quality of 300 completions from 2 members: "
+              "spearman %.4f over the newest %lld, %d versions, %d arms\n",
+              published.overall().spearman(),
+              static_cast<long long>(published.overall().spearman_n()),
+              published.versions_size(), published.arms_size());
+}
+
+
+// A checkpoint's quality fits under the chunk room however much there is:
+// series keep their pairs while they fit (overall, arms, newest versions),
+// the others their numbers, and decoding gives back the same report.
+TEST(FleetQualityTracker, ACheckpointKeepsPairsWithinItsBudgetAndRestoresTheReport) {
+  FleetQualityTracker t(1000);
+  std::mt19937_64 rng(3);
+  std::uniform_real_distribution<double> u(1, 1000);
+  for (int64_t v = 1; v <= 40; ++v) {
+    for (int i = 0; i < 1200; ++i) {
+      const double truth = std::floor(u(rng));
+      t.Add(v, "chat", i % 3 == 0 ? "b" : "a", truth * std::exp(u(rng) / 2000), truth);
+    }
+  }
+  const FleetQuality full = t.Encode(/*with_pairs=*/true);
+  int64_t pairs = full.overall().predicted_size();
+  for (const auto& a : full.arms()) pairs += a.predicted_size();
+  int versions_with_pairs = 0;
+  for (const auto& v : full.versions()) {
+    pairs += v.predicted_size();
+    if (v.predicted_size() > 0) ++versions_with_pairs;
+  }
+  EXPECT_LE(pairs, kQualityCheckpointPairs);
+  EXPECT_LT(full.ByteSizeLong(), static_cast<size_t>(kStateChunkBytes / 2));
+  EXPECT_EQ(full.versions(0).version(), 40);  // newest first, with pairs
+  EXPECT_GT(full.versions(0).predicted_size(), 0);
+  EXPECT_EQ(versions_with_pairs, (kQualityCheckpointPairs - 3000) / 1000);
+  FleetQualityTracker back(1000);
+  back.Decode(full);
+  EXPECT_EQ(back.Encode(false).SerializeAsString(), t.Encode(false).SerializeAsString());
+  // A version restored without pairs reports its numbers until its next
+  // pair, then counts on from a fresh window.
+  back.Add(1, "chat", "a", 1, 1);
+  back.Add(1, "chat", "a", 2, 2);
+  const FleetQuality after = back.Encode(false);
+  bool found = false;
+  for (const auto& v : after.versions()) {
+    if (v.version() != 1) continue;
+    found = true;
+    EXPECT_EQ(v.completions(), 1202);
+    EXPECT_EQ(v.spearman_n(), 2);
+    EXPECT_DOUBLE_EQ(v.spearman(), 1.0);
+  }
+  EXPECT_TRUE(found);
 }
 
 }  // namespace

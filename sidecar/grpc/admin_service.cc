@@ -1,6 +1,11 @@
 #include "sidecar/grpc/admin_service.h"
 
+#include <cmath>
+#include <map>
+#include <optional>
+#include <set>
 #include <string>
+#include <tuple>
 
 #include "absl/strings/str_cat.h"
 #include "sidecar/grpc/status.h"
@@ -36,6 +41,20 @@ void FillGuardrail(const GuardrailStatus& g, pb::GuardrailStats* out) {
     out->set_last_good_label(g.last_good->label);
     out->set_last_good_spearman(g.last_good->spearman);
     out->set_last_good_spearman_n(g.last_good->spearman_n);
+  }
+}
+
+// Fleet mode: the trainer's fleet-wide numbers for a version (NaN and 0
+// when it counted none predicted by that version).
+void FleetVersionQuality(const FleetQualityView& q, pb::VersionInfo* v) {
+  v->set_spearman(NAN);
+  v->set_spearman_n(0);
+  for (const FleetQualitySeriesView& s : q.versions) {
+    if (s.version == v->version()) {
+      v->set_spearman(s.spearman);
+      v->set_spearman_n(s.spearman_n);
+      return;
+    }
   }
 }
 
@@ -152,6 +171,14 @@ grpc::Status AdminService::ListVersions(grpc::ServerContext* ctx,
   }
   FillQualityHistory(**r, req->limit(), core_->options().readout.quality_window,
                      resp);
+  if (core_->fleet() != nullptr) {
+    if (std::optional<FleetQualityView> q = core_->fleet()->Quality(req->name());
+        q.has_value()) {
+      for (pb::VersionInfo& v : *resp->mutable_versions()) FleetVersionQuality(*q, &v);
+      resp->set_quality_scope("fleet");
+      resp->set_quality_fleet_seq(q->fleet_seq);
+    }
+  }
   return grpc::Status::OK;
 }
 
@@ -161,7 +188,15 @@ grpc::Status AdminService::ExportReadout(grpc::ServerContext* ctx,
   if (grpc::Status s = CheckAdmin(ctx); !s.ok()) return s;
   auto r = core_->GetReadout(req->name());
   if (!r.ok()) return ToGrpc(r.status());
-  readout::ReadoutState state = (*r)->Export();
+  readout::ReadoutState state;
+  if (req->from_trainer() && core_->fleet() != nullptr) {
+    // Fleet mode: theta and P as the trainer holds them (no version added).
+    absl::StatusOr<readout::ReadoutState> s = core_->fleet()->ExportState(req->name());
+    if (!s.ok()) return ToGrpc(s.status());
+    state = std::move(*s);
+  } else {
+    state = (*r)->Export();
+  }
   state.note = absl::StrCat("exported from leapd readout '", req->name(), "'");
   auto bytes = readout::SerializeArtifact(state);
   if (!bytes.ok()) return ToGrpc(bytes.status());
@@ -246,8 +281,12 @@ grpc::Status AdminService::GetStats(grpc::ServerContext* ctx,
     auto r = core_->GetReadout(req->readout());
     if (!r.ok()) return ToGrpc(r.status());
   }
+  // Fleet mode: the fleet-wide quality the trainer published, per readout.
+  std::map<std::string, FleetQualityView> fleet_quality;
   for (auto& r : core_->ListReadouts()) {
     if (!req->readout().empty() && r->name() != req->readout()) continue;
+    std::optional<FleetQualityView> q;
+    if (core_->fleet() != nullptr) q = core_->fleet()->Quality(r->name());
     pb::ReadoutStats* s = resp->add_readouts();
     FillInfo(*r, s->mutable_info());
     ReadoutMetrics& m = r->metrics();
@@ -260,13 +299,24 @@ grpc::Status AdminService::GetStats(grpc::ServerContext* ctx,
     int64_t n = 0;
     s->set_spearman(r->spearman(&n));
     s->set_spearman_n(n);
+    if (q.has_value()) {
+      s->set_spearman(q->overall.spearman);
+      s->set_spearman_n(q->overall.spearman_n);
+      s->set_quality_scope("fleet");
+      s->set_quality_fleet_seq(q->fleet_seq);
+    }
     for (const VersionRecord& v : r->Versions()) {
-      if (v.spearman_n > 0 || v.version == r->current()->version) {
-        FillVersion(v, s->add_versions());
+      pb::VersionInfo info;
+      FillVersion(v, &info);
+      if (q.has_value()) FleetVersionQuality(*q, &info);
+      if (info.spearman_n() > 0 || v.version == r->current()->version) {
+        *s->add_versions() = std::move(info);
       }
     }
     FillGuardrail(r->guardrail(), s->mutable_guardrail());
+    if (q.has_value()) fleet_quality[r->name()] = std::move(*q);
   }
+  std::set<std::tuple<std::string, std::string, std::string>> listed;
   for (const ArmStat& a : core_->ArmStats()) {
     if (!req->readout().empty() && a.readout != req->readout()) continue;
     pb::ArmStats* s = resp->add_arms();
@@ -278,6 +328,42 @@ grpc::Status AdminService::GetStats(grpc::ServerContext* ctx,
     s->set_completions(a.completions);
     s->set_spearman(a.spearman);
     s->set_spearman_n(a.spearman_n);
+    auto q = fleet_quality.find(a.readout);
+    if (q == fleet_quality.end()) continue;
+    // Fleet-wide: this arm's completions on every member (none counted yet
+    // is 0 and NaN).
+    s->set_completions(0);
+    s->set_spearman(NAN);
+    s->set_spearman_n(0);
+    s->set_quality_scope("fleet");
+    listed.emplace(a.readout, a.product_line, a.arm);
+    for (const FleetQualitySeriesView& f : q->second.arms) {
+      if (f.product_line == a.product_line && f.arm == a.arm) {
+        s->set_completions(f.completions);
+        s->set_spearman(f.spearman);
+        s->set_spearman_n(f.spearman_n);
+      }
+    }
+  }
+  // Arms that only other members served (no prediction here).
+  for (const auto& [name, q] : fleet_quality) {
+    for (const FleetQualitySeriesView& f : q.arms) {
+      if (listed.contains({name, f.product_line, f.arm})) continue;
+      pb::ArmStats* s = resp->add_arms();
+      s->set_product_line(f.product_line);
+      s->set_arm(f.arm);
+      s->set_readout(name);
+      for (const Route& route : core_->ListRoutes()) {
+        if (route.product_line != f.product_line) continue;
+        for (const Arm& arm : route.arms) {
+          if (arm.name == f.arm && arm.readout == name) s->set_shadow(arm.shadow);
+        }
+      }
+      s->set_completions(f.completions);
+      s->set_spearman(f.spearman);
+      s->set_spearman_n(f.spearman_n);
+      s->set_quality_scope("fleet");
+    }
   }
   resp->set_live_requests(core_->cache().size());
   resp->set_feature_cache_bytes(core_->cache().bytes());

@@ -167,10 +167,11 @@ absl::StatusOr<pb::ReadoutInfo> RunCreateReadout(
 
 absl::StatusOr<ExportReport> RunExport(AdminClient& client,
                                        const std::string& name,
-                                       const std::string& out_path) {
+                                       const std::string& out_path,
+                                       bool from_trainer) {
   if (name.empty()) return Usage("missing required argument NAME");
   if (out_path.empty()) return Usage("missing required flag --out");
-  ASSIGN_OR_RETURN(pb::ExportReadoutResponse resp, client.ExportReadout(name));
+  ASSIGN_OR_RETURN(pb::ExportReadoutResponse resp, client.ExportReadout(name, from_trainer));
   absl::StatusOr<readout::ReadoutState> state = readout::ParseArtifact(
       resp.artifact(),
       absl::StrCat("artifact exported by leapd for '", name, "'"));
@@ -453,6 +454,12 @@ std::string FormatVersions(const pb::ListVersionsResponse& versions) {
     absl::StrAppendFormat(&s, "(newest %d of %d versions; --limit 0 for all)\n",
                           versions.versions_size(), versions.total_versions());
   }
+  if (versions.quality_scope() == "fleet") {
+    absl::StrAppendFormat(&s,
+                          "(spearman: fleet-wide, every member's completions up to "
+                          "fleet_seq %d; windows and labels: this member's)\n",
+                          versions.quality_fleet_seq());
+  }
   if (versions.windows_size() > 0) {
     absl::StrAppendFormat(&s, "\nquality per window of %d completions:\n",
                           versions.window());
@@ -489,6 +496,8 @@ std::string FormatVersionsJson(const pb::ListVersionsResponse& versions) {
     j["versions"].push_back(VersionJson(v));
   }
   j["total_versions"] = versions.total_versions();
+  j["quality_scope"] = versions.quality_scope();
+  j["quality_fleet_seq"] = versions.quality_fleet_seq();
   j["window"] = versions.window();
   j["windows"] = nlohmann::json::array();
   for (const pb::QualityWindow& w : versions.windows()) {
@@ -558,8 +567,12 @@ std::string FormatStats(const pb::StatsResponse& st) {
         r.predictions(), r.completions_learned(),
         r.skipped_cancelled() + r.skipped_censored() + r.skipped_frozen(),
         r.skipped_cancelled(), r.skipped_censored(), r.skipped_frozen());
-    absl::StrAppendFormat(&s, "  spearman %s (last %d completions)\n",
-                          FormatSpearman(r.spearman()), r.spearman_n());
+    absl::StrAppendFormat(
+        &s, "  spearman %s (last %d completions%s)\n", FormatSpearman(r.spearman()),
+        r.spearman_n(),
+        r.quality_scope() == "fleet"
+            ? absl::StrFormat(", fleet-wide up to fleet_seq %d", r.quality_fleet_seq())
+            : std::string());
     if (i.frozen() && !i.frozen_reason().empty()) {
       absl::StrAppendFormat(&s, "  frozen: %s\n", i.frozen_reason());
     }
@@ -608,6 +621,10 @@ std::string FormatStats(const pb::StatsResponse& st) {
                             a.predictions(), a.completions(),
                             FormatSpearman(a.spearman()), a.spearman_n());
     }
+    if (std::any_of(st.arms().begin(), st.arms().end(),
+                    [](const pb::ArmStats& a) { return a.quality_scope() == "fleet"; })) {
+      absl::StrAppend(&s, "(completions, spearman: fleet-wide; predictions: this member's)\n");
+    }
   }
   absl::StrAppendFormat(&s, "live_requests: %d\n", st.live_requests());
   absl::StrAppendFormat(&s, "feature_cache_bytes: %d\n",
@@ -646,6 +663,8 @@ std::string FormatStatsJson(const pb::StatsResponse& st) {
                     {"frozen", r.skipped_frozen()}};
     o["spearman"] = JsonNumber(r.spearman());
     o["spearman_n"] = r.spearman_n();
+    o["quality_scope"] = r.quality_scope();
+    o["quality_fleet_seq"] = r.quality_fleet_seq();
     o["versions"] = nlohmann::json::array();
     for (const pb::VersionInfo& v : r.versions()) {
       o["versions"].push_back(VersionJson(v));
@@ -663,6 +682,7 @@ std::string FormatStatsJson(const pb::StatsResponse& st) {
     o["completions"] = a.completions();
     o["spearman"] = JsonNumber(a.spearman());
     o["spearman_n"] = a.spearman_n();
+    o["quality_scope"] = a.quality_scope();
     j["arms"].push_back(std::move(o));
   }
   j["live_requests"] = st.live_requests();

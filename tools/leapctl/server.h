@@ -80,9 +80,11 @@ struct ExportReport {
 
 // Exports readout `name`, checks that the bytes parse as an artifact, and
 // writes them unchanged to `out_path` atomically.
+// `from_trainer`: fleet mode, the trainer's theta and P.
 absl::StatusOr<ExportReport> RunExport(AdminClient& client,
                                        const std::string& name,
-                                       const std::string& out_path);
+                                       const std::string& out_path,
+                                       bool from_trainer = false);
 std::string FormatExportReport(const ExportReport& report);
 
 // ---- freeze / resume --------------------------------------------------------

@@ -632,8 +632,9 @@ int ExportCommand(const std::vector<std::string>& args, std::ostream& out,
   Command cmd("export", out, err);
   ServerOptions server;
   std::string name, out_path;
+  bool from_trainer = false;
   FlagSet flags(
-      "export", "leapctl export NAME --out R.leapr",
+      "export", "leapctl export NAME --out R.leapr [--from-trainer]",
       "Writes the current state of a served readout (theta, RLS matrix P,\n"
       "standardization, version, completions learned) as a .leapr artifact, "
       "as\n"
@@ -647,10 +648,14 @@ int ExportCommand(const std::vector<std::string>& args, std::ostream& out,
   flags.Positional("NAME", &name, "The readout.");
   ServerFlags(flags, &server);
   flags.String("out", &out_path, "PATH", "Artifact to write.", true);
+  flags.Bool("from-trainer", &from_trainer,
+             "Fleet mode (leapd --fleet): export theta and P as the fleet's "
+             "trainer holds them (a member serves theta without P); adds no "
+             "version. Ignored by a single leapd.");
   if (int rc = cmd.Parse(flags, args); rc >= 0) return rc;
   if (int rc = CheckServer(cmd, server); rc >= 0) return rc;
   AdminClient client(server);
-  absl::StatusOr<ExportReport> r = RunExport(client, name, out_path);
+  absl::StatusOr<ExportReport> r = RunExport(client, name, out_path, from_trainer);
   if (!r.ok()) return cmd.Failure(r.status());
   out << FormatExportReport(*r);
   return kExitOk;
