@@ -750,6 +750,7 @@ struct Subscription::State {
   bool stopped ABSL_GUARDED_BY(mu) = false;
   std::function<void(const StreamMsg&)> callback;
   natsSubscription* sub = nullptr;
+  natsConnection* nc = nullptr;
 };
 
 namespace {
@@ -780,7 +781,17 @@ void Subscription::Stop() {
     state_->stopped = true;
     sub = state_->sub;
   }
-  if (sub != nullptr) natsSubscription_Unsubscribe(sub);
+  if (sub == nullptr) return;
+  natsSubscription_Unsubscribe(sub);
+  // libnats 3.4.1's reader thread looks a message's subscription up and then
+  // uses it without holding a reference: freeing it (the destructor) while
+  // the reader is between the two is a use after free. A flush returns once
+  // the reader has handled everything the server sent before its PONG, and
+  // after the UNSUB nothing more comes for this subscription.
+  if (state_->nc != nullptr &&
+      natsConnection_Status(state_->nc) == NATS_CONN_STATUS_CONNECTED) {
+    natsConnection_FlushTimeout(state_->nc, 2000);
+  }
 }
 
 Subscription::~Subscription() {
@@ -824,6 +835,7 @@ absl::StatusOr<std::unique_ptr<Subscription>> NatsClient::Subscribe(
                      &so, &jerr);
     if (s == NATS_OK) {
       state->sub = sub;
+      state->nc = nc_;
       natsSubscription_SetPendingLimits(sub, -1, -1);
       natsSubscription_SetOnCompleteCB(sub, &OnSubComplete, closure);
     }

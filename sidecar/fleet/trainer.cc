@@ -50,6 +50,23 @@ struct MsgDel {
 };
 using MsgPtr = std::unique_ptr<natsMsg, MsgDel>;
 
+// Ends and frees a subscription. libnats 3.4.1's reader thread looks a
+// message's subscription up and then uses it without holding a reference, so
+// natsSubscription_Destroy alone (unsubscribe and free at once) while messages
+// or heartbeats still arrive for it is a use after free in the reader. Here
+// the UNSUB goes first, and a flush (it returns once the reader has handled
+// all the server sent before its PONG, and after the UNSUB nothing more comes
+// for this subscription) before the free. Without a connection the reader
+// handles nothing and the free is immediate.
+void CloseSubscription(natsConnection* nc, natsSubscription* sub) {
+  if (sub == nullptr) return;
+  if (natsConnection_Status(nc) == NATS_CONN_STATUS_CONNECTED) {
+    natsSubscription_Unsubscribe(sub);
+    natsConnection_FlushTimeout(nc, 2000);
+  }
+  natsSubscription_Destroy(sub);
+}
+
 std::string ThetaBytes(const Eigen::VectorXd& theta) {
   return std::string(reinterpret_cast<const char*>(theta.data()),
                      theta.size() * sizeof(double));
@@ -639,7 +656,7 @@ class Trainer::Worker {
         Remember(std::string(id));
       }
     }
-    natsSubscription_Destroy(sub);
+    CloseSubscription(t_->nc_, sub);
     {
       absl::MutexLock lock(&mu_);
       remembered_ = static_cast<int64_t>(seen_order_.size());
@@ -753,7 +770,7 @@ class Trainer::Worker {
       ckpt_drain_ = final;
     }
     ckpt_thread_.join();
-    natsSubscription_Destroy(sub_);
+    CloseSubscription(t_->nc_, sub_);
     sub_ = nullptr;
     running_.store(false);
   }
