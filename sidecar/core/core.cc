@@ -206,6 +206,13 @@ absl::Status Core::CreateReadoutImpl(const std::string& name,
     initial.theta = state.theta;
     initial.p = state.p;
     RETURN_IF_ERROR(store_->CreateReadout(&init.meta, initial));
+    // The created version is recorded like every later one: a restart lists
+    // it also when the checkpoint it starts from names a newer version.
+    storage::VersionEntry v{state.version, state.completions_learned,
+                            init.meta.created_unix_ms, init.cause};
+    v.has_last_seq = true;
+    store_->PutVersion(init.meta, v, state.theta).IgnoreError();
+    init.history.push_back(v);
   }
   init.frozen = init.meta.frozen;
   init.state = std::move(state);

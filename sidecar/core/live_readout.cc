@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <iterator>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -292,8 +293,21 @@ absl::StatusOr<bool> LiveReadout::InstallVersion(const InstalledVersion& v) {
   current_.store(pv, std::memory_order_release);
   {
     absl::MutexLock qlock(&quality_mu_);
-    versions_.push_back({pv->version, pv->completions_learned,
-                         pv->published_unix_ms, pv->cause, NAN, 0});
+    // A recovered member starts at its checkpoint's version but lists every
+    // version it had stored, newer ones too; the catch-up at start installs
+    // one of those again. Each number is listed once, in order: a listed
+    // one is replaced, a new one goes in its place.
+    const VersionRecord rec{pv->version, pv->completions_learned,
+                            pv->published_unix_ms, pv->cause, NAN, 0};
+    auto at = versions_.end();
+    while (at != versions_.begin() && std::prev(at)->version >= pv->version) {
+      --at;
+    }
+    if (at != versions_.end() && at->version == pv->version) {
+      *at = rec;
+    } else {
+      versions_.insert(at, rec);
+    }
     while (static_cast<int64_t>(versions_.size()) > options_.versions_kept) {
       versions_.pop_front();
     }

@@ -176,7 +176,8 @@ class FleetMemberTest : public ::testing::Test {
 
   std::unique_ptr<Member> StartMember(const std::string& id,
                                       int64_t op_timeout_ms = 10'000,
-                                      int64_t wait_ms = 20'000) {
+                                      int64_t wait_ms = 20'000,
+                                      int64_t versions_kept = 10'000) {
     auto m = std::make_unique<Member>();
     storage::RocksStoreOptions so;
     auto st = storage::OpenRocksStore((dir_ / id).string(), so);
@@ -186,6 +187,7 @@ class FleetMemberTest : public ::testing::Test {
     EXPECT_TRUE(loaded.ok());
     CoreOptions co;
     co.readout.serving_only = true;
+    co.readout.versions_kept = versions_kept;
     co.cache.max_bytes = 64 << 20;
     m->core = std::make_unique<Core>(co, &m->metrics, m->store.get());
     m->core->hub().Subscribe(m->recorder);
@@ -472,6 +474,66 @@ TEST_F(FleetMemberTest, PublishedVersionIsInstalledAndServed) {
   auto ro = c->core->GetReadout("chat");
   ASSERT_TRUE(ro.ok());
   ASSERT_TRUE(WaitFor([&] { return (*ro)->current()->version == 6; }));
+}
+
+// A member restarted behind the fleet: its checkpoint (written when its
+// outbox was pruned) names version 3, older than the newest it installed and
+// stored (6) and newer than the created one (1); at start it catches up from
+// the fleet's newest version, one it already lists. Every version is listed
+// once, in order, none lost within versions_kept.
+TEST_F(FleetMemberTest, RestartedMemberListsEveryVersionOnce) {
+  const readout::ReadoutState st = RandomState(kDim, 12);
+  auto publish = [&](int64_t version) {
+    fpb::FleetVersion v;
+    v.set_readout("chat");
+    v.set_version(version);
+    v.set_theta(std::string(reinterpret_cast<const char*>(st.theta.data()),
+                            st.theta.size() * sizeof(double)));
+    v.set_completions_learned(8 * version);
+    v.set_fleet_seq(static_cast<uint64_t>(100 + version));
+    v.set_cause("rls");
+    ASSERT_TRUE(
+        observer_->Publish(VersionSubject(kFleet, "chat"), v.SerializeAsString()).ok());
+  };
+  auto listed = [](const Member& m) {
+    std::vector<int64_t> out;
+    for (const sidecar::VersionRecord& v : (*m.core->GetReadout("chat"))->Versions()) {
+      out.push_back(v.version);
+    }
+    return out;
+  };
+  const std::vector<int64_t> want = {1, 2, 3, 4, 5, 6};
+  {
+    auto a = StartMember("a", 10'000, 20'000, /*versions_kept=*/6);
+    ASSERT_TRUE(a->fleet->CreateReadout("chat", st).ok());
+    sidecar::Route r;
+    r.arms.push_back({"chat", "chat", 100.0, false});
+    ASSERT_TRUE(a->fleet->SetRoute(r).ok());
+    for (int64_t v = 2; v <= 3; ++v) publish(v);
+    ASSERT_NE(a->recorder->Await(3), nullptr);
+    // A completion in the stream: pruning its outbox record writes a
+    // checkpoint at version 3.
+    std::mt19937_64 rng(5);
+    ASSERT_TRUE(a->core->Predict(Req("w1", RandomFeatures(st, rng)), 0, nullptr).ok());
+    ASSERT_TRUE(a->core->Complete("w1", 64, readout::FinishReason::kStop).ok());
+    auto ro = a->core->GetReadout("chat");
+    ASSERT_TRUE(ro.ok());
+    ASSERT_TRUE(WaitFor([&] { return (*ro)->metrics().checkpoint_bytes->Value() > 0; }));
+    for (int64_t v = 4; v <= 6; ++v) publish(v);
+    ASSERT_NE(a->recorder->Await(6), nullptr);
+    EXPECT_EQ(listed(*a), want);
+  }
+  auto a = StartMember("a", 10'000, 20'000, /*versions_kept=*/6);
+  auto ro = a->core->GetReadout("chat");
+  ASSERT_TRUE(ro.ok());
+  // The catch-up from the fleet's newest version (6) is done once version 6
+  // is served with the fleet sequence it was published with.
+  ASSERT_TRUE(WaitFor([&] { return (*ro)->current()->fleet_seq == 106u; }));
+  EXPECT_EQ((*ro)->current()->version, 6);
+  EXPECT_EQ(listed(*a), want);
+  publish(7);
+  ASSERT_NE(a->recorder->Await(7), nullptr);
+  EXPECT_EQ(listed(*a), (std::vector<int64_t>{2, 3, 4, 5, 6, 7}));
 }
 
 // Complete(defer_fleet_ack) returns with the publish in flight: a batch of
