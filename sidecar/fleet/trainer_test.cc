@@ -236,7 +236,7 @@ class FleetTrainerTest : public ::testing::Test {
     seen_.clear();
   }
   void TearDown() override {
-    if (versions_ != nullptr) natsSubscription_Destroy(versions_);
+    if (versions_ != nullptr) CloseSubscription(conn_->nc, versions_);
   }
 
   // Publishes a completion; returns its stream sequence (0 when it was a
@@ -412,7 +412,7 @@ TEST_F(FleetTrainerTest, RestartsFromTheFleetCheckpointWithoutDoubling) {
     natsMsg_Destroy(m);
     if (c.last() && c.fleet_seq() == last) break;
   }
-  natsSubscription_Destroy(ckpt);
+  CloseSubscription(conn_->nc, ckpt);
 
   // 200 more, applied and published by a, never checkpointed.
   for (int i = 300; i < 500; ++i) {
@@ -480,7 +480,7 @@ TEST_F(FleetTrainerTest, RollbackRestoresTheSnapshotBitIdentically) {
   EXPECT_EQ(rb.completions_learned(), 100);
 
   absl::StatusOr<FleetState> stored =
-      ReadNewestState(conn_->js, StateStream(fleet_),
+      ReadNewestState(conn_->nc, conn_->js, StateStream(fleet_),
                       SnapshotSubject(fleet_, kReadout, "before launch"));
   ASSERT_TRUE(stored.ok()) << stored.status();
   absl::StatusOr<FleetState> now = t->ExportState(kReadout);
@@ -830,7 +830,7 @@ TEST_F(FleetTrainerTest, AStopWithNatsDownIsBoundedAndCheckpointsLocally) {
   uint64_t last = 0;
   for (int i = 0; i < 50; ++i) last = PublishCompletion(MakeRow(rng, f), absl::StrCat("c", i));
   WaitVersion([&](const FleetVersion& v) { return v.fleet_seq() >= last; });
-  natsSubscription_Destroy(versions_);
+  CloseSubscription(conn_->nc, versions_);
   versions_ = nullptr;
   server_.Kill();
   const absl::Time t0 = absl::Now();
