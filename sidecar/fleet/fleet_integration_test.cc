@@ -222,7 +222,7 @@ TEST(FleetIntegration, MemberAndTrainerLearnServeSnapshotAndRollBack) {
   ASSERT_NE(rv, nullptr);
   EXPECT_EQ(rv->cause, "rollback:s1");
   absl::StatusOr<FleetState> stored = ReadNewestState(
-      m->nats().raw_jetstream(), StateStream("it"), SnapshotSubject("it", "chat", "s1"));
+      m->nats().raw_connection(), m->nats().raw_jetstream(), StateStream("it"), SnapshotSubject("it", "chat", "s1"));
   ASSERT_TRUE(stored.ok()) << stored.status();
   absl::StatusOr<FleetState> now = t->ExportState("chat");
   ASSERT_TRUE(now.ok());

@@ -164,7 +164,8 @@ absl::StatusOr<int32_t> PublishState(jsCtx* js, const std::string& stream,
   return chunks;
 }
 
-absl::StatusOr<FleetState> ReadNewestState(jsCtx* js, const std::string& stream,
+absl::StatusOr<FleetState> ReadNewestState(natsConnection* nc, jsCtx* js,
+                                           const std::string& stream,
                                            const std::string& subject,
                                            std::optional<uint64_t> max_fleet_seq) {
   // The end: the subject's last message now (NotFound: nothing written).
@@ -249,7 +250,8 @@ absl::StatusOr<FleetState> ReadNewestState(jsCtx* js, const std::string& stream,
     }
     if (seq >= last_seq) break;
   }
-  natsSubscription_Destroy(sub);
+  // Flow control and heartbeats may still come for the ordered consumer.
+  CloseSubscription(nc, sub);
   if (!err.ok()) return err;
   if (!best.has_value()) {
     return absl::NotFoundError(absl::StrCat("no complete state on ", subject));

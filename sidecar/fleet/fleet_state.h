@@ -71,9 +71,10 @@ absl::StatusOr<int32_t> PublishState(jsCtx* js, const std::string& stream,
                                      const FleetState& s);
 
 // The newest complete, CRC-valid state on `subject`; with `max_fleet_seq`,
-// the newest whose fleet_seq <= it. NotFound when there is none.
+// the newest whose fleet_seq <= it. NotFound when there is none. `nc` is the
+// connection of `js` (the consumer is ended with CloseSubscription on it).
 absl::StatusOr<FleetState> ReadNewestState(
-    jsCtx* js, const std::string& stream, const std::string& subject,
+    natsConnection* nc, jsCtx* js, const std::string& stream, const std::string& subject,
     std::optional<uint64_t> max_fleet_seq = std::nullopt);
 
 // Creates (or accepts as they are) the streams and the lease bucket of a

@@ -894,12 +894,14 @@ absl::StatusOr<readout::ReadoutState> FleetMember::ExportState(
   c.set_op(fpb::FleetControl::EXPORT);
   c.set_member(options_.member);
   c.set_op_id(op_id);
+  const absl::Time deadline = absl::Now() + absl::Milliseconds(options_.op_timeout_ms);
+  // The trainer does not answer after this (the subject is purged then).
+  c.set_deadline_unix_ms(absl::ToUnixMillis(deadline));
   PublishOptions po;
   po.msg_id = op_id;
   absl::StatusOr<PublishResult> published = nats_->Publish(
       ControlSubject(options_.fleet, readout), c.SerializeAsString(), po);
   absl::Status answered = published.status();
-  const absl::Time deadline = absl::Now() + absl::Milliseconds(options_.op_timeout_ms);
   while (answered.ok()) {
     natsMsg* m = nullptr;
     const int64_t left = absl::ToInt64Milliseconds(deadline - absl::Now());
@@ -922,9 +924,11 @@ absl::StatusOr<readout::ReadoutState> FleetMember::ExportState(
     natsMsg_Destroy(m);
     if (last) break;
   }
-  natsSubscription_Destroy(sub);
+  // On the timeout path chunks may still be arriving.
+  CloseSubscription(nats_->raw_connection(), sub);
   absl::StatusOr<FleetState> fs =
-      answered.ok() ? ReadNewestState(nats_->raw_jetstream(), stream, subject)
+      answered.ok() ? ReadNewestState(nats_->raw_connection(), nats_->raw_jetstream(),
+                                      stream, subject)
                     : absl::StatusOr<FleetState>(answered);
   // A one-off subject: nothing is left in STATE.
   jsOptions jo;

@@ -782,16 +782,7 @@ void Subscription::Stop() {
     sub = state_->sub;
   }
   if (sub == nullptr) return;
-  natsSubscription_Unsubscribe(sub);
-  // libnats 3.4.1's reader thread looks a message's subscription up and then
-  // uses it without holding a reference: freeing it (the destructor) while
-  // the reader is between the two is a use after free. A flush returns once
-  // the reader has handled everything the server sent before its PONG, and
-  // after the UNSUB nothing more comes for this subscription.
-  if (state_->nc != nullptr &&
-      natsConnection_Status(state_->nc) == NATS_CONN_STATUS_CONNECTED) {
-    natsConnection_FlushTimeout(state_->nc, 2000);
-  }
+  UnsubscribeAndDrain(state_->nc, sub);
 }
 
 Subscription::~Subscription() {
@@ -1001,6 +992,32 @@ KvWatcher::~KvWatcher() {
   Stop();
   if (thread_.joinable()) thread_.join();
   if (w_ != nullptr) kvWatcher_Destroy(w_);
+}
+
+void UnsubscribeAndDrain(natsConnection* nc, natsSubscription* sub) {
+  if (sub == nullptr) return;
+  const auto connected = [nc] {
+    return nc != nullptr && natsConnection_Status(nc) == NATS_CONN_STATUS_CONNECTED;
+  };
+  if (connected()) {
+    natsSubscription_Unsubscribe(sub);
+  } else {
+    // Unsubscribe would also delete a JetStream consumer the library
+    // created, a request that waits its full timeout without a server (and
+    // the server drops an ephemeral consumer by itself). A limit of one
+    // message takes the subscription out of the connection at once when it
+    // got any message (a reconnect does not subscribe it again), without
+    // that request; one that got none is taken out by Destroy.
+    natsSubscription_AutoUnsubscribe(sub, 1);
+  }
+  // Checked again: a reconnect may have come in between.
+  if (connected()) natsConnection_FlushTimeout(nc, 2000);
+}
+
+void CloseSubscription(natsConnection* nc, natsSubscription* sub) {
+  if (sub == nullptr) return;
+  UnsubscribeAndDrain(nc, sub);
+  natsSubscription_Destroy(sub);
 }
 
 }  // namespace leap::fleet

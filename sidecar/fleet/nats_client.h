@@ -372,6 +372,22 @@ class NatsClient {
 // Converts one nats.c message (not consumed).
 StreamMsg ToStreamMsg(__natsMsg* msg);
 
+// Ends a subscription on `nc` so that it can be freed while messages may
+// still arrive for it. libnats 3.4.1's reader thread looks a message's
+// subscription up and then uses it without holding a reference, so
+// natsSubscription_Destroy alone (unsubscribe and free at once) is a use
+// after free in the reader. The UNSUB always goes first (whatever the
+// connection's state: a reconnect can come at any time; without a connection
+// it takes the subscription out of the connection without deleting a
+// JetStream consumer, which would wait for a server); then, when connected, a
+// flush (at most 2 s) returns once the reader has handled all the server sent
+// before its PONG, and after the UNSUB nothing more comes for `sub`.
+void UnsubscribeAndDrain(__natsConnection* nc, __natsSubscription* sub);
+
+// UnsubscribeAndDrain, then natsSubscription_Destroy. Use it for every
+// subscription that may still receive messages. Null `sub`: nothing.
+void CloseSubscription(__natsConnection* nc, __natsSubscription* sub);
+
 }  // namespace leap::fleet
 
 #endif  // LEAP_SIDECAR_FLEET_NATS_CLIENT_H_

@@ -32,6 +32,12 @@ constexpr size_t kRememberedIds = 1 << 20;
 // An EXPORT operation older than this is not answered (its asker waits
 // 10 s).
 constexpr int64_t kExportMaxAgeMs = 60'000;
+// An EXPORT answer finished more than this after the asker's deadline is
+// purged by the trainer (the asker purged before it was written).
+constexpr int64_t kExportLatePurgeMs = 2'000;
+// The fleet-wide quality goes to CONFIG at most this often, even when
+// versions go out on every pass (--fleet_version_interval_ms=0).
+constexpr int64_t kQualityPutMinIntervalMs = 1000;
 
 int64_t SteadyMs() {
   return std::chrono::duration_cast<std::chrono::milliseconds>(
@@ -49,23 +55,6 @@ struct MsgDel {
   void operator()(natsMsg* m) const { natsMsg_Destroy(m); }
 };
 using MsgPtr = std::unique_ptr<natsMsg, MsgDel>;
-
-// Ends and frees a subscription. libnats 3.4.1's reader thread looks a
-// message's subscription up and then uses it without holding a reference, so
-// natsSubscription_Destroy alone (unsubscribe and free at once) while messages
-// or heartbeats still arrive for it is a use after free in the reader. Here
-// the UNSUB goes first, and a flush (it returns once the reader has handled
-// all the server sent before its PONG, and after the UNSUB nothing more comes
-// for this subscription) before the free. Without a connection the reader
-// handles nothing and the free is immediate.
-void CloseSubscription(natsConnection* nc, natsSubscription* sub) {
-  if (sub == nullptr) return;
-  if (natsConnection_Status(nc) == NATS_CONN_STATUS_CONNECTED) {
-    natsSubscription_Unsubscribe(sub);
-    natsConnection_FlushTimeout(nc, 2000);
-  }
-  natsSubscription_Destroy(sub);
-}
 
 std::string ThetaBytes(const Eigen::VectorXd& theta) {
   return std::string(reinterpret_cast<const char*>(theta.data()),
@@ -413,7 +402,7 @@ class Trainer::Worker {
     }
     if (read_fleet) {
       absl::StatusOr<FleetState> f =
-          ReadNewestState(t_->js_, StateStream(fleet()), subject);
+          ReadNewestState(t_->nc_, t_->js_, StateStream(fleet()), subject);
       if (f.ok()) {
         checkpoint_chunks_ = f->chunks;
         fleet_quality.emplace(f->quality, f->fleet_seq);
@@ -441,7 +430,7 @@ class Trainer::Worker {
       // The last message was not a complete state's last chunk (a write cut
       // short): the newest complete one.
       absl::StatusOr<FleetState> f =
-          ReadNewestState(t_->js_, StateStream(fleet()), subject);
+          ReadNewestState(t_->nc_, t_->js_, StateStream(fleet()), subject);
       if (f.ok()) {
         fleet_quality.emplace(f->quality, f->fleet_seq);
       } else if (!absl::IsNotFound(f.status())) {
@@ -708,6 +697,10 @@ class Trainer::Worker {
     }
     ckpt_thread_ = std::thread([this] { CheckpointLoop(); });
     const int64_t interval = t_->options_.version_interval_ms;
+    // The quality put recomputes the Spearman of every series under mu_ and
+    // is a synchronous KV put: not on every pass when versions go out at
+    // once (an interval of 0).
+    const int64_t quality_interval = std::max<int64_t>(interval, kQualityPutMinIntervalMs);
     if (js_KeyValue(&config_kv_, t_->js_, ConfigBucket(fleet()).c_str()) != NATS_OK) {
       config_kv_ = nullptr;
       Log("no CONFIG bucket: the fleet-wide quality is counted but not published");
@@ -749,7 +742,7 @@ class Trainer::Worker {
         if (st == NATS_CONNECTION_CLOSED || st == NATS_INVALID_SUBSCRIPTION) break;
       }
       if (dirty_ && SteadyMs() - last_publish_ms_ >= interval) Publish("rls", "");
-      if (SteadyMs() - last_quality_put_ms_ >= interval) PublishQuality();
+      if (SteadyMs() - last_quality_put_ms_ >= quality_interval) PublishQuality();
       MaybeCheckpoint(false, /*stopping=*/false);
     }
     const bool final = final_checkpoint_.load() && !abandoned_;
@@ -1040,7 +1033,7 @@ class Trainer::Worker {
         // The newest snapshot of that label taken before this operation in
         // stream order (a replay after a crash finds the same one).
         absl::StatusOr<FleetState> snap =
-            ReadNewestState(t_->js_, StateStream(fleet()),
+            ReadNewestState(t_->nc_, t_->js_, StateStream(fleet()),
                             SnapshotSubject(fleet(), r_.name, label), seq);
         bool has_p;
         {
@@ -1102,9 +1095,11 @@ class Trainer::Worker {
   }
 
   // EXPORT: the state now (theta, P, no kept completions, no quality) to
-  // the asker's subject; no version, and nothing when the operation is
-  // older than kExportMaxAgeMs (read again after a crash: its asker gave
-  // up long ago).
+  // the asker's subject; no version, and nothing when read after the
+  // asker's deadline_unix_ms (it stopped waiting and purged the subject) or
+  // when older than kExportMaxAgeMs (read again after a crash: its asker
+  // gave up long ago). An answer finished well past the deadline is purged
+  // here: the asker's purge came before it.
   void Export(const FleetControl& c, uint64_t seq, natsMsg* m) {
     jsMsgMetaData* meta = nullptr;
     int64_t age_ms = 0;
@@ -1117,6 +1112,12 @@ class Trainer::Worker {
                        " ms old; not answered"));
       return;
     }
+    const int64_t deadline_ms = c.deadline_unix_ms();
+    if (deadline_ms > 0 && UnixMs() > deadline_ms) {
+      Log(absl::StrCat("export ", c.op_id(), " at seq ", seq, " read ",
+                       UnixMs() - deadline_ms, " ms after its asker's deadline; not answered"));
+      return;
+    }
     if (!t_->FenceOk()) return;
     FleetState s;
     {
@@ -1124,11 +1125,23 @@ class Trainer::Worker {
       s = CaptureLocked();
     }
     s.kept_seqs.clear();
-    absl::StatusOr<int32_t> w = PublishState(
-        t_->js_, StateStream(fleet()), ExportSubject(fleet(), r_.name, c.op_id()),
-        r_.name, absl::StrCat("export-", c.op_id()), s);
+    const std::string subject = ExportSubject(fleet(), r_.name, c.op_id());
+    absl::StatusOr<int32_t> w = PublishState(t_->js_, StateStream(fleet()), subject,
+                                             r_.name, absl::StrCat("export-", c.op_id()), s);
     if (!w.ok()) {
       Log(absl::StrCat("export ", c.op_id(), " not written: ", w.status().message()));
+    }
+    // Written (or partly) after the asker stopped waiting, beyond any
+    // plausible clock difference: nobody reads or purges it but us.
+    if (deadline_ms > 0 && UnixMs() > deadline_ms + kExportLatePurgeMs) {
+      jsOptions jo;
+      jsOptions_Init(&jo);
+      jo.Stream.Purge.Subject = subject.c_str();
+      jsErrCode code = static_cast<jsErrCode>(0);
+      natsStatus st = js_PurgeStream(t_->js_, StateStream(fleet()).c_str(), &jo, &code);
+      Log(absl::StrCat("export ", c.op_id(), " finished after its asker's deadline; ",
+                       st == NATS_OK ? "purged"
+                                     : NatsFailure("purge", st, code).message()));
     }
   }
 

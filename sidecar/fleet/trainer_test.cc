@@ -236,7 +236,7 @@ class FleetTrainerTest : public ::testing::Test {
     seen_.clear();
   }
   void TearDown() override {
-    if (versions_ != nullptr) natsSubscription_Destroy(versions_);
+    if (versions_ != nullptr) CloseSubscription(conn_->nc, versions_);
   }
 
   // Publishes a completion; returns its stream sequence (0 when it was a
@@ -266,13 +266,14 @@ class FleetTrainerTest : public ::testing::Test {
   }
 
   uint64_t PublishControl(FleetControl::Op op, const std::string& label,
-                          const std::string& op_id) {
+                          const std::string& op_id, int64_t deadline_unix_ms = 0) {
     FleetControl c;
     c.set_readout(kReadout);
     c.set_op(op);
     c.set_label(label);
     c.set_op_id(op_id);
     c.set_member("test");
+    c.set_deadline_unix_ms(deadline_unix_ms);
     const std::string bytes = c.SerializeAsString();
     jsPubAck* ack = nullptr;
     EXPECT_EQ(js_Publish(&ack, conn_->js, ControlSubject(fleet_, kReadout).c_str(),
@@ -412,7 +413,7 @@ TEST_F(FleetTrainerTest, RestartsFromTheFleetCheckpointWithoutDoubling) {
     natsMsg_Destroy(m);
     if (c.last() && c.fleet_seq() == last) break;
   }
-  natsSubscription_Destroy(ckpt);
+  CloseSubscription(conn_->nc, ckpt);
 
   // 200 more, applied and published by a, never checkpointed.
   for (int i = 300; i < 500; ++i) {
@@ -480,7 +481,7 @@ TEST_F(FleetTrainerTest, RollbackRestoresTheSnapshotBitIdentically) {
   EXPECT_EQ(rb.completions_learned(), 100);
 
   absl::StatusOr<FleetState> stored =
-      ReadNewestState(conn_->js, StateStream(fleet_),
+      ReadNewestState(conn_->nc, conn_->js, StateStream(fleet_),
                       SnapshotSubject(fleet_, kReadout, "before launch"));
   ASSERT_TRUE(stored.ok()) << stored.status();
   absl::StatusOr<FleetState> now = t->ExportState(kReadout);
@@ -529,6 +530,36 @@ TEST_F(FleetTrainerTest, RollbackRestoresTheSnapshotBitIdentically) {
   EXPECT_EQ(vr.completions_learned(), 151);
   EXPECT_LT(RelErr(Theta(vr), ClosedForm(f, stored->theta, stored->p->ToDouble(), after)),
             5e-6);
+}
+
+// An EXPORT read after its asker's deadline is not answered (the asker
+// purged the subject and left: an answer would stay in STATE for good); one
+// within it, or without one, is.
+TEST_F(FleetTrainerTest, AnExportPastItsAskersDeadlineIsNotAnswered) {
+  Fixture f = MakeFixture(3);
+  CreateReadout(f, 1000);
+  std::unique_ptr<Trainer> t = *Trainer::Start(conn_->nc, Options("a", 1000));
+  t->SetReadouts({f.readout});
+  std::mt19937_64 rng(7);
+  for (int i = 0; i < 20; ++i) PublishCompletion(MakeRow(rng, f), absl::StrCat("c", i));
+  const int64_t now_ms = absl::ToUnixMillis(absl::Now());
+  PublishControl(FleetControl::EXPORT, "", "late", now_ms - 1);
+  PublishControl(FleetControl::EXPORT, "", "on-time", now_ms + 60'000);
+  PublishControl(FleetControl::EXPORT, "", "no-deadline");
+  // Operations are handled in stream order: once this one is answered, the
+  // exports before it were handled too.
+  PublishControl(FleetControl::SNAPSHOT, "after", "op-after");
+  FleetVersion snap = WaitVersion([](const FleetVersion& v) { return v.op_id() == "op-after"; });
+  EXPECT_EQ(snap.completions_learned(), 20);
+  for (const char* op : {"on-time", "no-deadline"}) {
+    absl::StatusOr<FleetState> answered = ReadNewestState(
+        conn_->nc, conn_->js, StateStream(fleet_), ExportSubject(fleet_, kReadout, op));
+    ASSERT_TRUE(answered.ok()) << op << ": " << answered.status();
+    EXPECT_EQ(answered->completions_learned, 20) << op;
+  }
+  absl::StatusOr<FleetState> late = ReadNewestState(
+      conn_->nc, conn_->js, StateStream(fleet_), ExportSubject(fleet_, kReadout, "late"));
+  EXPECT_TRUE(absl::IsNotFound(late.status())) << late.status();
 }
 
 TEST_F(FleetTrainerTest, ADeposedTrainerCannotPublishOverItsSuccessor) {
@@ -830,7 +861,7 @@ TEST_F(FleetTrainerTest, AStopWithNatsDownIsBoundedAndCheckpointsLocally) {
   uint64_t last = 0;
   for (int i = 0; i < 50; ++i) last = PublishCompletion(MakeRow(rng, f), absl::StrCat("c", i));
   WaitVersion([&](const FleetVersion& v) { return v.fleet_seq() >= last; });
-  natsSubscription_Destroy(versions_);
+  CloseSubscription(conn_->nc, versions_);
   versions_ = nullptr;
   server_.Kill();
   const absl::Time t0 = absl::Now();
