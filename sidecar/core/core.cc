@@ -329,7 +329,8 @@ absl::Status Core::DeleteReadout(const std::string& name) {
     if (it == current->end()) {
       return absl::NotFoundError(absl::StrCat("unknown readout '", name, "'"));
     }
-    for (const auto& [pl, route] : routes_.load()->routes()) {
+    const std::shared_ptr<const RoutingTable> table = routes_.load();
+    for (const auto& [pl, route] : table->routes()) {
       for (const auto& arm : route.arms) {
         if (arm.readout == name) {
           return absl::FailedPreconditionError(absl::StrCat(
@@ -415,7 +416,10 @@ absl::Status Core::DeleteRoute(const std::string& product_line) {
 
 std::vector<Route> Core::ListRoutes() const {
   std::vector<Route> out;
-  for (const auto& [pl, r] : routes_.load()->routes()) out.push_back(r);
+  // Held for the loop: the range-for would destroy a temporary load() at
+  // once, and a route change on another thread could then free the table.
+  const std::shared_ptr<const RoutingTable> table = routes_.load();
+  for (const auto& [pl, r] : table->routes()) out.push_back(r);
   return out;
 }
 
