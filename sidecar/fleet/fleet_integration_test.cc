@@ -23,6 +23,7 @@
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "tests/support/scoped_temp_dir.h"
+#include "tests/support/spearman_ref.h"
 #include "sidecar/core/core.h"
 #include "sidecar/fleet/member.h"
 #include "sidecar/grpc/admin_service.h"
@@ -239,43 +240,7 @@ TEST(FleetIntegration, MemberAndTrainerLearnServeSnapshotAndRollBack) {
 }
 
 
-// Spearman with average ranks, FP64: the test's own reference.
-double RefSpearman(const std::vector<std::pair<double, double>>& pairs) {
-  const size_t n = pairs.size();
-  if (n < 2) return NAN;
-  auto ranks = [n](const std::vector<double>& v) {
-    std::vector<size_t> idx(n);
-    for (size_t i = 0; i < n; ++i) idx[i] = i;
-    std::sort(idx.begin(), idx.end(), [&](size_t a, size_t b) { return v[a] < v[b]; });
-    std::vector<double> r(n);
-    for (size_t i = 0; i < n;) {
-      size_t j = i;
-      while (j + 1 < n && v[idx[j + 1]] == v[idx[i]]) ++j;
-      for (size_t k = i; k <= j; ++k) r[idx[k]] = static_cast<double>(i + j) / 2.0 + 1.0;
-      i = j + 1;
-    }
-    return r;
-  };
-  std::vector<double> a(n), b(n);
-  for (size_t i = 0; i < n; ++i) {
-    a[i] = pairs[i].first;
-    b[i] = pairs[i].second;
-  }
-  const std::vector<double> ra = ranks(a), rb = ranks(b);
-  double ma = 0, mb = 0;
-  for (size_t i = 0; i < n; ++i) {
-    ma += ra[i] / static_cast<double>(n);
-    mb += rb[i] / static_cast<double>(n);
-  }
-  double sab = 0, saa = 0, sbb = 0;
-  for (size_t i = 0; i < n; ++i) {
-    sab += (ra[i] - ma) * (rb[i] - mb);
-    saa += (ra[i] - ma) * (ra[i] - ma);
-    sbb += (rb[i] - mb) * (rb[i] - mb);
-  }
-  if (saa == 0 || sbb == 0) return NAN;
-  return sab / std::sqrt(saa * sbb);
-}
+using ::leap::testing::RefSpearman;
 
 // One leapd member as leapd --fleet builds it (serving-only Core, RocksDB
 // outbox, FleetMember) with its Admin service on a real gRPC port.

@@ -25,6 +25,7 @@
 #include "client/process.h"
 #include "gtest/gtest.h"
 #include "tests/support/scoped_temp_dir.h"
+#include "tests/support/spearman_ref.h"
 #include "leap/v1/fleet.pb.h"
 #include "prometheus/text_serializer.h"
 #include "sidecar/fleet/fleet_quality.h"
@@ -878,45 +879,7 @@ TEST_F(FleetTrainerTest, AStopWithNatsDownIsBoundedAndCheckpointsLocally) {
 }
 
 
-// Spearman with average ranks, FP64: the test's own reference.
-double RefSpearman(const std::vector<std::pair<double, double>>& pairs) {
-  const size_t n = pairs.size();
-  if (n < 2) return NAN;
-  auto ranks = [n](const std::vector<double>& v) {
-    std::vector<size_t> idx(n);
-    for (size_t i = 0; i < n; ++i) idx[i] = i;
-    std::sort(idx.begin(), idx.end(), [&](size_t a, size_t b) { return v[a] < v[b]; });
-    std::vector<double> r(n);
-    for (size_t i = 0; i < n;) {
-      size_t j = i;
-      while (j + 1 < n && v[idx[j + 1]] == v[idx[i]]) ++j;
-      for (size_t k = i; k <= j; ++k) r[idx[k]] = (static_cast<double>(i + j) / 2.0) + 1.0;
-      i = j + 1;
-    }
-    return r;
-  };
-  std::vector<double> a(n), b(n);
-  for (size_t i = 0; i < n; ++i) {
-    a[i] = pairs[i].first;
-    b[i] = pairs[i].second;
-  }
-  const std::vector<double> ra = ranks(a), rb = ranks(b);
-  double ma = 0, mb = 0;
-  for (size_t i = 0; i < n; ++i) {
-    ma += ra[i];
-    mb += rb[i];
-  }
-  ma /= static_cast<double>(n);
-  mb /= static_cast<double>(n);
-  double sab = 0, saa = 0, sbb = 0;
-  for (size_t i = 0; i < n; ++i) {
-    sab += (ra[i] - ma) * (rb[i] - mb);
-    saa += (ra[i] - ma) * (ra[i] - ma);
-    sbb += (rb[i] - mb) * (rb[i] - mb);
-  }
-  if (saa == 0 || sbb == 0) return NAN;
-  return sab / std::sqrt(saa * sbb);
-}
+using ::leap::testing::RefSpearman;
 
 // One completion as a member publishes it, with what quality needs.
 struct Served {
