@@ -105,14 +105,18 @@ struct RlsOptions {
 // benchmarks: where the time goes): the updating thread's CPU time with one
 // thread, wall time with several.
 struct RlsPhaseSeconds {
-  double product = 0;  // U P_base: the stream over P (panel or blocked)
+  double sweep = 0;    // batches of <= 8: one pass over P's upper triangle
+                       // that folds the pending columns and computes U P
+  double product = 0;  // wider batches: U P_base (blocked)
   double pending = 0;  // minus the pending part (U W_all') W_all
   double solve = 0;    // S = I + U V (FP64), Cholesky, theta
   double w = 0;        // the pending columns W' = L^-1 V'
   double fold = 0;     // P_base -= W_all W_all' (upper triangle)
   double mirror = 0;   // upper triangle copied onto the lower one (only
-                       // before a batch of <= 8 or P() after a fold)
-  double total() const { return product + pending + solve + w + fold + mirror; }
+                       // for P() after a fold)
+  double total() const {
+    return sweep + product + pending + solve + w + fold + mirror;
+  }
 };
 
 // The RLS state of one readout: theta (FP64) and P (FP32).
@@ -162,8 +166,12 @@ class RlsState {
  private:
   absl::Status UpdateChunk(const float* u, int64_t ldu,
                            std::span<const double> y);
-  // Vt (k rows of ld floats, padding zero) = U P_base.
+  // Vt (k rows of ld floats, padding zero) = U P_base - (U W_all') W_all.
   void ComputeVt(const float* u, int64_t ldu, int64_t k);
+  // For k <= kPanelMaxVectors with at most as many pending columns: folds
+  // them into P_base and sets Vt = U P_base in one pass over the upper
+  // triangle (the fused sweep); no pending columns remain.
+  void SweepVt(const float* u, int64_t ldu, int64_t k);
   // Copies the upper triangle onto the stale lower one (blocks strictly
   // below the diagonal blocks only).
   void MirrorLower();
@@ -185,6 +193,14 @@ class RlsState {
   RlsPhaseSeconds phases_;
   // V' of the batch in flight: fold_columns x ld floats.
   std::unique_ptr<float[], void (*)(float*)> vt_;
+  // The fused sweep's buffers (allocated on its first use): U padded
+  // (kPanelMaxVectors x ld), the row dots D (n x kPanelMaxVectors) and
+  // the transposed sums T of each of kSweepGroups fixed groups of row
+  // blocks.
+  static constexpr int kSweepGroups = 8;
+  std::unique_ptr<float[], void (*)(float*)> sweep_u_;
+  std::unique_ptr<float[], void (*)(float*)> sweep_d_;
+  std::unique_ptr<float[], void (*)(float*)> sweep_t_;
 };
 
 }  // namespace leap::readout
