@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "common/half.h"
+#include "readout/internal/simd.h"
 
 #if defined(__x86_64__)
 #include <cpuid.h>
@@ -284,20 +285,7 @@ void GemmAccSymPortable(int64_t m, int64_t N, int64_t K, float alpha,
 // The fused sweep in portable C++ (Fma may round twice here).
 namespace portable_sweep {
 #define LEAP_ISA
-struct Vec {
-  static constexpr int64_t kLanes = 1;
-  static constexpr int kStrip = 1;
-  static constexpr int kInterleave = 1;
-  using V = float;
-  static V Load(const float* p) { return *p; }
-  static void Store(float* p, V v) { *p = v; }
-  static V Set1(float x) { return x; }
-  static V Zero() { return 0.0f; }
-  static V Add(V a, V b) { return a + b; }
-  static V Mul(V a, V b) { return a * b; }
-  static V Fma(V a, V b, V c) { return a * b + c; }
-  static float Sum(V v) { return v; }
-};
+using Vec = simd::Portable;
 #include "readout/internal/sym_sweep.inc"
 #undef LEAP_ISA
 }  // namespace portable_sweep
@@ -310,7 +298,7 @@ constexpr Kernels kPortable = {"portable",         DotF32Portable,
 
 #if defined(__x86_64__)
 // ---------------------------------------------------------------- AVX2+FMA
-#define LEAP_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define LEAP_AVX2 LEAP_TARGET_AVX2
 
 LEAP_AVX2 inline float HSum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -574,20 +562,7 @@ LEAP_AVX2 void DotF64BlockAvx2(const float* X, int64_t ldx, const float* Y,
 
 namespace avx2_sweep {
 #define LEAP_ISA LEAP_AVX2
-struct Vec {
-  static constexpr int64_t kLanes = 8;
-  static constexpr int kStrip = 1;  // 16 registers: 8 sums of 1 vector
-  static constexpr int kInterleave = 2;
-  using V = __m256;
-  LEAP_AVX2 static V Load(const float* p) { return _mm256_loadu_ps(p); }
-  LEAP_AVX2 static void Store(float* p, V v) { _mm256_storeu_ps(p, v); }
-  LEAP_AVX2 static V Set1(float x) { return _mm256_set1_ps(x); }
-  LEAP_AVX2 static V Zero() { return _mm256_setzero_ps(); }
-  LEAP_AVX2 static V Add(V a, V b) { return _mm256_add_ps(a, b); }
-  LEAP_AVX2 static V Mul(V a, V b) { return _mm256_mul_ps(a, b); }
-  LEAP_AVX2 static V Fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
-  LEAP_AVX2 static float Sum(V v) { return HSum(v); }
-};
+using Vec = simd::Avx2;
 #include "readout/internal/sym_sweep.inc"
 #undef LEAP_ISA
 }  // namespace avx2_sweep
@@ -605,7 +580,7 @@ bool CpuHasAvx2Fma() {
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c;
 }
 // ---------------------------------------------------------------- AVX-512
-#define LEAP_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
+#define LEAP_AVX512 LEAP_TARGET_AVX512
 
 // Four 16-float accumulators (64 floats per iteration): measured on an AMD
 // EPYC (Zen 5) with features streaming from L2, eight accumulators (128
@@ -837,20 +812,7 @@ LEAP_AVX512 void DotF64BlockAvx512(const float* X, int64_t ldx,
 
 namespace avx512_sweep {
 #define LEAP_ISA LEAP_AVX512
-struct Vec {
-  static constexpr int64_t kLanes = 16;
-  static constexpr int kStrip = 2;  // 16 sums of 32 registers
-  static constexpr int kInterleave = 4;
-  using V = __m512;
-  LEAP_AVX512 static V Load(const float* p) { return _mm512_loadu_ps(p); }
-  LEAP_AVX512 static void Store(float* p, V v) { _mm512_storeu_ps(p, v); }
-  LEAP_AVX512 static V Set1(float x) { return _mm512_set1_ps(x); }
-  LEAP_AVX512 static V Zero() { return _mm512_setzero_ps(); }
-  LEAP_AVX512 static V Add(V a, V b) { return _mm512_add_ps(a, b); }
-  LEAP_AVX512 static V Mul(V a, V b) { return _mm512_mul_ps(a, b); }
-  LEAP_AVX512 static V Fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
-  LEAP_AVX512 static float Sum(V v) { return _mm512_reduce_add_ps(v); }
-};
+using Vec = simd::Avx512;
 #include "readout/internal/sym_sweep.inc"
 #undef LEAP_ISA
 }  // namespace avx512_sweep
