@@ -8,18 +8,20 @@
 //
 // Implementation: with S = L L' (Cholesky), G V' = W W' where W = V L^-T,
 // so the P update is a symmetric rank-k downdate. Those are deferred: P is
-// kept as P_base - W_all W_all' with the pending columns W_all, and folded
-// into P_base (one blocked rank-k update) every `fold_columns` columns. A
-// batch then streams the 64 MiB P_base once (for V) instead of three times:
-// batches of up to 8 with the panel kernel (memory-bound), wider ones with
+// kept as P_base - W_all W_all' with the pending columns W_all. A batch of
+// up to 8 makes one pass over P_base's upper triangle that folds the (at
+// most 8) pending columns and computes V with the folded values (the fused
+// sweep: P read and written once); a wider batch streams P_base once with
 // a blocked matrix product (compute-bound: P is streamed once for all k
-// rows). Products with P and the fold run on `threads` threads. P is FP32, symmetric by construction
-// (the fold updates the upper triangle in blocks of 96 rows, diagonal blocks
-// whole; the blocked product reads only those blocks, and the lower
-// triangle is mirrored only when a batch of up to 8 or P() needs whole
-// rows), and its loss of positive
+// rows) and subtracts the pending part, and the pending columns are folded
+// with one blocked rank-k update every `fold_columns` columns. Products
+// with P and the folds run on `threads` threads. P is FP32, symmetric by
+// construction (only the upper triangle is updated, in blocks of 96 rows,
+// diagonal blocks whole; everything reads only those blocks, and the lower
+// triangle is mirrored only when P() needs it), and its loss of positive
 // definiteness is detected: S = I + U P U' has all Cholesky pivots >= 1 in
-// exact arithmetic, so a pivot below 1/2 rejects the batch, state unchanged.
+// exact arithmetic, so a pivot below 1/2 rejects the batch, the state
+// (P_base - W_all W_all', theta) unchanged.
 #ifndef LEAP_READOUT_RLS_H_
 #define LEAP_READOUT_RLS_H_
 
