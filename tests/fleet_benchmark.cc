@@ -268,7 +268,7 @@ std::string TrainerEfficiency(const std::map<std::string, double>& stages_before
   const double applied = delta(stages_before, stages_after, "#applied");
   const double cpu = delta(cpu_before, cpu_after, "m0 trainer worker");
   if (applied <= 0 || cpu <= 0) return "no completions applied";
-  return absl::StrFormat("%.0f completions per CPU-second of the worker thread = %.2f of "
+  return absl::StrFormat("%.0f completions per CPU-second of the worker thread = %.2g of "
                          "the one-core exact-RLS bound",
                          applied / cpu, applied / cpu / bound1);
 }

@@ -44,6 +44,13 @@ constexpr int64_t kQualityPutMinIntervalMs = 1000;
 // the consumer (beyond the flow-control window already delivered): a
 // round trip on a busy machine, not a pacing delay.
 constexpr int64_t kBacklogWaitMs = 20;
+// The most one batch's reading waits for such messages in all.
+constexpr int64_t kBacklogReadMs = 100;
+// After a checkpoint write of W, the next periodic one waits at least
+// this many times W after it: at d = 4096 a write (P copy, 64 MiB into
+// RocksDB or STATE) can take seconds of a busy core, and the thread must
+// not take as much CPU as learning.
+constexpr int64_t kCheckpointRestFactor = 4;
 
 int64_t SteadyMs() {
   return std::chrono::duration_cast<std::chrono::milliseconds>(
@@ -752,13 +759,16 @@ class Trainer::Worker {
         uint64_t server_pending = ServerPending(raw);
         int pending = 0;
         natsSubscription_GetPending(sub_, &pending, nullptr);
+        const int64_t read_deadline_ms = SteadyMs() + kBacklogReadMs;
         while (static_cast<int>(msgs.size()) < t_->options_.max_batch &&
                (pending > 0 || server_pending > 0)) {
-          raw = nullptr;
-          if (natsSubscription_NextMsg(&raw, sub_,
-                                       pending > 0 ? 1 : kBacklogWaitMs) != NATS_OK) {
-            break;
+          int64_t timeout_ms = 1;
+          if (pending == 0) {
+            timeout_ms = std::min(kBacklogWaitMs, read_deadline_ms - SteadyMs());
+            if (timeout_ms <= 0) break;
           }
+          raw = nullptr;
+          if (natsSubscription_NextMsg(&raw, sub_, timeout_ms) != NATS_OK) break;
           msgs.emplace_back(raw);
           server_pending = ServerPending(raw);
           natsSubscription_GetPending(sub_, &pending, nullptr);
@@ -1324,8 +1334,12 @@ class Trainer::Worker {
       if (ckpt_failed_fleet_) fleet_captured_seq_ = 0;  // retried when due
       if (ckpt_failed_local_) local_captured_seq_ = 0;
       ckpt_failed_fleet_ = ckpt_failed_local_ = false;
-      // One write at a time; a periodic capture waits for the thread.
-      if (!force && (ckpt_busy_ || ckpt_job_.has_value())) return;
+      // One write at a time; a periodic capture waits for the thread, and
+      // for kCheckpointRestFactor times the last write's duration after it
+      // (the thread writes at most 1 / (1 + factor) of the time).
+      if (!force && (ckpt_busy_ || ckpt_job_.has_value() || now < ckpt_rest_until_ms_)) {
+        return;
+      }
     }
     uint64_t seq;
     bool kept;
@@ -1413,8 +1427,11 @@ class Trainer::Worker {
       const bool local_ok = !job.local || WriteLocal(job.state);
       const bool fleet_ok = !job.fleet || WriteFleet(job.state, job.stopping);
       Stage("checkpoint_write", t0);
+      const int64_t end_ms = SteadyMs();
       absl::MutexLock lock(&ckpt_mu_);
       ckpt_busy_ = false;
+      ckpt_rest_until_ms_ =
+          end_ms + kCheckpointRestFactor * ((SteadyNs() - t0) / 1'000'000);
       if (!local_ok) ckpt_failed_local_ = true;
       if (!fleet_ok) ckpt_failed_fleet_ = true;
     }
@@ -1567,6 +1584,8 @@ class Trainer::Worker {
   absl::Mutex ckpt_mu_;
   std::optional<CheckpointJob> ckpt_job_ ABSL_GUARDED_BY(ckpt_mu_);
   bool ckpt_busy_ ABSL_GUARDED_BY(ckpt_mu_) = false;
+  // No periodic capture before this (steady ms): the rest after a write.
+  int64_t ckpt_rest_until_ms_ ABSL_GUARDED_BY(ckpt_mu_) = 0;
   bool ckpt_stop_ ABSL_GUARDED_BY(ckpt_mu_) = false;
   bool ckpt_drain_ ABSL_GUARDED_BY(ckpt_mu_) = false;
   bool ckpt_failed_local_ ABSL_GUARDED_BY(ckpt_mu_) = false;
