@@ -194,10 +194,9 @@ double StatCpuSeconds(const std::string& path, std::string* comm = nullptr,
   std::vector<std::string> f3 = absl::StrSplit(line.substr(close + 2), ' ');
   // After "pid (comm) ": state ppid ... utime (14th field) stime (15th).
   if (f3.size() < 13) return 0;
-  if (ppid != nullptr) absl::SimpleAtoi(f3[1], ppid);
+  if (ppid != nullptr && !absl::SimpleAtoi(f3[1], ppid)) *ppid = 0;
   double ut = 0, st = 0;
-  absl::SimpleAtod(f3[11], &ut);
-  absl::SimpleAtod(f3[12], &st);
+  if (!absl::SimpleAtod(f3[11], &ut) || !absl::SimpleAtod(f3[12], &st)) return 0;
   return (ut + st) / static_cast<double>(sysconf(_SC_CLK_TCK));
 }
 
