@@ -89,9 +89,13 @@ std::string PackedP(const readout::SymMatrix& p) {
 
 absl::Status RocksStoreOptions::Validate() const {
   if (checkpoints_kept < 1) {
-    return absl::InvalidArgumentError("checkpoints_kept must be >= 1");
+    return absl::InvalidArgumentError(
+        absl::StrCat("checkpoints_kept must be >= 1, got ", checkpoints_kept));
   }
-  if (versions_kept < 1) return absl::InvalidArgumentError("versions_kept must be >= 1");
+  if (versions_kept < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("versions_kept must be >= 1, got ", versions_kept));
+  }
   if (chunk_bytes < 4096 || chunk_bytes % 4 != 0) {
     return absl::InvalidArgumentError("chunk_bytes must be >= 4096, multiple of 4");
   }
@@ -401,6 +405,7 @@ class RocksStore final : public StateStore {
     auto ids = CheckpointIds(meta.incarnation);
     rocksdb::WriteBatch prune;
     uint64_t oldest_kept_seq = c.last_seq;
+    uint64_t newest_pruned = 0;  // ids are newest first: 0 = none pruned
     for (size_t i = 0; i < ids.size(); ++i) {
       const std::string base = Key2(meta.incarnation, ids[i]);
       if (static_cast<int>(i) < o_.checkpoints_kept) {
@@ -413,12 +418,28 @@ class RocksStore final : public StateStore {
         }
         continue;
       }
+      if (newest_pruned == 0) newest_pruned = ids[i];
       prune.DeleteRange(h_[kCheckpoints], base, Key2(meta.incarnation, ids[i] + 1));
     }
     prune.DeleteRange(h_[kLog], Key2(meta.incarnation, 0),
                       Key2(meta.incarnation, oldest_kept_seq + 1));
     PruneDedupLocked(prune);
-    return FromRocks(db_->Write(rocksdb::WriteOptions(), &prune), "prune");
+    RETURN_IF_ERROR(FromRocks(db_->Write(rocksdb::WriteOptions(), &prune), "prune"));
+    if (newest_pruned == 0 || !o_.compact_pruned_checkpoints) return absl::OkStatus();
+    // Each checkpoint is its own SST file (WriteBulk flushes it), so this
+    // compaction's inputs are the pruned checkpoints' files and the range
+    // deletions: it drops them and writes nothing, and the kept checkpoints'
+    // files (outside the range) are not rewritten. On this thread (the
+    // readout's checkpoint thread), so the space is back when it returns.
+    // The checkpoint is durable and pruned already: a failed compaction
+    // (a shutdown under way) only leaves the space to RocksDB's own.
+    const std::string begin = Key2(meta.incarnation, 0);
+    const std::string end = Key2(meta.incarnation, newest_pruned + 1);
+    const rocksdb::Slice from(begin), to(end);
+    rocksdb::CompactRangeOptions co;
+    co.exclusive_manual_compaction = false;  // other readouts' compactions go on
+    db_->CompactRange(co, h_[kCheckpoints], &from, &to).PermitUncheckedError();
+    return absl::OkStatus();
   }
 
   void PruneDedupLocked(rocksdb::WriteBatch& b) {
@@ -903,7 +924,7 @@ absl::StatusOr<std::unique_ptr<StateStore>> OpenRocksStore(
   // buffer (141 MiB, for the checkpoint families' 128 MiB) ahead of the live
   // WAL, which holds a few MiB: a data folder's disk then pays for its
   // content only. Durability is unchanged (the same writes are synced).
-  dbo.allow_fallocate = false;
+  dbo.allow_fallocate = o.preallocate_wal;
   std::vector<rocksdb::ColumnFamilyDescriptor> cfs;
   for (const char* name : kFamilies) {
     rocksdb::ColumnFamilyOptions co;

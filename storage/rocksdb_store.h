@@ -36,6 +36,16 @@ struct RocksStoreOptions {
   int64_t dataset_max_bytes = int64_t{1} << 30;
   // Quality pairs kept per series (a readout, a route arm). Default: 100000
   int64_t quality_kept = 100000;
+  // Compact the checkpoint family's range that retention just deleted, in
+  // WriteCheckpoint, so the superseded checkpoints' files leave the disk at
+  // once instead of at RocksDB's next compaction of the family (which waits
+  // for 4 files). Not a leapd flag: rocksdb_store_benchmark turns it off to
+  // measure the difference. Default: true
+  bool compact_pruned_checkpoints = true;
+  // Let RocksDB preallocate (fallocate) the write-ahead log. Not a leapd
+  // flag: rocksdb_store_benchmark turns it on to measure the difference.
+  // Default: false
+  bool preallocate_wal = false;
 
   absl::Status Validate() const;
 };

@@ -6,9 +6,17 @@
 // (each 64 MiB of P, flushed to an SST before it returns).
 //
 //   rocksdb_store_benchmark [--dim 4096] [--writes 8] [--records 64]
+//                           [--compare fallocate|compaction]
 //
-// Prints one line per figure. Not a test (no assertions); the footprint's
-// bound is asserted by rocksdb_store_test at a small width.
+// --compare runs two stores side by side, in folders of their own, that
+// differ in one store option: "fallocate" (RocksStoreOptions::preallocate_wal
+// on, as before, vs off, the default) or "compaction"
+// (compact_pruned_checkpoints off, as before, vs on, the default). Their
+// checkpoint writes alternate (A B B A A B ...), so both see the same load;
+// each store's latencies and disk use are printed, with the folder's size
+// after every write. Prints one line per figure. Not a test (no
+// assertions); the footprint's bound is asserted by rocksdb_store_test at a
+// small width.
 #include <sys/stat.h>
 
 #include <algorithm>
@@ -17,6 +25,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -46,79 +55,157 @@ int64_t Flag(int argc, char** argv, const char* name, int64_t def) {
   return def;
 }
 
+std::string StrFlag(int argc, char** argv, const char* name) {
+  for (int i = 1; i + 1 < argc; ++i) {
+    if (std::strcmp(argv[i], name) == 0) return argv[i + 1];
+  }
+  return "";
+}
+
+double Mib(int64_t bytes) { return static_cast<double>(bytes) / (1 << 20); }
+
+// One store under test: a readout at width dim with its first checkpoint and
+// `records` feedback records, then checkpoint writes on demand.
+struct Bench {
+  std::string name, dir;
+  std::unique_ptr<storage::StateStore> store;
+  storage::ReadoutMeta meta;
+  storage::ReadoutCheckpoint ck;
+  int64_t records = 0;
+  std::vector<double> ms;
+  double create_ms = 0;
+
+  bool Open(const storage::RocksStoreOptions& o, int64_t dim) {
+    auto opened = storage::OpenRocksStore(dir, o);
+    if (!opened.ok()) {
+      std::fprintf(stderr, "%s\n", opened.status().ToString().c_str());
+      return false;
+    }
+    store = std::move(*opened);
+    meta.name = "bench";
+    meta.spec.dim = dim;
+    meta.standardizer = readout::Standardizer::Identity(dim);
+    ck.theta = Eigen::VectorXd::Constant(dim + 1, 0.25);
+    ck.p = readout::SymMatrix::ScaledIdentity(dim + 1, 0.1f);
+    auto t0 = std::chrono::steady_clock::now();
+    if (auto s = store->CreateReadout(&meta, ck); !s.ok()) {
+      std::fprintf(stderr, "%s\n", s.ToString().c_str());
+      return false;
+    }
+    create_ms =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    for (int64_t i = 1; i <= records; ++i) {
+      storage::LogRecord r;
+      r.seq = static_cast<uint64_t>(i);
+      r.request_id = "req-" + std::to_string(i);
+      r.dtype = readout::DType::kFloat16;
+      r.features.assign(static_cast<size_t>(dim) * 2, '\x11');
+      r.target = 10;
+      r.dedup_keys = {"key-" + std::to_string(i)};
+      if (auto s = store->AppendLog(meta, {&r, 1}); !s.ok()) {
+        std::fprintf(stderr, "%s\n", s.ToString().c_str());
+        return false;
+      }
+    }
+    return true;
+  }
+  // Checkpoint write number i (0-based): its latency is recorded.
+  bool Write(int64_t i) {
+    ck.version = i + 2;
+    ck.last_seq = static_cast<uint64_t>(records);
+    ck.p->data()[0] = static_cast<float>(i);
+    const auto t0 = std::chrono::steady_clock::now();
+    if (auto s = store->WriteCheckpoint(meta, ck); !s.ok()) {
+      std::fprintf(stderr, "%s\n", s.ToString().c_str());
+      return false;
+    }
+    ms.push_back(
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+    return true;
+  }
+  void PrintLatency() const {
+    std::vector<double> v = ms;
+    std::sort(v.begin(), v.end());
+    std::printf("%scheckpoint write x%zu: min %.1f ms, median %.1f ms, max %.1f ms\n",
+                name.empty() ? "" : (name + ": ").c_str(), v.size(), v.front(),
+                v[v.size() / 2], v.back());
+  }
+};
+
 }  // namespace
 
 int main(int argc, char** argv) {
   const int64_t dim = Flag(argc, argv, "--dim", 4096);
   const int64_t writes = Flag(argc, argv, "--writes", 8);
   const int64_t records = Flag(argc, argv, "--records", 64);
-  if (dim < 1 || writes < 1 || records < 0) {
-    std::fprintf(stderr, "usage: %s [--dim N>=1] [--writes N>=1] [--records N>=0]\n", argv[0]);
+  const std::string compare = StrFlag(argc, argv, "--compare");
+  if (dim < 1 || writes < 1 || records < 0 ||
+      (!compare.empty() && compare != "fallocate" && compare != "compaction")) {
+    std::fprintf(stderr,
+                 "usage: %s [--dim N>=1] [--writes N>=1] [--records N>=0] "
+                 "[--compare fallocate|compaction]\n",
+                 argv[0]);
     return 2;
   }
   leap::testing::ScopedTempDir tmp("rocksdb_store_benchmark");
-  const std::string dir = tmp.File("db");
-  auto opened = storage::OpenRocksStore(dir);
-  if (!opened.ok()) {
-    std::fprintf(stderr, "%s\n", opened.status().ToString().c_str());
-    return 1;
-  }
-  std::unique_ptr<storage::StateStore> store = std::move(*opened);
-  storage::ReadoutMeta meta;
-  meta.name = "bench";
-  meta.spec.dim = dim;
-  meta.standardizer = readout::Standardizer::Identity(dim);
-  storage::ReadoutCheckpoint ck;
-  ck.theta = Eigen::VectorXd::Constant(dim + 1, 0.25);
-  ck.p = readout::SymMatrix::ScaledIdentity(dim + 1, 0.1f);
-  auto t0 = std::chrono::steady_clock::now();
-  if (auto s = store->CreateReadout(&meta, ck); !s.ok()) {
-    std::fprintf(stderr, "%s\n", s.ToString().c_str());
-    return 1;
-  }
-  const double create_ms =
-      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-  std::vector<storage::LogRecord> log;
-  for (int64_t i = 1; i <= records; ++i) {
-    storage::LogRecord r;
-    r.seq = static_cast<uint64_t>(i);
-    r.request_id = "req-" + std::to_string(i);
-    r.dtype = readout::DType::kFloat16;
-    r.features.assign(static_cast<size_t>(dim) * 2, '\x11');
-    r.target = 10;
-    r.dedup_keys = {"key-" + std::to_string(i)};
-    log.push_back(std::move(r));
-  }
-  for (const auto& r : log) {
-    if (auto s = store->AppendLog(meta, {&r, 1}); !s.ok()) {
-      std::fprintf(stderr, "%s\n", s.ToString().c_str());
-      return 1;
+  if (compare.empty()) {
+    Bench b;
+    b.dir = tmp.File("db");
+    b.records = records;
+    if (!b.Open({}, dim)) return 1;
+    std::printf("d=%lld P=%.1f MiB create_readout_ms=%.1f\n", static_cast<long long>(dim),
+                static_cast<double>(b.ck.p->payload_bytes()) / (1 << 20), b.create_ms);
+    std::printf("open store, 1 readout + %lld log records: %.1f MiB on disk\n",
+                static_cast<long long>(records), Mib(DiskBytes(b.dir)));
+    for (int64_t i = 0; i < writes; ++i) {
+      if (!b.Write(i)) return 1;
     }
+    b.PrintLatency();
+    std::printf("after the checkpoints: %.1f MiB on disk\n", Mib(DiskBytes(b.dir)));
+    b.store.reset();
+    std::printf("closed: %.1f MiB on disk\n", Mib(DiskBytes(b.dir)));
+    return 0;
   }
-  std::printf("d=%lld P=%.1f MiB create_readout_ms=%.1f\n", static_cast<long long>(dim),
-              static_cast<double>(ck.p->payload_bytes()) / (1 << 20), create_ms);
-  std::printf("open store, 1 readout + %lld log records: %.1f MiB on disk\n",
-              static_cast<long long>(records),
-              static_cast<double>(DiskBytes(dir)) / (1 << 20));
-  std::vector<double> ms;
+  // Two stores: [0] as before, [1] as now.
+  Bench b[2];
+  storage::RocksStoreOptions o[2];
+  if (compare == "fallocate") {
+    b[0].name = "preallocate_wal=on";
+    b[1].name = "preallocate_wal=off";
+    o[0].preallocate_wal = true;
+  } else {
+    b[0].name = "compact_pruned_checkpoints=off";
+    b[1].name = "compact_pruned_checkpoints=on";
+    o[0].compact_pruned_checkpoints = false;
+  }
+  for (int k = 0; k < 2; ++k) {
+    b[k].dir = tmp.File(k == 0 ? "before" : "after");
+    b[k].records = records;
+    if (!b[k].Open(o[k], dim)) return 1;
+    std::printf("%s: d=%lld P=%.1f MiB create_readout_ms=%.1f; open store, 1 readout + "
+                "%lld log records: %.1f MiB on disk\n",
+                b[k].name.c_str(), static_cast<long long>(dim),
+                static_cast<double>(b[k].ck.p->payload_bytes()) / (1 << 20), b[k].create_ms,
+                static_cast<long long>(records), Mib(DiskBytes(b[k].dir)));
+  }
+  const double p_mib = static_cast<double>(b[0].ck.p->payload_bytes()) / (1 << 20);
   for (int64_t i = 0; i < writes; ++i) {
-    ck.version = i + 2;
-    ck.last_seq = static_cast<uint64_t>(records);
-    ck.p->data()[0] = static_cast<float>(i);
-    t0 = std::chrono::steady_clock::now();
-    if (auto s = store->WriteCheckpoint(meta, ck); !s.ok()) {
-      std::fprintf(stderr, "%s\n", s.ToString().c_str());
-      return 1;
+    // A B, then B A: each store goes first as often as the other.
+    const int first = static_cast<int>((i / 2 + i) % 2);
+    const int order[2] = {first, 1 - first};
+    for (int k : order) {
+      if (!b[k].Write(i)) return 1;
     }
-    ms.push_back(
-        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+    std::printf("after %lld checkpoint writes: %s %.1f MiB (%.2f P), %s %.1f MiB (%.2f P) "
+                "on disk; this write %.1f ms vs %.1f ms\n",
+                static_cast<long long>(i + 1), b[0].name.c_str(), Mib(DiskBytes(b[0].dir)),
+                Mib(DiskBytes(b[0].dir)) / p_mib, b[1].name.c_str(), Mib(DiskBytes(b[1].dir)),
+                Mib(DiskBytes(b[1].dir)) / p_mib, b[0].ms.back(), b[1].ms.back());
   }
-  std::sort(ms.begin(), ms.end());
-  std::printf("checkpoint write x%lld: min %.1f ms, median %.1f ms, max %.1f ms\n",
-              static_cast<long long>(writes), ms.front(), ms[ms.size() / 2], ms.back());
-  std::printf("after the checkpoints: %.1f MiB on disk\n",
-              static_cast<double>(DiskBytes(dir)) / (1 << 20));
-  store.reset();
-  std::printf("closed: %.1f MiB on disk\n", static_cast<double>(DiskBytes(dir)) / (1 << 20));
+  for (int k = 0; k < 2; ++k) b[k].PrintLatency();
+  for (int k = 0; k < 2; ++k) {
+    b[k].store.reset();
+    std::printf("%s: closed: %.1f MiB on disk\n", b[k].name.c_str(), Mib(DiskBytes(b[k].dir)));
+  }
   return 0;
 }

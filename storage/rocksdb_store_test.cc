@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <random>
 #include <stdexcept>
@@ -247,6 +248,59 @@ TEST_F(RocksStoreTest, RetentionKeepsTheNewestCheckpointsAndTheirLog) {
       << st.problems[1];
 }
 
+// Superseded checkpoints leave the disk when the next one is written, not
+// at RocksDB's next compaction of the family: the checkpoint family's size
+// stays at the kept checkpoints, and those still load (the newest bit for
+// bit, and the previous one behind a corrupt newest). Without the prompt
+// compaction the same writes leave the range-deleted files in place.
+TEST_F(RocksStoreTest, PrunedCheckpointsGiveTheirSpaceBackAtOnce) {
+  state_ = testing::RandomState(255, 9);  // P: 4 x 256^2 bytes = 256 KiB
+  const double p_bytes = 4.0 * 256 * 256;
+  for (const bool compact : {false, true}) {
+    SCOPED_TRACE(compact ? "compact_pruned_checkpoints" : "RocksDB's own compactions");
+    std::filesystem::remove_all(dir_);
+    RocksStoreOptions o;
+    o.checkpoints_kept = 2;
+    o.chunk_bytes = 64 << 10;  // P in 4 chunks
+    o.compact_pruned_checkpoints = compact;
+    Open(o);
+    ReadoutMeta m = Create("r");
+    std::vector<double> in_p;  // the family's size after each write, in P
+    for (int64_t i = 1; i <= 8; ++i) {
+      ASSERT_TRUE(store_->WriteCheckpoint(m, Checkpoint(1 + i, 0, 100.0 + i)).ok());
+      in_p.push_back(static_cast<double>(store_->BytesPerFamily()["checkpoints"]) / p_bytes);
+    }
+    std::printf("%s: checkpoints family after writes 1..8, in P:",
+                compact ? "compacted" : "not compacted");
+    for (double x : in_p) std::printf(" %.2f", x);
+    std::printf("\n");
+    if (compact) {
+      // The 2 kept, plus manifests, theta and SST metadata.
+      for (double x : in_p) EXPECT_LT(x, 2.2);
+      EXPECT_GT(in_p.back(), 1.9);
+    } else {
+      // 3 checkpoints' files after the 2nd write: RocksDB compacts the
+      // family at 4 files, so the pruned first one is still there.
+      EXPECT_GT(in_p[1], 2.9);
+    }
+    Close();
+    Open(o);
+    RecoveredState st = Load();
+    ASSERT_EQ(st.readouts.size(), 1u);
+    EXPECT_EQ(st.readouts[0].checkpoint.version, 9);
+    EXPECT_EQ(st.readouts[0].checkpoint.theta[0], 108.0);
+    ExpectSameP(*st.readouts[0].checkpoint.p, *Checkpoint(9, 0, 108.0).p);
+    Close();
+    ASSERT_TRUE(CorruptNewestCheckpoint(dir_, "r").ok());
+    Open(o);
+    st = Load();
+    ASSERT_EQ(st.readouts.size(), 1u);
+    EXPECT_EQ(st.readouts[0].checkpoint.version, 8);
+    ExpectSameP(*st.readouts[0].checkpoint.p, *Checkpoint(8, 0, 107.0).p);
+    Close();
+  }
+}
+
 TEST_F(RocksStoreTest, SnapshotsRoundTripAndReplaceTheirLabel) {
   Open();
   ReadoutMeta m = Create("r");
@@ -409,8 +463,11 @@ TEST_F(RocksStoreTest, OptionsAreValidated) {
   RocksStoreOptions o;
   EXPECT_TRUE(o.Validate().ok());
   o.checkpoints_kept = 0;
-  EXPECT_FALSE(o.Validate().ok());
+  EXPECT_EQ(o.Validate().message(), "checkpoints_kept must be >= 1, got 0");
   EXPECT_FALSE(OpenRocksStore(dir_, o).ok());
+  o = {};
+  o.versions_kept = -3;
+  EXPECT_EQ(o.Validate().message(), "versions_kept must be >= 1, got -3");
 }
 
 // The dataset keeps the newest records within both bounds, survives a

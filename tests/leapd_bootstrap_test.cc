@@ -32,6 +32,7 @@
 #include "tests/support/leapd_fixture.h"
 #include "tests/support/process.h"
 #include "tests/support/scoped_temp_dir.h"
+#include "tests/support/spearman_ref.h"
 
 namespace leap {
 namespace {
@@ -96,38 +97,6 @@ pb::EngineMessage Completions(const int64_t* tokens, int64_t from, int64_t to) {
     c->set_reason(pb::FINISH_REASON_STOP);
   }
   return m;
-}
-
-// Spearman's rho with average ranks, FP64 (an independent reference).
-double SpearmanRef(const std::vector<double>& a, const std::vector<double>& b) {
-  auto ranks = [](const std::vector<double>& v) {
-    std::vector<size_t> idx(v.size());
-    for (size_t i = 0; i < v.size(); ++i) idx[i] = i;
-    std::sort(idx.begin(), idx.end(), [&](size_t i, size_t j) { return v[i] < v[j]; });
-    std::vector<double> r(v.size());
-    for (size_t i = 0; i < idx.size();) {
-      size_t j = i;
-      while (j + 1 < idx.size() && v[idx[j + 1]] == v[idx[i]]) ++j;
-      for (size_t k = i; k <= j; ++k) r[idx[k]] = (i + j) / 2.0 + 1;
-      i = j + 1;
-    }
-    return r;
-  };
-  const std::vector<double> ra = ranks(a), rb = ranks(b);
-  double ma = 0, mb = 0;
-  for (size_t i = 0; i < ra.size(); ++i) {
-    ma += ra[i];
-    mb += rb[i];
-  }
-  ma /= ra.size();
-  mb /= rb.size();
-  double sab = 0, saa = 0, sbb = 0;
-  for (size_t i = 0; i < ra.size(); ++i) {
-    sab += (ra[i] - ma) * (rb[i] - mb);
-    saa += (ra[i] - ma) * (ra[i] - ma);
-    sbb += (rb[i] - mb) * (rb[i] - mb);
-  }
-  return sab / std::sqrt(saa * sbb);
 }
 
 TEST(LeapdBootstrap, TrainsPublishesAndTheExportReproducesIt) {
@@ -434,9 +403,9 @@ TEST(LeapdQuality, SurvivesKillNine) {
   // Each window against an FP64 reference over the same completions.
   for (int w = 0; w < before.windows_size(); ++w) {
     const int64_t from = w * window, to = std::min(n, from + window);
-    std::vector<double> p(predicted.begin() + from, predicted.begin() + to);
-    std::vector<double> t(tokens.begin() + from, tokens.begin() + to);
-    EXPECT_NEAR(before.windows(w).spearman(), SpearmanRef(p, t), 1e-12) << w;
+    std::vector<std::pair<double, double>> pairs;
+    for (int64_t i = from; i < to; ++i) pairs.emplace_back(predicted[i], static_cast<double>(tokens[i]));
+    EXPECT_NEAR(before.windows(w).spearman(), testing::RefSpearman(pairs), 1e-12) << w;
     EXPECT_EQ(before.windows(w).first_completion(), from);
   }
   ASSERT_EQ(before.labels_size(), 1);

@@ -2,7 +2,7 @@
 """leapd refuses bad flag values before it opens any state: exit code 1 and
 one line on stderr, "leapd: error: <message>", the message naming the flag,
 what it must be and the value given (the fleet's ranges and files, the TLS
-files). Each case is a real leapd process that ends at once (no NATS, no
+files, the retention counts). Each case is a real leapd process that ends at once (no NATS, no
 store is opened).
 
 Run: /usr/bin/python3 tests/leapd_flags_test.py --leapd PATH
@@ -49,6 +49,17 @@ class LeapdFlagsTest(unittest.TestCase):
             with self.subTest(flag=flag, value=bad):
                 self.refused(self.fleet + ["--%s=%s" % (flag, bad)],
                              "--%s must be in %s, got %s" % (flag, allowed, bad))
+
+    def test_retention(self):
+        for flag, bad, data_dir in (("versions_kept", "0", False),
+                                    ("versions_kept", "-5", False),
+                                    ("versions_kept", "0", True),
+                                    ("checkpoints_kept", "0", True),
+                                    ("checkpoints_kept", "-1", True)):
+            with self.subTest(flag=flag, value=bad, data_dir=data_dir):
+                args = ["--data_dir=" + os.path.join(self.dir, "db")] if data_dir else []
+                self.refused(args + ["--%s=%s" % (flag, bad)],
+                             "--%s must be >= 1, got %s" % (flag, bad))
 
     def test_unreadable_files(self):
         missing = os.path.join(self.dir, "missing.pem")

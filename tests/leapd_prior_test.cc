@@ -18,7 +18,6 @@
 #include "Eigen/Cholesky"
 #include "Eigen/Core"
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/mutex.h"
 #include "engine_shim/client.h"
 #include "engine_shim/scheduler.h"
 #include "gtest/gtest.h"
@@ -27,45 +26,18 @@
 #include "tests/support/process.h"
 #include "tests/support/readout_fixtures.h"
 #include "tests/support/scoped_temp_dir.h"
+#include "tests/support/shim_events.h"
 
 namespace leap {
 namespace {
 
 namespace pb = ::leap::v1;
 using shim::Event;
+using testing::FindEvent;
+using testing::ShimEvents;
 
 constexpr int64_t kDim = 16;
 constexpr int64_t kBudget = readout::kDefaultMaxTokens;  // the readout's M
-
-class Collector {
- public:
-  void Add(const Event& e) {
-    absl::MutexLock lock(&mu_);
-    events_.push_back(e);
-  }
-  bool Wait(const std::function<bool(const std::vector<Event>&)>& pred,
-            absl::Duration timeout = absl::Seconds(30)) {
-    absl::MutexLock lock(&mu_);
-    auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return pred(events_); };
-    return mu_.AwaitWithTimeout(absl::Condition(&ready), timeout);
-  }
-  std::vector<Event> events() {
-    absl::MutexLock lock(&mu_);
-    return events_;
-  }
-
- private:
-  absl::Mutex mu_;
-  std::vector<Event> events_ ABSL_GUARDED_BY(mu_);
-};
-
-const Event* Find(const std::vector<Event>& ev, Event::Kind kind,
-                  const std::string& id) {
-  for (const Event& e : ev) {
-    if (e.kind == kind && e.request_id == id) return &e;
-  }
-  return nullptr;
-}
 
 // One learned completion as the prior sees it.
 struct Sample {
@@ -144,16 +116,10 @@ struct Leapd {
 };
 
 std::unique_ptr<shim::Client> StartClient(const std::string& endpoint,
-                                          Collector* col) {
-  shim::ClientOptions o;
-  o.endpoint = endpoint;
-  o.dim = kDim;
-  o.engine_id = "prior-test";
-  o.min_backoff = absl::Milliseconds(20);
-  o.max_backoff = absl::Milliseconds(200);
-  auto c = shim::Client::Start(o);
+                                          ShimEvents* col) {
+  auto c = testing::StartRecordedClient(
+      testing::TestClientOptions(endpoint, kDim, "prior-test"), col);
   EXPECT_TRUE(c.ok()) << c.status();
-  (*c)->SetCallback([col](const Event& e) { col->Add(e); });
   return *std::move(c);
 }
 
@@ -164,7 +130,7 @@ TEST_P(LengthPriorE2E, LearnedFromCompletionsServedAtArrivalOrdersAdmission) {
   ASSERT_NE(leapd.proc, nullptr);
   const std::string endpoint =
       GetParam() == "shm" ? "shm://" + leapd.shm : leapd.sock;
-  Collector col;
+  ShimEvents col;
   std::unique_ptr<shim::Client> client = StartClient(endpoint, &col);
   ASSERT_TRUE(client->WaitConnected(absl::Seconds(10)));
   std::mt19937_64 rng(5);
@@ -180,15 +146,15 @@ TEST_P(LengthPriorE2E, LearnedFromCompletionsServedAtArrivalOrdersAdmission) {
   // same query is refused with a precise error.
   client->RequestPriors({{"early", "", 100, 0}, {"bad-early", "", 0, 0}});
   ASSERT_TRUE(col.Wait([](const auto& ev) {
-    return Find(ev, Event::Kind::kError, "bad-early") != nullptr;
+    return FindEvent(ev, Event::Kind::kError, "bad-early") != nullptr;
   }));
   {
     const auto ev = col.events();
-    const Event* e = Find(ev, Event::Kind::kError, "bad-early");
+    const Event* e = FindEvent(ev, Event::Kind::kError, "bad-early");
     EXPECT_EQ(e->code, 3);
     EXPECT_NE(e->message.find("prompt_tokens must be in [1, "), std::string::npos)
         << e->message;
-    EXPECT_EQ(Find(ev, Event::Kind::kPrior, "early"), nullptr);
+    EXPECT_EQ(FindEvent(ev, Event::Kind::kPrior, "early"), nullptr);
     EXPECT_EQ(client->stats().priors_unavailable, 1);
   }
 
@@ -231,9 +197,9 @@ TEST_P(LengthPriorE2E, LearnedFromCompletionsServedAtArrivalOrdersAdmission) {
   client->Submit(std::move(batch));
   for (const Done& d : done) client->Complete(d.id, d.output, d.reason, d.prompt);
   ASSERT_TRUE(col.Wait([](const auto& ev) {
-    return Find(ev, Event::Kind::kError, "sentinel") != nullptr;
+    return FindEvent(ev, Event::Kind::kError, "sentinel") != nullptr;
   }));
-  EXPECT_EQ(Find(col.events(), Event::Kind::kError, "sentinel")->code, 3);
+  EXPECT_EQ(FindEvent(col.events(), Event::Kind::kError, "sentinel")->code, 3);
   const Reference ref(learned);
 
   // Arrivals: in FCFS order long prompts first; one capped below its
@@ -260,7 +226,7 @@ TEST_P(LengthPriorE2E, LearnedFromCompletionsServedAtArrivalOrdersAdmission) {
   const auto ev = col.events();
   std::map<std::string, double> value;  // what the scheduler ranks by
   for (const auto& a : arrivals) {
-    const Event* e = Find(ev, Event::Kind::kPrior, a.request_id);
+    const Event* e = FindEvent(ev, Event::Kind::kPrior, a.request_id);
     if (a.product_line == "chat") {
       EXPECT_EQ(e, nullptr) << "no prior before the line learned anything";
       value[a.request_id] = so.unpredicted_tokens;  // kMedian, nothing predicted
@@ -315,12 +281,14 @@ TEST_P(LengthPriorE2E, LearnedFromCompletionsServedAtArrivalOrdersAdmission) {
   capped_f.max_tokens = 5;
   client->Submit({open_f, capped_f});
   ASSERT_TRUE(col.Wait([](const auto& ev) {
-    return Find(ev, Event::Kind::kPrediction, "uncapped") != nullptr &&
-           Find(ev, Event::Kind::kPrediction, "capped") != nullptr;
+    return FindEvent(ev, Event::Kind::kPrediction, "uncapped") != nullptr &&
+           FindEvent(ev, Event::Kind::kPrediction, "capped") != nullptr;
   }));
   const auto ev2 = col.events();
-  const double open_tokens = Find(ev2, Event::Kind::kPrediction, "uncapped")->predicted_tokens;
-  const double capped_tokens = Find(ev2, Event::Kind::kPrediction, "capped")->predicted_tokens;
+  const double open_tokens =
+      FindEvent(ev2, Event::Kind::kPrediction, "uncapped")->predicted_tokens;
+  const double capped_tokens =
+      FindEvent(ev2, Event::Kind::kPrediction, "capped")->predicted_tokens;
   EXPECT_GT(open_tokens, 5.0);  // the cap has something to cut
   EXPECT_EQ(capped_tokens, std::min(open_tokens, 5.0));
 }
@@ -453,7 +421,7 @@ class OldLeapd final : public pb::Predictor::Service {
 TEST(LengthPriorClient, FailsOpenWithoutLeapdAndWithALeapdOlderThanPriors) {
   // No leapd at all: the queries are dropped at once, nothing waits.
   const testing::ScopedTempDir tmp("prior-open");
-  Collector col;
+  ShimEvents col;
   {
     std::unique_ptr<shim::Client> client =
         StartClient("unix://" + tmp.path() + "/nobody.sock", &col);
@@ -469,7 +437,7 @@ TEST(LengthPriorClient, FailsOpenWithoutLeapdAndWithALeapdOlderThanPriors) {
   b.RegisterService(&old);
   std::unique_ptr<grpc::Server> server = b.BuildAndStart();
   ASSERT_NE(server, nullptr);
-  Collector col2;
+  ShimEvents col2;
   {
     std::unique_ptr<shim::Client> client = StartClient(addr, &col2);
     ASSERT_TRUE(client->WaitConnected(absl::Seconds(10)));
@@ -478,7 +446,7 @@ TEST(LengthPriorClient, FailsOpenWithoutLeapdAndWithALeapdOlderThanPriors) {
     std::vector<float> x(kDim, 1.0f);
     client->Submit({{"a", "", testing::Bytes(x), 0}});
     ASSERT_TRUE(col2.Wait([](const auto& ev) {
-      return Find(ev, Event::Kind::kPrediction, "a") != nullptr;
+      return FindEvent(ev, Event::Kind::kPrediction, "a") != nullptr;
     }));
     shim::ClientStats st = client->stats();
     EXPECT_TRUE(st.priors_unsupported);

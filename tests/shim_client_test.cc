@@ -14,44 +14,22 @@
 
 #include "Eigen/Cholesky"
 #include "Eigen/Core"
-#include "absl/synchronization/mutex.h"
 #include "engine_shim/client.h"
 #include "gtest/gtest.h"
 #include "readout/artifact.h"
 #include "tests/support/engine_client.h"
 #include "tests/support/process.h"
 #include "tests/support/scoped_temp_dir.h"
+#include "tests/support/shim_events.h"
 
 namespace leap {
 namespace {
 
 namespace pb = ::leap::v1;
 using shim::Event;
+using testing::ShimEvents;
 
 constexpr int64_t kDim = 32;
-
-class Collector {
- public:
-  void Add(const Event& e) {
-    absl::MutexLock lock(&mu_);
-    events_.push_back(e);
-  }
-  // Waits until `pred` over all events so far holds.
-  bool Wait(const std::function<bool(const std::vector<Event>&)>& pred,
-            absl::Duration timeout = absl::Seconds(30)) {
-    absl::MutexLock lock(&mu_);
-    auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return pred(events_); };
-    return mu_.AwaitWithTimeout(absl::Condition(&ready), timeout);
-  }
-  std::vector<Event> events() {
-    absl::MutexLock lock(&mu_);
-    return events_;
-  }
-
- private:
-  absl::Mutex mu_;
-  std::vector<Event> events_ ABSL_GUARDED_BY(mu_);
-};
 
 int Count(const std::vector<Event>& ev, Event::Kind kind,
           const std::set<std::string>& ids, int64_t min_version = 0) {
@@ -71,37 +49,54 @@ shim::CapturedFeatures Features(const std::string& id, std::mt19937& rng) {
   return {id, "", std::string(reinterpret_cast<const char*>(x.data()), kDim * 4), 0};
 }
 
+// leapd on a unix socket and a shared-memory segment in a fresh folder, with
+// its state on disk and every completion learned at once (batches of 1);
+// `endpoint` is the one of the test's transport ("unix" or "shm": there a
+// restart also means a new segment).
+struct Sidecar {
+  testing::ScopedTempDir tmp;
+  std::string dir, sock, endpoint;
+  std::vector<std::string> args;
+  std::unique_ptr<testing::Process> proc;
+
+  Sidecar(const std::string& name, const std::string& transport)
+      : tmp(name),
+        dir(tmp.path()),
+        sock("unix://" + dir + "/leapd.sock"),
+        endpoint(transport == "shm" ? "shm://" + dir + "/leap.shm" : sock),
+        args({"--listen=" + sock, "--data_dir=" + dir + "/db", "--rls_batch=1",
+              "--rls_batch_max=1", "--shm=" + dir + "/leap.shm"}) {}
+  // Starts leapd (the same arguments every time, so the same state).
+  void Start() {
+    std::string addr;
+    auto p = testing::StartLeapd(LEAPD_PATH, args, &addr);
+    ASSERT_TRUE(p.ok()) << p.status();
+    proc = *std::move(p);
+  }
+  // Starts it and creates a cold-start readout "r" of width kDim routed as
+  // the default product line.
+  void StartWithReadout() {
+    ASSERT_NO_FATAL_FAILURE(Start());
+    const grpc::Status s = testing::CreateDefaultReadout(sock, "r", kDim);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+  }
+};
+
 // The same engine code over both data planes: gRPC on a unix socket, and
 // shared memory (where the restart also means a new segment: the client
 // reattaches and resubmits into new slots).
 class ShimClient : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(ShimClient, PredictsLearnsRescoresAndSurvivesSidecarRestart) {
-  const testing::ScopedTempDir tmp("shim-" + GetParam());
-  const std::string& dir = tmp.path();
-  const std::string sock = "unix://" + dir + "/leapd.sock";
-  const std::vector<std::string> args = {"--listen=" + sock, "--data_dir=" + dir + "/db",
-                                         "--rls_batch=1", "--rls_batch_max=1", "--shm=" + dir + "/leap.shm"};
-  const std::string endpoint = GetParam() == "shm" ? "shm://" + dir + "/leap.shm" : sock;
-  std::string addr;
-  auto leapd = testing::StartLeapd(LEAPD_PATH, args, &addr);
-  ASSERT_TRUE(leapd.ok()) << leapd.status();
-  {
-    const grpc::Status s = testing::CreateDefaultReadout(sock, "r", kDim);
-    ASSERT_TRUE(s.ok()) << s.error_message();
-  }
+  Sidecar leapd("shim-" + GetParam(), GetParam());
+  ASSERT_NO_FATAL_FAILURE(leapd.StartWithReadout());
+  const std::string& sock = leapd.sock;
 
-  shim::ClientOptions o;
-  o.endpoint = endpoint;
-  o.dim = kDim;
-  o.engine_id = "test";
-  o.min_backoff = absl::Milliseconds(20);
-  o.max_backoff = absl::Milliseconds(200);
   // Before the client: its threads call back into `col` until it is destroyed.
-  Collector col;
-  auto client = shim::Client::Start(o);
+  ShimEvents col;
+  auto client = testing::StartRecordedClient(
+      testing::TestClientOptions(leapd.endpoint, kDim, "test"), &col);
   ASSERT_TRUE(client.ok()) << client.status();
-  (*client)->SetCallback([&col](const Event& e) { col.Add(e); });
   ASSERT_TRUE((*client)->WaitConnected(absl::Seconds(10)));
 
   std::mt19937 rng(3);
@@ -134,8 +129,8 @@ TEST_P(ShimClient, PredictsLearnsRescoresAndSurvivesSidecarRestart) {
   }));
 
   // The sidecar dies and comes back on the same socket with its state.
-  (*leapd)->Signal(SIGKILL);
-  (*leapd)->Wait();
+  leapd.proc->Signal(SIGKILL);
+  leapd.proc->Wait();
   ASSERT_TRUE(col.Wait([&](const auto& ev) {
     for (const Event& e : ev) {
       if (e.kind == Event::Kind::kDisconnected) return true;
@@ -143,9 +138,8 @@ TEST_P(ShimClient, PredictsLearnsRescoresAndSurvivesSidecarRestart) {
     return false;
   }));
   const size_t before_restart = col.events().size();
-  std::filesystem::remove(dir + "/leapd.sock");
-  auto again = testing::StartLeapd(LEAPD_PATH, args, &addr);
-  ASSERT_TRUE(again.ok()) << again.status();
+  std::filesystem::remove(leapd.dir + "/leapd.sock");
+  ASSERT_NO_FATAL_FAILURE(leapd.Start());
   ASSERT_TRUE(col.Wait([&](const auto& ev) {
     std::vector<Event> after(ev.begin() + before_restart, ev.end());
     return Count(after, Event::Kind::kPrediction, live) == 4;
@@ -174,32 +168,20 @@ TEST_P(ShimClient, PredictsLearnsRescoresAndSurvivesSidecarRestart) {
 // the FP64 closed form); two clients that claim the same instance id get
 // the collision as an error event (ALREADY_EXISTS), not silence.
 TEST_P(ShimClient, SameIdFromTwoEnginesIsTwoRequestsAndCollisionsAreReported) {
-  const testing::ScopedTempDir tmp("shim2-" + GetParam());
-  const std::string& dir = tmp.path();
-  const std::string sock = "unix://" + dir + "/leapd.sock";
-  const std::vector<std::string> args = {"--listen=" + sock, "--data_dir=" + dir + "/db",
-                                         "--rls_batch=1", "--rls_batch_max=1", "--shm=" + dir + "/leap.shm"};
-  const std::string endpoint = GetParam() == "shm" ? "shm://" + dir + "/leap.shm" : sock;
-  std::string addr;
-  auto leapd = testing::StartLeapd(LEAPD_PATH, args, &addr);
-  ASSERT_TRUE(leapd.ok()) << leapd.status();
-  ASSERT_TRUE(testing::CreateDefaultReadout(sock, "r", kDim).ok());
+  Sidecar leapd("shim2-" + GetParam(), GetParam());
+  ASSERT_NO_FATAL_FAILURE(leapd.StartWithReadout());
+  const std::string& sock = leapd.sock;
 
-  auto start = [&](const std::string& instance, Collector* col) {
-    shim::ClientOptions o;
-    o.endpoint = endpoint;
-    o.dim = kDim;
-    o.engine_id = "pod";  // the same pod name: not an identity
+  auto start = [&](const std::string& instance, ShimEvents* col) {
+    // The same pod name: not an identity.
+    shim::ClientOptions o = testing::TestClientOptions(leapd.endpoint, kDim, "pod");
     o.instance_id = instance;
-    o.min_backoff = absl::Milliseconds(20);
-    o.max_backoff = absl::Milliseconds(200);
-    auto c = shim::Client::Start(o);
+    auto c = testing::StartRecordedClient(std::move(o), col);
     EXPECT_TRUE(c.ok()) << c.status();
-    (*c)->SetCallback([col](const Event& e) { col->Add(e); });
     EXPECT_TRUE((*c)->WaitConnected(absl::Seconds(10)));
     return std::move(*c);
   };
-  Collector col_a, col_b;
+  ShimEvents col_a, col_b;
   auto a = start("", &col_a);  // random instance ids
   auto b = start("", &col_b);
   std::mt19937 rng(7);
@@ -274,7 +256,7 @@ TEST_P(ShimClient, SameIdFromTwoEnginesIsTwoRequestsAndCollisionsAreReported) {
 
   // Two clients claiming one instance id: the second "y" is a collision,
   // reported as an error event, and the first is unaffected.
-  Collector col_c, col_d;
+  ShimEvents col_c, col_d;
   auto c = start("shared-instance", &col_c);
   auto d = start("shared-instance", &col_d);
   c->Submit({Features("y", rng)});

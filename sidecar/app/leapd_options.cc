@@ -507,6 +507,14 @@ absl::StatusOr<LeapdOptions> LeapdOptionsFromFlags() {
   options.readout.checkpoint_every_ns =
       absl::ToInt64Nanoseconds(absl::GetFlag(FLAGS_checkpoint_every));
   options.readout.versions_kept = absl::GetFlag(FLAGS_versions_kept);
+  if (options.readout.versions_kept < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--versions_kept must be >= 1, got ", options.readout.versions_kept));
+  }
+  if (absl::GetFlag(FLAGS_checkpoints_kept) < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--checkpoints_kept must be >= 1, got ", absl::GetFlag(FLAGS_checkpoints_kept)));
+  }
   options.readout.guardrail.floor =
       absl::GetFlag(FLAGS_guardrail_floor).value_or(NAN);
   options.readout.guardrail.margin =

@@ -70,6 +70,10 @@ absl::Status LiveReadoutOptions::Validate() const {
   if (quality_window < 2) {
     return absl::InvalidArgumentError("quality_window must be >= 2");
   }
+  if (versions_kept < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("versions_kept must be >= 1, got ", versions_kept));
+  }
   return guardrail.Validate(quality_window);
 }
 

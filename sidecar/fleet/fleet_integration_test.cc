@@ -22,6 +22,7 @@
 #include "client/process.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
+#include "tests/support/fleet_member.h"
 #include "tests/support/scoped_temp_dir.h"
 #include "tests/support/spearman_ref.h"
 #include "sidecar/core/core.h"
@@ -34,6 +35,9 @@
 
 namespace leap::fleet {
 namespace {
+
+using ::leap::testing::FleetTestMember;
+using ::leap::testing::StartTrainerOn;
 
 constexpr int64_t kDim = 16;
 constexpr int64_t kN = kDim + 1;
@@ -61,42 +65,40 @@ class Recorder : public sidecar::PublishListener {
   std::shared_ptr<const sidecar::PublishedVersion> last_ ABSL_GUARDED_BY(mu_);
 };
 
-TEST(FleetIntegration, MemberAndTrainerLearnServeSnapshotAndRollBack) {
-  const ::leap::testing::ScopedTempDir tmp("fleet_integration");
-  const std::filesystem::path dir = tmp.path();
-  testing::NatsClusterOptions no;
-  no.nodes = 1;
-  no.dir = (dir / "nats").string();
-  auto server = testing::NatsCluster::Start(no);
-  ASSERT_TRUE(server.ok()) << server.status();
-  const std::string url = (*server)->url(0);
+// Per test: a fresh folder and one nats-server (JetStream on file storage
+// in it) on free loopback ports.
+class FleetIntegration : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    tmp_ = std::make_unique<::leap::testing::ScopedTempDir>(absl::StrCat(
+        "fleet_integration_", ::testing::UnitTest::GetInstance()->current_test_info()->name()));
+    dir_ = tmp_->path();
+    testing::NatsClusterOptions no;
+    no.nodes = 1;
+    no.dir = (dir_ / "nats").string();
+    auto server = testing::NatsCluster::Start(no);
+    ASSERT_TRUE(server.ok()) << server.status();
+    nats_ = std::move(*server);
+    url_ = nats_->url(0);
+  }
+
+  std::unique_ptr<::leap::testing::ScopedTempDir> tmp_;
+  std::filesystem::path dir_;
+  std::unique_ptr<testing::NatsCluster> nats_;
+  std::string url_;
+};
+
+TEST_F(FleetIntegration, MemberAndTrainerLearnServeSnapshotAndRollBack) {
+  const std::filesystem::path& dir = dir_;
+  const std::string& url = url_;
 
   // The member (serving only), as leapd --fleet builds it.
-  auto store = storage::OpenRocksStore((dir / "member").string());
-  ASSERT_TRUE(store.ok());
-  sidecar::Metrics metrics;
-  sidecar::CoreOptions co;
-  co.readout.serving_only = true;
-  auto core = std::make_unique<sidecar::Core>(co, &metrics, store->get());
   auto recorder = std::make_shared<Recorder>();
-  core->hub().Subscribe(recorder);
-  auto loaded = (*store)->Load();
-  ASSERT_TRUE(loaded.ok());
-  ASSERT_TRUE(core->Recover(std::move(*loaded)).ok());
-  FleetMemberOptions fo;
-  fo.nats.servers = {url};
-  fo.fleet = "it";
-  fo.member = "m1";
-  fo.lease_ms = 1000;
-  auto member = FleetMember::Create(core.get(), fo);
-  ASSERT_TRUE(member.ok()) << member.status();
-  (*member)->SetCreateStateWriter([](NatsClient& nats, const std::string& readout,
-                                     const readout::ReadoutState& state,
-                                     uint64_t fleet_seq) {
-    return WriteCreateState(nats.raw_jetstream(), "it", readout, state, fleet_seq);
-  });
-  core->SetFleet(member->get());
-  ASSERT_TRUE((*member)->Start({}, 20000).ok());
+  FleetTestMember member;
+  ASSERT_NO_FATAL_FAILURE(member.Start(
+      dir, {.url = url, .fleet = "it", .member = "m1", .listener = recorder}));
+  sidecar::Core* core = member.core.get();
+  FleetMember* m = member.fleet.get();
 
   // The trainer on the member's connection.
   auto tstore = storage::OpenRocksStore((dir / "trainer").string());
@@ -107,19 +109,10 @@ TEST(FleetIntegration, MemberAndTrainerLearnServeSnapshotAndRollBack) {
   to.lease_ms = 1000;
   to.version_interval_ms = 20;
   to.local_store = tstore->get();
-  to.registry = metrics.registry();
-  FleetMember* m = member->get();
-  to.on_role = [m](bool lead) { m->SetRole(lead); };
-  auto trainer = Trainer::Start(m->nats().raw_connection(), to);
+  to.registry = member.metrics.registry();
+  auto trainer = StartTrainerOn(m, to);
   ASSERT_TRUE(trainer.ok()) << trainer.status();
   Trainer* t = trainer->get();
-  m->SetReadoutsListener([t](const std::vector<FleetReadoutEntry>& entries) {
-    std::vector<TrainerReadout> rs;
-    for (const auto& e : entries) {
-      rs.push_back({e.name, e.spec, e.standardizer, e.created_unix_ms});
-    }
-    t->SetReadouts(std::move(rs));
-  });
 
   const readout::ReadoutState st = ::leap::testing::RandomState(kDim, 21);
   ASSERT_TRUE(m->CreateReadout("chat", st).ok());
@@ -235,85 +228,28 @@ TEST(FleetIntegration, MemberAndTrainerLearnServeSnapshotAndRollBack) {
 
   m->SetReadoutsListener(nullptr);
   trainer->reset();
-  core->SetFleet(nullptr);
-  m->Stop();
+  member.Stop();
 }
 
 
 using ::leap::testing::RefSpearman;
-
-// One leapd member as leapd --fleet builds it (serving-only Core, RocksDB
-// outbox, FleetMember) with its Admin service on a real gRPC port.
-struct Member {
-  std::unique_ptr<storage::StateStore> store;
-  sidecar::Metrics metrics;
-  std::unique_ptr<sidecar::Core> core;
-  std::unique_ptr<FleetMember> fleet;
-  std::unique_ptr<sidecar::AdminService> admin;
-  std::unique_ptr<grpc::Server> server;
-  std::unique_ptr<leap::v1::Admin::Stub> stub;
-
-  void Start(const std::filesystem::path& dir, const std::string& url,
-             const std::string& fleet_name, const std::string& id) {
-    auto opened = storage::OpenRocksStore((dir / id).string());
-    ASSERT_TRUE(opened.ok()) << opened.status();
-    store = std::move(*opened);
-    sidecar::CoreOptions co;
-    co.readout.serving_only = true;
-    core = std::make_unique<sidecar::Core>(co, &metrics, store.get());
-    auto loaded = store->Load();
-    ASSERT_TRUE(loaded.ok());
-    ASSERT_TRUE(core->Recover(std::move(*loaded)).ok());
-    FleetMemberOptions fo;
-    fo.nats.servers = {url};
-    fo.fleet = fleet_name;
-    fo.member = id;
-    fo.lease_ms = 1000;
-    auto m = FleetMember::Create(core.get(), fo);
-    ASSERT_TRUE(m.ok()) << m.status();
-    fleet = std::move(*m);
-    fleet->SetCreateStateWriter([fleet_name](NatsClient& nats, const std::string& readout,
-                                             const readout::ReadoutState& state,
-                                             uint64_t fleet_seq) {
-      return WriteCreateState(nats.raw_jetstream(), fleet_name, readout, state, fleet_seq);
-    });
-    core->SetFleet(fleet.get());
-    ASSERT_TRUE(fleet->Start({}, 20000).ok());
-    admin = std::make_unique<sidecar::AdminService>(core.get());
-    grpc::ServerBuilder b;
-    int port = 0;
-    b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-    b.RegisterService(admin.get());
-    server = b.BuildAndStart();
-    ASSERT_NE(server, nullptr);
-    ASSERT_GT(port, 0);
-    stub = leap::v1::Admin::NewStub(grpc::CreateChannel(
-        absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials()));
-  }
-  void Stop() {
-    if (server != nullptr) server->Shutdown();
-    if (core != nullptr) core->SetFleet(nullptr);
-    if (fleet != nullptr) fleet->Stop();
-  }
-};
+using Member = FleetTestMember;
 
 // Issue 12's "online quality per version and arm is computed from all
 // members' (prediction, outcome) pairs": two members each serve half of
 // the traffic on two arms; every member's Admin API (GetStats,
 // ListVersions) reports, as "fleet", the Spearman per readout, version and
 // arm of the union of both members' pairs.
-TEST(FleetIntegration, EveryMemberReportsTheFleetWideQualityPerVersionAndArm) {
-  const ::leap::testing::ScopedTempDir tmp("fleet_quality");
-  const std::filesystem::path dir = tmp.path();
-  testing::NatsClusterOptions no;
-  no.nodes = 1;
-  no.dir = (dir / "nats").string();
-  auto server = testing::NatsCluster::Start(no);
-  ASSERT_TRUE(server.ok()) << server.status();
-  const std::string url = (*server)->url(0);
+TEST_F(FleetIntegration, EveryMemberReportsTheFleetWideQualityPerVersionAndArm) {
+  const std::filesystem::path& dir = dir_;
+  const std::string& url = url_;
+  // Two members as leapd --fleet builds them, each with its Admin service
+  // on a real gRPC port.
   Member m1, m2;
-  ASSERT_NO_FATAL_FAILURE(m1.Start(dir, url, "fq", "m1"));
-  ASSERT_NO_FATAL_FAILURE(m2.Start(dir, url, "fq", "m2"));
+  ASSERT_NO_FATAL_FAILURE(
+      m1.Start(dir, {.url = url, .fleet = "fq", .member = "m1", .admin = true}));
+  ASSERT_NO_FATAL_FAILURE(
+      m2.Start(dir, {.url = url, .fleet = "fq", .member = "m2", .admin = true}));
 
   TrainerOptions to;
   to.fleet = "fq";
@@ -321,17 +257,8 @@ TEST(FleetIntegration, EveryMemberReportsTheFleetWideQualityPerVersionAndArm) {
   to.lease_ms = 1000;
   to.version_interval_ms = 20;
   FleetMember* f1 = m1.fleet.get();
-  to.on_role = [f1](bool lead) { f1->SetRole(lead); };
-  auto trainer = Trainer::Start(f1->nats().raw_connection(), to);
+  auto trainer = StartTrainerOn(f1, to);
   ASSERT_TRUE(trainer.ok()) << trainer.status();
-  Trainer* t = trainer->get();
-  f1->SetReadoutsListener([t](const std::vector<FleetReadoutEntry>& entries) {
-    std::vector<TrainerReadout> rs;
-    for (const auto& e : entries) {
-      rs.push_back({e.name, e.spec, e.standardizer, e.created_unix_ms});
-    }
-    t->SetReadouts(std::move(rs));
-  });
 
   const readout::ReadoutState st = ::leap::testing::RandomState(kDim, 31);
   ASSERT_TRUE(f1->CreateReadout("chat", st).ok());
