@@ -172,6 +172,24 @@ std::pair<int64_t, int64_t> Slice(int64_t total, int parts, int t,
   return {std::min(b, total), std::min(e, total)};
 }
 
+// [first[t], first[t + 1]) of `blocks` row blocks of `rows` rows whose
+// columns run from the block's first row to `ld`, t < parts, balanced by
+// area.
+std::vector<int64_t> SplitBlocksByArea(int64_t blocks, int64_t rows,
+                                       int64_t ld, int parts) {
+  std::vector<int64_t> first(parts + 1, blocks);
+  double total = 0;
+  for (int64_t b = 0; b < blocks; ++b) total += double(ld - b * rows);
+  double acc = 0;
+  int t = 0;
+  first[0] = 0;
+  for (int64_t b = 0; b < blocks && t + 1 < parts; ++b) {
+    acc += double(ld - b * rows);
+    if (acc >= total * (t + 1) / parts) first[++t] = b + 1;
+  }
+  return first;
+}
+
 }  // namespace
 
 RlsState::RlsState(Eigen::VectorXd theta, SymMatrix p, RlsOptions options)
@@ -179,7 +197,10 @@ RlsState::RlsState(Eigen::VectorXd theta, SymMatrix p, RlsOptions options)
       p_(std::make_shared<SymMatrix>(std::move(p))),
       options_(options),
       w_(AllocFloats(int64_t{options.fold_columns} * p_->ld()), FreeFloats),
-      vt_(AllocFloats(int64_t{options.fold_columns} * p_->ld()), FreeFloats) {
+      vt_(AllocFloats(int64_t{options.fold_columns} * p_->ld()), FreeFloats),
+      sweep_u_(nullptr, FreeFloats),
+      sweep_d_(nullptr, FreeFloats),
+      sweep_t_(nullptr, FreeFloats) {
   LEAP_CHECK_EQ(theta_.size(), p_->n());
   LEAP_CHECK(options_.Validate().ok()) << options_.Validate();
   kernels_ = options_.kernels.empty() ? &internal::BestKernels()
@@ -207,41 +228,9 @@ void RlsState::ComputeVt(const float* u, int64_t ldu, int64_t k) {
   const int64_t n = theta_.size();
   const int64_t ld = p_->ld();
   float* vt = vt_.get();
-  double t0 = Seconds(threads_);
+  const double t0 = Seconds(threads_);
   std::memset(vt, 0, sizeof(float) * k * ld);
-  if (k <= internal::kPanelMaxVectors) {
-    // The panel reads whole rows of P: the lower triangle must be current.
-    if (lower_stale_) {
-      MirrorLower();
-      const double tm = Seconds(threads_);
-      phases_.mirror += tm - t0;
-      t0 = tm;
-    }
-    // Memory-bound: one pass over P for all k vectors, rows split across
-    // threads at multiples of 48 (the panel's 3-row groups stay whole, so
-    // no row's summation order depends on the split).
-    // U's rows copied to 64-byte aligned rows of ld floats: the kernel
-    // loads every U row once per 16 columns of P, and rows of a packed
-    // d + 1 stride would split most of those loads across cache lines.
-    std::unique_ptr<float[], void (*)(float*)> ua(AllocFloats(k * ld),
-                                                  FreeFloats);
-    for (int64_t a = 0; a < k; ++a) {
-      std::memcpy(ua.get() + a * ld, u + a * ldu, sizeof(float) * n);
-    }
-    std::vector<float> v(static_cast<size_t>(n) * k);
-    const int parts = static_cast<int>(
-        std::min<int64_t>(threads_, std::max<int64_t>(1, n / 48)));
-    RunParts(parts, [&](int t) {
-      const auto [i0, i1] = Slice(n, parts, t, 48);
-      if (i1 > i0) {
-        kern.panel(p_->data() + i0 * ld, ld, i1 - i0, n, ua.get(), ld,
-                   static_cast<int>(k), v.data() + i0 * k);
-      }
-    });
-    for (int64_t i = 0; i < n; ++i) {
-      for (int64_t c = 0; c < k; ++c) vt[c * ld + i] = v[i * k + c];
-    }
-  } else {
+  {
     // Compute-bound: Vt = U P (P symmetric) as a blocked product, columns
     // split across threads. Only P's upper blocks are read (the packing
     // takes the lower ones from their transposes), so the lower triangle
@@ -291,6 +280,71 @@ void RlsState::ComputeVt(const float* u, int64_t ldu, int64_t k) {
   }
 }
 
+void RlsState::SweepVt(const float* u, int64_t ldu, int64_t k) {
+  const int64_t n = theta_.size();
+  const int64_t ld = p_->ld();
+  constexpr int64_t kMax = internal::kPanelMaxVectors;
+  const double t0 = Seconds(threads_);
+  if (sweep_u_ == nullptr) {
+    sweep_u_.reset(AllocFloats(kMax * ld));
+    sweep_d_.reset(AllocFloats(kMax * n));
+    sweep_t_.reset(AllocFloats(kSweepGroups * kMax * ld));
+  }
+  // The pending columns (at most kMax) are folded by the same pass; rows
+  // of W and U are zero-padded to kk (zero rows change no bit).
+  const int64_t kk = std::max(k, pending_);
+  const bool fold = pending_ > 0;
+  float* w = w_.get();
+  if (fold) {
+    UnshareP();
+    std::memset(w + pending_ * ld, 0, sizeof(float) * (kk - pending_) * ld);
+  }
+  // U's rows copied to 64-byte aligned rows of ld floats, zero beyond n.
+  float* ua = sweep_u_.get();
+  std::memset(ua, 0, sizeof(float) * kk * ld);
+  for (int64_t a = 0; a < k; ++a) {
+    std::memcpy(ua + a * ld, u + a * ldu, sizeof(float) * n);
+  }
+  // Fixed groups of row blocks, each with its own T: every entry of V is
+  // summed in the same order whatever the thread count.
+  constexpr int64_t kB = internal::kSymBlock;
+  const int64_t blocks = (n + kB - 1) / kB;
+  const int groups = static_cast<int>(std::min<int64_t>(kSweepGroups, blocks));
+  const std::vector<int64_t> first = SplitBlocksByArea(blocks, kB, ld, groups);
+  const int parts = std::min(threads_, groups);
+  float* p = p_->data();
+  float* d = sweep_d_.get();
+  float* tb = sweep_t_.get();
+  const internal::Kernels& kern = *kernels_;
+  RunParts(parts, [&](int t) {
+    for (int g = groups * t / parts; g < groups * (t + 1) / parts; ++g) {
+      float* tg = tb + g * kk * ld;
+      std::memset(tg, 0, sizeof(float) * kk * ld);
+      for (int64_t b = first[g]; b < first[g + 1]; ++b) {
+        const int64_t r0 = b * kB, r1 = std::min(n, r0 + kB);
+        kern.sym_sweep(p, ld, n, r0, r1, static_cast<int>(kk), fold, w, ua, ld,
+                       d + r0 * kk, tg, ld);
+      }
+    }
+  });
+  // V' = D + T_0 + ... + T_(groups-1), in that order.
+  float* vt = vt_.get();
+  for (int64_t c = 0; c < k; ++c) {
+    float* vc = vt + c * ld;
+    for (int64_t j = 0; j < n; ++j) vc[j] = d[j * kk + c];
+    std::fill(vc + n, vc + ld, 0.0f);
+    for (int g = 0; g < groups; ++g) {
+      const float* tc = tb + (g * kk + c) * ld;
+      for (int64_t j = 0; j < n; ++j) vc[j] += tc[j];
+    }
+  }
+  if (fold) {
+    lower_stale_ = true;
+    pending_ = 0;
+  }
+  phases_.sweep += Seconds(threads_) - t0;
+}
+
 absl::Status RlsState::UpdateChunk(const float* u, int64_t ldu,
                                    std::span<const double> y) {
   const int64_t k = static_cast<int64_t>(y.size());
@@ -313,8 +367,16 @@ absl::Status RlsState::UpdateChunk(const float* u, int64_t ldu,
   }
   if (pending_ + k > options_.fold_columns) Flush();
 
-  // V' = U P (k rows of ld floats).
-  ComputeVt(u, ldu, k);
+  // V' = U P (k rows of ld floats). Batches of up to kPanelMaxVectors:
+  // one pass over P's upper triangle that also folds the pending columns
+  // (at most as many, else the blocked fold first); wider ones: the
+  // blocked product on P_base minus the pending part.
+  if (k <= internal::kPanelMaxVectors) {
+    if (pending_ > internal::kPanelMaxVectors) Flush();
+    SweepVt(u, ldu, k);
+  } else {
+    ComputeVt(u, ldu, k);
+  }
   const float* vt = vt_.get();
   const double t_solve = Seconds(threads_);
 
@@ -412,18 +474,7 @@ void RlsState::Flush() {
   static_assert(kRows % 16 == 0, "diagonal blocks folded whole");
   const int64_t blocks = (n + kRows - 1) / kRows;
   const int parts = static_cast<int>(std::min<int64_t>(threads_, blocks));
-  std::vector<int64_t> first(parts + 1, blocks);
-  {
-    double total = 0;
-    for (int64_t b = 0; b < blocks; ++b) total += double(ld - (b * kRows & ~int64_t{15}));
-    double acc = 0;
-    int t = 0;
-    first[0] = 0;
-    for (int64_t b = 0; b < blocks && t + 1 < parts; ++b) {
-      acc += double(ld - (b * kRows & ~int64_t{15}));
-      if (acc >= total * (t + 1) / parts) first[++t] = b + 1;
-    }
-  }
+  const std::vector<int64_t> first = SplitBlocksByArea(blocks, kRows, ld, parts);
   float* w = w_.get();
   UnshareP();
   float* p = p_->data();

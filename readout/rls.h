@@ -8,18 +8,20 @@
 //
 // Implementation: with S = L L' (Cholesky), G V' = W W' where W = V L^-T,
 // so the P update is a symmetric rank-k downdate. Those are deferred: P is
-// kept as P_base - W_all W_all' with the pending columns W_all, and folded
-// into P_base (one blocked rank-k update) every `fold_columns` columns. A
-// batch then streams the 64 MiB P_base once (for V) instead of three times:
-// batches of up to 8 with the panel kernel (memory-bound), wider ones with
+// kept as P_base - W_all W_all' with the pending columns W_all. A batch of
+// up to 8 makes one pass over P_base's upper triangle that folds the (at
+// most 8) pending columns and computes V with the folded values (the fused
+// sweep: P read and written once); a wider batch streams P_base once with
 // a blocked matrix product (compute-bound: P is streamed once for all k
-// rows). Products with P and the fold run on `threads` threads. P is FP32, symmetric by construction
-// (the fold updates the upper triangle in blocks of 96 rows, diagonal blocks
-// whole; the blocked product reads only those blocks, and the lower
-// triangle is mirrored only when a batch of up to 8 or P() needs whole
-// rows), and its loss of positive
+// rows) and subtracts the pending part, and the pending columns are folded
+// with one blocked rank-k update every `fold_columns` columns. Products
+// with P and the folds run on `threads` threads. P is FP32, symmetric by
+// construction (only the upper triangle is updated, in blocks of 96 rows,
+// diagonal blocks whole; everything reads only those blocks, and the lower
+// triangle is mirrored only when P() needs it), and its loss of positive
 // definiteness is detected: S = I + U P U' has all Cholesky pivots >= 1 in
-// exact arithmetic, so a pivot below 1/2 rejects the batch, state unchanged.
+// exact arithmetic, so a pivot below 1/2 rejects the batch, the state
+// (P_base - W_all W_all', theta) unchanged.
 #ifndef LEAP_READOUT_RLS_H_
 #define LEAP_READOUT_RLS_H_
 
@@ -105,14 +107,18 @@ struct RlsOptions {
 // benchmarks: where the time goes): the updating thread's CPU time with one
 // thread, wall time with several.
 struct RlsPhaseSeconds {
-  double product = 0;  // U P_base: the stream over P (panel or blocked)
+  double sweep = 0;    // batches of <= 8: one pass over P's upper triangle
+                       // that folds the pending columns and computes U P
+  double product = 0;  // wider batches: U P_base (blocked)
   double pending = 0;  // minus the pending part (U W_all') W_all
   double solve = 0;    // S = I + U V (FP64), Cholesky, theta
   double w = 0;        // the pending columns W' = L^-1 V'
   double fold = 0;     // P_base -= W_all W_all' (upper triangle)
   double mirror = 0;   // upper triangle copied onto the lower one (only
-                       // before a batch of <= 8 or P() after a fold)
-  double total() const { return product + pending + solve + w + fold + mirror; }
+                       // for P() after a fold)
+  double total() const {
+    return sweep + product + pending + solve + w + fold + mirror;
+  }
 };
 
 // The RLS state of one readout: theta (FP64) and P (FP32).
@@ -162,8 +168,12 @@ class RlsState {
  private:
   absl::Status UpdateChunk(const float* u, int64_t ldu,
                            std::span<const double> y);
-  // Vt (k rows of ld floats, padding zero) = U P_base.
+  // Vt (k rows of ld floats, padding zero) = U P_base - (U W_all') W_all.
   void ComputeVt(const float* u, int64_t ldu, int64_t k);
+  // For k <= kPanelMaxVectors with at most as many pending columns: folds
+  // them into P_base and sets Vt = U P_base in one pass over the upper
+  // triangle (the fused sweep); no pending columns remain.
+  void SweepVt(const float* u, int64_t ldu, int64_t k);
   // Copies the upper triangle onto the stale lower one (blocks strictly
   // below the diagonal blocks only).
   void MirrorLower();
@@ -185,6 +195,14 @@ class RlsState {
   RlsPhaseSeconds phases_;
   // V' of the batch in flight: fold_columns x ld floats.
   std::unique_ptr<float[], void (*)(float*)> vt_;
+  // The fused sweep's buffers (allocated on its first use): U padded
+  // (kPanelMaxVectors x ld), the row dots D (n x kPanelMaxVectors) and
+  // the transposed sums T of each of kSweepGroups fixed groups of row
+  // blocks.
+  static constexpr int kSweepGroups = 8;
+  std::unique_ptr<float[], void (*)(float*)> sweep_u_;
+  std::unique_ptr<float[], void (*)(float*)> sweep_d_;
+  std::unique_ptr<float[], void (*)(float*)> sweep_t_;
 };
 
 }  // namespace leap::readout

@@ -99,6 +99,7 @@ RateResult Rate(const std::vector<float>& u, int64_t total, int batch,
   r.seconds = Now(threads) - t0;
   r.rate = static_cast<double>(total) / r.seconds;
   const RlsPhaseSeconds& after = rls.phase_seconds();
+  r.phases.sweep = after.sweep - before.sweep;
   r.phases.product = after.product - before.product;
   r.phases.pending = after.pending - before.pending;
   r.phases.solve = after.solve - before.solve;
@@ -118,10 +119,11 @@ void PrintPhases(const char* label, const RateResult& r, int64_t total,
   const RlsPhaseSeconds& p = r.phases;
   const double us = 1e6 / static_cast<double>(total);
   const double n2 = double(kN) * double(kN);
-  std::printf("    phases (%s, %s, %d thread%s; us/completion): product %.0f, "
-              "pending %.0f, solve %.0f, W %.0f, fold %.0f, mirror %.0f "
-              "(sum %.0f of %.0f measured)\n",
-              label, r.kernels, threads, threads > 1 ? "s" : "", p.product * us,
+  std::printf("    phases (%s, %s, %d thread%s; us/completion): sweep %.0f, "
+              "product %.0f, pending %.0f, solve %.0f, W %.0f, fold %.0f, "
+              "mirror %.0f (sum %.0f of %.0f measured)\n",
+              label, r.kernels, threads, threads > 1 ? "s" : "", p.sweep * us,
+              p.product * us,
               p.pending * us, p.solve * us, p.w * us, p.fold * us,
               p.mirror * us, p.total() * us, r.seconds * us);
   const double cores = threads;
@@ -131,10 +133,13 @@ void PrintPhases(const char* label, const RateResult& r, int64_t total,
                 total * n2 / p.product / (peak * cores),
                 total * 0.5 * n2 / p.fold / (peak * cores));
   } else {
-    std::printf("      product U P: %.2f x the read bandwidth; fold (SYRK): "
-                "%.2f x the FMA peak\n",
-                (total / batch) * 4.0 * n2 / p.product / (bw * cores),
-                total * 0.5 * n2 / p.fold / (peak * cores));
+    // The sweep reads and writes P's upper triangle once per batch: half
+    // of P's bytes each way, P's bytes in all.
+    std::printf("      sweep (pending fold + U P, upper triangle read and "
+                "written once): %.2f x the read bandwidth, %.2f x the FMA "
+                "peak (3k multiply-adds per upper entry)\n",
+                (total / batch) * 4.0 * n2 / p.sweep / (bw * cores),
+                total * 1.5 * n2 / p.sweep / (peak * cores));
   }
 }
 

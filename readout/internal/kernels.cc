@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "common/half.h"
+#include "readout/internal/simd.h"
 
 #if defined(__x86_64__)
 #include <cpuid.h>
@@ -22,14 +23,6 @@
 
 namespace leap::readout::internal {
 namespace {
-
-// Columns of P processed per pass. Measured on the AVX2 machine (d = 4096,
-// k = 8): 512 -> 13.7 ms, 2048 -> 10.8 ms, 4096 -> 10.1 ms per panel: long
-// contiguous row segments stream better than keeping U in L1 (it stays in
-// L2: 8 x 16 KiB).
-constexpr int64_t kJBlock = 4096;
-// How many rows ahead the panel kernel prefetches.
-constexpr int64_t kPrefetchRows = 3;
 
 // ---------------------------------------------------------------- portable
 template <typename Load>
@@ -83,28 +76,6 @@ void DotRowsF32Portable(const float* w, const float* const* x, int rows,
 void DotRowsBf16Portable(const float* w, const uint16_t* const* x, int rows,
                          int64_t n, float* out) {
   for (int r = 0; r < rows; ++r) out[r] = DotBf16Portable(w, x[r], n);
-}
-
-void PanelPortable(const float* P, int64_t ldp, int64_t rows, int64_t cols,
-                   const float* U, int64_t ldu, int k, float* V) {
-  std::fill(V, V + rows * k, 0.0f);
-  for (int64_t j0 = 0; j0 < cols; j0 += kJBlock) {
-    const int64_t jn = std::min(kJBlock, cols - j0);
-    for (int64_t i = 0; i < rows; ++i) {
-      const float* p = P + i * ldp + j0;
-      for (int c = 0; c < k; ++c) {
-        const float* u = U + c * ldu + j0;
-        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-        int64_t j = 0;
-        for (; j + 8 <= jn; j += 8) {
-          for (int l = 0; l < 8; ++l) acc[l] += p[j + l] * u[j + l];
-        }
-        for (; j < jn; ++j) acc[0] += p[j] * u[j];
-        V[i * k + c] += ((acc[0] + acc[1]) + (acc[2] + acc[3])) +
-                        ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-      }
-    }
-  }
 }
 
 // ------------------------------------------------------------- gemm_acc
@@ -311,15 +282,23 @@ void GemmAccSymPortable(int64_t m, int64_t N, int64_t K, float alpha,
                 j0, C, ldc);
 }
 
+// The fused sweep in portable C++ (Fma may round twice here).
+namespace portable_sweep {
+#define LEAP_ISA
+using Vec = simd::Portable;
+#include "readout/internal/sym_sweep.inc"
+#undef LEAP_ISA
+}  // namespace portable_sweep
+
 constexpr Kernels kPortable = {"portable",         DotF32Portable,
                                DotBf16Portable,    DotF16Portable,
                                DotRowsF32Portable, DotRowsBf16Portable,
-                               PanelPortable,      GemmAccPortable,
+                               portable_sweep::SymSweep, GemmAccPortable,
                                DotF64BlockPortable, GemmAccSymPortable};
 
 #if defined(__x86_64__)
 // ---------------------------------------------------------------- AVX2+FMA
-#define LEAP_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define LEAP_AVX2 LEAP_TARGET_AVX2
 
 LEAP_AVX2 inline float HSum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -401,109 +380,6 @@ LEAP_AVX2 float DotF16Avx2(const float* w, const uint16_t* x, int64_t n) {
             _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i)));
       },
       [x](int64_t i) { return Fp16ToFloat(x[i]); });
-}
-
-// Sums a[0..3] horizontally into the 4 lanes of the result.
-LEAP_AVX2 inline __m128 ReduceFour(const __m256* a) {
-  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]),
-                                  _mm256_hadd_ps(a[2], a[3]));
-  return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
-}
-
-// Three rows of P against KG (<= 4) vectors over columns [0, jv): 12
-// accumulators, 7 loads per 12 FMAs, so the FMA units rather than the load
-// ports set the pace. Adds the sums into v[r * k + c].
-template <int KG>
-LEAP_AVX2 inline void ThreeRowsBlock(const float* p0, int64_t ldp,
-                                     const float* u, int64_t ldu, int64_t jv,
-                                     float* v, int k) {
-  const float* p1 = p0 + ldp;
-  const float* p2 = p1 + ldp;
-  __m256 acc[3][4];
-  for (int r = 0; r < 3; ++r)
-    for (int c = 0; c < 4; ++c) acc[r][c] = _mm256_setzero_ps();
-  for (int64_t j = 0; j < jv; j += 8) {
-    const __m256 a = _mm256_loadu_ps(p0 + j);
-    const __m256 b = _mm256_loadu_ps(p1 + j);
-    const __m256 c = _mm256_loadu_ps(p2 + j);
-    for (int q = 0; q < KG; ++q) {
-      const __m256 uq = _mm256_loadu_ps(u + q * ldu + j);
-      acc[0][q] = _mm256_fmadd_ps(a, uq, acc[0][q]);
-      acc[1][q] = _mm256_fmadd_ps(b, uq, acc[1][q]);
-      acc[2][q] = _mm256_fmadd_ps(c, uq, acc[2][q]);
-    }
-  }
-  for (int r = 0; r < 3; ++r) {
-    alignas(16) float s[4];
-    _mm_store_ps(s, ReduceFour(acc[r]));
-    for (int q = 0; q < KG; ++q) v[r * k + q] += s[q];
-  }
-}
-
-template <int K>
-LEAP_AVX2 void PanelAvx2K(const float* P, int64_t ldp, int64_t n,
-                          int64_t cols, const float* U, int64_t ldu,
-                          float* V) {
-  std::fill(V, V + n * K, 0.0f);
-  for (int64_t j0 = 0; j0 < cols; j0 += kJBlock) {
-    const int64_t jn = std::min(kJBlock, cols - j0);
-    const int64_t jv = jn & ~int64_t{7};
-    const float* u0 = U + j0;
-    int64_t i = 0;
-    for (; i + 3 <= n; i += 3) {
-      const float* p = P + i * ldp + j0;
-      // Rows are kJBlock floats of a long stride apart: the hardware
-      // prefetcher would restart on every row, so fetch the next rows'
-      // segments while these are multiplied.
-      if (i + 3 + kPrefetchRows < n) {
-        for (int64_t r = 3; r < 3 + kPrefetchRows; ++r) {
-          const char* next = reinterpret_cast<const char*>(p + r * ldp);
-          for (int64_t b = 0; b < jn * 4; b += 64) {
-            _mm_prefetch(next + b, _MM_HINT_T0);
-          }
-        }
-      }
-      float* v = V + i * K;
-      for (int g = 0; g + 4 <= K; g += 4) {
-        ThreeRowsBlock<4>(p, ldp, u0 + g * ldu, ldu, jv, v + g, K);
-      }
-      constexpr int kRest = K % 4;
-      if constexpr (kRest > 0) {
-        ThreeRowsBlock<kRest>(p, ldp, u0 + (K - kRest) * ldu, ldu, jv,
-                              v + (K - kRest), K);
-      }
-      for (int64_t r = 0; r < 3; ++r) {
-        for (int64_t j = jv; j < jn; ++j) {
-          for (int c = 0; c < K; ++c) {
-            v[r * K + c] += p[r * ldp + j] * u0[c * ldu + j];
-          }
-        }
-      }
-    }
-    for (; i < n; ++i) {  // the last n % 3 rows
-      const float* p = P + i * ldp + j0;
-      for (int c = 0; c < K; ++c) {
-        float s = 0;
-        for (int64_t j = 0; j < jn; ++j) s += p[j] * u0[c * ldu + j];
-        V[i * K + c] += s;
-      }
-    }
-  }
-}
-
-LEAP_AVX2 void PanelAvx2(const float* P, int64_t ldp, int64_t rows,
-                         int64_t cols, const float* U, int64_t ldu, int k,
-                         float* V) {
-  switch (k) {
-    case 1: return PanelAvx2K<1>(P, ldp, rows, cols, U, ldu, V);
-    case 2: return PanelAvx2K<2>(P, ldp, rows, cols, U, ldu, V);
-    case 3: return PanelAvx2K<3>(P, ldp, rows, cols, U, ldu, V);
-    case 4: return PanelAvx2K<4>(P, ldp, rows, cols, U, ldu, V);
-    case 5: return PanelAvx2K<5>(P, ldp, rows, cols, U, ldu, V);
-    case 6: return PanelAvx2K<6>(P, ldp, rows, cols, U, ldu, V);
-    case 7: return PanelAvx2K<7>(P, ldp, rows, cols, U, ldu, V);
-    default: return PanelAvx2K<8>(P, ldp, rows, cols, U, ldu, V);
-  }
 }
 
 // R rows share each load of w: per 16 values, 2 loads of w and 2R of x
@@ -684,9 +560,16 @@ LEAP_AVX2 void DotF64BlockAvx2(const float* X, int64_t ldx, const float* Y,
   }
 }
 
+namespace avx2_sweep {
+#define LEAP_ISA LEAP_AVX2
+using Vec = simd::Avx2;
+#include "readout/internal/sym_sweep.inc"
+#undef LEAP_ISA
+}  // namespace avx2_sweep
+
 constexpr Kernels kAvx2 = {"avx2",         DotF32Avx2,      DotBf16Avx2,
                            DotF16Avx2,     DotRowsF32Avx2,  DotRowsBf16Avx2,
-                           PanelAvx2,      GemmAccAvx2,     DotF64BlockAvx2,
+                           avx2_sweep::SymSweep, GemmAccAvx2, DotF64BlockAvx2,
                            GemmAccSymAvx2};
 
 bool CpuHasAvx2Fma() {
@@ -697,7 +580,7 @@ bool CpuHasAvx2Fma() {
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c;
 }
 // ---------------------------------------------------------------- AVX-512
-#define LEAP_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
+#define LEAP_AVX512 LEAP_TARGET_AVX512
 
 // Four 16-float accumulators (64 floats per iteration): measured on an AMD
 // EPYC (Zen 5) with features streaming from L2, eight accumulators (128
@@ -927,80 +810,16 @@ LEAP_AVX512 void DotF64BlockAvx512(const float* X, int64_t ldx,
   }
 }
 
-// Panel: R (<= 3) rows of P against K (<= 8) vectors over full rows, up to
-// 24 accumulators: per 16 columns 3 loads of P and K of U (from L2) feed 3K
-// FMAs. The next group's rows are prefetched line by line as this group
-// streams (rows are a long stride apart: the hardware prefetcher restarts
-// on every row). Each row's sums run in the same order whatever R is.
-template <int R, int K>
-LEAP_AVX512 inline void PanelRowsAvx512(const float* p, int64_t ldp,
-                                        int64_t cols, const float* U,
-                                        int64_t ldu, float* v, bool prefetch) {
-  __m512 acc[R][K];
-#pragma GCC unroll 3
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 8
-    for (int c = 0; c < K; ++c) acc[r][c] = _mm512_setzero_ps();
-  int64_t j = 0;
-  for (; j + 16 <= cols; j += 16) {
-    __m512 pr[R];
-#pragma GCC unroll 3
-    for (int r = 0; r < R; ++r) {
-      pr[r] = _mm512_loadu_ps(p + r * ldp + j);
-      if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(p + (r + 3) * ldp + j), _MM_HINT_T0);
-    }
-#pragma GCC unroll 8
-    for (int c = 0; c < K; ++c) {
-      const __m512 uc = _mm512_loadu_ps(U + c * ldu + j);
-#pragma GCC unroll 3
-      for (int r = 0; r < R; ++r) acc[r][c] = _mm512_fmadd_ps(pr[r], uc, acc[r][c]);
-    }
-  }
-  if (j < cols) {
-    const __mmask16 m = static_cast<__mmask16>((1u << (cols - j)) - 1);
-    __m512 pr[R];
-    for (int r = 0; r < R; ++r) pr[r] = _mm512_maskz_loadu_ps(m, p + r * ldp + j);
-    for (int c = 0; c < K; ++c) {
-      const __m512 uc = _mm512_maskz_loadu_ps(m, U + c * ldu + j);
-      for (int r = 0; r < R; ++r) acc[r][c] = _mm512_fmadd_ps(pr[r], uc, acc[r][c]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < K; ++c) v[r * K + c] = _mm512_reduce_add_ps(acc[r][c]);
-}
-
-template <int K>
-LEAP_AVX512 void PanelAvx512K(const float* P, int64_t ldp, int64_t rows,
-                              int64_t cols, const float* U, int64_t ldu,
-                              float* V) {
-  int64_t i = 0;
-  for (; i + 3 <= rows; i += 3) {
-    PanelRowsAvx512<3, K>(P + i * ldp, ldp, cols, U, ldu, V + i * K,
-                          i + 6 <= rows);
-  }
-  for (; i < rows; ++i) {
-    PanelRowsAvx512<1, K>(P + i * ldp, ldp, cols, U, ldu, V + i * K, false);
-  }
-}
-
-LEAP_AVX512 void PanelAvx512(const float* P, int64_t ldp, int64_t rows,
-                             int64_t cols, const float* U, int64_t ldu, int k,
-                             float* V) {
-  switch (k) {
-    case 1: return PanelAvx512K<1>(P, ldp, rows, cols, U, ldu, V);
-    case 2: return PanelAvx512K<2>(P, ldp, rows, cols, U, ldu, V);
-    case 3: return PanelAvx512K<3>(P, ldp, rows, cols, U, ldu, V);
-    case 4: return PanelAvx512K<4>(P, ldp, rows, cols, U, ldu, V);
-    case 5: return PanelAvx512K<5>(P, ldp, rows, cols, U, ldu, V);
-    case 6: return PanelAvx512K<6>(P, ldp, rows, cols, U, ldu, V);
-    case 7: return PanelAvx512K<7>(P, ldp, rows, cols, U, ldu, V);
-    default: return PanelAvx512K<8>(P, ldp, rows, cols, U, ldu, V);
-  }
-}
+namespace avx512_sweep {
+#define LEAP_ISA LEAP_AVX512
+using Vec = simd::Avx512;
+#include "readout/internal/sym_sweep.inc"
+#undef LEAP_ISA
+}  // namespace avx512_sweep
 
 constexpr Kernels kAvx512 = {"avx512",        DotF32Avx512,      DotBf16Avx512,
                              DotF16Avx512,    DotRowsF32Avx2,    DotRowsBf16Avx2,
-                             PanelAvx512,     GemmAccAvx512,     DotF64BlockAvx512,
+                             avx512_sweep::SymSweep, GemmAccAvx512, DotF64BlockAvx512,
                              GemmAccSymAvx512};
 
 bool CpuHasAvx512() {

@@ -1,5 +1,5 @@
-// Hot loops of the readout: the prediction dot product, the RLS panel
-// product, the RLS block products (gemm_acc, sym_dot_f64). Each has a
+// Hot loops of the readout: the prediction dot product, the RLS fused
+// sweep for small batches, the RLS block products (gemm_acc, sym_dot_f64). Each has a
 // portable version, an AVX2+FMA+F16C version and an AVX-512 (F/BW/VL)
 // version, compiled into the same binary with per-function target
 // attributes (no -march needed); BestKernels() picks one from CPUID (and the
@@ -16,7 +16,7 @@ namespace leap::readout::internal {
 // Rows per dot_rows call.
 inline constexpr int kMaxRows = 4;
 
-// The widest batch the panel kernel handles in one pass over P.
+// The widest batch the fused sweep (sym_sweep) handles in one pass over P.
 inline constexpr int kPanelMaxVectors = 8;
 
 // gemm_acc sums over p in blocks of this many terms (fixed, so that a
@@ -48,12 +48,23 @@ struct Kernels {
   // The same for bf16 rows, w in PermuteForBf16 order.
   void (*dot_rows_bf16)(const float* w_bf16, const uint16_t* const* x,
                         int rows, int64_t n, float* out);
-  // V[i * k + c] = sum_{j<cols} P[i * ldp + j] * U[c * ldu + j] for
-  // i < rows, c < k, 1 <= k <= kPanelMaxVectors. P is read once. V is
-  // overwritten. Row i's result depends on i's position modulo 3 only
-  // through whether it is one of the last rows % 3 rows.
-  void (*panel)(const float* P, int64_t ldp, int64_t rows, int64_t cols,
-                const float* U, int64_t ldu, int k, float* V);
+  // The fused small-batch sweep over one row block of the symmetric P:
+  // rows [r0, r1) (r0 a multiple of kSymBlock, r1 - r0 <= kSymBlock, r1 <=
+  // n), columns [r0, ldp); only these blocks on and above the diagonal
+  // blocks are read or written. With `fold`, first
+  //   P(i, j) += s,  s = -sum_{c<k} W[c][i] * W[c][j]  (c in order)
+  // (P rounded once per call; P(i, j) and P(j, i) in the diagonal block get
+  // the same bits), then with the updated values
+  //   D[(i - r0) * k + c] = sum_{j >= r0} P(i, j) U[c][j]   (overwritten),
+  //   T[c * ldt + j] += sum_{r0 <= i < r1} P(i, j) U[c][i]   for j >= r1,
+  // so that summing D and the T of every earlier row block gives U P with P
+  // read (and written) once, upper triangle only. W and U: k rows of ldu
+  // floats, zero from n to ldp (W unused without `fold`); 1 <= k <=
+  // kPanelMaxVectors (pad W or U with zero rows to fold and multiply
+  // different counts). Each sum runs in an order fixed by r0, r1, n, ldp.
+  void (*sym_sweep)(float* P, int64_t ldp, int64_t n, int64_t r0, int64_t r1,
+                    int k, bool fold, const float* W, const float* U,
+                    int64_t ldu, float* D, float* T, int64_t ldt);
   // C[i*ldc + j] += alpha * sum_{p<K} A[i*a_rs + p*a_cs] * B[p*ldb + j]
   // for i < m, j < N. N must be a multiple of 16 (callers pad their rows).
   // The sum runs over p in blocks of kGemmKc, each block summed in p order
