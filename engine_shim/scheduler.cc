@@ -77,6 +77,11 @@ absl::Status SchedulerOptions::Validate() const {
     return absl::InvalidArgumentError(
         absl::StrCat("tail_quantile must be in [0, 1], got ", tail_quantile));
   }
+  if (!std::isfinite(bounded_linear_aging) || bounded_linear_aging < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "bounded_linear_aging must be finite and >= 0, got ",
+        bounded_linear_aging));
+  }
   if (!std::isfinite(linear_aging) || linear_aging < 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "linear_aging must be finite and >= 0, got ", linear_aging));
@@ -418,8 +423,13 @@ void CountdownScheduler::Rank(size_t k) {
         case SchedulingPolicy::kLinearAging:
           c.priority = remaining - options_.linear_aging * waited;
           break;
-        case SchedulingPolicy::kCountdown:
         case SchedulingPolicy::kBounded:
+          if (options_.bounded_linear_aging > 0) {
+            c.priority = remaining - options_.bounded_linear_aging * waited;
+            break;
+          }
+          [[fallthrough]];
+        case SchedulingPolicy::kCountdown:
           c.priority =
               rate > 0
                   ? remaining *

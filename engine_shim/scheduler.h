@@ -157,6 +157,12 @@ struct SchedulerOptions {
   int tail_window = 1000;
   double tail_quantile = 0.99;
 
+  // kBounded: the ranked tier (requests whose deadline is not at risk) is
+  // ordered by remaining - bounded_linear_aging * waited (linear aging)
+  // instead of the countdown; 0 = the countdown. Finite, >= 0.
+  // Default: 0
+  double bounded_linear_aging = 0;
+
   // kLinearAging: tokens of priority gained per step waited. Finite, >= 0.
   // Default: 1
   double linear_aging = 1;

@@ -178,6 +178,8 @@ class ReferenceScheduler {
           priority = -(total + std::max(rem, 1.0)) / std::max(rem, 1.0);
         } else if (o_.policy == SchedulingPolicy::kLinearAging) {
           priority = rem - o_.linear_aging * total;
+        } else if (bounded && o_.bounded_linear_aging > 0) {
+          priority = rem - o_.bounded_linear_aging * total;
         } else {
           priority = rem * std::exp(-o_.aging_rate *
                                     static_cast<double>(r.waited));
@@ -610,6 +612,7 @@ TEST(CountdownSchedulerTest, CarriedDeadlinesMatchBruteForceReference) {
   const Config configs[] = {
       {SchedulingPolicy::kBounded, 64, 128, 1000},
       {SchedulingPolicy::kBounded, 8, 0, 0},
+      {SchedulingPolicy::kBounded, 16, 0, 1000},  // with linear aging
       {SchedulingPolicy::kBounded, 3, 4, 7},
       {SchedulingPolicy::kCountdown, 16, 0, 1000},
   };
@@ -622,6 +625,10 @@ TEST(CountdownSchedulerTest, CarriedDeadlinesMatchBruteForceReference) {
     o.tail_window = c.window;
     o.max_slowdown = 1.5;
     o.unpredicted_tokens = 100;
+    // The ranked tier by linear aging instead of the countdown.
+    if (c.slots == 16 && c.policy == SchedulingPolicy::kBounded) {
+      o.bounded_linear_aging = 0.05;
+    }
     Traffic t;
     t.target_live = std::max(40, std::min(500, c.slots * 8));
     t.max_arrivals = std::max(2, c.slots / 4);
@@ -1466,6 +1473,10 @@ TEST(CountdownSchedulerTest, BadInput) {
   invalid([](SchedulerOptions& o) { o.max_slowdown = 0.99; });
   invalid([&](SchedulerOptions& o) { o.max_slowdown = kInf; });
   invalid([&](SchedulerOptions& o) { o.linear_aging = -1; });
+  invalid([&](SchedulerOptions& o) { o.bounded_linear_aging = -0.5; });
+  invalid([&](SchedulerOptions& o) {
+    o.bounded_linear_aging = std::numeric_limits<double>::infinity();
+  });
   invalid([&](SchedulerOptions& o) { o.linear_aging = kNan; });
   invalid([](SchedulerOptions& o) { o.tail_window = -1; });
   invalid([&](SchedulerOptions& o) { o.tail_quantile = 1.5; });
