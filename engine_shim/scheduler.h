@@ -14,6 +14,11 @@
 //      virtual latencies of the last tail_window requests. A request still unpredicted then
 //      is placed with the unpredicted estimate; its first prediction moves
 //      its own F by the difference (later virtual jobs are not moved).
+//      A request added with a CarriedDeadline (Add(id, carried), from an
+//      earlier stage's Carry) keeps that stage's deadline: origin + S *
+//      max(F - origin, Q), origin its first step there (one deadline from
+//      arrival). kBounded with bounded_linear_aging > 0 ranks tier 2 by
+//      remaining - bounded_linear_aging * waited.
 //   1. Promoted requests: steps_waited >= waiting_cap (when the cap is on).
 //      Most steps waited first; ties by arrival (FCFS).
 //   2. Everybody else by effective priority, smallest first; ties by arrival:
