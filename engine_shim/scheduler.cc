@@ -77,6 +77,11 @@ absl::Status SchedulerOptions::Validate() const {
     return absl::InvalidArgumentError(
         absl::StrCat("tail_quantile must be in [0, 1], got ", tail_quantile));
   }
+  if (!std::isfinite(bounded_linear_aging) || bounded_linear_aging < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "bounded_linear_aging must be finite and >= 0, got ",
+        bounded_linear_aging));
+  }
   if (!std::isfinite(linear_aging) || linear_aging < 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "linear_aging must be finite and >= 0, got ", linear_aging));
@@ -114,8 +119,59 @@ absl::Status CountdownScheduler::Add(absl::string_view request_id) {
   r.id = std::string(request_id);
   r.arrival = next_arrival_++;
   r.added_step = counters_.steps;
+  r.origin = static_cast<double>(r.added_step);
   ++counters_.added;
   return absl::OkStatus();
+}
+
+absl::Status CountdownScheduler::Add(absl::string_view request_id,
+                                     const CarriedDeadline& carried) {
+  if (!std::isfinite(carried.age) || carried.age < 0 ||
+      !std::isfinite(carried.virtual_left) ||
+      !std::isfinite(carried.virtual_estimate) ||
+      carried.virtual_estimate < 0 || !std::isfinite(carried.tail_reference) ||
+      carried.tail_reference < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "carried deadline of ", request_id,
+        " must have finite fields, age, estimate and tail reference >= 0; "
+        "got age ",
+        carried.age, ", virtual_left ", carried.virtual_left, ", estimate ",
+        carried.virtual_estimate, ", tail reference ",
+        carried.tail_reference));
+  }
+  if (absl::Status s = Add(request_id); !s.ok()) return s;
+  if (options_.policy != SchedulingPolicy::kBounded) return absl::OkStatus();
+  Request& r = live_.back();
+  const double now = static_cast<double>(counters_.steps);
+  r.origin = now - carried.age;
+  r.virtual_finish = now + carried.virtual_left;
+  r.virtual_estimate = carried.virtual_estimate;
+  r.tail_reference = carried.tail_reference;
+  r.deadline = r.origin + options_.max_slowdown *
+                              std::max({r.virtual_finish - r.origin,
+                                        r.tail_reference, 1.0});
+  return absl::OkStatus();
+}
+
+absl::StatusOr<CarriedDeadline> CountdownScheduler::Carry(
+    absl::string_view request_id) const {
+  auto it = index_.find(request_id);
+  if (it == index_.end()) {
+    return absl::NotFoundError(
+        absl::StrCat("request ", request_id, " is not live"));
+  }
+  const Request& r = live_[it->second];
+  if (!r.deadline.has_value()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("request ", request_id, " has no deadline"));
+  }
+  const double now = static_cast<double>(counters_.steps);
+  CarriedDeadline c;
+  c.age = now - r.origin;
+  c.virtual_left = r.virtual_finish - now;
+  c.virtual_estimate = r.virtual_estimate;
+  c.tail_reference = r.tail_reference;
+  return c;
 }
 
 absl::Status CountdownScheduler::SetPrediction(absl::string_view request_id,
@@ -153,10 +209,9 @@ absl::Status CountdownScheduler::SetPredictionImpl(absl::string_view request_id,
                       options_.remaining_floor));
     r.virtual_finish += estimate - r.virtual_estimate;
     r.virtual_estimate = estimate;
-    const double added = static_cast<double>(r.added_step);
-    r.deadline = added + options_.max_slowdown *
-                             std::max({r.virtual_finish - added,
-                                       r.tail_reference, 1.0});
+    r.deadline = r.origin + options_.max_slowdown *
+                                std::max({r.virtual_finish - r.origin,
+                                          r.tail_reference, 1.0});
   }
   r.predicted_tokens = value;
   ++r.predictions;
@@ -214,6 +269,7 @@ absl::StatusOr<RequestStats> CountdownScheduler::GetRequest(
   stats.added_step = r.added_step;
   stats.waited_total = r.waited_total;
   stats.deadline = r.deadline;
+  stats.deadline_origin = r.origin;
   return stats;
 }
 
@@ -367,8 +423,13 @@ void CountdownScheduler::Rank(size_t k) {
         case SchedulingPolicy::kLinearAging:
           c.priority = remaining - options_.linear_aging * waited;
           break;
-        case SchedulingPolicy::kCountdown:
         case SchedulingPolicy::kBounded:
+          if (options_.bounded_linear_aging > 0) {
+            c.priority = remaining - options_.bounded_linear_aging * waited;
+            break;
+          }
+          [[fallthrough]];
+        case SchedulingPolicy::kCountdown:
           c.priority =
               rate > 0
                   ? remaining *

@@ -14,6 +14,11 @@
 //      virtual latencies of the last tail_window requests. A request still unpredicted then
 //      is placed with the unpredicted estimate; its first prediction moves
 //      its own F by the difference (later virtual jobs are not moved).
+//      A request added with a CarriedDeadline (Add(id, carried), from an
+//      earlier stage's Carry) keeps that stage's deadline: origin + S *
+//      max(F - origin, Q), origin its first step there (one deadline from
+//      arrival). kBounded with bounded_linear_aging > 0 ranks tier 2 by
+//      remaining - bounded_linear_aging * waited.
 //   1. Promoted requests: steps_waited >= waiting_cap (when the cap is on).
 //      Most steps waited first; ties by arrival (FCFS).
 //   2. Everybody else by effective priority, smallest first; ties by arrival:
@@ -157,6 +162,12 @@ struct SchedulerOptions {
   int tail_window = 1000;
   double tail_quantile = 0.99;
 
+  // kBounded: the ranked tier (requests whose deadline is not at risk) is
+  // ordered by remaining - bounded_linear_aging * waited (linear aging)
+  // instead of the countdown; 0 = the countdown. Finite, >= 0.
+  // Default: 0
+  double bounded_linear_aging = 0;
+
   // kLinearAging: tokens of priority gained per step waited. Finite, >= 0.
   // Default: 1
   double linear_aging = 1;
@@ -184,11 +195,29 @@ struct RequestStats {
   int64_t predictions = 0;
   // Steps (Select/Commit calls) before the request was added.
   int64_t added_step = 0;
+  // kBounded: the step its deadline counts from: added_step, or earlier for
+  // a request added with a CarriedDeadline (coming step - age).
+  double deadline_origin = 0;
   // All steps without a slot since Add.
   int64_t waited_total = 0;
   // kBounded: the deadline in steps (absent before the request's first
   // step, and under other policies).
   std::optional<double> deadline;
+};
+
+// kBounded: where a live request stands against its deadline, relative to the
+// scheduler's coming step, so that a second scheduler (the next stage of the
+// same engine: admission, then decode) keeps one deadline from the request's
+// first step in the first stage (CountdownScheduler::Carry and Add).
+struct CarriedDeadline {
+  // Steps from its first step in the first stage to the coming step.
+  double age = 0;
+  // Its virtual FCFS finish minus the coming step (may be negative).
+  double virtual_left = 0;
+  // The estimate its virtual FCFS job was placed with, and the tail
+  // reference Q it entered with.
+  double virtual_estimate = 0;
+  double tail_reference = 0;
 };
 
 // Monotonic counters since creation (for metrics).
@@ -225,6 +254,23 @@ class CountdownScheduler {
   // of the arrival order. kAlreadyExists if it is live already (an id may be
   // reused after Remove; it then counts as a new arrival).
   absl::Status Add(absl::string_view request_id);
+
+  // Add, for a request that comes from another stage with its deadline
+  // (kBounded; docs/SCHEDULING.md, "One deadline from arrival"): its deadline
+  // is origin + S * max(virtual finish - origin, Q, 1) with origin = the
+  // coming step - carried.age and virtual finish = the coming step +
+  // carried.virtual_left, fixed now (it does not enter this scheduler's
+  // virtual FCFS system nor its tail window), and its first prediction
+  // corrects it as for any request. Under other policies the carried state is
+  // ignored (a plain Add). kInvalidArgument for a non-finite field, a negative
+  // age or a negative estimate; else as Add.
+  absl::Status Add(absl::string_view request_id,
+                   const CarriedDeadline& carried);
+
+  // The carried state of a live request that has a deadline, for Add on the
+  // next stage's scheduler. kNotFound for an unknown id, kFailedPrecondition
+  // when it has no deadline (not kBounded, or before its first step).
+  absl::StatusOr<CarriedDeadline> Carry(absl::string_view request_id) const;
 
   // Sets the first prediction L̂ (in tokens). kNotFound for an unknown id,
   // kInvalidArgument for a non-finite or negative value, kFailedPrecondition
@@ -309,8 +355,10 @@ class CountdownScheduler {
     int64_t added_step = 0;
     int64_t waited_total = 0;
     std::optional<double> deadline;
-    // kBounded: the estimate and finish of its virtual FCFS job, and the
-    // tail reference Q when it entered.
+    // kBounded: the step its deadline counts from (added_step, or earlier
+    // for a request carried from another stage), the estimate and finish
+    // of its virtual FCFS job, and the tail reference Q when it entered.
+    double origin = 0;
     double virtual_estimate = 0;
     double virtual_finish = 0;
     double tail_reference = 0;

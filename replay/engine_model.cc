@@ -145,6 +145,15 @@ absl::Status TablePredictor::Finished(const SimRequest& request) {
 
 namespace {
 
+// Empty steps (step_base_ms each) an idle engine passes in `gap_s`
+// seconds: the tail bound's clock counts steps, and its virtual FCFS system
+// drains while the engine idles. At most 10^7.
+int64_t IdleSteps(double gap_s, const EngineOptions& e) {
+  if (!(gap_s > 0) || e.step_base_ms <= 0) return 0;
+  return static_cast<int64_t>(
+      std::min(1e7, std::floor(gap_s * 1000.0 / e.step_base_ms)));
+}
+
 // What both engine models share: the requests by id (validated) and in
 // arrival order, and the result with every request's fixed fields filled in.
 struct Run {
@@ -277,9 +286,21 @@ absl::StatusOr<SimResult> Simulate(std::span<const SimRequest> requests,
   const std::vector<const SimRequest*>& order = run.order;
   SimResult& result = run.result;
 
-  // Length-aware admission: the waiting queue ranked by the prior.
+  // Length-aware admission: the waiting queue ranked by the prior. Under
+  // the tail bound the waiting queue is a scheduler too (without a prior:
+  // every request at the same estimate, so first come first served until a
+  // deadline is at risk), and each admitted request carries its deadline
+  // into the decode scheduler: one deadline from arrival.
+  const bool bounded =
+      options.scheduler.policy == shim::SchedulingPolicy::kBounded;
   std::optional<shim::CountdownScheduler> admit;
-  if (options.prior != nullptr) {
+  std::vector<std::optional<shim::CarriedDeadline>> carried(n);
+  // Output lengths of the last kRecentLengths completions (a ring), and sum.
+  constexpr size_t kRecentLengths = 1000;
+  std::vector<double> recent_lengths;
+  size_t recent_next = 0;
+  double recent_sum = 0;
+  if (options.prior != nullptr || bounded) {
     shim::SchedulerOptions ao = options.scheduler;
     ao.waiting_cap = 0;
     ASSIGN_OR_RETURN(admit, shim::CountdownScheduler::Create(ao));
@@ -317,6 +338,16 @@ absl::StatusOr<SimResult> Simulate(std::span<const SimRequest> requests,
     if (options.prior != nullptr) {
       RETURN_IF_ERROR(options.prior->Learn(*by_id[static_cast<size_t>(id)]));
     }
+    const double len = static_cast<double>(
+        result.requests[static_cast<size_t>(id)].output_tokens);
+    if (recent_lengths.size() < kRecentLengths) {
+      recent_lengths.push_back(len);
+    } else {
+      recent_sum -= recent_lengths[recent_next];
+      recent_lengths[recent_next] = len;
+      recent_next = (recent_next + 1) % kRecentLengths;
+    }
+    recent_sum += len;
     return predictor.Finished(*by_id[static_cast<size_t>(id)]);
   };
 
@@ -328,16 +359,31 @@ absl::StatusOr<SimResult> Simulate(std::span<const SimRequest> requests,
       } else {
         const std::string key = std::to_string(r.id);
         absl::Status s = admit->Add(key);
-        if (s.ok()) {
-          if (std::optional<double> v = options.prior->At(r); v.has_value()) {
-            s = admit->SetPrior(key, *v);
-          }
+        std::optional<double> v;
+        if (options.prior != nullptr) v = options.prior->At(r);
+        if (!v.has_value() && bounded && !recent_lengths.empty()) {
+          // No prior: the mean output length of the recent completions, so
+          // that the virtual FCFS system of the deadlines carries the work
+          // the engine actually sees (it only ranks such requests among
+          // themselves in arrival order).
+          v = recent_sum / static_cast<double>(recent_lengths.size());
         }
+        if (s.ok() && v.has_value()) s = admit->SetPrior(key, *v);
         if (!s.ok()) return absl::InternalError(s.message());
       }
     }
     if (resident == 0 && queue.empty() &&
         (!admit.has_value() || admit->size() == 0)) {
+      if (bounded) {
+        // The deadlines' clock is the step count: an idle engine passes the
+        // gap in empty steps, so the virtual FCFS system drains meanwhile.
+        const int64_t idle = IdleSteps(order[next]->arrival_s - t, e);
+        for (int64_t j = 0; j < idle; ++j) {
+          absl::Status s = sched.Commit({});
+          if (s.ok()) s = admit->Commit({});
+          if (!s.ok()) return absl::InternalError(s.message());
+        }
+      }
       t = order[next]->arrival_s;
       continue;
     }
@@ -352,6 +398,10 @@ absl::StatusOr<SimResult> Simulate(std::span<const SimRequest> requests,
       for (const std::string& key : sched.Select(e.slots)) {
         selected_ids.push_back(ParseId(key));
       }
+    } else if (bounded) {
+      // Every engine step is a step of the deadlines' clock.
+      absl::Status s = sched.Commit({});
+      if (!s.ok()) return absl::InternalError(s.message());
     }
     for (int64_t id : members) ++waited[static_cast<size_t>(id)];
     for (int64_t id : selected_ids) waited[static_cast<size_t>(id)] = 0;
@@ -383,8 +433,16 @@ absl::StatusOr<SimResult> Simulate(std::span<const SimRequest> requests,
         }
         absl::Status s = admit->Commit(admitted_keys);
         for (const std::string& key : admitted_keys) {
+          if (s.ok() && bounded) {
+            absl::StatusOr<shim::CarriedDeadline> c = admit->Carry(key);
+            if (!c.ok()) return absl::InternalError(c.status().message());
+            carried[static_cast<size_t>(ParseId(key))] = *c;
+          }
           if (s.ok()) s = admit->Remove(key);
         }
+        if (!s.ok()) return absl::InternalError(s.message());
+      } else if (bounded) {
+        absl::Status s = admit->Commit({});
         if (!s.ok()) return absl::InternalError(s.message());
       }
     } else {
@@ -432,7 +490,9 @@ absl::StatusOr<SimResult> Simulate(std::span<const SimRequest> requests,
         RETURN_IF_ERROR(finish(r->id, end));
         continue;
       }
-      absl::Status s = sched.Add(std::to_string(r->id));
+      absl::Status s = carried[i].has_value()
+                           ? sched.Add(std::to_string(r->id), *carried[i])
+                           : sched.Add(std::to_string(r->id));
       if (!s.ok()) return absl::InternalError(s.message());
       in_sched[i] = 1;
       member_pos[i] = members.size();
@@ -506,6 +566,14 @@ absl::StatusOr<SimResult> SimulateVllm(std::span<const SimRequest> requests,
       waiting.push_back(id);
     }
     if (running.empty() && waiting.empty()) {
+      if (so.policy == shim::SchedulingPolicy::kBounded) {
+        // As in the slots engine: the idle gap passes in empty steps.
+        const int64_t idle = IdleSteps(order[next]->arrival_s - t, e);
+        for (int64_t j = 0; j < idle; ++j) {
+          absl::Status s = sched.Commit({});
+          if (!s.ok()) return absl::InternalError(s.message());
+        }
+      }
       t = order[next]->arrival_s;
       continue;
     }

@@ -347,6 +347,9 @@ absl::Status ReplayOptions::Validate() const {
   if (waiting_cap < 0 || waiting_cap > (int64_t{1} << 30)) {
     return bad("--waiting-cap must be >= 0 (0 disables), got ", waiting_cap);
   }
+  if (!(bounded_aging >= 0 && std::isfinite(bounded_aging))) {
+    return bad("--bounded-aging must be >= 0, got ", bounded_aging);
+  }
   if (!(aging_rate >= 0 && std::isfinite(aging_rate))) {
     return bad("--aging-rate must be >= 0, got ", aging_rate);
   }
@@ -648,6 +651,7 @@ absl::StatusOr<ReplayReport> RunReplay(const ReplayOptions& o,
         so.scheduler.policy = spec.discipline;
         if (spec.discipline == shim::SchedulingPolicy::kBounded) {
           so.scheduler.max_slowdown = spec.knob;
+          so.scheduler.bounded_linear_aging = o.bounded_aging;
         } else if (spec.discipline == shim::SchedulingPolicy::kLinearAging) {
           so.scheduler.linear_aging = spec.knob;
         }

@@ -141,6 +141,9 @@ struct ReplayOptions {
   int64_t waiting_cap = 128;
   double aging_rate = 0;
   std::string unpredicted = "median";
+  // Linear aging (tokens per step waited) of the ranked tier of every
+  // +bounded policy (SchedulerOptions::bounded_linear_aging). Default: 0
+  double bounded_aging = 0;
 
   // leapd: this binary (default: FindLeapd()) started for the run, or a
   // running one at `server`.

@@ -228,6 +228,10 @@ int ReplayCommand(const std::vector<std::string>& args, std::ostream& out,
   flags.Double("aging-rate", &o.aging_rate, "R",
                "Exponential aging: priority = remaining * exp(-R * "
                "steps_waited); 0 disables.");
+  flags.Double("bounded-aging", &o.bounded_aging, "A",
+               "Every +bounded policy orders requests whose deadline is not "
+               "at risk by remaining - A * steps waited (linear aging) "
+               "instead of the countdown; 0 = the countdown.");
   flags.String("unpredicted", &o.unpredicted, "median|fixed|first|last",
                "Where the scheduler puts a request whose prediction is not "
                "known yet.");
