@@ -7,6 +7,8 @@
 // answering predictions on the same ring; once the server runs again the
 // completion is acknowledged and is in the FEEDBACK stream.
 // With NATS gone completions are refused UNAVAILABLE while predictions go on.
+// A completion resent while its first publish awaits JetStream does not hold
+// the loop either: it is answered with that publish, and stored once.
 // Fails when /usr/sbin/nats-server is missing (scripts/install-deps).
 #include <netinet/in.h>
 #include <signal.h>
@@ -271,6 +273,58 @@ TEST_F(ShmFleetTest, PredictionsFlowWhileACompletionAwaitsJetStream) {
   ASSERT_EQ(refused.errors_size(), 1) << answers_[7].proto.DebugString();
   EXPECT_EQ(refused.errors(0).code(), static_cast<int>(absl::StatusCode::kUnavailable));
   EXPECT_EQ(refused.errors(0).request_id(), "c");
+}
+
+// A resent completion whose first publish still awaits JetStream (the
+// nats-server stopped) is answered with that publish, without waiting on
+// the loop: a prediction sent after both is answered while they are parked.
+// Once the server runs again both are acknowledged, the resend as a
+// duplicate, and the stream holds the completion once.
+TEST_F(ShmFleetTest, AResendAwaitingJetStreamDoesNotStopPredictions) {
+  auto last_in_stream = [&] {
+    auto last = fleet_->nats().LastSeq(fleet::FeedbackStream("shm"));
+    EXPECT_TRUE(last.ok()) << last.status();
+    return last.value_or(0);
+  };
+  Submit(1, "a");
+  ASSERT_TRUE(AwaitAnswer(1));
+  SendCompletion(2, "a");
+  ASSERT_TRUE(AwaitAnswer(2));
+  ASSERT_EQ(answers_[2].proto.ack().accepted(), 1) << answers_[2].proto.DebugString();
+  const uint64_t stored = last_in_stream();
+  ASSERT_GT(stored, 0u);
+  Submit(3, "b");
+  ASSERT_TRUE(AwaitAnswer(3));
+  answered_.clear();
+
+  nats_->Signal(SIGSTOP);
+  const absl::Time stopped = absl::Now();
+  SendCompletion(4, "b");
+  SendCompletion(5, "b");  // the resend: "b" is no longer live
+  Submit(6, "c");
+  ASSERT_TRUE(AwaitAnswer(6));
+  const absl::Duration predicted_after = absl::Now() - stopped;
+  EXPECT_TRUE(answers_[6].predictions);
+  EXPECT_EQ(answers_[6].n_predictions, 1u);
+  // Neither completion is answered yet: the loop did not wait for the
+  // resend's publish (the acknowledgement timeout is 20 s).
+  EXPECT_EQ(answered_, std::vector<uint64_t>{6});
+  EXPECT_LT(predicted_after, absl::Seconds(10));
+  nats_->Signal(SIGCONT);
+  ASSERT_TRUE(AwaitAnswer(4));
+  ASSERT_TRUE(AwaitAnswer(5));
+  const pb::Ack& first = answers_[4].proto.ack();
+  EXPECT_EQ(first.accepted(), 1) << answers_[4].proto.DebugString();
+  EXPECT_EQ(first.duplicates(), 0);
+  const pb::Ack& resend = answers_[5].proto.ack();
+  EXPECT_EQ(resend.accepted(), 1) << answers_[5].proto.DebugString();
+  EXPECT_EQ(resend.duplicates(), 1);
+  EXPECT_EQ(resend.errors_size(), 0);
+  // One copy in the stream, one record in the outbox (published once).
+  EXPECT_EQ(last_in_stream(), stored + 1);
+  EXPECT_EQ(fleet_->Status().last_fleet_seq, stored + 1);
+  EXPECT_EQ(fleet_->Status().unconfirmed, 0);
+  EXPECT_EQ(fleet_->nats().async_in_flight(), 0);
 }
 
 }  // namespace
