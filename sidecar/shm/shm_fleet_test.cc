@@ -18,6 +18,7 @@
 #include <cstring>
 #include <filesystem>
 #include <map>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -27,6 +28,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "client/process.h"
+#include "engine_shim/client.h"
 #include "engine_shim/shm_channel.h"
 #include "gtest/gtest.h"
 #include "sidecar/fleet/member.h"
@@ -93,7 +95,7 @@ class ShmFleetTest : public ::testing::Test {
     fo.member = "m";
     // JetStream's acknowledgement timeout well beyond the time the test
     // keeps the server stopped.
-    fo.nats.timeout_ms = 20'000;
+    fo.nats.timeout_ms = nats_timeout_ms_;
     fo.on_degraded = [this](bool d) {
       absl::MutexLock l(&mu_);
       degraded_ = d;
@@ -201,6 +203,8 @@ class ShmFleetTest : public ::testing::Test {
     return mu_.AwaitWithTimeout(absl::Condition(&cond), kDeadline);
   }
 
+  // The member's JetStream acknowledgement timeout.
+  int64_t nats_timeout_ms_ = 20'000;
   std::unique_ptr<::leap::testing::ScopedTempDir> tmp_;
   std::filesystem::path dir_;
   int port_ = 0;
@@ -325,6 +329,161 @@ TEST_F(ShmFleetTest, AResendAwaitingJetStreamDoesNotStopPredictions) {
   EXPECT_EQ(fleet_->Status().last_fleet_seq, stored + 1);
   EXPECT_EQ(fleet_->Status().unconfirmed, 0);
   EXPECT_EQ(fleet_->nats().async_in_flight(), 0);
+}
+
+// The engine shim's Client over shm: events recorded from its callback, and
+// awaited with a deadline.
+class ShimEvents {
+ public:
+  void Add(const shim::Event& e) {
+    absl::MutexLock l(&mu_);
+    events_.push_back(e);
+  }
+  // Waits for an event that `match` accepts; returns it (nullopt at the
+  // deadline).
+  template <typename F>
+  std::optional<shim::Event> Await(F match) {
+    absl::MutexLock l(&mu_);
+    std::optional<shim::Event> found;
+    auto cond = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      for (const shim::Event& e : events_) {
+        if (match(e)) {
+          found = e;
+          return true;
+        }
+      }
+      return false;
+    };
+    mu_.AwaitWithTimeout(absl::Condition(&cond), kDeadline);
+    return found;
+  }
+  bool AwaitCount(shim::Event::Kind kind, int n) {
+    absl::MutexLock l(&mu_);
+    auto cond = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      int seen = 0;
+      for (const shim::Event& e : events_) seen += e.kind == kind ? 1 : 0;
+      return seen >= n;
+    };
+    return mu_.AwaitWithTimeout(absl::Condition(&cond), kDeadline);
+  }
+  int Count(shim::Event::Kind kind) {
+    absl::MutexLock l(&mu_);
+    int n = 0;
+    for (const shim::Event& e : events_) n += e.kind == kind ? 1 : 0;
+    return n;
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::vector<shim::Event> events_ ABSL_GUARDED_BY(mu_);
+};
+
+std::unique_ptr<shim::Client> StartShimClient(const std::string& shm_path,
+                                              ShimEvents* events,
+                                              absl::Duration response_timeout) {
+  shim::ClientOptions o;
+  o.endpoint = "shm://" + shm_path;
+  o.engine_id = "shim";
+  o.dim = kDim;
+  o.shm_slots = 16;
+  o.shm_ring_bytes = 1 << 16;
+  if (response_timeout > absl::ZeroDuration()) o.response_timeout = response_timeout;
+  auto c = shim::Client::Start(o);
+  EXPECT_TRUE(c.ok()) << c.status();
+  if (!c.ok()) return nullptr;
+  (*c)->SetCallback([events](const shim::Event& e) { events->Add(e); });
+  return std::move(*c);
+}
+
+auto Kind(shim::Event::Kind k) {
+  return [k](const shim::Event& e) { return e.kind == k; };
+}
+auto PredictionOf(const std::string& id) {
+  return [id](const shim::Event& e) {
+    return e.kind == shim::Event::Kind::kPrediction && e.request_id == id;
+  };
+}
+
+// The shim's stall detector watches every unanswered message: a completions
+// Ack parked behind a stopped nats-server (the member's acknowledgement
+// timeout is 20 s) is noticed after response_timeout (1 s here) although
+// the predictions sent after it are answered meanwhile.
+TEST_F(ShmFleetTest, TheShimWatchesAParkedCompletionsAnswer) {
+  ShimEvents events;
+  auto c = StartShimClient(server_->path(), &events, absl::Seconds(1));
+  ASSERT_NE(c, nullptr);
+  ASSERT_TRUE(events.Await(Kind(shim::Event::Kind::kConnected)).has_value());
+  std::mt19937_64 rng(9);
+  auto submit = [&](const std::string& id) {
+    const std::vector<float> x = testing::RandomFeatures(state_, rng);
+    c->Submit({{id, "", std::string(reinterpret_cast<const char*>(x.data()),
+                                     x.size() * sizeof(float)), 0}});
+  };
+  submit("x");
+  ASSERT_TRUE(events.Await(PredictionOf("x")).has_value());
+
+  nats_->Signal(SIGSTOP);
+  const absl::Time stopped = absl::Now();
+  c->Complete("x", 40, shim::FinishReason::kStop);
+  submit("y");
+  // Predictions flow past the parked Ack...
+  ASSERT_TRUE(events.Await(PredictionOf("y")).has_value());
+  EXPECT_EQ(c->stats().stalls, 0);
+  // ...and the Ack is still watched: the connection is abandoned.
+  auto down = events.Await(Kind(shim::Event::Kind::kDisconnected));
+  ASSERT_TRUE(down.has_value());
+  const absl::Duration after = absl::Now() - stopped;
+  EXPECT_EQ(c->stats().stalls, 1);
+  EXPECT_NE(down->message.find("to message seq"), std::string::npos) << down->message;
+  EXPECT_NE(down->message.find("response_timeout 1s"), std::string::npos) << down->message;
+  EXPECT_GE(after, absl::Seconds(1));
+  EXPECT_LT(after, absl::Seconds(15));  // well before the 20 s JetStream timeout
+  nats_->Signal(SIGCONT);
+  // The client reattaches by itself.
+  EXPECT_TRUE(events.AwaitCount(shim::Event::Kind::kConnected, 2));
+  c.reset();
+}
+
+class ShmFleetDefaultTimeoutsTest : public ShmFleetTest {
+ protected:
+  ShmFleetDefaultTimeoutsTest() { nats_timeout_ms_ = fleet::NatsClientOptions{}.timeout_ms; }
+};
+
+// With the default timeouts a JetStream acknowledgement that does not come
+// (the nats-server stopped) ends in leapd's publish timeout (2 s): the
+// completion is answered UNAVAILABLE before the shim's response_timeout
+// (5 s) could abandon the connection, so a slow-but-alive NATS never makes
+// the shim fall back to first-come order.
+TEST_F(ShmFleetDefaultTimeoutsTest, ALateJetStreamAckDoesNotTripTheShim) {
+  ASSERT_EQ(nats_timeout_ms_, 2000);
+  ASSERT_EQ(shim::ClientOptions{}.response_timeout, absl::Seconds(5));
+  ShimEvents events;
+  auto c = StartShimClient(server_->path(), &events, absl::ZeroDuration());
+  ASSERT_NE(c, nullptr);
+  ASSERT_TRUE(events.Await(Kind(shim::Event::Kind::kConnected)).has_value());
+  std::mt19937_64 rng(10);
+  const std::vector<float> x = testing::RandomFeatures(state_, rng);
+  c->Submit({{"x", "", std::string(reinterpret_cast<const char*>(x.data()),
+                                   x.size() * sizeof(float)), 0}});
+  ASSERT_TRUE(events.Await(PredictionOf("x")).has_value());
+  nats_->Signal(SIGSTOP);
+  const absl::Time stopped = absl::Now();
+  c->Complete("x", 40, shim::FinishReason::kStop);
+  auto answered = events.Await([](const shim::Event& e) {
+    return (e.kind == shim::Event::Kind::kError && e.request_id == "x") ||
+           e.kind == shim::Event::Kind::kDisconnected;
+  });
+  const absl::Duration after = absl::Now() - stopped;
+  nats_->Signal(SIGCONT);
+  ASSERT_TRUE(answered.has_value());
+  EXPECT_EQ(answered->kind, shim::Event::Kind::kError) << answered->message;
+  EXPECT_EQ(answered->code, static_cast<int>(absl::StatusCode::kUnavailable))
+      << answered->message;
+  EXPECT_EQ(c->stats().stalls, 0);
+  EXPECT_EQ(events.Count(shim::Event::Kind::kDisconnected), 0);
+  std::printf("unacknowledged publish answered UNAVAILABLE after %s "
+              "(response_timeout 5s): no stall\n",
+              absl::FormatDuration(after).c_str());
 }
 
 }  // namespace
