@@ -18,7 +18,15 @@
 //      max; split into ack -> the trainer published such a version
 //      (ReadoutVersion.published_unix_ms) and that publish -> served by all.
 // After each phase: where the trainer's worker spent its time
-// (leap_fleet_trainer_seconds_total by stage, scraped from m0).
+// (leap_fleet_trainer_seconds_total by stage, scraped from m0), its RLS
+// batches (mean size) and apply time per completion; the CPU each process
+// used per wall second (this process = the clients, the nats-servers, each
+// member, and m0's trainer worker and checkpoint threads by name), so the
+// share of the cores each took is measured in the same run; with the
+// trainer on one core, its completions per CPU-second of the worker thread
+// as a ratio of the one-core bound (its efficiency in the CPU it got,
+// whatever else ran). A warm-up (not measured) first lets the trainer
+// load the readout's creation state.
 // Prints the CPU model, kernel set, core count and `uptime` (other load
 // changes figures).
 //   fleet_benchmark [--dim=4096] [--seconds=10] [--rates=100,200,500]
@@ -81,10 +89,22 @@ using Seen = leap::testing::SeenVersion;
 using Watcher = leap::testing::VersionWatcher;
 using Acked = leap::testing::AckedCompletion;
 
-// leap_fleet_trainer_seconds_total by stage from a /metrics page.
+// leap_fleet_trainer_seconds_total by stage from a /metrics page, and the
+// trainer's completions applied and RLS batches (keys "#applied",
+// "#batches").
 std::map<std::string, double> StageSeconds(const std::string& metrics) {
   std::map<std::string, double> out;
   for (absl::string_view line : absl::StrSplit(metrics, '\n')) {
+    for (const auto& [metric, key] :
+         {std::pair<const char*, const char*>{
+              "leap_fleet_trainer_completions_applied_total{", "#applied"},
+          {"leap_fleet_trainer_batches_total{", "#batches"}}) {
+      double v = 0;
+      if (absl::StartsWith(line, metric) &&
+          absl::SimpleAtod(line.substr(line.rfind(' ') + 1), &v)) {
+        out[key] += v;
+      }
+    }
     if (!absl::StartsWith(line, "leap_fleet_trainer_seconds_total{")) continue;
     const size_t at = line.find("stage=\"");
     if (at == absl::string_view::npos) continue;
@@ -99,11 +119,23 @@ std::map<std::string, double> StageSeconds(const std::string& metrics) {
 std::string StageReport(const std::map<std::string, double>& before,
                         const std::map<std::string, double>& after, double wall_s) {
   std::string out;
+  auto delta = [&](const std::string& key) {
+    auto a = after.find(key);
+    auto b = before.find(key);
+    return (a == after.end() ? 0 : a->second) - (b == before.end() ? 0 : b->second);
+  };
   for (const auto& [stage, v] : after) {
-    auto b = before.find(stage);
-    const double d = v - (b == before.end() ? 0 : b->second);
+    if (stage[0] == '#') continue;
+    const double d = delta(stage);
     absl::StrAppend(&out, out.empty() ? "" : ", ", stage, " ",
                     absl::StrFormat("%.2f s (%.0f%%)", d, 100 * d / wall_s));
+  }
+  const double applied = delta("#applied"), batches = delta("#batches");
+  if (batches > 0) {
+    absl::StrAppend(&out, absl::StrFormat("; %.0f completions in %.0f RLS batches "
+                                          "(mean %.1f), apply %.0f us/completion",
+                                          applied, batches, applied / batches,
+                                          1e6 * delta("apply") / applied));
   }
   return out;
 }
@@ -149,6 +181,96 @@ class ThreadPeak {
   std::atomic<bool> stop_{false};
   std::thread thread_;
 };
+
+// CPU seconds (user + system) from a /proc/.../stat line; 0 when unreadable.
+double StatCpuSeconds(const std::string& path, std::string* comm = nullptr,
+                      long* ppid = nullptr) {
+  std::ifstream f(path);
+  std::string line;
+  if (!std::getline(f, line)) return 0;
+  const size_t open = line.find('('), close = line.rfind(')');
+  if (open == std::string::npos || close == std::string::npos) return 0;
+  if (comm != nullptr) *comm = line.substr(open + 1, close - open - 1);
+  std::vector<std::string> f3 = absl::StrSplit(line.substr(close + 2), ' ');
+  // After "pid (comm) ": state ppid ... utime (14th field) stime (15th).
+  if (f3.size() < 13) return 0;
+  if (ppid != nullptr && !absl::SimpleAtoi(f3[1], ppid)) *ppid = 0;
+  double ut = 0, st = 0;
+  if (!absl::SimpleAtod(f3[11], &ut) || !absl::SimpleAtod(f3[12], &st)) return 0;
+  return (ut + st) / static_cast<double>(sysconf(_SC_CLK_TCK));
+}
+
+// CPU seconds so far of: this process (the clients and the version
+// watchers), the nats-server children, each member, and m0's trainer
+// threads by name (its worker "leap-trainer", its checkpoint thread
+// "leap-trainer-ck").
+std::map<std::string, double> CpuSample(const std::vector<pid_t>& members) {
+  std::map<std::string, double> out;
+  out["clients"] = StatCpuSeconds("/proc/self/stat");
+  const long self = static_cast<long>(getpid());
+  for (const auto& e : std::filesystem::directory_iterator("/proc")) {
+    const std::string name = e.path().filename().string();
+    if (name.empty() || !absl::ascii_isdigit(name[0])) continue;
+    std::string comm;
+    long ppid = 0;
+    const double secs = StatCpuSeconds(e.path().string() + "/stat", &comm, &ppid);
+    if (ppid == self && comm == "nats-server") out["nats"] += secs;
+  }
+  for (size_t i = 0; i < members.size(); ++i) {
+    out[absl::StrCat("m", i)] = StatCpuSeconds(absl::StrCat("/proc/", members[i], "/stat"));
+  }
+  if (!members.empty()) {
+    std::error_code ec;
+    for (const auto& e : std::filesystem::directory_iterator(
+             absl::StrCat("/proc/", members[0], "/task"), ec)) {
+      std::string comm;
+      const double secs = StatCpuSeconds(e.path().string() + "/stat", &comm);
+      if (comm == "leap-trainer") out["m0 trainer worker"] += secs;
+      if (comm == "leap-trainer-ck") out["m0 trainer checkpoint"] += secs;
+    }
+  }
+  return out;
+}
+
+// "name X.XX, ..." CPU seconds per wall second between two samples (1.00 =
+// one core busy), and the total of the processes.
+std::string CpuReport(const std::map<std::string, double>& before,
+                      const std::map<std::string, double>& after, double wall_s,
+                      long cores) {
+  std::string out;
+  double total = 0;
+  for (const auto& [name, v] : after) {
+    auto b = before.find(name);
+    const double d = (v - (b == before.end() ? 0 : b->second)) / wall_s;
+    if (name.find(' ') == std::string::npos) total += d;
+    absl::StrAppend(&out, out.empty() ? "" : ", ", name, absl::StrFormat(" %.2f", d));
+  }
+  absl::StrAppend(&out, absl::StrFormat("; total %.2f of %ld cores", total, cores));
+  return out;
+}
+
+// The trainer's exact-RLS efficiency in the CPU it got: completions
+// applied per CPU-second of its worker thread, as a ratio of the one-core
+// bound. Meaningful with RLS on one thread (helper threads of a
+// multi-threaded update are not the worker's).
+std::string TrainerEfficiency(const std::map<std::string, double>& stages_before,
+                              const std::map<std::string, double>& stages_after,
+                              const std::map<std::string, double>& cpu_before,
+                              const std::map<std::string, double>& cpu_after,
+                              double bound1) {
+  auto delta = [](const std::map<std::string, double>& b,
+                  const std::map<std::string, double>& a, const std::string& k) {
+    auto ia = a.find(k);
+    auto ib = b.find(k);
+    return (ia == a.end() ? 0 : ia->second) - (ib == b.end() ? 0 : ib->second);
+  };
+  const double applied = delta(stages_before, stages_after, "#applied");
+  const double cpu = delta(cpu_before, cpu_after, "m0 trainer worker");
+  if (applied <= 0 || cpu <= 0) return "no completions applied";
+  return absl::StrFormat("%.0f completions per CPU-second of the worker thread = %.2g of "
+                         "the one-core exact-RLS bound",
+                         applied / cpu, applied / cpu / bound1);
+}
 
 }  // namespace
 
@@ -330,11 +452,38 @@ int main(int argc, char** argv) {
     return worst;
   };
 
+  // Warm-up, not measured: the trainer reads the 64 MiB creation state
+  // from STATE when it starts on the readout; the phases start once it
+  // has published a version including a first completion.
+  {
+    std::vector<Acked> acked;
+    int64_t failures = 0;
+    leap::testing::PacedClientsOptions o;
+    o.addresses = addrs;
+    o.clients = static_cast<int64_t>(addrs.size());
+    o.per_client_rate = 5;
+    o.seconds = 1;
+    o.dim = dim;
+    o.require_fleet_seq = true;
+    const auto t0 = Clock::now();
+    leap::testing::RunPacedClients(o, &next_id, &acked, &failures);
+    uint64_t max_seq = 0;
+    for (const Acked& a : acked) max_seq = std::max(max_seq, a.fleet_seq);
+    if (acked.empty() || !wait_all(max_seq)) {
+      std::fprintf(stderr, "warm-up: %zu acknowledged, %lld failed, not served\n",
+                   acked.size(), static_cast<long long>(failures));
+      return 1;
+    }
+    std::printf("warm-up: %zu completions served by every member %.2f s after start\n",
+                acked.size(), Ms(Clock::now() - t0) / 1000);
+  }
+
   // 2. Sustained throughput (closed loop).
   if (sustained) {
     std::vector<Acked> acked;
     int64_t failures = 0;
     const auto before = stages();
+    const auto cpu_before = CpuSample(member_pids);
     const auto start = Clock::now();
     ThreadPeak peak(member_pids);
     const double secs = run_clients(0, &acked, &failures);
@@ -360,6 +509,13 @@ int main(int argc, char** argv) {
                 learn_rate / bound1, learn_rate / bound_t, trainer_cores);
     std::printf("  trainer worker time: %s\n",
                 StageReport(before, stages(), learn_secs).c_str());
+    const auto cpu_after = CpuSample(member_pids);
+    std::printf("  CPU per wall second until served (1.00 = one core): %s\n",
+                CpuReport(cpu_before, cpu_after, learn_secs, cores).c_str());
+    if (trainer_cores == 1) {
+      std::printf("  trainer: %s\n",
+                  TrainerEfficiency(before, stages(), cpu_before, cpu_after, bound1).c_str());
+    }
     std::printf("  most threads per member: %s\n", threads.c_str());
   }
 
@@ -368,6 +524,8 @@ int main(int argc, char** argv) {
     std::vector<Acked> acked;
     int64_t failures = 0;
     const auto before = stages();
+    const auto cpu_before = CpuSample(member_pids);
+    const auto start = Clock::now();
     ThreadPeak peak(member_pids);
     const double secs = run_clients(static_cast<double>(rate) / clients, &acked, &failures);
     const std::string threads = peak.Stop();
@@ -399,9 +557,18 @@ int main(int argc, char** argv) {
                 static_cast<long long>(failures), n_members, Pct(stale, 0.5),
                 Pct(stale, 0.99), Pct(stale, 1.0), Pct(to_publish, 0.5),
                 Pct(to_publish, 0.99), Pct(to_served, 0.5), Pct(to_served, 0.99));
-    std::printf("  trainer worker time: %s\n",
-                StageReport(before, stages(), secs).c_str());
+    const double phase_s = Ms(Clock::now() - start) / 1000;
+    std::printf("  trainer worker time (of %.1f s until served): %s\n", phase_s,
+                StageReport(before, stages(), phase_s).c_str());
+    const auto cpu_after = CpuSample(member_pids);
+    std::printf("  CPU per wall second (1.00 = one core): %s\n",
+                CpuReport(cpu_before, cpu_after, phase_s, cores).c_str());
+    if (trainer_cores == 1) {
+      std::printf("  trainer: %s\n",
+                  TrainerEfficiency(before, stages(), cpu_before, cpu_after, bound1).c_str());
+    }
     std::printf("  most threads per member: %s\n", threads.c_str());
+    std::printf("  uptime: %s\n", Sh("uptime").c_str());
   }
   std::printf("uptime after: %s\n", Sh("uptime").c_str());
   watchers.clear();

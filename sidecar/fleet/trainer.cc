@@ -1,5 +1,7 @@
 #include "sidecar/fleet/trainer.h"
 
+#include <pthread.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -38,6 +40,17 @@ constexpr int64_t kExportLatePurgeMs = 2'000;
 // The fleet-wide quality goes to CONFIG at most this often, even when
 // versions go out on every pass (--fleet_version_interval_ms=0).
 constexpr int64_t kQualityPutMinIntervalMs = 1000;
+// How long a batch waits for the next message the server still holds for
+// the consumer (beyond the flow-control window already delivered): a
+// round trip on a busy machine, not a pacing delay.
+constexpr int64_t kBacklogWaitMs = 20;
+// The most one batch's reading waits for such messages in all.
+constexpr int64_t kBacklogReadMs = 100;
+// After a checkpoint write of W, the next periodic one waits at least
+// this many times W after it: at d = 4096 a write (P copy, 64 MiB into
+// RocksDB or STATE) can take seconds of a busy core, and the thread must
+// not take as much CPU as learning.
+constexpr int64_t kCheckpointRestFactor = 4;
 
 int64_t SteadyMs() {
   return std::chrono::duration_cast<std::chrono::milliseconds>(
@@ -168,6 +181,11 @@ struct Trainer::Families {
                    .Help("1 while the trainer does not learn the readout "
                          "(frozen by an operator or by a rejected RLS batch)")
                    .Register(r)),
+        batches(prometheus::BuildCounter()
+                    .Name("leap_fleet_trainer_batches_total")
+                    .Help("RLS batches applied, per readout (completions applied / "
+                          "batches = the mean batch)")
+                    .Register(r)),
         stage_seconds(prometheus::BuildCounter()
                           .Name("leap_fleet_trainer_seconds_total")
                           .Help("Time the trainer's worker spent, per readout and "
@@ -186,6 +204,7 @@ struct Trainer::Families {
   prometheus::Family<prometheus::Counter>& rls_errors;
   prometheus::Family<prometheus::Gauge>& kept;
   prometheus::Family<prometheus::Gauge>& frozen;
+  prometheus::Family<prometheus::Counter>& batches;
   prometheus::Family<prometheus::Counter>& stage_seconds;
 };
 
@@ -223,7 +242,12 @@ class Trainer::Worker {
     Stop(false);
     stop_.store(false);
     running_.store(true);
-    thread_ = std::thread([this] { Run(); });
+    thread_ = std::thread([this] {
+      // Named so that per-thread CPU time (/proc/PID/task/*/comm, top -H)
+      // tells the worker from the rest of leapd (15 characters at most).
+      pthread_setname_np(pthread_self(), "leap-trainer");
+      Run();
+    });
   }
 
   void Stop(bool final_checkpoint) {
@@ -310,10 +334,10 @@ class Trainer::Worker {
 
   // theta, P and the position, consistent with each other (checkpoints
   // also carry the kept completions' sequences).
-  FleetState CaptureLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  FleetState CaptureLocked(bool with_p = true) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     FleetState s;
     s.theta = rls_->theta();
-    if (has_p_) s.p = rls_->P();
+    if (has_p_ && with_p) s.p = rls_->P();
     s.version = last_version_;
     s.completions_learned = learned_;
     s.fleet_seq = fleet_seq_;
@@ -695,7 +719,10 @@ class Trainer::Worker {
       ckpt_drain_ = false;
       ckpt_job_.reset();
     }
-    ckpt_thread_ = std::thread([this] { CheckpointLoop(); });
+    ckpt_thread_ = std::thread([this] {
+      pthread_setname_np(pthread_self(), "leap-trainer-ck");
+      CheckpointLoop();
+    });
     const int64_t interval = t_->options_.version_interval_ms;
     // The quality put recomputes the Spearman of every series under mu_ and
     // is a synchronous KV put: not on every pass when versions go out at
@@ -723,19 +750,36 @@ class Trainer::Worker {
         t0 = SteadyNs();
         msgs.clear();
         msgs.emplace_back(raw);
+        // Everything queued, up to the batch bound (control operations may
+        // split it): what this client holds and what the server still has
+        // for this consumer (each message's NumPending). The server pushes
+        // only a flow-control window ahead (a few MiB: ~200 completions at
+        // d = 4096 in FP32), so a backlog larger than that is waited for
+        // message by message as taking them opens the window again.
+        uint64_t server_pending = ServerPending(raw);
         int pending = 0;
         natsSubscription_GetPending(sub_, &pending, nullptr);
-        // Everything queued, up to the batch bound (control operations may
-        // split it).
-        while (pending-- > 0 && static_cast<int>(msgs.size()) < t_->options_.max_batch) {
+        const int64_t read_deadline_ms = SteadyMs() + kBacklogReadMs;
+        while (static_cast<int>(msgs.size()) < t_->options_.max_batch &&
+               (pending > 0 || server_pending > 0)) {
+          int64_t timeout_ms = 1;
+          if (pending == 0) {
+            timeout_ms = std::min(kBacklogWaitMs, read_deadline_ms - SteadyMs());
+            if (timeout_ms <= 0) break;
+          }
           raw = nullptr;
-          if (natsSubscription_NextMsg(&raw, sub_, 1) != NATS_OK) break;
+          if (natsSubscription_NextMsg(&raw, sub_, timeout_ms) != NATS_OK) break;
           msgs.emplace_back(raw);
+          server_pending = ServerPending(raw);
+          natsSubscription_GetPending(sub_, &pending, nullptr);
         }
+        backlog_ = server_pending + static_cast<uint64_t>(std::max(pending, 0));
         Stage("read", t0);
         Process(msgs);
         if (stop_.load()) break;
-      } else if (st != NATS_TIMEOUT) {
+      } else if (st == NATS_TIMEOUT) {
+        backlog_ = 0;  // nothing arrived within the wait
+      } else {
         Log(absl::StrCat("reading the stream: ", natsStatus_GetText(st)));
         // The ordered consumer recreates itself; a closed connection ends
         // this term (the lease will not renew either).
@@ -766,6 +810,16 @@ class Trainer::Worker {
     CloseSubscription(t_->nc_, sub_);
     sub_ = nullptr;
     running_.store(false);
+  }
+
+  // Messages the server still holds for this consumer after `m` (its
+  // JetStream metadata); 0 when unknown.
+  static uint64_t ServerPending(natsMsg* m) {
+    jsMsgMetaData* meta = nullptr;
+    if (natsMsg_GetMetaData(&meta, m) != NATS_OK || meta == nullptr) return 0;
+    const uint64_t n = meta->NumPending;
+    jsMsgMetaData_Destroy(meta);
+    return n;
   }
 
   void Process(const std::vector<MsgPtr>& msgs) {
@@ -941,6 +995,7 @@ class Trainer::Worker {
     if (applied > 0 && t_->families_ != nullptr) {
       t_->families_->applied.Add({{"readout", r_.name}})
           .Increment(static_cast<double>(applied));
+      t_->families_->batches.Add({{"readout", r_.name}}).Increment();
     }
     batch_u_.clear();
     batch_y_.clear();
@@ -1279,8 +1334,12 @@ class Trainer::Worker {
       if (ckpt_failed_fleet_) fleet_captured_seq_ = 0;  // retried when due
       if (ckpt_failed_local_) local_captured_seq_ = 0;
       ckpt_failed_fleet_ = ckpt_failed_local_ = false;
-      // One write at a time; a periodic capture waits for the thread.
-      if (!force && (ckpt_busy_ || ckpt_job_.has_value())) return;
+      // One write at a time; a periodic capture waits for the thread, and
+      // for kCheckpointRestFactor times the last write's duration after it
+      // (the thread writes at most 1 / (1 + factor) of the time).
+      if (!force && (ckpt_busy_ || ckpt_job_.has_value() || now < ckpt_rest_until_ms_)) {
+        return;
+      }
     }
     uint64_t seq;
     bool kept;
@@ -1289,20 +1348,34 @@ class Trainer::Worker {
       seq = fleet_seq_;
       kept = !kept_seq_.empty();
     }
+    // While the worker is a full batch or more behind the stream, a
+    // periodic checkpoint (its P copy and 64 MiB write at d = 4096 compete
+    // with learning for the CPU) waits, for one more period at most: a
+    // checkpoint is never older than two periods (plus its write), so what
+    // a restart replays from the stream stays bounded.
+    const bool behind = backlog_ >= static_cast<uint64_t>(t_->options_.max_batch);
+    auto periodic_due = [&](int64_t last_ms, int64_t every_ms) {
+      const int64_t age = now - last_ms;
+      return age >= every_ms && (!behind || age >= 2 * every_ms);
+    };
     const bool fleet_due =
         seq > fleet_captured_seq_ &&
-        (force || now - last_fleet_ckpt_ms_ >= t_->options_.checkpoint_every_ms);
+        (force || periodic_due(last_fleet_ckpt_ms_, t_->options_.checkpoint_every_ms));
     // The local store has no place for kept completions: while some are
     // kept only STATE checkpoints are written (a local one would hide them).
     const bool local_due =
         t_->options_.local_store != nullptr && !kept && seq > local_captured_seq_ &&
-        (force || now - last_local_ckpt_ms_ >= t_->options_.local_checkpoint_every_ms);
+        (force ||
+         periodic_due(last_local_ckpt_ms_, t_->options_.local_checkpoint_every_ms));
     if (!fleet_due && !local_due) return;
     const int64_t t0 = SteadyNs();
     CheckpointJob job;
     {
       absl::MutexLock lock(&mu_);
-      job.state = CaptureLocked();
+      // P is shared, not copied: the checkpoint thread makes the full
+      // symmetric copy (64 MiB at d = 4096) off the learning path.
+      job.state = CaptureLocked(/*with_p=*/false);
+      if (has_p_) job.shared_p = rls_->SharedP();
       // Always (a pending fleet write may be merged into this one).
       job.state.quality = QualityLocked(/*with_pairs=*/true).SerializeAsString();
     }
@@ -1345,11 +1418,20 @@ class Trainer::Worker {
         ckpt_busy_ = true;
       }
       const int64_t t0 = SteadyNs();
+      if (job.shared_p != nullptr) {
+        // Released at once: a fold on the worker copies P first only while
+        // it is still held.
+        job.state.p = readout::CopySymmetric(*job.shared_p);
+        job.shared_p.reset();
+      }
       const bool local_ok = !job.local || WriteLocal(job.state);
       const bool fleet_ok = !job.fleet || WriteFleet(job.state, job.stopping);
       Stage("checkpoint_write", t0);
+      const int64_t end_ms = SteadyMs();
       absl::MutexLock lock(&ckpt_mu_);
       ckpt_busy_ = false;
+      ckpt_rest_until_ms_ =
+          end_ms + kCheckpointRestFactor * ((SteadyNs() - t0) / 1'000'000);
       if (!local_ok) ckpt_failed_local_ = true;
       if (!fleet_ok) ckpt_failed_fleet_ = true;
     }
@@ -1450,7 +1532,9 @@ class Trainer::Worker {
   }
 
   struct CheckpointJob {
-    FleetState state;
+    FleetState state;  // without P while shared_p is set
+    // P as the worker left it (upper blocks only: readout::CopySymmetric).
+    std::shared_ptr<const readout::SymMatrix> shared_p;
     bool local = false;
     bool fleet = false;
     bool stopping = false;
@@ -1500,6 +1584,8 @@ class Trainer::Worker {
   absl::Mutex ckpt_mu_;
   std::optional<CheckpointJob> ckpt_job_ ABSL_GUARDED_BY(ckpt_mu_);
   bool ckpt_busy_ ABSL_GUARDED_BY(ckpt_mu_) = false;
+  // No periodic capture before this (steady ms): the rest after a write.
+  int64_t ckpt_rest_until_ms_ ABSL_GUARDED_BY(ckpt_mu_) = 0;
   bool ckpt_stop_ ABSL_GUARDED_BY(ckpt_mu_) = false;
   bool ckpt_drain_ ABSL_GUARDED_BY(ckpt_mu_) = false;
   bool ckpt_failed_local_ ABSL_GUARDED_BY(ckpt_mu_) = false;
@@ -1508,6 +1594,9 @@ class Trainer::Worker {
 
   // Worker thread only.
   natsSubscription* sub_ = nullptr;
+  // Messages of this readout's consumer not yet taken after the last batch
+  // read (held here or still on the server).
+  uint64_t backlog_ = 0;
   uint64_t pos_ = 0;  // sequence of the last message taken
   // A message other than an EXPORT was taken since the last ApplyBatch.
   bool moved_ = false;
