@@ -15,8 +15,10 @@
 #include <netinet/in.h>
 #include <signal.h>
 #include <sys/socket.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -167,6 +169,17 @@ class FleetMemberTest : public ::testing::Test {
         po);
     ASSERT_TRUE(p.ok()) << p.status();
     nats_ = std::move(*p);
+  }
+  // SIGSTOP to the nats-server, returning once it is stopped (kill() only
+  // queues the signal: a publish sent right after could still be answered).
+  void StopNats() {
+    nats_->Signal(SIGSTOP);
+    int st = 0;
+    pid_t r;
+    while ((r = waitpid(nats_->pid(), &st, WUNTRACED)) < 0 && errno == EINTR) {
+    }
+    ASSERT_EQ(r, nats_->pid());
+    ASSERT_TRUE(WIFSTOPPED(st)) << st;
   }
   void KillNats() {
     nats_->Signal(SIGKILL);
@@ -674,7 +687,7 @@ TEST_F(FleetMemberTest, AResendDoesNotWaitForNats) {
   prometheus::Counter& dups = a->metrics.DuplicateCompletions("resent_not_live");
   const double dups_before = dups.Value();
 
-  nats_->Signal(SIGSTOP);
+  StopNats();
   auto first = complete();
   ASSERT_TRUE(first.ok()) << first.status();
   ASSERT_NE(first->fleet_ack, nullptr);

@@ -13,8 +13,10 @@
 #include <netinet/in.h>
 #include <signal.h>
 #include <sys/socket.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstring>
 #include <filesystem>
 #include <map>
@@ -144,6 +146,17 @@ class ShmFleetTest : public ::testing::Test {
     tmp_.reset();
   }
 
+  // SIGSTOP to the nats-server, returning once it is stopped (kill() only
+  // queues the signal: a publish sent right after could still be answered).
+  void StopNats() {
+    nats_->Signal(SIGSTOP);
+    int st = 0;
+    pid_t r;
+    while ((r = waitpid(nats_->pid(), &st, WUNTRACED)) < 0 && errno == EINTR) {
+    }
+    ASSERT_EQ(r, nats_->pid());
+    ASSERT_TRUE(WIFSTOPPED(st)) << st;
+  }
   // Submits one request's features in a slot as frame `seq`.
   void Submit(uint64_t seq, const std::string& id) {
     const int64_t slot = ch_->AcquireSlot();
@@ -246,7 +259,7 @@ TEST_F(ShmFleetTest, PredictionsFlowWhileACompletionAwaitsJetStream) {
   ASSERT_TRUE(AwaitAnswer(3));
   ASSERT_TRUE(AwaitAnswer(4));
   answered_.clear();
-  nats_->Signal(SIGSTOP);
+  StopNats();
   SendCompletion(5, "b");
   Submit(6, "d");
   ASSERT_TRUE(AwaitAnswer(6));
@@ -301,7 +314,7 @@ TEST_F(ShmFleetTest, AResendAwaitingJetStreamDoesNotStopPredictions) {
   ASSERT_TRUE(AwaitAnswer(3));
   answered_.clear();
 
-  nats_->Signal(SIGSTOP);
+  StopNats();
   const absl::Time stopped = absl::Now();
   SendCompletion(4, "b");
   SendCompletion(5, "b");  // the resend: "b" is no longer live
@@ -422,7 +435,7 @@ TEST_F(ShmFleetTest, TheShimWatchesAParkedCompletionsAnswer) {
   submit("x");
   ASSERT_TRUE(events.Await(PredictionOf("x")).has_value());
 
-  nats_->Signal(SIGSTOP);
+  StopNats();
   const absl::Time stopped = absl::Now();
   c->Complete("x", 40, shim::FinishReason::kStop);
   submit("y");
@@ -466,7 +479,7 @@ TEST_F(ShmFleetDefaultTimeoutsTest, ALateJetStreamAckDoesNotTripTheShim) {
   c->Submit({{"x", "", std::string(reinterpret_cast<const char*>(x.data()),
                                    x.size() * sizeof(float)), 0}});
   ASSERT_TRUE(events.Await(PredictionOf("x")).has_value());
-  nats_->Signal(SIGSTOP);
+  StopNats();
   const absl::Time stopped = absl::Now();
   c->Complete("x", 40, shim::FinishReason::kStop);
   auto answered = events.Await([](const shim::Event& e) {
