@@ -105,8 +105,22 @@ Client::~Client() {
 }
 
 void Client::NoteSent(uint64_t seq) {
-  if (answered_seq_ >= sent_seq_) awaiting_since_ = absl::Now();
-  sent_seq_ = std::max(sent_seq_, seq);
+  unanswered_.emplace(seq, absl::Now());
+}
+
+void Client::NoteAnswered(uint64_t seq) {
+  auto it = unanswered_.find(seq);
+  if (it == unanswered_.end()) return;  // (a later part of a split answer)
+  const bool oldest = it == unanswered_.begin();
+  unanswered_.erase(it);
+  // The new oldest is watched from now: leapd just answered an earlier
+  // message. Answers to later messages do not restart its clock (a
+  // completions answer parked behind JetStream stays watched while the
+  // predictions sent after it are answered).
+  if (oldest && !unanswered_.empty()) {
+    unanswered_.begin()->second =
+        std::max(unanswered_.begin()->second, absl::Now());
+  }
 }
 
 void Client::WatchdogLoop() {
@@ -115,15 +129,17 @@ void Client::WatchdogLoop() {
   absl::MutexLock lock(&mu_);
   auto stopping = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_; };
   while (!mu_.AwaitWithTimeout(absl::Condition(&stopping), tick)) {
-    const absl::Duration waited = absl::Now() - awaiting_since_;
-    if (current_ == nullptr || broken_ || waited <= options_.response_timeout) {
-      continue;
-    }
+    if (current_ == nullptr || broken_ || unanswered_.empty()) continue;
+    const auto& [seq, since] = *unanswered_.begin();
+    const absl::Duration waited = absl::Now() - since;
+    if (waited <= options_.response_timeout) continue;
     broken_ = true;
     ++stats_.stalls;
     degraded_reason_ = absl::StrCat(
         "leapd answered nothing for ", absl::FormatDuration(waited),
-        " (response_timeout ", absl::FormatDuration(options_.response_timeout),
+        " to message seq ", seq, " (", unanswered_.size(),
+        " unanswered; response_timeout ",
+        absl::FormatDuration(options_.response_timeout),
         "): connection abandoned as hung, reconnecting");
     current_->Close();
   }
@@ -239,13 +255,11 @@ void Client::ReaderLoop(Transport* t, uint64_t generation) {
     {
       absl::MutexLock lock(&mu_);
       if (generation != generation_) break;
-      if (m.seq() > answered_seq_ &&
-          (m.has_predictions() || m.has_ack() || m.has_error() ||
-           m.has_priors())) {
-        // Answers come in the order of the messages they answer.
-        answered_seq_ = m.seq();
-        awaiting_since_ = answered_seq_ >= sent_seq_ ? absl::InfiniteFuture()
-                                                     : absl::Now();
+      if (m.seq() != 0 && (m.has_predictions() || m.has_ack() ||
+                           m.has_error() || m.has_priors())) {
+        // Matched by seq: a completions Ack may come after the answers to
+        // later messages (fleet mode on shm, docs/WIRE.md).
+        NoteAnswered(m.seq());
       }
       switch (m.body_case()) {
         case pb::SidecarMessage::kHelloAck: {
@@ -506,8 +520,7 @@ void Client::ManagerLoop() {
         broken_ = false;
         acked_hello_ = false;
         current_ = t->get();
-        sent_seq_ = answered_seq_ = 0;
-        awaiting_since_ = absl::InfiniteFuture();
+        unanswered_.clear();
         if (stop_) current_->Close();
       }
       Transport* raw = t->get();

@@ -29,8 +29,8 @@ namespace leap::shim {
 // Fail-open: the engine never waits for leapd. Submit, Complete, Cancel,
 // Poll, stats() and the destructor return at once (bounded by the current
 // Dial's connect_timeout for the destructor) whether leapd is up, dead or
-// hung; a leapd that answers nothing for response_timeout while something
-// is outstanding is treated as gone (the connection is abandoned, the
+// hung; a leapd that leaves a message unanswered for response_timeout
+// (answering nothing sent before it meanwhile) is treated as gone (the connection is abandoned, the
 // client reconnects with backoff and resubmits). While no leapd answers the
 // client is degraded (degraded(), ClientStats::degraded, a kDisconnected
 // event with the reason): requests get no prediction, and the scheduler
@@ -86,11 +86,16 @@ struct ClientOptions {
   absl::Duration min_backoff = absl::Milliseconds(50);
   absl::Duration max_backoff = absl::Seconds(5);
   absl::Duration connect_timeout = absl::Seconds(1);
-  // A connection on which leapd answered nothing for this long while a
-  // message was waiting for its answer is abandoned as hung (e.g. leapd
-  // SIGSTOPped or wedged): the client reconnects and reports degraded.
-  // Default: 2 s
-  absl::Duration response_timeout = absl::Seconds(2);
+  // A connection on which a message waited this long for its answer, with
+  // no answer to an earlier message meanwhile, is abandoned as hung (e.g.
+  // leapd SIGSTOPped or wedged): the client reconnects and reports
+  // degraded. Every message awaiting its answer is watched (the oldest
+  // first), also a completions Ack that comes after the answers to later
+  // messages (fleet mode on shm). Keep it above the longest a healthy leapd
+  // may take: in fleet mode a completions answer waits for JetStream's
+  // acknowledgement, up to leapd's NATS publish timeout (2 s), so the
+  // default leaves 3 s beyond that. Default: 5 s
+  absl::Duration response_timeout = absl::Seconds(5);
   // shm only: feature slots (each live request holds one until it ends),
   // in [1, 1048576], and ring bytes, a power of two in [64 KiB, 64 MiB].
   // Default: 1024, 1 MiB
@@ -245,6 +250,7 @@ class Client {
   void WatchdogLoop();
   // Before sending a message with sequence number `seq` that leapd answers.
   void NoteSent(uint64_t seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void NoteAnswered(uint64_t seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ReaderLoop(Transport* t, uint64_t generation);
   // Called without mu_: the callback may call Submit, Complete, Cancel.
   void Emit(Event e) ABSL_LOCKS_EXCLUDED(mu_, events_mu_);
@@ -265,12 +271,12 @@ class Client {
   uint64_t generation_ ABSL_GUARDED_BY(mu_) = 0;
   ClientStats stats_ ABSL_GUARDED_BY(mu_);
   // The connection the manager uses now (closed by the watchdog on a stall
-  // and by the destructor), and answer tracking on it: the highest seq
-  // sent and answered, and since when an answer has been awaited.
+  // and by the destructor), and answer tracking on it: every message sent
+  // and not answered yet, by seq, with the time leapd's silence on it is
+  // counted from (its send; for the oldest, the later of that and the last
+  // answer to an earlier message). The watchdog watches the oldest.
   Transport* current_ ABSL_GUARDED_BY(mu_) = nullptr;
-  uint64_t sent_seq_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t answered_seq_ ABSL_GUARDED_BY(mu_) = 0;
-  absl::Time awaiting_since_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();
+  std::map<uint64_t, absl::Time> unanswered_ ABSL_GUARDED_BY(mu_);
   std::string degraded_reason_ ABSL_GUARDED_BY(mu_) = "not connected yet";
 
   absl::Mutex events_mu_;  // never held with mu_

@@ -127,7 +127,7 @@ through poll(). Usable as a context manager (close() on exit).)doc")
            py::arg("cuda_staging_bytes") = int64_t{64} << 20,
            py::arg("tls_ca_file") = "", py::arg("tls_cert_file") = "",
            py::arg("tls_key_file") = "", py::arg("instance_id") = "",
-           py::arg("response_timeout_s") = 2.0, py::arg("shm_slots") = 1024,
+           py::arg("response_timeout_s") = 5.0, py::arg("shm_slots") = 1024,
            py::arg("shm_ring_bytes") = 1 << 20,
            R"doc(Starts the client; connecting happens in the background.
 
@@ -157,9 +157,12 @@ Args:
     bytes, no NUL): leapd scopes request ids to it, so engines that number
     their requests alike never collide. '' (default): a random 128-bit hex
     id, kept for the client's life (see the instance_id property).
-  response_timeout_s: a connection on which leapd answered nothing for this
-    long while a message awaited its answer is abandoned as hung; the
-    client reconnects and reports degraded. > 0; default 2.0.
+  response_timeout_s: a connection on which a message waited this long for
+    its answer, with no answer to an earlier message meanwhile, is abandoned
+    as hung; the client reconnects and reports degraded. Every message
+    awaiting an answer is watched. Above leapd's NATS publish timeout (2 s:
+    in fleet mode a completions answer waits for JetStream). > 0; default
+    5.0.
   shm_slots: shm:// only: feature slots; each live request holds one until
     it ends. In [1, 1048576]; default 1024. leapd refuses more than its
     --shm_max_slots.
@@ -295,7 +298,7 @@ RuntimeError. Queued, unsent work is dropped.)doc")
           R"doc(Counters since start, as a dict: connected, connects, resubmitted
 (features resent after a sidecar restart), predictions, rescores, errors,
 live (requests kept for resubmission), stalls (connections abandoned because
-leapd answered nothing for response_timeout_s), priors (prior events received),
+a message waited response_timeout_s for its answer), priors (prior events received),
 priors_unavailable (answered without a prior: the product line has not
 learned enough), priors_dropped (not asked: no leapd answering, or one
 without priors), priors_unsupported (the connected leapd does not serve

@@ -747,33 +747,53 @@ absl::StatusOr<CompletionOutcome> Core::Complete(absl::string_view request_id,
       if (seen.ok() && *seen) dup_reason = "resent_not_live";
     }
     uint64_t dup_fleet_seq = 0;
+    std::shared_ptr<PendingFleetAck> dup_ack;
     if (FleetLink* fleet = fleet_.load(); fleet != nullptr && !dup_reason.empty()) {
       // Fleet mode: acknowledged once its outbox record is in the fleet's
-      // stream (else UNAVAILABLE, the request left as it is).
+      // stream (else UNAVAILABLE). ResolveDuplicate never waits for NATS;
+      // with defer_fleet_ack an answer not known yet is the caller's to
+      // wait for, as a first publish is.
       std::vector<std::string> keys = dedup_keys;
       keys.push_back(IdKey(instance, request_id));
-      absl::StatusOr<uint64_t> seq = fleet->ResolveDuplicate(keys);
-      if (!seq.ok()) return seq.status();
-      dup_fleet_seq = *seq;
+      dup_ack = fleet->ResolveDuplicate(keys);
+      if (!defer_fleet_ack || dup_ack->done()) {
+        absl::StatusOr<uint64_t> seq = dup_ack->Wait();
+        if (!seq.ok()) return seq.status();  // the request left as it is
+        dup_fleet_seq = *seq;
+        dup_ack = nullptr;
+      }
     }
     if (!dup_reason.empty()) {
       if (peek != nullptr) cache_.TakeIf(key, peek.get());
-      metrics_->DuplicateCompletions(dup_reason).Increment();
-      std::fprintf(stderr,
-                   "leapd: completion of request '%s' (engine instance '%s') "
-                   "acknowledged as a duplicate, not learned again: %s\n",
-                   std::string(request_id).c_str(),
-                   std::string(instance).c_str(),
-                   dup_reason == "resent"
-                       ? "resent (same features and outcome as one recorded "
-                         "within the dedup window)"
-                       : "resent_not_live (not live; a completion with this "
-                         "id was recorded within the dedup window)");
+      // Counted and logged once it is acknowledged (a deferred one: from the
+      // thread that sets its ack; not when that is UNAVAILABLE).
+      auto announce = [counter = &metrics_->DuplicateCompletions(dup_reason),
+                       id = std::string(request_id),
+                       inst = std::string(instance), dup_reason] {
+        counter->Increment();
+        std::fprintf(stderr,
+                     "leapd: completion of request '%s' (engine instance '%s') "
+                     "acknowledged as a duplicate, not learned again: %s\n",
+                     id.c_str(), inst.c_str(),
+                     dup_reason == "resent"
+                         ? "resent (same features and outcome as one recorded "
+                           "within the dedup window)"
+                         : "resent_not_live (not live; a completion with this "
+                           "id was recorded within the dedup window)");
+      };
+      if (dup_ack == nullptr) {
+        announce();
+      } else {
+        dup_ack->OnDone([ack = dup_ack.get(), announce] {
+          if (ack->Wait().ok()) announce();  // set: no wait
+        });
+      }
       CompletionOutcome dup;
       dup.learned = true;
       dup.duplicate = true;
       dup.duplicate_reason = dup_reason;
       dup.fleet_seq = dup_fleet_seq;
+      dup.fleet_ack = std::move(dup_ack);
       return dup;
     }
     dedup_keys.push_back(IdKey(instance, request_id));

@@ -105,7 +105,8 @@ struct CompletionOutcome {
   // published or no longer known).
   uint64_t fleet_seq = 0;
   // Fleet mode with defer_fleet_ack: the serving readout's publish, still
-  // in flight. The completion may be acknowledged to the engine only once
+  // in flight (for a duplicate: the publish its outbox record still awaits,
+  // FleetLink::ResolveDuplicate). The completion may be acknowledged to the engine only once
   // it is set and OK (its value is then the fleet_seq); an error is the
   // completion's answer (UNAVAILABLE: the engine resends it).
   std::shared_ptr<PendingFleetAck> fleet_ack;
@@ -211,7 +212,10 @@ class Core {
   // publish acknowledgement. By default Complete waits for it; with
   // `defer_fleet_ack` it returns with the publish in flight
   // (CompletionOutcome::fleet_ack), so a batch of completions is published
-  // in one pipelined round trip and a caller can answer later.
+  // in one pipelined round trip and a caller can answer later; a resent
+  // duplicate whose record's publish is still in flight (or failed and is
+  // published again) returns the same way, with the ack to wait for, and
+  // is counted and logged as a duplicate once that ack is OK.
   absl::StatusOr<CompletionOutcome> Complete(absl::string_view request_id,
                                              int64_t output_tokens,
                                              readout::FinishReason reason,

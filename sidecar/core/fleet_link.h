@@ -77,7 +77,8 @@ struct FleetQualityView {
 };
 
 // One completion's publish to the fleet's stream, in flight (fleet mode,
-// Core::Complete with defer_fleet_ack): set once, from the thread that
+// Core::Complete with defer_fleet_ack, and the resend of a completion whose
+// publish is still in flight or failed): set once, from the thread that
 // receives JetStream's acknowledgement, to the completion's FEEDBACK
 // sequence or UNAVAILABLE. Thread-safe.
 class PendingFleetAck {
@@ -142,11 +143,15 @@ class FleetLink {
                                       std::shared_ptr<PendingFleetAck> ack) {
     ack->Set(PublishCompletion(c));
   }
-  // A resent completion whose dedup key was recorded: returns its stream
-  // sequence once its outbox record is in the stream (publishing it now if
-  // it was not yet; 0 when the sequence is no longer known), UNAVAILABLE
-  // while it cannot be.
-  virtual absl::StatusOr<uint64_t> ResolveDuplicate(
+  // A resent completion whose dedup key was recorded: the returned ack is
+  // set to its stream sequence once its outbox record is in the stream (0
+  // when the sequence is no longer known), or to UNAVAILABLE when it cannot
+  // be. Never waits for NATS: the ack is set already when the answer is
+  // known now; while the record's publish is in flight the resend shares
+  // that publish's ack, and a record whose publish failed is published
+  // again asynchronously (the ack is then set from the thread that receives
+  // JetStream's acknowledgement).
+  virtual std::shared_ptr<PendingFleetAck> ResolveDuplicate(
       const std::vector<std::string>& dedup_keys) = 0;
 
   // Fleet-wide admin operations (any member; every member applies them).

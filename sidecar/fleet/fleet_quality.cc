@@ -1,7 +1,10 @@
 #include "sidecar/fleet/fleet_quality.h"
 
 #include <cmath>
+#include <cstdio>
 #include <vector>
+
+#include "google/protobuf/io/coded_stream.h"
 
 #include "absl/strings/str_cat.h"
 #include "readout/stats.h"
@@ -53,29 +56,82 @@ void FleetQualityTracker::Fill(const Series& s, bool with_pairs,
   }
 }
 
-fpb::FleetQuality FleetQualityTracker::Encode(bool with_pairs) const {
+namespace {
+
+// Bytes a length-delimited field of `n` bytes adds (tag, length, data).
+int64_t FieldBytes(size_t n) {
+  return 1 + static_cast<int64_t>(
+                 google::protobuf::io::CodedOutputStream::VarintSize64(n)) +
+         static_cast<int64_t>(n);
+}
+
+}  // namespace
+
+fpb::FleetQuality FleetQualityTracker::Encode(bool with_pairs,
+                                              int64_t max_bytes) const {
   fpb::FleetQuality q;
   q.set_window(window_);
-  // Series keep their pairs while they fit, in this order: overall, arms,
-  // versions newest first (the versions still predicting).
-  int64_t budget = kQualityCheckpointPairs;
-  auto fill = [&](const Series& s, fpb::FleetQualitySeries* out) {
-    const int64_t n = static_cast<int64_t>(s.pairs.size());
-    const bool fits = with_pairs && n <= budget;
-    Fill(s, fits, out);
-    if (fits) budget -= n;
-  };
-  fill(overall_, q.mutable_overall());
-  for (const auto& [key, s] : arms_) {
-    fpb::FleetQualitySeries* a = q.add_arms();
-    a->set_product_line(key.first);
-    a->set_arm(key.second);
-    fill(s, a);
-  }
+  // Numbers first: overall, versions newest first, arms while they fit.
+  Fill(overall_, false, q.mutable_overall());
+  std::vector<const Series*> versions;
   for (auto it = versions_.rbegin(); it != versions_.rend(); ++it) {
     fpb::FleetQualitySeries* v = q.add_versions();
     v->set_version(it->first);
-    fill(it->second, v);
+    Fill(it->second, false, v);
+    versions.push_back(&it->second);
+  }
+  int64_t bytes = static_cast<int64_t>(q.ByteSizeLong());
+  std::vector<const Series*> arms;
+  arms_left_out_ = 0;
+  for (const auto& [key, s] : arms_) {
+    if (arms_left_out_ > 0) {
+      ++arms_left_out_;
+      continue;
+    }
+    fpb::FleetQualitySeries a;
+    a.set_product_line(key.first);
+    a.set_arm(key.second);
+    Fill(s, false, &a);
+    const int64_t add = FieldBytes(a.ByteSizeLong());
+    if (bytes + add > max_bytes) {
+      ++arms_left_out_;
+      continue;
+    }
+    bytes += add;
+    *q.add_arms() = std::move(a);
+    arms.push_back(&s);
+  }
+  if (arms_left_out_ != arms_left_out_logged_) {
+    std::fprintf(stderr,
+                 "leapd: fleet quality: %lld of %zu (product line, arm) series "
+                 "left out of the checkpoint and the published summary (over "
+                 "%lld bytes); they count on in memory\n",
+                 static_cast<long long>(arms_left_out_), arms_.size(),
+                 static_cast<long long>(max_bytes));
+    arms_left_out_logged_ = arms_left_out_;
+  }
+  if (!with_pairs) return q;
+  // Then pairs, while they fit, in the order overall, arms, versions
+  // newest first (the versions still predicting). A series' pairs add two
+  // packed fields (16 bytes a pair, two tags and lengths) and may lengthen
+  // the series' own length prefix: 24 bytes are reserved for that.
+  int64_t budget = kQualityCheckpointPairs;
+  auto pairs = [&](const Series& s, fpb::FleetQualitySeries* out) {
+    const int64_t n = static_cast<int64_t>(s.pairs.size());
+    if (n == 0 || s.restored.has_value() || n > budget) return;
+    const int64_t add = 16 * n + 24;
+    if (bytes + add > max_bytes) return;
+    for (const auto& [p, t] : s.pairs) {
+      out->add_predicted(p);
+      out->add_truth(t);
+    }
+    budget -= n;
+    bytes += add;
+  };
+  pairs(overall_, q.mutable_overall());
+  for (size_t i = 0; i < arms.size(); ++i) pairs(*arms[i], q.mutable_arms(static_cast<int>(i)));
+  for (size_t i = 0; i < versions.size(); ++i) {
+    pairs(*versions[i], q.mutable_versions(static_cast<int>(i)));
   }
   return q;
 }

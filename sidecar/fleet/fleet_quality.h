@@ -28,6 +28,11 @@ inline constexpr size_t kQualityVersions = 64;
 // Pairs a checkpoint carries at most (16 bytes each): versions beyond it
 // keep their numbers without pairs (see FleetQualityTracker::Encode).
 inline constexpr int64_t kQualityCheckpointPairs = 24'000;
+// Bytes an encoded quality takes at most, with or without pairs: half a
+// STATE chunk (the last chunk carries it, kStateChunkBytes in
+// fleet_state.h) less 4 KiB for the fields the trainer adds (readout,
+// trainer, positions). Series that do not fit are left out (Encode).
+inline constexpr int64_t kQualityEncodeBytes = 1000 * 1000 / 2 - 4096;
 
 // Not thread-safe: guarded by its owner.
 class FleetQualityTracker {
@@ -38,11 +43,21 @@ class FleetQualityTracker {
   void Add(int64_t version, const std::string& product_line,
            const std::string& arm, double predicted, double truth);
 
-  // With pairs (a checkpoint's): each series with its pairs while they fit
-  // in kQualityCheckpointPairs, in the order overall, arms, versions newest
-  // first; a series that does not fit keeps its counts and Spearman without
-  // pairs. Without pairs: the summary members read.
-  leap::v1::fleet::FleetQuality Encode(bool with_pairs) const;
+  // At most `max_bytes` serialized (so a checkpoint never fails for its
+  // quality: quality is dropped, never the checkpoint). First every series'
+  // numbers (count, Spearman, window size): overall, the versions, then the
+  // (product line, arm) series in (product line, arm) order while they fit;
+  // the arms after the first that does not fit are left out (after a
+  // restart from this checkpoint they count from zero; members do not see
+  // them), counted in arms_left_out(). With pairs (a checkpoint's): then
+  // each series gets its pairs while they fit in kQualityCheckpointPairs
+  // and in the bytes, in the order overall, arms, versions newest first; a
+  // series that does not fit keeps its numbers without pairs. Without
+  // pairs: the summary members read.
+  leap::v1::fleet::FleetQuality Encode(
+      bool with_pairs, int64_t max_bytes = kQualityEncodeBytes) const;
+  // (product line, arm) series the last Encode left out.
+  int64_t arms_left_out() const { return arms_left_out_; }
   // Replaces the state with a checkpoint's (window kept as constructed).
   void Decode(const leap::v1::fleet::FleetQuality& q);
 
@@ -62,6 +77,8 @@ class FleetQualityTracker {
   void Load(const leap::v1::fleet::FleetQualitySeries& in, Series* s) const;
 
   int64_t window_;
+  mutable int64_t arms_left_out_ = 0;
+  mutable int64_t arms_left_out_logged_ = 0;
   Series overall_;
   std::map<int64_t, Series> versions_;
   std::map<std::pair<std::string, std::string>, Series> arms_;

@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/crc32c.h"
 #include "leap/v1/fleet.pb.h"
+#include "sidecar/fleet/fleet_quality.h"
 
 namespace leap::fleet {
 namespace {
@@ -110,7 +111,10 @@ absl::StatusOr<int32_t> PublishState(jsCtx* js, const std::string& stream,
   const std::string data = EncodeStatePayload(s);
   const uint32_t crc = Crc32c(data.data(), data.size());
   // The quality rides on the last chunk, whose data shrinks to make room
-  // (every message stays under kStateChunkBytes of payload).
+  // (every message stays under kStateChunkBytes of payload). The trainer's
+  // quality stays below this bound (FleetQualityTracker::Encode leaves
+  // series out), so it never makes a checkpoint fail.
+  static_assert(kQualityEncodeBytes + 4096 <= kStateChunkBytes / 2);
   const int64_t extra = static_cast<int64_t>(s.quality.size());
   if (extra > kStateChunkBytes / 2) {
     return absl::InvalidArgumentError(absl::StrCat(

@@ -356,7 +356,8 @@ void FleetMember::Confirm(const Pending& p, uint64_t seq) {
 }
 
 FleetMember::Pending FleetMember::Register(
-    const sidecar::FleetCompletionRecord& c) {
+    const sidecar::FleetCompletionRecord& c,
+    std::shared_ptr<sidecar::PendingFleetAck> inflight) {
   fpb::FleetCompletion m;
   m.set_readout(c.readout);
   m.set_request_id(c.request_id);
@@ -379,6 +380,7 @@ FleetMember::Pending FleetMember::Register(
                        c.features, c.target);
   p.payload = m.SerializeAsString();
   p.dedup_keys = c.dedup_keys;
+  p.inflight = std::move(inflight);
   {
     absl::MutexLock l(&mu_);
     pending_[{p.readout, p.local_seq}] = p;
@@ -405,13 +407,18 @@ absl::StatusOr<uint64_t> FleetMember::PublishCompletion(
 void FleetMember::PublishCompletionAsync(
     const sidecar::FleetCompletionRecord& c,
     std::shared_ptr<sidecar::PendingFleetAck> ack) {
-  auto p = std::make_shared<Pending>(Register(c));
+  auto p = std::make_shared<Pending>(Register(c, ack));
+  p->inflight = nullptr;  // (the callback below holds `ack` itself)
+  PublishPendingAsync(std::move(p), std::move(ack));
+}
+
+void FleetMember::PublishPendingAsync(
+    std::shared_ptr<const Pending> p,
+    std::shared_ptr<sidecar::PendingFleetAck> ack) {
   PublishOptions po;
   po.msg_id = p->msg_id;
-  const std::string subject = p->subject;
-  const std::string payload = p->payload;
   nats_->PublishAsync(
-      subject, payload, po,
+      p->subject, p->payload, po,
       [this, p, ack = std::move(ack)](absl::StatusOr<PublishResult> r) {
         ack->Set(Published(*p, r));
       });
@@ -434,33 +441,54 @@ absl::StatusOr<uint64_t> FleetMember::Published(
   return r->seq;
 }
 
-absl::StatusOr<uint64_t> FleetMember::ResolveDuplicate(
+std::shared_ptr<sidecar::PendingFleetAck> FleetMember::ResolveDuplicate(
     const std::vector<std::string>& dedup_keys) {
-  std::optional<Pending> todo;
+  auto ack = std::make_shared<sidecar::PendingFleetAck>();
+  std::shared_ptr<Pending> todo;
   {
     absl::MutexLock l(&mu_);
     for (const std::string& k : dedup_keys) {
       auto it = known_.find(k);
       if (it == known_.end()) continue;
-      if (it->second.fleet_seq != 0) return it->second.fleet_seq;
+      if (it->second.fleet_seq != 0) {
+        ack->Set(it->second.fleet_seq);
+        return ack;
+      }
       auto p = pending_.find({it->second.readout, it->second.local_seq});
-      if (p == pending_.end()) return uint64_t{0};  // confirmed elsewhere
-      todo = p->second;
+      if (p == pending_.end()) {  // confirmed elsewhere
+        ack->Set(uint64_t{0});
+        return ack;
+      }
+      // Its publish still in flight: the resend is answered with it (a
+      // second publish would only be de-duplicated by JetStream). Not set
+      // while the record is pending means in flight: a success confirms
+      // (removes the record) before it sets the ack.
+      if (p->second.inflight != nullptr && !p->second.inflight->done()) {
+        return p->second.inflight;
+      }
+      // Never published, or its publish failed: published again now,
+      // asynchronously; a further resend shares this publish.
+      p->second.inflight = ack;
+      todo = std::make_shared<Pending>(p->second);
+      todo->inflight = nullptr;
       break;
     }
-    if (!todo.has_value()) {
+    if (todo == nullptr) {
       // Recorded before a restart: its outbox record was republished at
       // start unless NATS has been unreachable since.
       if (!pending_.empty() && degraded_.load()) {
-        return absl::UnavailableError(absl::StrCat(
+        ack->Set(absl::UnavailableError(absl::StrCat(
             "fleet ", options_.fleet,
             ": completion recorded in this member's outbox, NATS not "
-            "reachable (", degraded_reason_, "); resend it"));
+            "reachable (", degraded_reason_, "); resend it")));
+      } else {
+        ack->Set(uint64_t{0});
       }
-      return uint64_t{0};
+      return ack;
     }
   }
-  return PublishPending(*todo);
+  PublishPendingAsync(std::move(todo), ack);
+  return ack;
 }
 
 void FleetMember::PruneOutboxes() {

@@ -120,7 +120,7 @@ class FleetMember : public sidecar::FleetLink {
   void PublishCompletionAsync(
       const sidecar::FleetCompletionRecord& c,
       std::shared_ptr<sidecar::PendingFleetAck> ack) override;
-  absl::StatusOr<uint64_t> ResolveDuplicate(
+  std::shared_ptr<sidecar::PendingFleetAck> ResolveDuplicate(
       const std::vector<std::string>& dedup_keys) override;
   absl::Status CreateReadout(const std::string& name,
                              readout::ReadoutState state) override;
@@ -157,6 +157,10 @@ class FleetMember : public sidecar::FleetLink {
     uint64_t local_seq = 0;
     std::string subject, msg_id, payload;
     std::vector<std::string> dedup_keys;  // empty for recovered records
+    // The acknowledgement of its asynchronous publish (PublishCompletionAsync
+    // or the publish of a resend), null when none was started: a resend
+    // while it is not set shares it.
+    std::shared_ptr<sidecar::PendingFleetAck> inflight;
   };
   struct Known {
     std::string readout;
@@ -176,7 +180,11 @@ class FleetMember : public sidecar::FleetLink {
   void MaintainLoop();
   absl::Status SetUp();
   // Records a completion as pending (outbox record not yet confirmed).
-  Pending Register(const sidecar::FleetCompletionRecord& c);
+  Pending Register(const sidecar::FleetCompletionRecord& c,
+                   std::shared_ptr<sidecar::PendingFleetAck> inflight = nullptr);
+  // Publishes `p` asynchronously; `ack` is set with the outcome.
+  void PublishPendingAsync(std::shared_ptr<const Pending> p,
+                           std::shared_ptr<sidecar::PendingFleetAck> ack);
   absl::StatusOr<uint64_t> PublishPending(const Pending& p);
   // The bookkeeping of a publish's result (metrics, degraded, Confirm).
   absl::StatusOr<uint64_t> Published(const Pending& p,

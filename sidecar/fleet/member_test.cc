@@ -15,8 +15,10 @@
 #include <netinet/in.h>
 #include <signal.h>
 #include <sys/socket.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -168,6 +170,17 @@ class FleetMemberTest : public ::testing::Test {
     ASSERT_TRUE(p.ok()) << p.status();
     nats_ = std::move(*p);
   }
+  // SIGSTOP to the nats-server, returning once it is stopped (kill() only
+  // queues the signal: a publish sent right after could still be answered).
+  void StopNats() {
+    nats_->Signal(SIGSTOP);
+    int st = 0;
+    pid_t r;
+    while ((r = waitpid(nats_->pid(), &st, WUNTRACED)) < 0 && errno == EINTR) {
+    }
+    ASSERT_EQ(r, nats_->pid());
+    ASSERT_TRUE(WIFSTOPPED(st)) << st;
+  }
   void KillNats() {
     nats_->Signal(SIGKILL);
     nats_->Wait();
@@ -177,7 +190,8 @@ class FleetMemberTest : public ::testing::Test {
   std::unique_ptr<Member> StartMember(const std::string& id,
                                       int64_t op_timeout_ms = 10'000,
                                       int64_t wait_ms = 20'000,
-                                      int64_t versions_kept = 10'000) {
+                                      int64_t versions_kept = 10'000,
+                                      int64_t nats_timeout_ms = 2000) {
     auto m = std::make_unique<Member>();
     storage::RocksStoreOptions so;
     auto st = storage::OpenRocksStore((dir_ / id).string(), so);
@@ -201,6 +215,7 @@ class FleetMemberTest : public ::testing::Test {
     fo.fleet = kFleet;
     fo.member = id;
     fo.op_timeout_ms = op_timeout_ms;
+    fo.nats.timeout_ms = nats_timeout_ms;
     Member* raw = m.get();
     fo.on_degraded = [raw](bool d) {
       absl::MutexLock l(&raw->mu);
@@ -642,6 +657,79 @@ TEST_F(FleetMemberTest, PipelinedCompletionsAreAckedOnlyAfterTheStream) {
               "pipelined in batches of %d (x%.1f)\n",
               static_cast<long long>(kDim), one_by_one, pipelined, batch,
               pipelined / one_by_one);
+}
+
+// A resent completion never waits for NATS in Complete(defer_fleet_ack)
+// (the unary Complete's gRPC callback thread, the shm loop): with the
+// nats-server stopped (SIGSTOP: the connection stays, nothing is answered)
+// a resend while the first publish is in flight shares its ack; once that
+// publish failed (JetStream's acknowledgement timeout, 500 ms here) a
+// resend publishes the record again, asynchronously. After SIGCONT the
+// resend is acknowledged with the record's sequence, the stream holds it
+// once, and it counts as one duplicate (the resend answered UNAVAILABLE is
+// not counted).
+TEST_F(FleetMemberTest, AResendDoesNotWaitForNats) {
+  auto a = StartMember("a", 10'000, 20'000, 10'000, /*nats_timeout_ms=*/500);
+  ASSERT_TRUE(a->fleet->ready());
+  const readout::ReadoutState st = RandomState(kDim, 23);
+  ASSERT_TRUE(a->fleet->CreateReadout("chat", st).ok());
+  sidecar::Route route;
+  route.arms.push_back({"chat", "chat", 100.0, false});
+  ASSERT_TRUE(a->fleet->SetRoute(route).ok());
+  std::mt19937_64 rng(7);
+  const std::vector<float> x = RandomFeatures(st, rng);
+  ASSERT_TRUE(a->core->Predict(Req("r", x), 0, nullptr).ok());
+  const uint64_t before = LastFeedbackSeq();
+  auto complete = [&] {
+    return a->core->Complete("r", 30, readout::FinishReason::kStop, "",
+                             /*defer_fleet_ack=*/true);
+  };
+  prometheus::Counter& dups = a->metrics.DuplicateCompletions("resent_not_live");
+  const double dups_before = dups.Value();
+
+  StopNats();
+  auto first = complete();
+  ASSERT_TRUE(first.ok()) << first.status();
+  ASSERT_NE(first->fleet_ack, nullptr);
+  EXPECT_FALSE(first->duplicate);
+  // A resend while it is in flight: returns at once with the same publish.
+  auto shared = complete();
+  ASSERT_TRUE(shared.ok()) << shared.status();
+  EXPECT_TRUE(shared->duplicate);
+  EXPECT_EQ(shared->duplicate_reason, "resent_not_live");
+  EXPECT_EQ(shared->fleet_ack, first->fleet_ack);
+  // No answer within 500 ms: both are UNAVAILABLE (the engine resends).
+  absl::Status timed_out = first->fleet_ack->Wait().status();
+  EXPECT_EQ(timed_out.code(), absl::StatusCode::kUnavailable) << timed_out;
+  // The next resend publishes the record again, without waiting for it.
+  const absl::Time t0 = absl::Now();
+  auto again = complete();
+  const absl::Duration returned_after = absl::Now() - t0;
+  nats_->Signal(SIGCONT);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_TRUE(again->duplicate);
+  ASSERT_NE(again->fleet_ack, nullptr);
+  EXPECT_NE(again->fleet_ack, first->fleet_ack);
+  EXPECT_LT(returned_after, absl::Milliseconds(400));
+  absl::StatusOr<uint64_t> seq = again->fleet_ack->Wait();
+  // (A machine so loaded that 500 ms passed before SIGCONT took effect: the
+  // engine would resend once more, and so does the test.)
+  for (int i = 0; i < 20 && !seq.ok(); ++i) {
+    auto more = complete();
+    ASSERT_TRUE(more.ok()) << more.status();
+    seq = more->fleet_ack != nullptr ? more->fleet_ack->Wait()
+                                     : absl::StatusOr<uint64_t>(more->fleet_seq);
+  }
+  ASSERT_TRUE(seq.ok()) << seq.status();
+  EXPECT_EQ(*seq, before + 1);
+  EXPECT_EQ(LastFeedbackSeq(), before + 1);
+  EXPECT_EQ(dups.Value() - dups_before, 1.0);
+  // Later resends are answered from the confirmed record, at once.
+  auto late = complete();
+  ASSERT_TRUE(late.ok()) << late.status();
+  EXPECT_EQ(late->fleet_ack, nullptr);
+  EXPECT_EQ(late->fleet_seq, before + 1);
+  EXPECT_TRUE(WaitFor([&] { return a->fleet->Status().unconfirmed == 0; }));
 }
 
 TEST_F(FleetMemberTest, ControlOperationsWaitForTheTrainersAnswer) {

@@ -527,7 +527,7 @@ absl::StatusOr<std::unique_ptr<KvBucket>> NatsClient::EnsureKv(
       return NatsError(s, 0, absl::StrCat("key-value bucket ", spec.bucket));
     }
   }
-  return std::unique_ptr<KvBucket>(new KvBucket(spec.bucket, kv));
+  return std::unique_ptr<KvBucket>(new KvBucket(spec.bucket, kv, nc_));
 }
 
 namespace {
@@ -927,6 +927,26 @@ absl::Status KvBucket::Delete(const std::string& key) {
   return absl::OkStatus();
 }
 
+namespace {
+
+// Destroys a watcher that may still receive messages. kvWatcher_Destroy
+// unsubscribes and frees the watcher's subscription at once; libnats 3.4.1's
+// reader thread may still hold that subscription for a message it read just
+// before (the race CloseSubscription closes for plain subscriptions, fixed
+// upstream in nats.c 0a7dd28b). So: unsubscribe (kvWatcher_Stop), then a
+// flush, whose PONG comes after every message the reader took for it, then
+// destroy.
+void StopAndDestroyWatcher(natsConnection* nc, kvWatcher* w) {
+  if (w == nullptr) return;
+  kvWatcher_Stop(w);
+  if (nc != nullptr && natsConnection_Status(nc) == NATS_CONN_STATUS_CONNECTED) {
+    natsConnection_FlushTimeout(nc, 2000);
+  }
+  kvWatcher_Destroy(w);
+}
+
+}  // namespace
+
 absl::StatusOr<std::vector<KvEntry>> KvBucket::List() {
   kvWatcher* w = nullptr;
   kvWatchOptions o;
@@ -939,7 +959,7 @@ absl::StatusOr<std::vector<KvEntry>> KvBucket::List() {
     kvEntry* e = nullptr;
     s = kvWatcher_Next(&e, w, 5000);
     if (s != NATS_OK) {
-      kvWatcher_Destroy(w);
+      StopAndDestroyWatcher(nc_, w);
       return NatsError(s, 0, absl::StrCat("list ", name_));
     }
     if (e == nullptr) break;  // initial values done
@@ -947,7 +967,7 @@ absl::StatusOr<std::vector<KvEntry>> KvBucket::List() {
     kvEntry_Destroy(e);
     if (!k.deleted) out.push_back(std::move(k));
   }
-  kvWatcher_Destroy(w);
+  StopAndDestroyWatcher(nc_, w);
   return out;
 }
 
@@ -955,6 +975,7 @@ absl::StatusOr<std::unique_ptr<KvWatcher>> KvBucket::Watch(
     const std::string& keys, std::function<void(const KvEntry&)> callback,
     std::function<void()> on_initial_done) {
   std::unique_ptr<KvWatcher> watcher(new KvWatcher());
+  watcher->nc_ = nc_;
   const natsStatus s =
       keys.empty() ? kvStore_WatchAll(&watcher->w_, kv_, nullptr)
                    : kvStore_Watch(&watcher->w_, kv_, keys.c_str(), nullptr);
@@ -991,7 +1012,7 @@ void KvWatcher::Stop() {
 KvWatcher::~KvWatcher() {
   Stop();
   if (thread_.joinable()) thread_.join();
-  if (w_ != nullptr) kvWatcher_Destroy(w_);
+  StopAndDestroyWatcher(nc_, w_);  // (stopped already: flush, destroy)
 }
 
 void UnsubscribeAndDrain(natsConnection* nc, natsSubscription* sub) {

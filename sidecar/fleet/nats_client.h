@@ -254,12 +254,18 @@ class KvBucket {
 
  private:
   friend class NatsClient;
-  KvBucket(std::string name, __kvStore* kv) : name_(std::move(name)), kv_(kv) {}
+  KvBucket(std::string name, __kvStore* kv, __natsConnection* nc)
+      : name_(std::move(name)), kv_(kv), nc_(nc) {}
   const std::string name_;
   __kvStore* const kv_;
+  __natsConnection* const nc_;  // the connection of kv_ (watchers' flush)
 };
 
-// Stops and joins its thread on destruction.
+// Stops and joins its thread on destruction; its subscription is then
+// unsubscribed, drained by a flush when connected (as UnsubscribeAndDrain
+// does) and only then freed (kvWatcher_Destroy), so libnats 3.4.1's reader
+// thread cannot use it after it is freed. KvBucket::List ends its watcher
+// the same way.
 class KvWatcher {
  public:
   ~KvWatcher();
@@ -271,6 +277,7 @@ class KvWatcher {
   friend class KvBucket;
   KvWatcher() = default;
   __kvWatcher* w_ = nullptr;
+  __natsConnection* nc_ = nullptr;
   std::thread thread_;
   std::atomic<bool> stop_{false};
 };

@@ -472,6 +472,40 @@ grpc::Status PredictorService::Predict(grpc::ServerContext*,
   return grpc::Status::OK;
 }
 
+CompletionWriters::CompletionWriters(int threads) {
+  for (int i = 0; i < threads; ++i) threads_.emplace_back([this] { Loop(); });
+}
+
+CompletionWriters::~CompletionWriters() {
+  {
+    absl::MutexLock l(&mu_);
+    stop_ = true;
+  }
+  for (std::thread& t : threads_) t.join();
+}
+
+void CompletionWriters::Run(std::function<void()> f) {
+  absl::MutexLock l(&mu_);
+  queue_.push_back(std::move(f));
+}
+
+void CompletionWriters::Loop() {
+  for (;;) {
+    std::function<void()> f;
+    {
+      absl::MutexLock l(&mu_);
+      auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return stop_ || !queue_.empty();
+      };
+      mu_.Await(absl::Condition(&ready));
+      if (queue_.empty()) return;  // stopping, nothing left
+      f = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    f();
+  }
+}
+
 grpc::ServerUnaryReactor* PredictorService::Complete(
     grpc::CallbackServerContext* ctx, const pb::CompleteRequest* req,
     pb::CompleteResponse* resp) {
@@ -482,35 +516,41 @@ grpc::ServerUnaryReactor* PredictorService::Complete(
     reactor->Finish(ToGrpc(reason.status()));
     return reactor;
   }
-  // Fleet mode: the publish is in flight when Complete returns; the call is
-  // answered once JetStream acknowledged it (or UNAVAILABLE when it failed).
-  absl::StatusOr<CompletionOutcome> o = CompleteWithPrior(
-      core_, req->completion().request_id(), req->completion().output_tokens(),
-      *reason, req->instance_id(), /*defer_fleet_ack=*/true,
-      req->completion().prompt_tokens());
-  if (!o.ok()) {
-    reactor->Finish(ToGrpc(o.status()));
-    return reactor;
-  }
-  std::shared_ptr<PendingFleetAck> ack = std::move(o->fleet_ack);
-  resp->set_learned(o->learned);
-  resp->set_skip_reason(o->skip_reason);
-  resp->set_duplicate(o->duplicate);
-  resp->set_duplicate_reason(o->duplicate_reason);
-  resp->set_fleet_seq(o->fleet_seq);
-  if (ack == nullptr) {
-    reactor->Finish(grpc::Status::OK);
-    return reactor;
-  }
-  // Runs inside ack->Set (the ack is alive), on the thread that set it.
-  ack->OnDone([reactor, resp, ack_raw = ack.get()] {
-    absl::StatusOr<uint64_t> seq = ack_raw->Wait();  // set: no wait
-    if (!seq.ok()) {
-      reactor->Finish(ToGrpc(seq.status()));
+  // The feedback log append runs on a completion writer, not on this
+  // callback thread; the call is answered after it (acknowledged only once
+  // durable). `req` and `resp` live until the reactor is finished.
+  writers_.Run([this, reactor, req, resp, reason = *reason] {
+    // Fleet mode: the publish is in flight when Complete returns; the call
+    // is answered once JetStream acknowledged it (or UNAVAILABLE when it
+    // failed).
+    absl::StatusOr<CompletionOutcome> o = CompleteWithPrior(
+        core_, req->completion().request_id(),
+        req->completion().output_tokens(), reason, req->instance_id(),
+        /*defer_fleet_ack=*/true, req->completion().prompt_tokens());
+    if (!o.ok()) {
+      reactor->Finish(ToGrpc(o.status()));
       return;
     }
-    resp->set_fleet_seq(*seq);
-    reactor->Finish(grpc::Status::OK);
+    std::shared_ptr<PendingFleetAck> ack = std::move(o->fleet_ack);
+    resp->set_learned(o->learned);
+    resp->set_skip_reason(o->skip_reason);
+    resp->set_duplicate(o->duplicate);
+    resp->set_duplicate_reason(o->duplicate_reason);
+    resp->set_fleet_seq(o->fleet_seq);
+    if (ack == nullptr) {
+      reactor->Finish(grpc::Status::OK);
+      return;
+    }
+    // Runs inside ack->Set (the ack is alive), on the thread that set it.
+    ack->OnDone([reactor, resp, ack_raw = ack.get()] {
+      absl::StatusOr<uint64_t> seq = ack_raw->Wait();  // set: no wait
+      if (!seq.ok()) {
+        reactor->Finish(ToGrpc(seq.status()));
+        return;
+      }
+      resp->set_fleet_seq(*seq);
+      reactor->Finish(grpc::Status::OK);
+    });
   });
   return reactor;
 }

@@ -5,11 +5,13 @@
 //
 // Threads: gRPC's synchronous server calls every handler but Complete on one
 // of its threads, any number at once. Complete is a callback method: its
-// handler runs on one of gRPC's callback threads and, in fleet mode, returns
-// with the completion's JetStream publish in flight; the call is finished on
-// the NATS thread that receives the acknowledgement, so concurrent unary
-// Completes pipeline on the member's one NATS connection without holding a
-// thread each. A Connect call's handler thread reads the
+// handler runs on one of gRPC's callback threads and only queues the call
+// for the service's completion writers (CompletionWriters, 8 threads),
+// which run it through the Core (the feedback log append) and finish it;
+// in fleet mode a writer returns with the completion's JetStream publish in
+// flight and the call is finished on the NATS thread that receives the
+// acknowledgement, so concurrent unary Completes pipeline on the member's
+// one NATS connection without holding a thread each. A Connect call's handler thread reads the
 // engine's messages and answers them; each Connect stream also owns one
 // writer thread that does every Write (answers, publish notices, rescores),
 // so a publish never waits on a slow engine. The publishing thread (an RLS
@@ -21,9 +23,13 @@
 #define LEAP_SIDECAR_GRPC_PREDICTOR_SERVICE_H_
 
 #include <atomic>
+#include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "absl/synchronization/mutex.h"
 #include "leap/v1/predictor.grpc.pb.h"
@@ -56,6 +62,30 @@ class OutboxLimits {
   std::atomic<int64_t> peak_{0};
 };
 
+// Runs unary Completes off gRPC's callback threads. Core::Complete appends
+// the completion to the feedback log (a RocksDB write, synced with
+// --sync_log) before it returns, and the call is answered only after; a
+// callback thread must not block on that. The appends run here instead, on
+// `threads` threads at once, so RocksDB commits concurrent ones as a group
+// (one WAL write, and one sync with --sync_log, for every append that
+// arrives together). The destructor runs what is queued, then joins.
+class CompletionWriters {
+ public:
+  explicit CompletionWriters(int threads);
+  ~CompletionWriters();
+  CompletionWriters(const CompletionWriters&) = delete;
+  CompletionWriters& operator=(const CompletionWriters&) = delete;
+  // Queues `f` (never blocks).
+  void Run(std::function<void()> f);
+
+ private:
+  void Loop();
+  absl::Mutex mu_;
+  std::deque<std::function<void()>> queue_ ABSL_GUARDED_BY(mu_);
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::vector<std::thread> threads_;
+};
+
 class PredictorService final
     : public leap::v1::Predictor::WithCallbackMethod_Complete<
           leap::v1::Predictor::Service> {
@@ -66,7 +96,11 @@ class PredictorService final
                    int64_t outbox_bytes = int64_t{64} << 20)
       : core_(core),
         sidecar_id_(std::move(sidecar_id)),
-        outbox_(&core->metrics(), outbox_bytes) {}
+        outbox_(&core->metrics(), outbox_bytes),
+        writers_(kCompletionWriters) {}
+
+  // Threads that run unary Completes (CompletionWriters).
+  static constexpr int kCompletionWriters = 8;
 
   // Ends open streams and watches promptly (call before Server::Shutdown):
   // each Connect stream gets a message-level UNAVAILABLE "leapd is shutting
@@ -101,6 +135,8 @@ class PredictorService final
   std::map<grpc::ServerContext*, std::shared_ptr<PublishListener>> sessions_
       ABSL_GUARDED_BY(sessions_mu_);
   OutboxLimits outbox_;
+  // Last: destroyed first, while everything its tasks use is alive.
+  CompletionWriters writers_;
 };
 
 }  // namespace leap::sidecar

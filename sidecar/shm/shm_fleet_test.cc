@@ -7,15 +7,20 @@
 // answering predictions on the same ring; once the server runs again the
 // completion is acknowledged and is in the FEEDBACK stream.
 // With NATS gone completions are refused UNAVAILABLE while predictions go on.
+// A completion resent while its first publish awaits JetStream does not hold
+// the loop either: it is answered with that publish, and stored once.
 // Fails when /usr/sbin/nats-server is missing (scripts/install-deps).
 #include <netinet/in.h>
 #include <signal.h>
 #include <sys/socket.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstring>
 #include <filesystem>
 #include <map>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -25,6 +30,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "client/process.h"
+#include "engine_shim/client.h"
 #include "engine_shim/shm_channel.h"
 #include "gtest/gtest.h"
 #include "sidecar/fleet/member.h"
@@ -91,7 +97,7 @@ class ShmFleetTest : public ::testing::Test {
     fo.member = "m";
     // JetStream's acknowledgement timeout well beyond the time the test
     // keeps the server stopped.
-    fo.nats.timeout_ms = 20'000;
+    fo.nats.timeout_ms = nats_timeout_ms_;
     fo.on_degraded = [this](bool d) {
       absl::MutexLock l(&mu_);
       degraded_ = d;
@@ -140,6 +146,17 @@ class ShmFleetTest : public ::testing::Test {
     tmp_.reset();
   }
 
+  // SIGSTOP to the nats-server, returning once it is stopped (kill() only
+  // queues the signal: a publish sent right after could still be answered).
+  void StopNats() {
+    nats_->Signal(SIGSTOP);
+    int st = 0;
+    pid_t r;
+    while ((r = waitpid(nats_->pid(), &st, WUNTRACED)) < 0 && errno == EINTR) {
+    }
+    ASSERT_EQ(r, nats_->pid());
+    ASSERT_TRUE(WIFSTOPPED(st)) << st;
+  }
   // Submits one request's features in a slot as frame `seq`.
   void Submit(uint64_t seq, const std::string& id) {
     const int64_t slot = ch_->AcquireSlot();
@@ -199,6 +216,8 @@ class ShmFleetTest : public ::testing::Test {
     return mu_.AwaitWithTimeout(absl::Condition(&cond), kDeadline);
   }
 
+  // The member's JetStream acknowledgement timeout.
+  int64_t nats_timeout_ms_ = 20'000;
   std::unique_ptr<::leap::testing::ScopedTempDir> tmp_;
   std::filesystem::path dir_;
   int port_ = 0;
@@ -240,7 +259,7 @@ TEST_F(ShmFleetTest, PredictionsFlowWhileACompletionAwaitsJetStream) {
   ASSERT_TRUE(AwaitAnswer(3));
   ASSERT_TRUE(AwaitAnswer(4));
   answered_.clear();
-  nats_->Signal(SIGSTOP);
+  StopNats();
   SendCompletion(5, "b");
   Submit(6, "d");
   ASSERT_TRUE(AwaitAnswer(6));
@@ -271,6 +290,213 @@ TEST_F(ShmFleetTest, PredictionsFlowWhileACompletionAwaitsJetStream) {
   ASSERT_EQ(refused.errors_size(), 1) << answers_[7].proto.DebugString();
   EXPECT_EQ(refused.errors(0).code(), static_cast<int>(absl::StatusCode::kUnavailable));
   EXPECT_EQ(refused.errors(0).request_id(), "c");
+}
+
+// A resent completion whose first publish still awaits JetStream (the
+// nats-server stopped) is answered with that publish, without waiting on
+// the loop: a prediction sent after both is answered while they are parked.
+// Once the server runs again both are acknowledged, the resend as a
+// duplicate, and the stream holds the completion once.
+TEST_F(ShmFleetTest, AResendAwaitingJetStreamDoesNotStopPredictions) {
+  auto last_in_stream = [&] {
+    auto last = fleet_->nats().LastSeq(fleet::FeedbackStream("shm"));
+    EXPECT_TRUE(last.ok()) << last.status();
+    return last.value_or(0);
+  };
+  Submit(1, "a");
+  ASSERT_TRUE(AwaitAnswer(1));
+  SendCompletion(2, "a");
+  ASSERT_TRUE(AwaitAnswer(2));
+  ASSERT_EQ(answers_[2].proto.ack().accepted(), 1) << answers_[2].proto.DebugString();
+  const uint64_t stored = last_in_stream();
+  ASSERT_GT(stored, 0u);
+  Submit(3, "b");
+  ASSERT_TRUE(AwaitAnswer(3));
+  answered_.clear();
+
+  StopNats();
+  const absl::Time stopped = absl::Now();
+  SendCompletion(4, "b");
+  SendCompletion(5, "b");  // the resend: "b" is no longer live
+  Submit(6, "c");
+  ASSERT_TRUE(AwaitAnswer(6));
+  const absl::Duration predicted_after = absl::Now() - stopped;
+  EXPECT_TRUE(answers_[6].predictions);
+  EXPECT_EQ(answers_[6].n_predictions, 1u);
+  // Neither completion is answered yet: the loop did not wait for the
+  // resend's publish (the acknowledgement timeout is 20 s).
+  EXPECT_EQ(answered_, std::vector<uint64_t>{6});
+  EXPECT_LT(predicted_after, absl::Seconds(10));
+  nats_->Signal(SIGCONT);
+  ASSERT_TRUE(AwaitAnswer(4));
+  ASSERT_TRUE(AwaitAnswer(5));
+  const pb::Ack& first = answers_[4].proto.ack();
+  EXPECT_EQ(first.accepted(), 1) << answers_[4].proto.DebugString();
+  EXPECT_EQ(first.duplicates(), 0);
+  const pb::Ack& resend = answers_[5].proto.ack();
+  EXPECT_EQ(resend.accepted(), 1) << answers_[5].proto.DebugString();
+  EXPECT_EQ(resend.duplicates(), 1);
+  EXPECT_EQ(resend.errors_size(), 0);
+  // One copy in the stream, one record in the outbox (published once).
+  EXPECT_EQ(last_in_stream(), stored + 1);
+  EXPECT_EQ(fleet_->Status().last_fleet_seq, stored + 1);
+  EXPECT_EQ(fleet_->Status().unconfirmed, 0);
+  EXPECT_EQ(fleet_->nats().async_in_flight(), 0);
+}
+
+// The engine shim's Client over shm: events recorded from its callback, and
+// awaited with a deadline.
+class ShimEvents {
+ public:
+  void Add(const shim::Event& e) {
+    absl::MutexLock l(&mu_);
+    events_.push_back(e);
+  }
+  // Waits for an event that `match` accepts; returns it (nullopt at the
+  // deadline).
+  template <typename F>
+  std::optional<shim::Event> Await(F match) {
+    absl::MutexLock l(&mu_);
+    std::optional<shim::Event> found;
+    auto cond = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      for (const shim::Event& e : events_) {
+        if (match(e)) {
+          found = e;
+          return true;
+        }
+      }
+      return false;
+    };
+    mu_.AwaitWithTimeout(absl::Condition(&cond), kDeadline);
+    return found;
+  }
+  bool AwaitCount(shim::Event::Kind kind, int n) {
+    absl::MutexLock l(&mu_);
+    auto cond = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      int seen = 0;
+      for (const shim::Event& e : events_) seen += e.kind == kind ? 1 : 0;
+      return seen >= n;
+    };
+    return mu_.AwaitWithTimeout(absl::Condition(&cond), kDeadline);
+  }
+  int Count(shim::Event::Kind kind) {
+    absl::MutexLock l(&mu_);
+    int n = 0;
+    for (const shim::Event& e : events_) n += e.kind == kind ? 1 : 0;
+    return n;
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::vector<shim::Event> events_ ABSL_GUARDED_BY(mu_);
+};
+
+std::unique_ptr<shim::Client> StartShimClient(const std::string& shm_path,
+                                              ShimEvents* events,
+                                              absl::Duration response_timeout) {
+  shim::ClientOptions o;
+  o.endpoint = "shm://" + shm_path;
+  o.engine_id = "shim";
+  o.dim = kDim;
+  o.shm_slots = 16;
+  o.shm_ring_bytes = 1 << 16;
+  if (response_timeout > absl::ZeroDuration()) o.response_timeout = response_timeout;
+  auto c = shim::Client::Start(o);
+  EXPECT_TRUE(c.ok()) << c.status();
+  if (!c.ok()) return nullptr;
+  (*c)->SetCallback([events](const shim::Event& e) { events->Add(e); });
+  return std::move(*c);
+}
+
+auto Kind(shim::Event::Kind k) {
+  return [k](const shim::Event& e) { return e.kind == k; };
+}
+auto PredictionOf(const std::string& id) {
+  return [id](const shim::Event& e) {
+    return e.kind == shim::Event::Kind::kPrediction && e.request_id == id;
+  };
+}
+
+// The shim's stall detector watches every unanswered message: a completions
+// Ack parked behind a stopped nats-server (the member's acknowledgement
+// timeout is 20 s) is noticed after response_timeout (1 s here) although
+// the predictions sent after it are answered meanwhile.
+TEST_F(ShmFleetTest, TheShimWatchesAParkedCompletionsAnswer) {
+  ShimEvents events;
+  auto c = StartShimClient(server_->path(), &events, absl::Seconds(1));
+  ASSERT_NE(c, nullptr);
+  ASSERT_TRUE(events.Await(Kind(shim::Event::Kind::kConnected)).has_value());
+  std::mt19937_64 rng(9);
+  auto submit = [&](const std::string& id) {
+    const std::vector<float> x = testing::RandomFeatures(state_, rng);
+    c->Submit({{id, "", std::string(reinterpret_cast<const char*>(x.data()),
+                                     x.size() * sizeof(float)), 0}});
+  };
+  submit("x");
+  ASSERT_TRUE(events.Await(PredictionOf("x")).has_value());
+
+  StopNats();
+  const absl::Time stopped = absl::Now();
+  c->Complete("x", 40, shim::FinishReason::kStop);
+  submit("y");
+  // Predictions flow past the parked Ack...
+  ASSERT_TRUE(events.Await(PredictionOf("y")).has_value());
+  EXPECT_EQ(c->stats().stalls, 0);
+  // ...and the Ack is still watched: the connection is abandoned.
+  auto down = events.Await(Kind(shim::Event::Kind::kDisconnected));
+  ASSERT_TRUE(down.has_value());
+  const absl::Duration after = absl::Now() - stopped;
+  EXPECT_EQ(c->stats().stalls, 1);
+  EXPECT_NE(down->message.find("to message seq"), std::string::npos) << down->message;
+  EXPECT_NE(down->message.find("response_timeout 1s"), std::string::npos) << down->message;
+  EXPECT_GE(after, absl::Seconds(1));
+  EXPECT_LT(after, absl::Seconds(15));  // well before the 20 s JetStream timeout
+  nats_->Signal(SIGCONT);
+  // The client reattaches by itself.
+  EXPECT_TRUE(events.AwaitCount(shim::Event::Kind::kConnected, 2));
+  c.reset();
+}
+
+class ShmFleetDefaultTimeoutsTest : public ShmFleetTest {
+ protected:
+  ShmFleetDefaultTimeoutsTest() { nats_timeout_ms_ = fleet::NatsClientOptions{}.timeout_ms; }
+};
+
+// With the default timeouts a JetStream acknowledgement that does not come
+// (the nats-server stopped) ends in leapd's publish timeout (2 s): the
+// completion is answered UNAVAILABLE before the shim's response_timeout
+// (5 s) could abandon the connection, so a slow-but-alive NATS never makes
+// the shim fall back to first-come order.
+TEST_F(ShmFleetDefaultTimeoutsTest, ALateJetStreamAckDoesNotTripTheShim) {
+  ASSERT_EQ(nats_timeout_ms_, 2000);
+  ASSERT_EQ(shim::ClientOptions{}.response_timeout, absl::Seconds(5));
+  ShimEvents events;
+  auto c = StartShimClient(server_->path(), &events, absl::ZeroDuration());
+  ASSERT_NE(c, nullptr);
+  ASSERT_TRUE(events.Await(Kind(shim::Event::Kind::kConnected)).has_value());
+  std::mt19937_64 rng(10);
+  const std::vector<float> x = testing::RandomFeatures(state_, rng);
+  c->Submit({{"x", "", std::string(reinterpret_cast<const char*>(x.data()),
+                                   x.size() * sizeof(float)), 0}});
+  ASSERT_TRUE(events.Await(PredictionOf("x")).has_value());
+  StopNats();
+  const absl::Time stopped = absl::Now();
+  c->Complete("x", 40, shim::FinishReason::kStop);
+  auto answered = events.Await([](const shim::Event& e) {
+    return (e.kind == shim::Event::Kind::kError && e.request_id == "x") ||
+           e.kind == shim::Event::Kind::kDisconnected;
+  });
+  const absl::Duration after = absl::Now() - stopped;
+  nats_->Signal(SIGCONT);
+  ASSERT_TRUE(answered.has_value());
+  EXPECT_EQ(answered->kind, shim::Event::Kind::kError) << answered->message;
+  EXPECT_EQ(answered->code, static_cast<int>(absl::StatusCode::kUnavailable))
+      << answered->message;
+  EXPECT_EQ(c->stats().stalls, 0);
+  EXPECT_EQ(events.Count(shim::Event::Kind::kDisconnected), 0);
+  std::printf("unacknowledged publish answered UNAVAILABLE after %s "
+              "(response_timeout 5s): no stall\n",
+              absl::FormatDuration(after).c_str());
 }
 
 }  // namespace
