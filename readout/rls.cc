@@ -500,7 +500,10 @@ void RlsState::Flush() {
 
 void RlsState::UnshareP() {
   // A checkpoint may still be reading the upper blocks: write a copy.
-  if (p_.use_count() > 1) p_ = std::make_shared<SymMatrix>(*p_);
+  if (p_leases_->load(std::memory_order_acquire) > 0) {
+    p_ = std::make_shared<SymMatrix>(*p_);
+    p_leases_ = std::make_shared<std::atomic<int64_t>>(0);
+  }
 }
 
 void RlsState::MirrorLower() {
@@ -557,7 +560,13 @@ const SymMatrix& RlsState::P() {
 
 std::shared_ptr<const SymMatrix> RlsState::SharedP() {
   Flush();
-  return p_;
+  p_leases_->fetch_add(1, std::memory_order_relaxed);
+  // Aliases p_ (kept alive by the deleter); dropping the last copy of the
+  // returned pointer ends the lease (UnshareP).
+  return std::shared_ptr<const SymMatrix>(
+      p_.get(), [keep = p_, leases = p_leases_](const SymMatrix*) {
+        leases->fetch_sub(1, std::memory_order_release);
+      });
 }
 
 SymMatrix CopySymmetric(const SymMatrix& p) {

@@ -25,6 +25,7 @@
 #ifndef LEAP_READOUT_RLS_H_
 #define LEAP_READOUT_RLS_H_
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -182,6 +183,12 @@ class RlsState {
 
   Eigen::VectorXd theta_;
   std::shared_ptr<SymMatrix> p_;
+  // SharedP() pointers to p_ still held. Each holder's release is a
+  // release-order decrement that UnshareP reads with acquire, so the
+  // holder's reads of P happen before the next fold writes it
+  // (shared_ptr::use_count() is a relaxed load and would not order them).
+  std::shared_ptr<std::atomic<int64_t>> p_leases_ =
+      std::make_shared<std::atomic<int64_t>>(0);
   // After a fold: P_base's blocks below the diagonal blocks are stale.
   bool lower_stale_ = false;
   RlsOptions options_;
