@@ -472,7 +472,8 @@ grpc::Status PredictorService::Predict(grpc::ServerContext*,
   return grpc::Status::OK;
 }
 
-CompletionWriters::CompletionWriters(int threads) {
+CompletionWriters::CompletionWriters(int threads, size_t max_queued)
+    : max_queued_(max_queued) {
   for (int i = 0; i < threads; ++i) threads_.emplace_back([this] { Loop(); });
 }
 
@@ -484,9 +485,11 @@ CompletionWriters::~CompletionWriters() {
   for (std::thread& t : threads_) t.join();
 }
 
-void CompletionWriters::Run(std::function<void()> f) {
+bool CompletionWriters::Run(std::function<void()> f) {
   absl::MutexLock l(&mu_);
+  if (queue_.size() >= max_queued_) return false;
   queue_.push_back(std::move(f));
+  return true;
 }
 
 void CompletionWriters::Loop() {
@@ -519,7 +522,7 @@ grpc::ServerUnaryReactor* PredictorService::Complete(
   // The feedback log append runs on a completion writer, not on this
   // callback thread; the call is answered after it (acknowledged only once
   // durable). `req` and `resp` live until the reactor is finished.
-  writers_.Run([this, reactor, req, resp, reason = *reason] {
+  const bool queued = writers_.Run([this, reactor, req, resp, reason = *reason] {
     // Fleet mode: the publish is in flight when Complete returns; the call
     // is answered once JetStream acknowledged it (or UNAVAILABLE when it
     // failed).
@@ -552,6 +555,13 @@ grpc::ServerUnaryReactor* PredictorService::Complete(
       reactor->Finish(grpc::Status::OK);
     });
   });
+  if (!queued) {
+    reactor->Finish(grpc::Status(
+        grpc::StatusCode::UNAVAILABLE,
+        absl::StrCat("leapd's completion writers are behind (",
+                     kCompletionWritersQueue,
+                     " unary Completes waiting); resend the completion")));
+  }
   return reactor;
 }
 

@@ -66,23 +66,29 @@ class OutboxLimits {
 // the completion to the feedback log (a RocksDB write, synced with
 // --sync_log) before it returns, and the call is answered only after; a
 // callback thread must not block on that. The appends run here instead, on
-// `threads` threads at once, so RocksDB commits concurrent ones as a group
-// (one WAL write, and one sync with --sync_log, for every append that
-// arrives together). The destructor runs what is queued, then joins.
+// `threads` threads. Appends to one readout still run one at a time (the
+// readout keeps its log in order under its own lock), so several threads
+// help only across readouts and while one thread waits on a fleet publish
+// or a slow append. At most `max_queued` calls wait; past that Run refuses
+// (the caller answers UNAVAILABLE: a RocksDB stall must push back on the
+// engines, which resend, instead of piling calls up in memory). The
+// destructor runs what is queued, then joins.
 class CompletionWriters {
  public:
-  explicit CompletionWriters(int threads);
+  CompletionWriters(int threads, size_t max_queued);
   ~CompletionWriters();
   CompletionWriters(const CompletionWriters&) = delete;
   CompletionWriters& operator=(const CompletionWriters&) = delete;
-  // Queues `f` (never blocks).
-  void Run(std::function<void()> f);
+  // Queues `f` (never blocks); false (f not run) when `max_queued` calls
+  // already wait.
+  [[nodiscard]] bool Run(std::function<void()> f);
 
  private:
   void Loop();
   absl::Mutex mu_;
   std::deque<std::function<void()>> queue_ ABSL_GUARDED_BY(mu_);
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  const size_t max_queued_;
   std::vector<std::thread> threads_;
 };
 
@@ -97,10 +103,12 @@ class PredictorService final
       : core_(core),
         sidecar_id_(std::move(sidecar_id)),
         outbox_(&core->metrics(), outbox_bytes),
-        writers_(kCompletionWriters) {}
+        writers_(kCompletionWriters, kCompletionWritersQueue) {}
 
   // Threads that run unary Completes (CompletionWriters).
   static constexpr int kCompletionWriters = 8;
+  // Unary Completes that may wait for a writer before UNAVAILABLE.
+  static constexpr size_t kCompletionWritersQueue = 4096;
 
   // Ends open streams and watches promptly (call before Server::Shutdown):
   // each Connect stream gets a message-level UNAVAILABLE "leapd is shutting
