@@ -773,7 +773,9 @@ class Trainer::Worker {
           server_pending = ServerPending(raw);
           natsSubscription_GetPending(sub_, &pending, nullptr);
         }
-        backlog_ = server_pending + static_cast<uint64_t>(std::max(pending, 0));
+        // NumPending of the last message taken already counts those buffered
+        // here (delivered after it): the larger of the two, not the sum.
+        backlog_ = std::max(server_pending, static_cast<uint64_t>(std::max(pending, 0)));
         Stage("read", t0);
         Process(msgs);
         if (stop_.load()) break;
