@@ -10,6 +10,7 @@
 #include "common/crc32c.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
+#include "rocksdb/convenience.h"
 #include "rocksdb/db.h"
 #include "rocksdb/options.h"
 #include "rocksdb/write_batch.h"
@@ -426,16 +427,21 @@ class RocksStore final : public StateStore {
     PruneDedupLocked(prune);
     RETURN_IF_ERROR(FromRocks(db_->Write(rocksdb::WriteOptions(), &prune), "prune"));
     if (newest_pruned == 0 || !o_.compact_pruned_checkpoints) return absl::OkStatus();
-    // Each checkpoint is its own SST file (WriteBulk flushes it), so this
-    // compaction's inputs are the pruned checkpoints' files and the range
-    // deletions: it drops them and writes nothing, and the kept checkpoints'
-    // files (outside the range) are not rewritten. On this thread (the
+    // Each checkpoint is written as its own SST file (WriteBulk flushes
+    // it): files wholly inside the pruned range are dropped first without
+    // reading them (DeleteFilesInRange), and the compaction then takes the
+    // range deletions and what is left. Kept checkpoints are rewritten only
+    // if RocksDB's own compaction had already merged a pruned and a kept
+    // one into one file (possible with more kept checkpoints than the L0
+    // trigger, 4). On this thread (the
     // readout's checkpoint thread), so the space is back when it returns.
     // The checkpoint is durable and pruned already: a failed compaction
     // (a shutdown under way) only leaves the space to RocksDB's own.
     const std::string begin = Key2(meta.incarnation, 0);
     const std::string end = Key2(meta.incarnation, newest_pruned + 1);
     const rocksdb::Slice from(begin), to(end);
+    rocksdb::DeleteFilesInRange(db_, h_[kCheckpoints], &from, &to)
+        .PermitUncheckedError();
     rocksdb::CompactRangeOptions co;
     co.exclusive_manual_compaction = false;  // other readouts' compactions go on
     db_->CompactRange(co, h_[kCheckpoints], &from, &to).PermitUncheckedError();
