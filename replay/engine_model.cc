@@ -288,8 +288,11 @@ absl::StatusOr<SimResult> Simulate(std::span<const SimRequest> requests,
 
   // Length-aware admission: the waiting queue ranked by the prior. Under
   // the tail bound the waiting queue is a scheduler too (without a prior:
-  // every request at the same estimate, so first come first served until a
-  // deadline is at risk), and each admitted request carries its deadline
+  // each request placed at the mean output length of the recent
+  // completions when it arrives, so close to first come first served but
+  // not exactly: the mean drifts between arrivals, and requests arriving
+  // before any completion stay unpredicted), and each admitted request
+  // carries its deadline
   // into the decode scheduler: one deadline from arrival.
   const bool bounded =
       options.scheduler.policy == shim::SchedulingPolicy::kBounded;

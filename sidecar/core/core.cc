@@ -759,6 +759,9 @@ absl::StatusOr<CompletionOutcome> Core::Complete(absl::string_view request_id,
       if (!defer_fleet_ack || dup_ack->done()) {
         absl::StatusOr<uint64_t> seq = dup_ack->Wait();
         if (!seq.ok()) return seq.status();  // the request left as it is
+        // (A deferred ack that fails later finds the request taken below:
+        // the engine's next resend is then classed resent_not_live, still
+        // deduplicated; only the label differs.)
         dup_fleet_seq = *seq;
         dup_ack = nullptr;
       }
