@@ -523,6 +523,10 @@ TEST(Freeze, RlsFailureIsPersistedAndKeptCompletionsAreLearnedOnResume) {
     ASSERT_TRUE(st.ok()) << st.error_message();
   }
   ASSERT_TRUE(WaitLearned(s, 40 + kept)) << "kept completions not learned on resume";
+  // The batch's version is published before the worker marks the batch
+  // done: the backlog reaches 0 just after.
+  ASSERT_TRUE(WaitInfo(s, [](const pb::ReadoutInfo& i) { return i.rls_backlog() == 0; }))
+      << "the backlog did not drain after the kept completions were learned";
   const pb::ReadoutInfo info = s.Info();
   EXPECT_FALSE(info.frozen());
   EXPECT_EQ(info.frozen_reason(), "");
