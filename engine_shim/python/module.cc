@@ -298,7 +298,9 @@ RuntimeError. Queued, unsent work is dropped.)doc")
           R"doc(Counters since start, as a dict: connected, connects, resubmitted
 (features resent after a sidecar restart), predictions, rescores, errors,
 live (requests kept for resubmission), stalls (connections abandoned because
-a message waited response_timeout_s for its answer), priors (prior events received),
+a message waited response_timeout_s for its answer), completion_retries
+(completions leapd refused UNAVAILABLE, kept and resent after a backoff, no
+event), priors (prior events received),
 priors_unavailable (answered without a prior: the product line has not
 learned enough), priors_dropped (not asked: no leapd answering, or one
 without priors), priors_unsupported (the connected leapd does not serve
