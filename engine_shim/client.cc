@@ -14,6 +14,7 @@ namespace pb = ::leap::v1;
 
 constexpr int32_t kAlreadyExists = 6;
 constexpr int32_t kInvalidArgument = 3;
+constexpr int32_t kUnavailable = 14;  // a transient refusal: resent
 
 // A 'prediction' or 'rescore' event carrying `p`.
 Event PredictionEvent(Event::Kind kind, const pb::Prediction& p) {
@@ -121,6 +122,19 @@ void Client::NoteAnswered(uint64_t seq) {
     unanswered_.begin()->second =
         std::max(unanswered_.begin()->second, absl::Now());
   }
+}
+
+void Client::ScheduleRetry(const std::string& request_id, Live* live) {
+  ++live->refusals;
+  ++stats_.completion_retries;
+  // min_backoff doubling per refusal up to max_backoff, drawn in [half, all].
+  absl::Duration backoff = options_.min_backoff;
+  for (int i = 1; i < live->refusals && backoff < options_.max_backoff; ++i) {
+    backoff *= 2;
+  }
+  backoff = std::min(backoff, options_.max_backoff);
+  std::uniform_real_distribution<double> jitter(0.5, 1.0);
+  retries_.emplace(absl::Now() + backoff * jitter(retry_rng_), request_id);
 }
 
 void Client::WatchdogLoop() {
@@ -307,8 +321,17 @@ void Client::ReaderLoop(Transport* t, uint64_t generation) {
           std::map<std::string, const pb::RequestError*> failed;
           for (const auto& err : m.ack().errors()) failed[err.request_id()] = &err;
           for (const std::string& id : in->second) {
-            live_.erase(id);
             auto f = failed.find(id);
+            auto it = live_.find(id);
+            if (f != failed.end() && f->second->code() == kUnavailable &&
+                it != live_.end() && it->second.completing) {
+              // Refused for now, nothing recorded (a fleet member without
+              // NATS, the feedback log not written, leapd recovering): kept,
+              // and resent after a backoff (no event).
+              ScheduleRetry(id, &it->second);
+              continue;
+            }
+            if (it != live_.end()) live_.erase(it);
             if (f == failed.end()) continue;
             ++stats_.errors;
             events.push_back(
@@ -407,6 +430,7 @@ bool Client::Session(Transport* t) {
     for (auto& [id, live] : live_) {
       if (live.completing) rebuilt.push_back({Outgoing::Kind::kCompletion, id});
     }
+    retries_.clear();  // resent now, with every other completion
     for (const Outgoing& o : outbox_) {
       if (o.kind == Outgoing::Kind::kCancel) rebuilt.push_back(o);
     }
@@ -421,11 +445,27 @@ bool Client::Session(Transport* t) {
     std::vector<std::string> completing;
     {
       absl::MutexLock lock(&mu_);
-      auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-        return stop_ || broken_ || !outbox_.empty() || !priors_out_.empty();
+      // Wakes for work, and at the time of the earliest completion resend
+      // (re-armed when an earlier one is scheduled meanwhile).
+      absl::Time armed = absl::InfiniteFuture();
+      auto ready = [this, &armed]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return stop_ || broken_ || !outbox_.empty() || !priors_out_.empty() ||
+               (!retries_.empty() && retries_.begin()->first < armed);
       };
-      mu_.Await(absl::Condition(&ready));
-      if (stop_ || broken_) return false;
+      for (;;) {
+        armed = retries_.empty() ? absl::InfiniteFuture() : retries_.begin()->first;
+        mu_.AwaitWithDeadline(absl::Condition(&ready), armed);
+        if (stop_ || broken_) return false;
+        const absl::Time now = absl::Now();
+        while (!retries_.empty() && retries_.begin()->first <= now) {
+          auto r = retries_.extract(retries_.begin());
+          auto it = live_.find(r.value().second);
+          if (it != live_.end() && it->second.completing) {
+            outbox_.push_back({Outgoing::Kind::kCompletion, it->first});
+          }
+        }
+        if (!outbox_.empty() || !priors_out_.empty()) break;
+      }
       // Prior queries first: they order admission, which comes before
       // everything else a request does.
       while (!priors_out_.empty() &&

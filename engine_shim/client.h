@@ -13,8 +13,11 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <random>
+#include <set>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
@@ -82,7 +85,10 @@ struct ClientOptions {
   // Feature width and dtype of every submission. Required.
   int64_t dim = 0;
   DType dtype = DType::kFloat32;
-  // Reconnect backoff: doubles from min to max. Default: 50 ms, 5 s
+  // Reconnect backoff: doubles from min to max, each wait drawn in
+  // [half, all] of it. The same schedule, per completion, spaces the resends
+  // of a completion leapd refused UNAVAILABLE (see Complete). Default:
+  // 50 ms, 5 s
   absl::Duration min_backoff = absl::Milliseconds(50);
   absl::Duration max_backoff = absl::Seconds(5);
   absl::Duration connect_timeout = absl::Seconds(1);
@@ -158,6 +164,10 @@ struct ClientStats {
   int64_t errors = 0;
   int64_t live = 0;          // requests kept for resubmission
   int64_t stalls = 0;        // connections abandoned as hung (response_timeout)
+  // Completions leapd refused UNAVAILABLE (fleet member without NATS,
+  // feedback log not written, leapd recovering): each refusal schedules a
+  // resend after a backoff; no event (see Client::Complete).
+  int64_t completion_retries = 0;
   // Length priors (RequestPriors): received (kPrior events), answered as
   // not available yet (the product line has not learned enough; no event),
   // dropped unasked (no leapd answering, or one that does not serve priors:
@@ -188,7 +198,14 @@ class Client {
   // events (INVALID_ARGUMENT), never thrown.
   void Submit(std::vector<CapturedFeatures> features);
   // Queues how a request ended. It stays known (for resending) until the
-  // sidecar acknowledges it. `prompt_tokens` (0 = not given; negative is
+  // sidecar acknowledges it, it is cancelled, or the client is destroyed. A
+  // completion refused UNAVAILABLE (code 14: a transient refusal, nothing
+  // recorded) is resent by the client itself after a backoff (min_backoff
+  // doubling to max_backoff per completion, jittered), on the same or the
+  // next connection, with no event (ClientStats::completion_retries counts
+  // the refusals); leapd recognises a duplicate, so it is learned once. Any
+  // other refusal (e.g. INVALID_ARGUMENT) is a kError event and the request
+  // is dropped. `prompt_tokens` (0 = not given; negative is
   // treated as 0) is the request's prompt length: sent with the completion,
   // it teaches leapd's length prior of the request's product line.
   void Complete(const std::string& request_id, int64_t output_tokens,
@@ -235,6 +252,8 @@ class Client {
     int64_t output_tokens = 0;
     int64_t prompt_tokens = 0;
     FinishReason reason = FinishReason::kStop;
+    // Completions refused UNAVAILABLE in a row (their resend backoff).
+    int refusals = 0;
   };
   // Prior queries waiting to be sent on this connection.
   std::deque<Arrival> priors_out_ ABSL_GUARDED_BY(mu_);
@@ -251,6 +270,9 @@ class Client {
   // Before sending a message with sequence number `seq` that leapd answers.
   void NoteSent(uint64_t seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void NoteAnswered(uint64_t seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A completion refused UNAVAILABLE: schedules its resend (retries_).
+  void ScheduleRetry(const std::string& request_id, Live* live)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ReaderLoop(Transport* t, uint64_t generation);
   // Called without mu_: the callback may call Submit, Complete, Cancel.
   void Emit(Event e) ABSL_LOCKS_EXCLUDED(mu_, events_mu_);
@@ -265,6 +287,10 @@ class Client {
   std::deque<Outgoing> outbox_ ABSL_GUARDED_BY(mu_);
   // Completion messages in flight on this connection: seq -> ids.
   std::map<uint64_t, std::vector<std::string>> inflight_ ABSL_GUARDED_BY(mu_);
+  // Completions refused UNAVAILABLE, by the time they are resent (moved to
+  // the outbox by Session; a reconnect resends them at once).
+  std::set<std::pair<absl::Time, std::string>> retries_ ABSL_GUARDED_BY(mu_);
+  std::mt19937_64 retry_rng_ ABSL_GUARDED_BY(mu_){std::random_device{}()};
   std::string sidecar_id_ ABSL_GUARDED_BY(mu_);
   bool broken_ ABSL_GUARDED_BY(mu_) = false;
   bool acked_hello_ ABSL_GUARDED_BY(mu_) = false;

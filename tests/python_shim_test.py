@@ -387,6 +387,7 @@ class EndToEndTest(LeapdFixture):
         st = client.stats
         self.assertEqual(st["priors"], 3)
         self.assertFalse(st["priors_unsupported"])
+        self.assertEqual(st["completion_retries"], 0)  # nothing refused UNAVAILABLE
         # The caller's mistakes are exceptions.
         with self.assertRaises(ValueError):
             client.request_priors(["x"], prompt_tokens=0)

@@ -160,7 +160,31 @@ TEST_P(ShimClient, PredictsLearnsRescoresAndSurvivesSidecarRestart) {
   }
   EXPECT_EQ(v.completions_learned(), 6);
   wctx.TryCancel();
-  ASSERT_TRUE(col.Wait([&](const auto&) { return (*client)->stats().live == 0; }));
+  // The acks carry no event (a Wait on events would only look again at its
+  // timeout): poll the client's counters.
+  const absl::Time acked_by = absl::Now() + absl::Seconds(30);
+  while ((*client)->stats().live != 0 && absl::Now() < acked_by) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));  // poll period
+  }
+  ASSERT_EQ((*client)->stats().live, 0);
+
+  // A completion leapd refuses for good (a negative output length:
+  // INVALID_ARGUMENT) is an error event and dropped, never resent (only
+  // UNAVAILABLE is resent: shm_fleet_test).
+  (*client)->Submit({Features("neg", rng)});
+  ASSERT_TRUE(col.Wait([&](const auto& ev) {
+    return testing::FindEvent(ev, Event::Kind::kPrediction, "neg") != nullptr;
+  }));
+  (*client)->Complete("neg", -5, shim::FinishReason::kStop);
+  ASSERT_TRUE(col.Wait([&](const auto& ev) {
+    return testing::FindEvent(ev, Event::Kind::kError, "neg") != nullptr;
+  }));
+  const std::vector<Event> seen = col.events();
+  const shim::Event* refused = testing::FindEvent(seen, Event::Kind::kError, "neg");
+  ASSERT_NE(refused, nullptr);
+  EXPECT_EQ(refused->code, 3) << refused->message;
+  EXPECT_EQ((*client)->stats().live, 0);
+  EXPECT_EQ((*client)->stats().completion_retries, 0);
 }
 
 // Two engines that both use the request id "x": each gets its own

@@ -141,7 +141,8 @@ Args:
     "float16"; captured tensors of another of these types are converted.
   engine_id, model_id, layer: identity shown in leapd's logs and metrics
     (layer = the L whose hidden state is captured).
-  min_backoff_s, max_backoff_s: reconnect backoff, doubling from min to max.
+  min_backoff_s, max_backoff_s: reconnect backoff, doubling from min to max;
+    also spaces the resends of a completion refused UNAVAILABLE.
   connect_timeout_s: how long one connection attempt may take.
   max_batch_records: records per message to leapd.
   max_live_requests: requests kept for resubmission; more are refused with
@@ -254,7 +255,11 @@ Args:
     prior of the request's product line (request_priors).
 
 The request stays known to the client until leapd acknowledges it (resent
-after a reconnect). Unknown or already completed ids are ignored.
+after a reconnect). A completion leapd refuses UNAVAILABLE (a fleet member
+without NATS, leapd recovering) is resent by the client after a backoff
+(min_backoff_s doubling to max_backoff_s), with no event
+(stats["completion_retries"]); any other refusal is an 'error' event and the
+request is dropped. Unknown or already completed ids are ignored.
 
 Raises:
   ValueError: negative output_tokens or prompt_tokens, or an unknown
@@ -298,7 +303,9 @@ RuntimeError. Queued, unsent work is dropped.)doc")
           R"doc(Counters since start, as a dict: connected, connects, resubmitted
 (features resent after a sidecar restart), predictions, rescores, errors,
 live (requests kept for resubmission), stalls (connections abandoned because
-a message waited response_timeout_s for its answer), priors (prior events received),
+a message waited response_timeout_s for its answer), completion_retries
+(completions leapd refused UNAVAILABLE, kept and resent after a backoff, no
+event), priors (prior events received),
 priors_unavailable (answered without a prior: the product line has not
 learned enough), priors_dropped (not asked: no leapd answering, or one
 without priors), priors_unsupported (the connected leapd does not serve

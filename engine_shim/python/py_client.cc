@@ -224,6 +224,7 @@ py::dict PyClient::Stats() {
   d["errors"] = s.errors;
   d["live"] = s.live;
   d["stalls"] = s.stalls;
+  d["completion_retries"] = s.completion_retries;
   d["priors"] = s.priors;
   d["priors_unavailable"] = s.priors_unavailable;
   d["priors_dropped"] = s.priors_dropped;

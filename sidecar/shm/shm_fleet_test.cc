@@ -6,7 +6,9 @@
 // answer waits (the nats-server stopped with SIGSTOP) the loop goes on
 // answering predictions on the same ring; once the server runs again the
 // completion is acknowledged and is in the FEEDBACK stream.
-// With NATS gone completions are refused UNAVAILABLE while predictions go on.
+// With NATS gone completions are refused UNAVAILABLE while predictions go on;
+// the shim's Client keeps such a completion and resends it by itself until
+// it is acknowledged (over shm and over gRPC), stored once.
 // A completion resent while its first publish awaits JetStream does not hold
 // the loop either: it is answered with that publish, and stored once.
 // Fails when /usr/sbin/nats-server is missing (scripts/install-deps).
@@ -32,8 +34,10 @@
 #include "client/process.h"
 #include "engine_shim/client.h"
 #include "engine_shim/shm_channel.h"
+#include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "sidecar/fleet/member.h"
+#include "sidecar/grpc/predictor_service.h"
 #include "sidecar/shm/shm_server.h"
 #include "storage/rocksdb_store.h"
 #include "tests/support/readout_fixtures.h"
@@ -391,11 +395,11 @@ class ShimEvents {
   std::vector<shim::Event> events_ ABSL_GUARDED_BY(mu_);
 };
 
-std::unique_ptr<shim::Client> StartShimClient(const std::string& shm_path,
+std::unique_ptr<shim::Client> StartShimClient(const std::string& endpoint,
                                               ShimEvents* events,
                                               absl::Duration response_timeout) {
   shim::ClientOptions o;
-  o.endpoint = "shm://" + shm_path;
+  o.endpoint = endpoint;
   o.engine_id = "shim";
   o.dim = kDim;
   o.shm_slots = 16;
@@ -423,7 +427,7 @@ auto PredictionOf(const std::string& id) {
 // the predictions sent after it are answered meanwhile.
 TEST_F(ShmFleetTest, TheShimWatchesAParkedCompletionsAnswer) {
   ShimEvents events;
-  auto c = StartShimClient(server_->path(), &events, absl::Seconds(1));
+  auto c = StartShimClient("shm://" + server_->path(), &events, absl::Seconds(1));
   ASSERT_NE(c, nullptr);
   ASSERT_TRUE(events.Await(Kind(shim::Event::Kind::kConnected)).has_value());
   std::mt19937_64 rng(9);
@@ -457,46 +461,120 @@ TEST_F(ShmFleetTest, TheShimWatchesAParkedCompletionsAnswer) {
   c.reset();
 }
 
-class ShmFleetDefaultTimeoutsTest : public ShmFleetTest {
- protected:
-  ShmFleetDefaultTimeoutsTest() { nats_timeout_ms_ = fleet::NatsClientOptions{}.timeout_ms; }
-};
+// Waits until `pred` holds (it reads the Client's counters, which no event
+// announces); false at the deadline.
+template <typename F>
+bool Eventually(F pred) {
+  const absl::Time deadline = absl::Now() + kDeadline;
+  while (!pred()) {
+    if (absl::Now() > deadline) return false;
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  return true;
+}
 
 // With the default timeouts a JetStream acknowledgement that does not come
 // (the nats-server stopped) ends in leapd's publish timeout (2 s): the
 // completion is answered UNAVAILABLE before the shim's response_timeout
 // (5 s) could abandon the connection, so a slow-but-alive NATS never makes
-// the shim fall back to first-come order.
+// the shim fall back to first-come order. The shim keeps the refused
+// completion (no error event) and resends it by itself with backoff; once
+// NATS runs again a resend is acknowledged and the FEEDBACK stream holds the
+// completion once (the publishes of every attempt carry the same message
+// id). The same over shm and over the gRPC Connect stream (a unix socket
+// served by this process's Core).
+class ShmFleetDefaultTimeoutsTest : public ShmFleetTest {
+ protected:
+  ShmFleetDefaultTimeoutsTest() { nats_timeout_ms_ = fleet::NatsClientOptions{}.timeout_ms; }
+
+  uint64_t StreamLast() {
+    auto last = fleet_->nats().LastSeq(fleet::FeedbackStream("shm"));
+    EXPECT_TRUE(last.ok()) << last.status();
+    return last.value_or(0);
+  }
+  // Completes `id` with the nats-server stopped, then resumes it once the
+  // completion was refused `refusals` times (each resend is refused again
+  // while NATS is stopped, and rescheduled).
+  void RefusedCompletionIsResent(const std::string& endpoint, const std::string& id,
+                                 uint64_t seed, int64_t refusals) {
+    SCOPED_TRACE(endpoint);
+    ShimEvents events;
+    auto c = StartShimClient(endpoint, &events, absl::ZeroDuration());
+    ASSERT_NE(c, nullptr);
+    ASSERT_TRUE(events.Await(Kind(shim::Event::Kind::kConnected)).has_value());
+    std::mt19937_64 rng(seed);
+    auto submit = [&](const std::string& rid) {
+      const std::vector<float> x = testing::RandomFeatures(state_, rng);
+      c->Submit({{rid, "", std::string(reinterpret_cast<const char*>(x.data()),
+                                       x.size() * sizeof(float)), 0}});
+    };
+    submit(id);
+    ASSERT_TRUE(events.Await(PredictionOf(id)).has_value());
+    const uint64_t stored = StreamLast();
+    StopNats();
+    const absl::Time stopped = absl::Now();
+    c->Complete(id, 40, shim::FinishReason::kStop);
+    // Refused UNAVAILABLE (leapd's publish timeout), kept for a resend.
+    const bool refused = Eventually([&] {
+      return c->stats().completion_retries >= refusals ||
+             events.Count(shim::Event::Kind::kDisconnected) > 0 ||
+             events.Count(shim::Event::Kind::kError) > 0;
+    });
+    const absl::Duration after = absl::Now() - stopped;
+    const shim::ClientStats held = c->stats();
+    nats_->Signal(SIGCONT);
+    const absl::Time resumed = absl::Now();
+    ASSERT_TRUE(refused);
+    EXPECT_GE(held.completion_retries, refusals);
+    EXPECT_EQ(held.live, 1);
+    EXPECT_EQ(held.errors, 0);
+    EXPECT_EQ(held.stalls, 0);
+    EXPECT_EQ(events.Count(shim::Event::Kind::kError), 0);
+    EXPECT_EQ(events.Count(shim::Event::Kind::kDisconnected), 0);
+
+    // NATS back: a resend is acknowledged without the engine doing anything.
+    ASSERT_TRUE(Eventually([&] { return c->stats().live == 0; }))
+        << "the refused completion was not resent and acknowledged";
+    const int64_t retries = c->stats().completion_retries;
+    std::printf("%s: refused UNAVAILABLE %lld times in %s (response_timeout 5s: "
+                "no stall), acknowledged %s after NATS resumed, %lld refusals\n",
+                endpoint.rfind("shm", 0) == 0 ? "shm" : "grpc",
+                static_cast<long long>(held.completion_retries),
+                absl::FormatDuration(after).c_str(),
+                absl::FormatDuration(absl::Now() - resumed).c_str(),
+                static_cast<long long>(retries));
+    EXPECT_EQ(events.Count(shim::Event::Kind::kError), 0);
+    EXPECT_EQ(c->stats().errors, 0);
+    EXPECT_EQ(events.Count(shim::Event::Kind::kDisconnected), 0);
+    // In the stream once, though published by each attempt.
+    EXPECT_EQ(StreamLast(), stored + 1);
+    EXPECT_EQ(fleet_->Status().last_fleet_seq, stored + 1);
+    // A further completion lands right after it: nothing of `id` was left.
+    submit(id + "2");
+    ASSERT_TRUE(events.Await(PredictionOf(id + "2")).has_value());
+    c->Complete(id + "2", 30, shim::FinishReason::kStop);
+    ASSERT_TRUE(Eventually([&] { return c->stats().live == 0; }));
+    EXPECT_EQ(StreamLast(), stored + 2);
+    EXPECT_EQ(c->stats().completion_retries, retries);
+    EXPECT_EQ(fleet_->Status().unconfirmed, 0);
+  }
+};
+
 TEST_F(ShmFleetDefaultTimeoutsTest, ALateJetStreamAckDoesNotTripTheShim) {
   ASSERT_EQ(nats_timeout_ms_, 2000);
   ASSERT_EQ(shim::ClientOptions{}.response_timeout, absl::Seconds(5));
-  ShimEvents events;
-  auto c = StartShimClient(server_->path(), &events, absl::ZeroDuration());
-  ASSERT_NE(c, nullptr);
-  ASSERT_TRUE(events.Await(Kind(shim::Event::Kind::kConnected)).has_value());
-  std::mt19937_64 rng(10);
-  const std::vector<float> x = testing::RandomFeatures(state_, rng);
-  c->Submit({{"x", "", std::string(reinterpret_cast<const char*>(x.data()),
-                                   x.size() * sizeof(float)), 0}});
-  ASSERT_TRUE(events.Await(PredictionOf("x")).has_value());
-  StopNats();
-  const absl::Time stopped = absl::Now();
-  c->Complete("x", 40, shim::FinishReason::kStop);
-  auto answered = events.Await([](const shim::Event& e) {
-    return (e.kind == shim::Event::Kind::kError && e.request_id == "x") ||
-           e.kind == shim::Event::Kind::kDisconnected;
-  });
-  const absl::Duration after = absl::Now() - stopped;
-  nats_->Signal(SIGCONT);
-  ASSERT_TRUE(answered.has_value());
-  EXPECT_EQ(answered->kind, shim::Event::Kind::kError) << answered->message;
-  EXPECT_EQ(answered->code, static_cast<int>(absl::StatusCode::kUnavailable))
-      << answered->message;
-  EXPECT_EQ(c->stats().stalls, 0);
-  EXPECT_EQ(events.Count(shim::Event::Kind::kDisconnected), 0);
-  std::printf("unacknowledged publish answered UNAVAILABLE after %s "
-              "(response_timeout 5s): no stall\n",
-              absl::FormatDuration(after).c_str());
+  ASSERT_NO_FATAL_FAILURE(RefusedCompletionIsResent("shm://" + server_->path(), "x", 10, 2));
+
+  PredictorService svc(core_.get(), "fleet-grpc");
+  grpc::ServerBuilder b;
+  const std::string sock = "unix://" + (dir_ / "g.sock").string();
+  b.AddListeningPort(sock, grpc::InsecureServerCredentials());
+  b.RegisterService(&svc);
+  std::unique_ptr<grpc::Server> grpc_server = b.BuildAndStart();
+  ASSERT_NE(grpc_server, nullptr);
+  RefusedCompletionIsResent(sock, "g", 11, 1);
+  svc.BeginShutdown();
+  grpc_server->Shutdown();
 }
 
 }  // namespace
