@@ -399,13 +399,22 @@ TEST(LeapdQuality, SurvivesKillNine) {
   EXPECT_EQ(before.window(), window);
   EXPECT_EQ(before.windows(8).completions(), 20);
   EXPECT_TRUE(std::isfinite(before.windows(7).spearman()));
-  EXPECT_GT(before.windows(7).spearman(), before.windows(0).spearman());
+  // Window 0 is NaN when every prediction in it was the same (no version
+  // learned yet on a busy machine): the rank correlation is undefined.
+  if (!std::isnan(before.windows(0).spearman())) {
+    EXPECT_GT(before.windows(7).spearman(), before.windows(0).spearman());
+  }
   // Each window against an FP64 reference over the same completions.
   for (int w = 0; w < before.windows_size(); ++w) {
     const int64_t from = w * window, to = std::min(n, from + window);
     std::vector<std::pair<double, double>> pairs;
     for (int64_t i = from; i < to; ++i) pairs.emplace_back(predicted[i], static_cast<double>(tokens[i]));
-    EXPECT_NEAR(before.windows(w).spearman(), testing::RefSpearman(pairs), 1e-12) << w;
+    const double ref = testing::RefSpearman(pairs);
+    if (std::isnan(ref)) {
+      EXPECT_TRUE(std::isnan(before.windows(w).spearman())) << w;
+    } else {
+      EXPECT_NEAR(before.windows(w).spearman(), ref, 1e-12) << w;
+    }
     EXPECT_EQ(before.windows(w).first_completion(), from);
   }
   ASSERT_EQ(before.labels_size(), 1);
