@@ -11,6 +11,11 @@
 namespace leap::shim {
 namespace {
 
+// The error for an id the scheduler does not hold.
+absl::Status NotLive(absl::string_view request_id) {
+  return absl::NotFoundError(absl::StrCat("request ", request_id, " is not live"));
+}
+
 // Tiers of the sort key, first served first.
 constexpr int kTierUrgent = -1;
 constexpr int kTierPromoted = 0;
@@ -157,8 +162,7 @@ absl::StatusOr<CarriedDeadline> CountdownScheduler::Carry(
     absl::string_view request_id) const {
   auto it = index_.find(request_id);
   if (it == index_.end()) {
-    return absl::NotFoundError(
-        absl::StrCat("request ", request_id, " is not live"));
+    return NotLive(request_id);
   }
   const Request& r = live_[it->second];
   if (!r.deadline.has_value()) {
@@ -192,8 +196,7 @@ absl::Status CountdownScheduler::SetPredictionImpl(absl::string_view request_id,
   }
   auto it = index_.find(request_id);
   if (it == index_.end()) {
-    return absl::NotFoundError(
-        absl::StrCat("request ", request_id, " is not live"));
+    return NotLive(request_id);
   }
   Request& r = live_[it->second];
   if (first_only && r.predicted_tokens.has_value()) {
@@ -225,8 +228,7 @@ absl::Status CountdownScheduler::SetPrior(absl::string_view request_id,
   }
   auto it = index_.find(request_id);
   if (it == index_.end()) {
-    return absl::NotFoundError(
-        absl::StrCat("request ", request_id, " is not live"));
+    return NotLive(request_id);
   }
   Request& r = live_[it->second];
   if (r.predicted_tokens.has_value()) return absl::OkStatus();
@@ -237,8 +239,7 @@ absl::Status CountdownScheduler::SetPrior(absl::string_view request_id,
 absl::Status CountdownScheduler::Remove(absl::string_view request_id) {
   auto it = index_.find(request_id);
   if (it == index_.end()) {
-    return absl::NotFoundError(
-        absl::StrCat("request ", request_id, " is not live"));
+    return NotLive(request_id);
   }
   const size_t pos = it->second;
   index_.erase(it);
@@ -255,8 +256,7 @@ absl::StatusOr<RequestStats> CountdownScheduler::GetRequest(
     absl::string_view request_id) const {
   auto it = index_.find(request_id);
   if (it == index_.end()) {
-    return absl::NotFoundError(
-        absl::StrCat("request ", request_id, " is not live"));
+    return NotLive(request_id);
   }
   const Request& r = live_[it->second];
   RequestStats stats;
@@ -492,7 +492,7 @@ absl::StatusOr<std::vector<std::string>> CountdownScheduler::OrderAmong(
   for (const std::string& id : ids) {
     auto it = index_.find(id);
     if (it == index_.end()) {
-      return absl::NotFoundError(absl::StrCat("request ", id, " is not live"));
+      return NotLive(id);
     }
     if (selected_[it->second]) {
       return absl::InvalidArgumentError(
@@ -524,7 +524,7 @@ absl::Status CountdownScheduler::Commit(const std::vector<std::string>& ran) {
   for (const std::string& id : ran) {
     auto it = index_.find(id);
     if (it == index_.end()) {
-      return absl::NotFoundError(absl::StrCat("request ", id, " is not live"));
+      return NotLive(id);
     }
     if (selected_[it->second]) {
       return absl::InvalidArgumentError(
