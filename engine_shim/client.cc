@@ -14,6 +14,7 @@ namespace pb = ::leap::v1;
 
 constexpr int32_t kAlreadyExists = 6;
 constexpr int32_t kInvalidArgument = 3;
+constexpr int32_t kResourceExhausted = 8;
 constexpr int32_t kUnavailable = 14;  // a transient refusal: resent
 
 // A 'prediction' or 'rescore' event carrying `p`.
@@ -137,6 +138,17 @@ void Client::ScheduleRetry(const std::string& request_id, Live* live) {
   retries_.emplace(absl::Now() + backoff * jitter(retry_rng_), request_id);
 }
 
+void Client::RetryUnnamed(InflightCompletions* in) {
+  for (const std::string& id : in->ids) {
+    if (!in->unnamed.contains(id)) continue;
+    auto it = live_.find(id);
+    if (it != live_.end() && it->second.completing) {
+      ScheduleRetry(id, &it->second);
+    }
+  }
+  in->unnamed.clear();
+}
+
 void Client::WatchdogLoop() {
   const absl::Duration tick =
       std::min(options_.response_timeout / 4, absl::Milliseconds(100));
@@ -190,7 +202,9 @@ void Client::Submit(std::vector<CapturedFeatures> features) {
         err.message = "too many live requests in the client";
       } else {
         const std::string id = f.request_id;
-        live_[id].features = std::move(f);
+        Live& live = live_[id];
+        live.features = std::move(f);
+        live.submitted_at = ++calls_;
         outbox_.push_back({Outgoing::Kind::kFeatures, id});
         continue;
       }
@@ -207,6 +221,7 @@ void Client::Complete(const std::string& request_id, int64_t output_tokens,
   auto it = live_.find(request_id);
   if (it == live_.end() || it->second.completing) return;
   it->second.completing = true;
+  it->second.completed_at = ++calls_;
   it->second.output_tokens = output_tokens;
   it->second.reason = reason;
   it->second.prompt_tokens = std::max<int64_t>(prompt_tokens, 0);
@@ -243,6 +258,15 @@ std::vector<Event> Client::Poll(size_t max) {
 void Client::SetCallback(std::function<void(const Event&)> cb) {
   absl::MutexLock lock(&events_mu_);
   callback_ = std::move(cb);
+  if (!callback_) return;
+  // The events queued before (e.g. kConnected when the hello was answered
+  // before this call) go to the new callback first, in order: Emit waits
+  // for events_mu_, so none of the client's threads gets ahead of them.
+  while (!events_.empty()) {
+    const Event e = std::move(events_.front());
+    events_.pop_front();
+    callback_(e);
+  }
 }
 
 bool Client::WaitConnected(absl::Duration timeout) {
@@ -318,13 +342,23 @@ void Client::ReaderLoop(Transport* t, uint64_t generation) {
         case pb::SidecarMessage::kAck: {
           auto in = inflight_.find(m.seq());
           if (in == inflight_.end()) break;  // a cancel's ack
-          std::map<std::string, const pb::RequestError*> failed;
-          for (const auto& err : m.ack().errors()) failed[err.request_id()] = &err;
-          for (const std::string& id : in->second) {
-            auto f = failed.find(id);
+          // One part of the answer (shm splits an Ack larger than a frame:
+          // docs/WIRE.md); its errors name their completions.
+          InflightCompletions& msg = in->second;
+          bool overflow = false;
+          for (const pb::RequestError& err : m.ack().errors()) {
+            if (err.request_id().empty() && err.code() == kResourceExhausted) {
+              // An older leapd's "N more per-request errors omitted": the
+              // completions it did not name have an unknown outcome.
+              overflow = true;
+              continue;
+            }
+            ++msg.answered;
+            if (msg.unnamed.erase(err.request_id()) == 0) continue;
+            const std::string& id = err.request_id();
             auto it = live_.find(id);
-            if (f != failed.end() && f->second->code() == kUnavailable &&
-                it != live_.end() && it->second.completing) {
+            if (err.code() == kUnavailable && it != live_.end() &&
+                it->second.completing) {
               // Refused for now, nothing recorded (a fleet member without
               // NATS, the feedback log not written, leapd recovering): kept,
               // and resent after a backoff (no event).
@@ -332,10 +366,17 @@ void Client::ReaderLoop(Transport* t, uint64_t generation) {
               continue;
             }
             if (it != live_.end()) live_.erase(it);
-            if (f == failed.end()) continue;
             ++stats_.errors;
-            events.push_back(
-                ErrorEvent(id, f->second->code(), f->second->message()));
+            events.push_back(ErrorEvent(id, err.code(), err.message()));
+          }
+          msg.answered += m.ack().accepted() + m.ack().skipped();
+          if (overflow) {
+            RetryUnnamed(&msg);
+          } else if (msg.answered >= static_cast<int64_t>(msg.ids.size())) {
+            // The whole answer is in: the rest was acknowledged.
+            for (const std::string& id : msg.unnamed) live_.erase(id);
+          } else {
+            break;  // more parts to come
           }
           inflight_.erase(in);
           break;
@@ -382,6 +423,13 @@ void Client::ReaderLoop(Transport* t, uint64_t generation) {
               break;
             }
           }
+          if (auto in = inflight_.find(m.seq()); in != inflight_.end()) {
+            // A completions message refused whole (no Ack will come):
+            // nothing of it was recorded. Its completions are kept and
+            // resent after a backoff.
+            RetryUnnamed(&in->second);
+            inflight_.erase(in);
+          }
           ++stats_.errors;
           events.push_back(
               ErrorEvent("", m.error().code(), m.error().message()));
@@ -419,16 +467,27 @@ bool Client::Session(Transport* t) {
       return false;
     }
     // Rebuild the outbox: features of every live request this sidecar does
-    // not hold, then every completion not acknowledged, then the rest.
+    // not hold, then every completion not acknowledged (each in the order
+    // the engine gave them), then the rest.
     std::deque<Outgoing> rebuilt;
+    std::vector<std::pair<uint64_t, const std::string*>> order;
     for (auto& [id, live] : live_) {
       if (live.held_by != sidecar_id_) {
-        rebuilt.push_back({Outgoing::Kind::kFeatures, id});
+        order.emplace_back(live.submitted_at, &id);
         if (!live.held_by.empty()) ++stats_.resubmitted;
       }
     }
+    std::sort(order.begin(), order.end());
+    for (const auto& [at, id] : order) {
+      rebuilt.push_back({Outgoing::Kind::kFeatures, *id});
+    }
+    order.clear();
     for (auto& [id, live] : live_) {
-      if (live.completing) rebuilt.push_back({Outgoing::Kind::kCompletion, id});
+      if (live.completing) order.emplace_back(live.completed_at, &id);
+    }
+    std::sort(order.begin(), order.end());
+    for (const auto& [at, id] : order) {
+      rebuilt.push_back({Outgoing::Kind::kCompletion, *id});
     }
     retries_.clear();  // resent now, with every other completion
     for (const Outgoing& o : outbox_) {
@@ -518,7 +577,11 @@ bool Client::Session(Transport* t) {
             break;
         }
       }
-      if (!completing.empty()) inflight_[seq + 1] = completing;
+      if (!completing.empty()) {
+        InflightCompletions& in = inflight_[seq + 1];
+        in.unnamed.insert(completing.begin(), completing.end());
+        in.ids = std::move(completing);
+      }
       // Features before completions, so a resubmitted request is known when
       // its completion arrives.
       features.set_seq(seq++);

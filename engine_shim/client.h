@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
@@ -254,7 +255,12 @@ class Client {
     FinishReason reason = FinishReason::kStop;
     // Completions refused UNAVAILABLE in a row (their resend backoff).
     int refusals = 0;
+    // Order of Submit and of Complete calls: a reconnect resends features
+    // and completions in the order the engine gave them.
+    uint64_t submitted_at = 0;
+    uint64_t completed_at = 0;
   };
+  uint64_t calls_ ABSL_GUARDED_BY(mu_) = 0;
   // Prior queries waiting to be sent on this connection.
   std::deque<Arrival> priors_out_ ABSL_GUARDED_BY(mu_);
   // Sequence numbers of prior queries in flight on this connection.
@@ -285,8 +291,23 @@ class Client {
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   absl::flat_hash_map<std::string, Live> live_ ABSL_GUARDED_BY(mu_);
   std::deque<Outgoing> outbox_ ABSL_GUARDED_BY(mu_);
-  // Completion messages in flight on this connection: seq -> ids.
-  std::map<uint64_t, std::vector<std::string>> inflight_ ABSL_GUARDED_BY(mu_);
+  // A completions message in flight on this connection. Its answer may come
+  // in several Ack parts with its seq (shm: an Ack larger than a frame,
+  // docs/WIRE.md); it is complete once accepted + skipped + errors over the
+  // parts reach ids.size(). Only then are the completions no error named
+  // taken as acknowledged.
+  struct InflightCompletions {
+    std::vector<std::string> ids;
+    // Ids no error of the answer named yet.
+    absl::flat_hash_set<std::string> unnamed;
+    // Completions answered by the parts so far.
+    int64_t answered = 0;
+  };
+  // Completion messages in flight on this connection, by seq.
+  std::map<uint64_t, InflightCompletions> inflight_ ABSL_GUARDED_BY(mu_);
+  // Resends (after a backoff) every completion of `in` that no answer
+  // named: its outcome is unknown (an answer that does not say).
+  void RetryUnnamed(InflightCompletions* in) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Completions refused UNAVAILABLE, by the time they are resent (moved to
   // the outbox by Session; a reconnect resends them at once).
   std::set<std::pair<absl::Time, std::string>> retries_ ABSL_GUARDED_BY(mu_);

@@ -19,7 +19,9 @@
 #include <filesystem>
 #include <map>
 #include <set>
+#include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
@@ -558,10 +560,33 @@ TEST(ShmTransport, FullAnswerRingResumesWhenTheEngineReads) {
   EXPECT_EQ(predicted.size(), static_cast<size_t>(kRecords));
 }
 
+// The parts of the Ack to `seq`: frames with that seq until accepted +
+// skipped + errors reach `records` (docs/WIRE.md, "Answers larger than a
+// frame").
+std::vector<pb::SidecarMessage> AwaitAckParts(shim::ShmChannel& ch, uint64_t seq,
+                                             int64_t records) {
+  std::vector<pb::SidecarMessage> parts;
+  int64_t answered = 0;
+  while (answered < records) {
+    shim::ShmIncoming in = AwaitAnswer(ch, seq);
+    if (in.kind != shim::ShmIncoming::Kind::kProto || !in.proto.has_ack()) {
+      ADD_FAILURE() << "not an Ack part: " << in.proto.DebugString();
+      break;
+    }
+    answered += in.proto.ack().accepted() + in.proto.ack().skipped() +
+                in.proto.ack().errors_size();
+    parts.push_back(in.proto);
+  }
+  EXPECT_EQ(answered, records);
+  return parts;
+}
+
 // An answer with more per-request errors than one frame of the engine's
-// ring holds keeps its counts (work done is reported as done) and says how
-// many errors it left out.
-TEST(ShmTransport, OversizedAnswersKeepTheirCounts) {
+// ring holds comes in several frames with its seq, each within a frame,
+// the errors in record order, the counts in the last part: every record's
+// outcome arrives (a cancel batch and a completion batch, whose UNAVAILABLE
+// refusals the shim must see to resend them).
+TEST(ShmTransport, OversizedAnswersComeInParts) {
   Leapd l = StartLeapd("oversized");
   ASSERT_NE(l.proc, nullptr);
   pb::SidecarMessage ack;
@@ -569,26 +594,69 @@ TEST(ShmTransport, OversizedAnswersKeepTheirCounts) {
   o.ring_bytes = 1 << 16;  // frames of at most 16 KiB
   auto ch = shim::ShmChannel::Attach(o, &ack);
   ASSERT_TRUE(ch.ok()) << ch.status();
+  const size_t frame = (*ch)->max_frame_payload();
+  ASSERT_LE(frame, 16u << 10);
   ExpectServed(**ch, "known", 1);
+  ExpectServed(**ch, "done", 2);
+
+  // Cancels: one known id, then 60 unknown ones of 200+ bytes (> 16 KiB of
+  // errors).
   std::vector<std::string> ids = {"known"};
   for (int i = 0; i < 60; ++i) ids.push_back(std::string(200, 'a' + i % 26) + std::to_string(i));
   std::vector<absl::string_view> views(ids.begin(), ids.end());
-  ASSERT_TRUE((*ch)->SendCancels(2, views).ok());
+  ASSERT_TRUE((*ch)->SendCancels(3, views).ok());
   (*ch)->Flush();
-  shim::ShmIncoming in = AwaitAnswer(**ch, 2);
-  ASSERT_EQ(in.kind, shim::ShmIncoming::Kind::kProto);
-  ASSERT_TRUE(in.proto.has_ack()) << in.proto.DebugString();
-  EXPECT_EQ(in.proto.ack().accepted(), 1);
-  const auto& errors = in.proto.ack().errors();
-  ASSERT_GT(errors.size(), 1);
-  ASSERT_LT(errors.size(), 61);
-  EXPECT_EQ(errors[0].code(), 5);  // NOT_FOUND, with its id
-  EXPECT_EQ(errors[0].request_id(), ids[1]);
-  const auto& summary = errors[errors.size() - 1];
-  EXPECT_EQ(summary.code(), 8);
-  EXPECT_NE(summary.message().find(std::to_string(61 - errors.size()) + " more"),
-            std::string::npos)
-      << summary.message();
+  std::vector<pb::SidecarMessage> parts = AwaitAckParts(**ch, 3, 61);
+  ASSERT_GE(parts.size(), 2u);
+  std::vector<std::string> named;
+  for (size_t p = 0; p < parts.size(); ++p) {
+    EXPECT_LE(parts[p].ByteSizeLong(), frame);
+    EXPECT_GT(parts[p].ack().errors_size(), 0);
+    // The counts travel in the last part.
+    EXPECT_EQ(parts[p].ack().accepted(), p + 1 == parts.size() ? 1 : 0);
+    for (const pb::RequestError& e : parts[p].ack().errors()) {
+      EXPECT_EQ(e.code(), 5) << e.message();  // NOT_FOUND, with its id
+      named.push_back(e.request_id());
+    }
+  }
+  EXPECT_EQ(named, std::vector<std::string>(ids.begin() + 1, ids.end()));
+
+  // Completions (one frame): 40 with a negative token count
+  // (INVALID_ARGUMENT, the request stays live), 14 unknown (NOT_FOUND, the
+  // id twice in the message), one learned: the errors do not fit a frame.
+  pb::EngineMessage m;
+  m.set_seq(4);
+  std::vector<std::string> want;
+  for (int i = 0; i < 55; ++i) {
+    pb::Completion* c = m.mutable_completions()->add_completions();
+    const bool last = i == 54;
+    c->set_request_id(last ? "done" : i < 40 ? std::string(250, 'k') + std::to_string(i)
+                                             : std::string(220, 'u') + std::to_string(i));
+    c->set_output_tokens(last || i >= 40 ? 30 : -1);
+    c->set_reason(pb::FINISH_REASON_STOP);
+    if (!last) want.push_back(c->request_id());
+  }
+  ASSERT_LE(m.ByteSizeLong(), frame);
+  ASSERT_TRUE((*ch)->SendProto(m).ok());
+  (*ch)->Flush();
+  parts = AwaitAckParts(**ch, 4, 55);
+  ASSERT_GE(parts.size(), 2u);
+  named.clear();
+  int64_t accepted = 0;
+  for (size_t p = 0; p < parts.size(); ++p) {
+    EXPECT_LE(parts[p].ByteSizeLong(), frame);
+    accepted += parts[p].ack().accepted() + parts[p].ack().skipped();
+    if (p + 1 < parts.size()) {
+      EXPECT_EQ(parts[p].ack().accepted(), 0);
+    }
+    for (const pb::RequestError& e : parts[p].ack().errors()) {
+      EXPECT_EQ(e.code(), named.size() < 40 ? 3 : 5) << e.message();
+      named.push_back(e.request_id());
+    }
+  }
+  EXPECT_EQ(accepted, 1);
+  EXPECT_EQ(named, want);
+  ExpectServed(**ch, "after", 5);  // the stream goes on
 }
 
 // leapd keeps answering attach requests and hang-ups while another engine

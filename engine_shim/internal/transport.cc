@@ -136,10 +136,65 @@ class ShmTransport final : public Transport {
     if (m.has_hello() && ch == nullptr) return Attach(m);
     if (ch == nullptr) return false;
     if (m.has_features()) return SendFeatures(ch, m);
+    const size_t limit = ch->max_frame_payload();
     if (m.has_cancels()) {
+      // A batch larger than a frame goes as several kCancels frames with
+      // its seq (each answered by its own Ack).
       const auto& ids = m.cancels().request_ids();
-      std::vector<absl::string_view> views(ids.begin(), ids.end());
+      std::vector<absl::string_view> views;
+      size_t bytes = sizeof(shm::CancelsHead);
+      for (const std::string& id : ids) {
+        const size_t add = sizeof(uint16_t) + id.size();
+        if (!views.empty() && bytes + add > limit) {
+          if (!ch->SendCancels(m.seq(), views).ok()) return false;
+          views.clear();
+          bytes = sizeof(shm::CancelsHead);
+        }
+        views.push_back(id);
+        bytes += add;
+      }
       if (!ch->SendCancels(m.seq(), views).ok()) return false;
+      ch->Flush();
+      return true;
+    }
+    if (m.ByteSizeLong() > limit &&
+        (m.has_completions() || m.has_prior_queries())) {
+      // A message larger than a frame goes as several kProto frames with
+      // its seq, each a run of its records, each answered by its own Ack /
+      // PriorBatch: the Client adds the parts up (docs/WIRE.md, "Messages
+      // and answers larger than a frame").
+      pb::EngineMessage part;
+      part.set_seq(m.seq());
+      const size_t base = part.ByteSizeLong() + 16;
+      size_t bytes = base;
+      int records = 0;
+      auto ship = [&]() -> bool {
+        if (records == 0) return true;
+        if (!ch->SendProto(part).ok()) return false;
+        part.Clear();
+        part.set_seq(m.seq());
+        bytes = base;
+        records = 0;
+        return true;
+      };
+      if (m.has_completions()) {
+        for (const pb::Completion& c : m.completions().completions()) {
+          const size_t add = c.ByteSizeLong() + 6;
+          if (bytes + add > limit && !ship()) return false;
+          *part.mutable_completions()->add_completions() = c;
+          bytes += add;
+          ++records;
+        }
+      } else {
+        for (const pb::ArrivalRecord& a : m.prior_queries().records()) {
+          const size_t add = a.ByteSizeLong() + 6;
+          if (bytes + add > limit && !ship()) return false;
+          *part.mutable_prior_queries()->add_records() = a;
+          bytes += add;
+          ++records;
+        }
+      }
+      if (!ship()) return false;
       ch->Flush();
       return true;
     }

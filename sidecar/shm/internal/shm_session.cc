@@ -23,35 +23,98 @@ namespace {
 // must wake it).
 thread_local bool tls_shm_thread = false;
 
-// Trims per-request errors off an answer that would not fit one frame of
-// the engine's ring, keeping every count and adding one summary error: the
-// work done is still reported as done.
-void FitAnswer(pb::SidecarMessage* m, size_t limit) {
-  size_t total = m->ByteSizeLong();
-  if (total <= limit) return;
-  google::protobuf::RepeatedPtrField<pb::RequestError>* errors = nullptr;
-  if (m->has_ack()) {
-    errors = m->mutable_ack()->mutable_errors();
-  } else if (m->has_predictions()) {
-    errors = m->mutable_predictions()->mutable_errors();
-  } else if (m->has_priors()) {
-    errors = m->mutable_priors()->mutable_errors();
+// Splits an answer that would not fit one frame of the engine's ring
+// (payload `limit`) into parts that do, each a SidecarMessage with the same
+// seq and body kind holding a consecutive run of its entries: the answers
+// (predictions, priors) first, then the per-request errors, in their order.
+// An Ack's counts (accepted, skipped, duplicates) travel in the last part.
+// Nothing is dropped: the engine learns the outcome of every record
+// (docs/WIRE.md, "Answers larger than a frame"). An answer that fits, or a
+// body with no entries to split, is the one part.
+std::vector<pb::SidecarMessage> SplitAnswer(pb::SidecarMessage m,
+                                            size_t limit) {
+  std::vector<pb::SidecarMessage> parts;
+  if (m.ByteSizeLong() <= limit) {
+    parts.push_back(std::move(m));
+    return parts;
   }
-  if (errors == nullptr) return;
-  int keep = errors->size();
-  constexpr size_t kSummary = 256;  // the summary error, with room to spare
-  while (keep > 0 && total + kSummary > limit) {
-    --keep;
-    total -= (*errors)[keep].ByteSizeLong() + 5;  // tag + length prefix
+  google::protobuf::RepeatedPtrField<pb::RequestError> errors;
+  google::protobuf::RepeatedPtrField<pb::Prediction> predictions;
+  google::protobuf::RepeatedPtrField<pb::LengthPrior> priors;
+  int64_t accepted = 0, skipped = 0, duplicates = 0;
+  switch (m.body_case()) {
+    case pb::SidecarMessage::kAck:
+      errors.Swap(m.mutable_ack()->mutable_errors());
+      accepted = m.ack().accepted();
+      skipped = m.ack().skipped();
+      duplicates = m.ack().duplicates();
+      m.mutable_ack()->Clear();
+      break;
+    case pb::SidecarMessage::kPredictions:
+      predictions.Swap(m.mutable_predictions()->mutable_predictions());
+      errors.Swap(m.mutable_predictions()->mutable_errors());
+      break;
+    case pb::SidecarMessage::kPriors:
+      priors.Swap(m.mutable_priors()->mutable_priors());
+      errors.Swap(m.mutable_priors()->mutable_errors());
+      break;
+    default:
+      parts.push_back(std::move(m));
+      return parts;
   }
-  const int omitted = errors->size() - keep;
-  if (omitted == 0) return;
-  errors->DeleteSubrange(keep, omitted);
-  pb::RequestError* e = errors->Add();
-  e->set_code(static_cast<int>(absl::StatusCode::kResourceExhausted));
-  e->set_message(absl::StrCat(omitted,
-                              " more per-request errors omitted: they do not "
-                              "fit one frame of this engine's ring"));
+  // `m` is now the empty skeleton of every part: seq and body kind. Room is
+  // left for the counts of the last part; an entry costs its size, its tag
+  // and its length prefix.
+  const size_t base = m.ByteSizeLong() + 64;
+  pb::SidecarMessage part = m;
+  size_t size = base;
+  bool has_entries = false;
+  auto room_for = [&](size_t entry_bytes) {
+    if (has_entries && size + entry_bytes + 6 > limit) {
+      parts.push_back(std::move(part));
+      part = m;
+      size = base;
+      has_entries = false;
+    }
+    size += entry_bytes + 6;
+    has_entries = true;
+  };
+  for (pb::Prediction& p : predictions) {
+    room_for(p.ByteSizeLong());
+    *part.mutable_predictions()->add_predictions() = std::move(p);
+  }
+  for (pb::LengthPrior& p : priors) {
+    room_for(p.ByteSizeLong());
+    *part.mutable_priors()->add_priors() = std::move(p);
+  }
+  for (pb::RequestError& e : errors) {
+    // Ids are echoed up to 4 KiB; a message is cut to 1 KiB when the entry
+    // would not fit a frame of the smallest ring (16 KiB) otherwise.
+    if (e.ByteSizeLong() + base + 6 > limit && e.message().size() > 1024) {
+      e.mutable_message()->resize(1024);
+    }
+    room_for(e.ByteSizeLong());
+    pb::RequestError* to = nullptr;
+    switch (m.body_case()) {
+      case pb::SidecarMessage::kAck:
+        to = part.mutable_ack()->add_errors();
+        break;
+      case pb::SidecarMessage::kPredictions:
+        to = part.mutable_predictions()->add_errors();
+        break;
+      default:
+        to = part.mutable_priors()->add_errors();
+        break;
+    }
+    *to = std::move(e);
+  }
+  if (m.body_case() == pb::SidecarMessage::kAck) {
+    part.mutable_ack()->set_accepted(accepted);
+    part.mutable_ack()->set_skipped(skipped);
+    part.mutable_ack()->set_duplicates(duplicates);
+  }
+  parts.push_back(std::move(part));
+  return parts;
 }
 
 }  // namespace
@@ -314,6 +377,14 @@ void ShmSession::EmitProto(const pb::SidecarMessage& m) {
   Emit(FrameKind::kProto, m.SerializeAsString());
 }
 
+void ShmSession::EmitAnswer(pb::SidecarMessage m) {
+  // The parts go out back to back: nothing comes between them in the ring.
+  for (const pb::SidecarMessage& part :
+       SplitAnswer(std::move(m), out.max_payload())) {
+    EmitProto(part);
+  }
+}
+
 bool ShmSession::FlushPending() {
   while (!pending.empty()) {
     auto& [kind, bytes] = pending.front();
@@ -474,9 +545,8 @@ void ShmSession::HandleProto(const char* payload, size_t bytes) {
     return;
   } else {
     HandleEngineMessage(core, session, hello, dtype, &msg, &answer, this);
-    FitAnswer(&answer, out.max_payload());
   }
-  EmitProto(answer);
+  EmitAnswer(std::move(answer));
 }
 
 void ShmSession::StartCompletionsAnswer(const pb::EngineMessage& msg) {
@@ -495,8 +565,7 @@ void ShmSession::StartCompletionsAnswer(const pb::EngineMessage& msg) {
   pb::SidecarMessage answer;
   answer.set_seq(msg.seq());
   a->Finish(answer.mutable_ack(), this);
-  FitAnswer(&answer, out.max_payload());
-  EmitProto(answer);
+  EmitAnswer(std::move(answer));
 }
 
 bool ShmSession::FlushParked() {
@@ -512,8 +581,7 @@ bool ShmSession::FlushParked() {
     pb::SidecarMessage answer;
     answer.set_seq(it->seq);
     it->answer->Finish(answer.mutable_ack(), this);
-    FitAnswer(&answer, out.max_payload());
-    EmitProto(answer);
+    EmitAnswer(std::move(answer));
     emitted = true;
     it = parked.erase(it);
   }
@@ -533,9 +601,8 @@ void ShmSession::HandleCancels(const char* payload, size_t bytes) {
     core->metrics().RequestErrors("INVALID_ARGUMENT").Increment();
   } else {
     CancelRequests(core, ids, answer.mutable_ack(), this, hello.instance_id());
-    FitAnswer(&answer, out.max_payload());
   }
-  EmitProto(answer);
+  EmitAnswer(std::move(answer));
 }
 
 void ShmSession::FlushReleases() {

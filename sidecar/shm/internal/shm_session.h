@@ -188,6 +188,9 @@ struct ShmSession final : public PublishListener, public LiveTracker {
   void EmitParts(shm::FrameKind kind,
                  std::initializer_list<absl::string_view> parts);
   void EmitProto(const leap::v1::SidecarMessage& m);
+  // An answer to an engine message: split over several frames with its seq
+  // when it does not fit one (docs/WIRE.md, "Answers larger than a frame").
+  void EmitAnswer(leap::v1::SidecarMessage m);
   bool FlushPending();
   void FlushReleases();
   void FlushPublishes();
