@@ -1,0 +1,292 @@
+// The engine shim's Client over shared memory against the shm server of a
+// fleet member (a Core over a real RocksDB store, a real FleetMember on a
+// real nats-server started by the test), where a completion can be refused
+// UNAVAILABLE (NATS gone). docs/WIRE.md, "Messages and answers larger than
+// a frame":
+//  - an Ack whose per-request errors do not fit one frame of the engine's
+//    ring comes in parts; the Client adds them up, so a completion refused
+//    UNAVAILABLE after more errors than a frame holds is kept, resent by the
+//    Client once NATS is back, and in the FEEDBACK stream once;
+//  - the completions the Client sends when it (re)connects go in the order
+//    the engine completed them, with their own token counts.
+// The Client connects only once everything is queued (its endpoint is a
+// link to the server's socket made afterwards), so the queued completions
+// travel in one message. Fails when /usr/sbin/nats-server is missing
+// (scripts/install-deps).
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <random>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "engine_shim/client.h"
+#include "gtest/gtest.h"
+#include "leap/v1/fleet.pb.h"
+#include "sidecar/fleet/member.h"
+#include "sidecar/fleet/nats_client.h"
+#include "sidecar/shm/shm_server.h"
+#include "storage/rocksdb_store.h"
+#include "tests/support/nats_cluster.h"
+#include "tests/support/readout_fixtures.h"
+#include "tests/support/scoped_temp_dir.h"
+#include "tests/support/shim_events.h"
+
+namespace leap::sidecar {
+namespace {
+
+constexpr int64_t kDim = 16;
+constexpr char kFleet[] = "parts";
+constexpr absl::Duration kDeadline = absl::Seconds(30);
+
+// Waits until `pred` holds (it reads the Client's counters, which no event
+// announces); false at the deadline.
+template <typename F>
+bool Eventually(F pred) {
+  const absl::Time deadline = absl::Now() + kDeadline;
+  while (!pred()) {
+    if (absl::Now() > deadline) return false;
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  return true;
+}
+
+int CountKind(const std::vector<shim::Event>& ev, shim::Event::Kind kind) {
+  return static_cast<int>(std::count_if(
+      ev.begin(), ev.end(), [kind](const shim::Event& e) { return e.kind == kind; }));
+}
+
+class ShmAckPartsTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    // A short name: the shm path must fit a unix socket path.
+    tmp_ = std::make_unique<::leap::testing::ScopedTempDir>("shm_parts");
+    dir_ = tmp_->path();
+    ::leap::testing::NatsClusterOptions no;
+    no.nodes = 1;
+    no.dir = (dir_ / "nats").string();
+    auto nats = ::leap::testing::NatsCluster::Start(no);
+    ASSERT_TRUE(nats.ok()) << nats.status();
+    nats_ = std::move(*nats);
+
+    auto st = storage::OpenRocksStore((dir_ / "m").string(), {});
+    ASSERT_TRUE(st.ok()) << st.status();
+    store_ = std::move(*st);
+    auto loaded = store_->Load();
+    ASSERT_TRUE(loaded.ok()) << loaded.status();
+    CoreOptions co;
+    co.readout.serving_only = true;
+    core_ = std::make_unique<Core>(co, &metrics_, store_.get());
+    ASSERT_TRUE(core_->Recover(std::move(*loaded)).ok());
+    fleet::FleetMemberOptions fo;
+    fo.nats.servers = {nats_->url(0)};
+    fo.fleet = kFleet;
+    fo.member = "m";
+    fo.on_degraded = [this](bool d) {
+      absl::MutexLock l(&mu_);
+      degraded_ = d;
+    };
+    auto f = fleet::FleetMember::Create(core_.get(), fo);
+    ASSERT_TRUE(f.ok()) << f.status();
+    fleet_ = std::move(*f);
+    core_->SetFleet(fleet_.get());
+    ASSERT_TRUE(fleet_->Start({}, 20'000).ok());
+    state_ = ::leap::testing::RandomState(kDim, 43);
+    ASSERT_TRUE(fleet_->CreateReadout("chat", state_).ok());
+    Route route;
+    route.arms.push_back({"chat", "chat", 100.0, false});
+    ASSERT_TRUE(fleet_->SetRoute(route).ok());
+
+    ShmServerOptions so;
+    so.path = (dir_ / "leap.shm").string();
+    so.max_slots = 1024;
+    auto server = ShmServer::Start(core_.get(), "parts-sidecar", so);
+    ASSERT_TRUE(server.ok()) << server.status();
+    server_ = std::move(*server);
+  }
+  void TearDown() override {
+    server_.reset();
+    if (core_ != nullptr) core_->SetFleet(nullptr);
+    if (fleet_ != nullptr) fleet_->Stop();
+    fleet_.reset();
+    if (core_ != nullptr) core_->Shutdown(false);
+    core_.reset();
+    store_.reset();
+    nats_.reset();
+    tmp_.reset();
+  }
+
+  bool AwaitDegraded(bool want) {
+    absl::MutexLock l(&mu_);
+    auto cond = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return degraded_ == want; };
+    return mu_.AwaitWithTimeout(absl::Condition(&cond), kDeadline);
+  }
+  uint64_t StreamLast() {
+    auto last = fleet_->nats().LastSeq(fleet::FeedbackStream(kFleet));
+    EXPECT_TRUE(last.ok()) << last.status();
+    return last.value_or(0);
+  }
+  // The completions stored in the FEEDBACK stream after stream seq `after`.
+  std::vector<v1::fleet::FleetCompletion> StoredAfter(uint64_t after) {
+    std::vector<v1::fleet::FleetCompletion> out;
+    const uint64_t last = StreamLast();
+    for (uint64_t s = after + 1; s <= last; ++s) {
+      auto m = fleet_->nats().GetMsg(fleet::FeedbackStream(kFleet), s);
+      EXPECT_TRUE(m.ok()) << m.status();
+      if (!m.ok() || m->subject != fleet::FeedbackSubject(kFleet, "chat")) continue;
+      v1::fleet::FleetCompletion c;
+      EXPECT_TRUE(c.ParseFromString(m->data));
+      out.push_back(std::move(c));
+    }
+    return out;
+  }
+  // A Client whose endpoint is `link`, which does not lead to the server
+  // yet: it stays unattached (degraded) until Link().
+  std::unique_ptr<shim::Client> StartUnattached(::leap::testing::ShimEvents* events) {
+    link_ = (dir_ / "l").string();
+    shim::ClientOptions o =
+        ::leap::testing::TestClientOptions("shm://" + link_, kDim, "parts");
+    o.shm_slots = 256;
+    o.shm_ring_bytes = 1 << 16;  // answer frames of at most 16 KiB
+    auto c = ::leap::testing::StartRecordedClient(o, events);
+    EXPECT_TRUE(c.ok()) << c.status();
+    return c.ok() ? std::move(*c) : nullptr;
+  }
+  void Link() { ASSERT_EQ(symlink(server_->path().c_str(), link_.c_str()), 0); }
+  void Submit(shim::Client* c, const std::string& id) {
+    const std::vector<float> x = ::leap::testing::RandomFeatures(state_, rng_);
+    c->Submit({{id, "", std::string(reinterpret_cast<const char*>(x.data()),
+                                     x.size() * sizeof(float)), 0}});
+  }
+
+  std::unique_ptr<::leap::testing::ScopedTempDir> tmp_;
+  std::filesystem::path dir_;
+  std::string link_;
+  std::unique_ptr<::leap::testing::NatsCluster> nats_;
+  std::unique_ptr<storage::StateStore> store_;
+  Metrics metrics_;
+  std::unique_ptr<Core> core_;
+  std::unique_ptr<fleet::FleetMember> fleet_;
+  readout::ReadoutState state_;
+  std::unique_ptr<ShmServer> server_;
+  std::mt19937_64 rng_{5};
+  absl::Mutex mu_;
+  bool degraded_ ABSL_GUARDED_BY(mu_) = true;
+};
+
+// 69 completions with a bad token count (INVALID_ARGUMENT, ids of 200
+// bytes: their errors alone exceed a 16 KiB frame), then one refused
+// UNAVAILABLE (NATS gone), in one completions message: the refused one is
+// not taken as acknowledged; it is resent until NATS is back and stored
+// once, and each bad one is one error event.
+TEST_F(ShmAckPartsTest, AnUnavailableRefusalPastAFrameOfErrorsIsResentAndStoredOnce) {
+  ASSERT_TRUE(AwaitDegraded(false));
+  const uint64_t stored = StreamLast();
+  ASSERT_TRUE(nats_->Kill(0).ok());
+  ASSERT_TRUE(AwaitDegraded(true));
+
+  ::leap::testing::ShimEvents events;
+  std::unique_ptr<shim::Client> c = StartUnattached(&events);
+  ASSERT_NE(c, nullptr);
+  constexpr int kBad = 69;
+  std::vector<std::string> bad;
+  size_t error_bytes = 0;
+  for (int i = 0; i < kBad; ++i) {
+    bad.push_back(std::string(200, static_cast<char>('a' + i % 26)) + std::to_string(i));
+    error_bytes += bad.back().size();
+    Submit(c.get(), bad.back());
+  }
+  // The completions fit one frame (one message, one answer)...
+  ASSERT_LT(error_bytes + kBad * 20, size_t{16} << 10);
+  Submit(c.get(), "good");
+  for (const std::string& id : bad) c->Complete(id, -1, shim::FinishReason::kStop);
+  c->Complete("good", 40, shim::FinishReason::kStop);
+  EXPECT_EQ(c->stats().connects, 0);
+  Link();
+
+  // Every bad completion is one error event, the good one none.
+  ASSERT_TRUE(events.Wait([&](const std::vector<shim::Event>& ev) {
+    return CountKind(ev, shim::Event::Kind::kError) >= kBad;
+  })) << "error events: " << CountKind(events.events(), shim::Event::Kind::kError);
+  // The refusal was seen: the completion is kept for a resend.
+  ASSERT_TRUE(Eventually([&] { return c->stats().completion_retries >= 1; }))
+      << "the UNAVAILABLE refusal was not seen";
+  const shim::ClientStats held = c->stats();
+  EXPECT_EQ(held.live, 1);
+  EXPECT_EQ(held.errors, kBad);
+  EXPECT_EQ(held.connects, 1);
+  std::set<std::string> named;
+  size_t answer_bytes = 0;
+  for (const shim::Event& e : events.events()) {
+    if (e.kind != shim::Event::Kind::kError) continue;
+    EXPECT_EQ(e.code, 3) << e.request_id << ": " << e.message;
+    EXPECT_TRUE(named.insert(e.request_id).second) << "twice: " << e.request_id;
+    answer_bytes += e.request_id.size() + e.message.size();
+  }
+  EXPECT_EQ(named, std::set<std::string>(bad.begin(), bad.end()));
+  // ...their errors do not.
+  EXPECT_GT(answer_bytes, size_t{16} << 10);
+
+  // NATS back: a resend is acknowledged without the engine doing anything.
+  ASSERT_TRUE(nats_->Restart(0).ok());
+  ASSERT_TRUE(AwaitDegraded(false));
+  ASSERT_TRUE(Eventually([&] { return c->stats().live == 0; }))
+      << "the refused completion was not resent and acknowledged";
+  EXPECT_EQ(CountKind(events.events(), shim::Event::Kind::kError), kBad);
+  EXPECT_EQ(c->stats().errors, kBad);
+  const std::vector<v1::fleet::FleetCompletion> got = StoredAfter(stored);
+  ASSERT_EQ(got.size(), 1u);
+  EXPECT_EQ(got[0].request_id(), "good");
+  EXPECT_EQ(got[0].instance_id(), c->instance_id());
+  std::printf("70 completions in one message (%zu bytes of ids), %zu bytes of "
+              "errors: %d error events, 1 refused UNAVAILABLE %lld times, stored once\n",
+              error_bytes, answer_bytes, kBad,
+              static_cast<long long>(c->stats().completion_retries));
+}
+
+// The completions queued while the Client is not attached go, once it is,
+// in the order the engine completed them (not the order of its tables),
+// each with its own token count.
+TEST_F(ShmAckPartsTest, CompletionsSentAtConnectKeepTheEnginesOrder) {
+  ASSERT_TRUE(AwaitDegraded(false));
+  const uint64_t stored = StreamLast();
+  ::leap::testing::ShimEvents events;
+  std::unique_ptr<shim::Client> c = StartUnattached(&events);
+  ASSERT_NE(c, nullptr);
+  constexpr int kRequests = 40;
+  std::vector<std::string> ids;
+  for (int i = 0; i < kRequests; ++i) {
+    ids.push_back(absl::StrCat("r", i));
+    Submit(c.get(), ids.back());
+  }
+  std::vector<std::string> order = ids;
+  std::shuffle(order.begin(), order.end(), std::mt19937_64(17));
+  std::vector<int64_t> tokens;
+  for (size_t k = 0; k < order.size(); ++k) {
+    tokens.push_back(10 + static_cast<int64_t>(k));
+    c->Complete(order[k], tokens.back(), shim::FinishReason::kStop);
+  }
+  EXPECT_EQ(c->stats().connects, 0);
+  Link();
+  ASSERT_TRUE(Eventually([&] { return c->stats().live == 0; }))
+      << "live: " << c->stats().live;
+  EXPECT_EQ(CountKind(events.events(), shim::Event::Kind::kError), 0);
+  const std::vector<v1::fleet::FleetCompletion> got = StoredAfter(stored);
+  ASSERT_EQ(got.size(), order.size());
+  for (size_t k = 0; k < got.size(); ++k) {
+    EXPECT_EQ(got[k].request_id(), order[k]) << k;
+    EXPECT_NEAR(got[k].true_tokens(), static_cast<double>(tokens[k]), 1e-9) << k;
+  }
+}
+
+}  // namespace
+}  // namespace leap::sidecar
