@@ -5,6 +5,7 @@
 // predictions again; nothing blocks the caller.
 #include <signal.h>
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <map>
@@ -296,6 +297,65 @@ TEST_P(ShimClient, SameIdFromTwoEnginesIsTwoRequestsAndCollisionsAreReported) {
   })) << "the collision was not reported";
   EXPECT_EQ(d->stats().live, 0);
   EXPECT_EQ(c->stats().live, 1);
+}
+
+// A callback set after Start gets the events queued before it, first and
+// in order, before SetCallback returns (here an error of Submit, kConnected
+// and a prediction, all emitted before the call); later ones as they come.
+// Nothing is left for Poll, and nothing is delivered twice.
+TEST_P(ShimClient, SetCallbackAfterStartGetsTheEventsQueuedBefore) {
+  Sidecar leapd("shimcb-" + GetParam(), GetParam());
+  ASSERT_NO_FATAL_FAILURE(leapd.StartWithReadout());
+  auto client = shim::Client::Start(testing::TestClientOptions(leapd.endpoint, kDim, "cb"));
+  ASSERT_TRUE(client.ok()) << client.status();
+  // Emitted by Submit itself, before it returns: queued.
+  (*client)->Submit({{"early-bad", "", std::string(12, '\0'), 0}});
+  ASSERT_TRUE((*client)->WaitConnected(absl::Seconds(10)));
+  std::mt19937 rng(5);
+  (*client)->Submit({Features("p0", rng)});
+  // The reader counts a prediction after it emitted kConnected (one thread,
+  // in order): once counted, kConnected is queued. No event can announce it
+  // (no callback yet): poll the counter.
+  const absl::Time by = absl::Now() + absl::Seconds(30);
+  while ((*client)->stats().predictions < 1 && absl::Now() < by) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));  // poll period
+  }
+  ASSERT_EQ((*client)->stats().predictions, 1);
+
+  ShimEvents col;
+  (*client)->SetCallback([&col](const Event& e) { col.Add(e); });
+  // Delivered during SetCallback: no wait.
+  std::vector<Event> now = col.events();
+  ASSERT_GE(now.size(), 2u);
+  EXPECT_EQ(now[0].kind, Event::Kind::kError);
+  EXPECT_EQ(now[0].request_id, "early-bad");
+  EXPECT_EQ(now[0].code, 3);
+  EXPECT_NE(testing::FindEvent(now, Event::Kind::kConnected, ""), nullptr);
+  // The prediction was counted before it was emitted: it comes now or soon.
+  ASSERT_TRUE(col.Wait([&](const auto& ev) {
+    return testing::FindEvent(ev, Event::Kind::kPrediction, "p0") != nullptr;
+  }));
+  EXPECT_TRUE((*client)->Poll().empty());
+  // Later events go to the callback as they come.
+  (*client)->Submit({Features("p1", rng)});
+  ASSERT_TRUE(col.Wait([&](const auto& ev) {
+    return testing::FindEvent(ev, Event::Kind::kPrediction, "p1") != nullptr;
+  }));
+  now = col.events();
+  auto count = [&](Event::Kind kind) {
+    return std::count_if(now.begin(), now.end(),
+                         [kind](const Event& e) { return e.kind == kind; });
+  };
+  EXPECT_EQ(count(Event::Kind::kConnected), 1);
+  EXPECT_EQ(count(Event::Kind::kError), 1);
+  EXPECT_EQ(count(Event::Kind::kPrediction), 2);
+  // Back to Poll: later events are queued again.
+  (*client)->SetCallback(nullptr);
+  (*client)->Submit({{"late-bad", "", std::string(12, '\0'), 0}});
+  const std::vector<Event> polled = (*client)->Poll();
+  ASSERT_EQ(polled.size(), 1u);
+  EXPECT_EQ(polled[0].request_id, "late-bad");
+  EXPECT_EQ(col.events().size(), now.size());
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, ShimClient, ::testing::Values("unix", "shm"),
