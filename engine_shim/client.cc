@@ -17,6 +17,10 @@ constexpr int32_t kInvalidArgument = 3;
 constexpr int32_t kResourceExhausted = 8;
 constexpr int32_t kUnavailable = 14;  // a transient refusal: resent
 
+// The Client whose callback this thread is running (Emit from inside the
+// callback queues instead of taking events_mu_ again).
+thread_local const Client* tls_delivering = nullptr;
+
 // A 'prediction' or 'rescore' event carrying `p`.
 Event PredictionEvent(Event::Kind kind, const pb::Prediction& p) {
   Event e;
@@ -172,12 +176,32 @@ void Client::WatchdogLoop() {
 }
 
 void Client::Emit(Event e) {
+  if (tls_delivering == this) {
+    // From inside the callback (it called Submit, which refused something):
+    // this thread holds events_mu_ in Deliver, which passes it on after
+    // the callback returns.
+    events_mu_.AssertHeld();
+    nested_.push_back(std::move(e));
+    return;
+  }
   absl::MutexLock lock(&events_mu_);
   if (callback_) {
-    callback_(e);
+    Deliver(e);
   } else {
     events_.push_back(std::move(e));
   }
+}
+
+void Client::Deliver(const Event& e) {
+  const Client* outer = tls_delivering;
+  tls_delivering = this;
+  callback_(e);
+  while (!nested_.empty()) {
+    const Event n = std::move(nested_.front());
+    nested_.pop_front();
+    callback_(n);
+  }
+  tls_delivering = outer;
 }
 
 void Client::Submit(std::vector<CapturedFeatures> features) {
@@ -265,7 +289,7 @@ void Client::SetCallback(std::function<void(const Event&)> cb) {
   while (!events_.empty()) {
     const Event e = std::move(events_.front());
     events_.pop_front();
-    callback_(e);
+    Deliver(e);
   }
 }
 

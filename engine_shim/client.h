@@ -225,9 +225,15 @@ class Client {
 
   // Takes up to `max` queued events (when no callback is set).
   std::vector<Event> Poll(size_t max = SIZE_MAX);
-  // Delivers events to `cb` on the client's threads instead of the
-  // queue; `cb` must not block, and may call Submit, Complete and Cancel but
-  // not Poll or SetCallback. Pass nullptr to go back to Poll.
+  // Delivers events to `cb` instead of the queue. The events queued before
+  // the call (e.g. kConnected, when the hello was answered before it, or an
+  // error of an earlier Submit) go to `cb` first, in order, on the calling
+  // thread, before SetCallback returns; later ones on the client's threads
+  // (or, for Submit's refusals, on the thread that called Submit), one at a
+  // time, in order. So a callback set right after Start misses nothing.
+  // `cb` must not block, and may call Submit, Complete and Cancel (an event
+  // that causes is delivered right after `cb` returns) but not Poll or
+  // SetCallback. Pass nullptr to go back to Poll: later events are queued.
   void SetCallback(std::function<void(const Event&)> cb);
 
   // The instance id in every Hello: ClientOptions::instance_id, or the one
@@ -280,8 +286,12 @@ class Client {
   void ScheduleRetry(const std::string& request_id, Live* live)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ReaderLoop(Transport* t, uint64_t generation);
-  // Called without mu_: the callback may call Submit, Complete, Cancel.
-  void Emit(Event e) ABSL_LOCKS_EXCLUDED(mu_, events_mu_);
+  // Called without mu_: the callback may call Submit, Complete, Cancel
+  // (an event Submit emits from inside the callback is delivered right
+  // after the callback returns).
+  void Emit(Event e) ABSL_LOCKS_EXCLUDED(mu_);
+  // Runs the callback on `e`, then on the events it emitted itself.
+  void Deliver(const Event& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(events_mu_);
   bool Session(Transport* t);
 
   const ClientOptions options_;
@@ -329,6 +339,8 @@ class Client {
   absl::Mutex events_mu_;  // never held with mu_
   std::deque<Event> events_ ABSL_GUARDED_BY(events_mu_);
   std::function<void(const Event&)> callback_ ABSL_GUARDED_BY(events_mu_);
+  // Events emitted by the callback itself, delivered after it returns.
+  std::deque<Event> nested_ ABSL_GUARDED_BY(events_mu_);
 
   std::thread manager_;
   std::thread watchdog_;

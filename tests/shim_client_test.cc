@@ -323,7 +323,14 @@ TEST_P(ShimClient, SetCallbackAfterStartGetsTheEventsQueuedBefore) {
   ASSERT_EQ((*client)->stats().predictions, 1);
 
   ShimEvents col;
-  (*client)->SetCallback([&col](const Event& e) { col.Add(e); });
+  shim::Client* c = client->get();
+  (*client)->SetCallback([&col, c](const Event& e) {
+    col.Add(e);
+    // A callback may call Submit; what that emits comes right after it.
+    if (e.kind == Event::Kind::kPrediction && e.request_id == "p1") {
+      c->Submit({{"nested-bad", "", std::string(12, '\0'), 0}});
+    }
+  });
   // Delivered during SetCallback: no wait.
   std::vector<Event> now = col.events();
   ASSERT_GE(now.size(), 2u);
@@ -339,15 +346,18 @@ TEST_P(ShimClient, SetCallbackAfterStartGetsTheEventsQueuedBefore) {
   // Later events go to the callback as they come.
   (*client)->Submit({Features("p1", rng)});
   ASSERT_TRUE(col.Wait([&](const auto& ev) {
-    return testing::FindEvent(ev, Event::Kind::kPrediction, "p1") != nullptr;
+    return testing::FindEvent(ev, Event::Kind::kError, "nested-bad") != nullptr;
   }));
   now = col.events();
+  ASSERT_GE(now.size(), 2u);
+  EXPECT_EQ(now[now.size() - 2].request_id, "p1");
+  EXPECT_EQ(now.back().request_id, "nested-bad");
   auto count = [&](Event::Kind kind) {
     return std::count_if(now.begin(), now.end(),
                          [kind](const Event& e) { return e.kind == kind; });
   };
   EXPECT_EQ(count(Event::Kind::kConnected), 1);
-  EXPECT_EQ(count(Event::Kind::kError), 1);
+  EXPECT_EQ(count(Event::Kind::kError), 2);
   EXPECT_EQ(count(Event::Kind::kPrediction), 2);
   // Back to Poll: later events are queued again.
   (*client)->SetCallback(nullptr);

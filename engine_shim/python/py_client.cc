@@ -123,9 +123,8 @@ PyClient::PyClient(std::string endpoint, int64_t dim, std::string dtype,
   client_ = std::shared_ptr<Client>(std::move(*c));
   instance_id_ = client_->instance_id();
   events_ = std::make_shared<EventQueue>();
+  // (Whatever the client emitted before goes to the callback first.)
   client_->SetCallback([q = events_](const Event& e) { q->Push(e); });
-  // Whatever the reader emitted before the callback was set.
-  events_->PushFront(client_->Poll());
 }
 
 PyClient::~PyClient() { Close(); }

@@ -42,13 +42,6 @@ class EventQueue {
     absl::MutexLock lock(&mu_);
     events_.push_back(e);
   }
-  // Events that were queued in the client before this queue took over go
-  // in front of everything pushed since.
-  void PushFront(std::vector<Event> events) {
-    absl::MutexLock lock(&mu_);
-    events_.insert(events_.begin(), std::make_move_iterator(events.begin()),
-                   std::make_move_iterator(events.end()));
-  }
   // Waits up to `timeout` for an event (or Close), then takes up to `max`.
   std::vector<Event> Take(size_t max, absl::Duration timeout) {
     absl::MutexLock lock(&mu_);

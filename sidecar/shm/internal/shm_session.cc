@@ -29,7 +29,7 @@ thread_local bool tls_shm_thread = false;
 // (predictions, priors) first, then the per-request errors, in their order.
 // An Ack's counts (accepted, skipped, duplicates) travel in the last part.
 // Nothing is dropped: the engine learns the outcome of every record
-// (docs/WIRE.md, "Answers larger than a frame"). An answer that fits, or a
+// (docs/WIRE.md, "Messages and answers larger than a frame"). An answer that fits, or a
 // body with no entries to split, is the one part.
 std::vector<pb::SidecarMessage> SplitAnswer(pb::SidecarMessage m,
                                             size_t limit) {

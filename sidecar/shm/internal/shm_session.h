@@ -189,7 +189,7 @@ struct ShmSession final : public PublishListener, public LiveTracker {
                  std::initializer_list<absl::string_view> parts);
   void EmitProto(const leap::v1::SidecarMessage& m);
   // An answer to an engine message: split over several frames with its seq
-  // when it does not fit one (docs/WIRE.md, "Answers larger than a frame").
+  // when it does not fit one (docs/WIRE.md, "Messages and answers larger than a frame").
   void EmitAnswer(leap::v1::SidecarMessage m);
   bool FlushPending();
   void FlushReleases();
