@@ -255,19 +255,25 @@ TEST_F(ShmAckPartsTest, AnUnavailableRefusalPastAFrameOfErrorsIsResentAndStoredO
 
 // The completions queued while the Client is not attached go, once it is,
 // in the order the engine completed them (not the order of its tables),
-// each with its own token count.
+// each with its own token count. With ids of 230 bytes the completions
+// message is larger than a frame: it goes as several frames with one seq,
+// each acknowledged on its own, and the Client adds the Acks up (one
+// connection, nothing refused).
 TEST_F(ShmAckPartsTest, CompletionsSentAtConnectKeepTheEnginesOrder) {
   ASSERT_TRUE(AwaitDegraded(false));
   const uint64_t stored = StreamLast();
   ::leap::testing::ShimEvents events;
   std::unique_ptr<shim::Client> c = StartUnattached(&events);
   ASSERT_NE(c, nullptr);
-  constexpr int kRequests = 40;
+  constexpr int kRequests = 100;
   std::vector<std::string> ids;
+  size_t id_bytes = 0;
   for (int i = 0; i < kRequests; ++i) {
-    ids.push_back(absl::StrCat("r", i));
+    ids.push_back(absl::StrCat(std::string(230, 'r'), i));
+    id_bytes += ids.back().size();
     Submit(c.get(), ids.back());
   }
+  ASSERT_GT(id_bytes, size_t{16} << 10);  // one message, more than a frame
   std::vector<std::string> order = ids;
   std::shuffle(order.begin(), order.end(), std::mt19937_64(17));
   std::vector<int64_t> tokens;
@@ -280,6 +286,8 @@ TEST_F(ShmAckPartsTest, CompletionsSentAtConnectKeepTheEnginesOrder) {
   ASSERT_TRUE(Eventually([&] { return c->stats().live == 0; }))
       << "live: " << c->stats().live;
   EXPECT_EQ(CountKind(events.events(), shim::Event::Kind::kError), 0);
+  EXPECT_EQ(c->stats().connects, 1);
+  EXPECT_EQ(c->stats().completion_retries, 0);
   const std::vector<v1::fleet::FleetCompletion> got = StoredAfter(stored);
   ASSERT_EQ(got.size(), order.size());
   for (size_t k = 0; k < got.size(); ++k) {
