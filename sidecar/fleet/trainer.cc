@@ -46,6 +46,11 @@ constexpr int64_t kQualityPutMinIntervalMs = 1000;
 constexpr int64_t kBacklogWaitMs = 20;
 // The most one batch's reading waits for such messages in all.
 constexpr int64_t kBacklogReadMs = 100;
+// Rows taken from the stream are applied once this many wait (or the
+// batch bound, a due version, an idle stream): at d = 4096 an exact batch
+// of 64 costs about half the CPU per completion of batches of a few, and
+// applying them as they come keeps the apply before a due version short.
+constexpr int kMinApplyBatch = 64;
 // After a checkpoint write of W, the next periodic one waits at least
 // this many times W after it: at d = 4096 a write (P copy, 64 MiB into
 // RocksDB or STATE) can take seconds of a busy core, and the thread must
@@ -781,13 +786,14 @@ class Trainer::Worker {
         Stage("read", t0);
         Process(msgs);
         if (stop_.load()) break;
-        // The rows wait for more unless the batch is full or a version is
-        // due: an exact batch of k costs far less than k batches of one at
-        // d = 4096 (P is streamed once per batch), and no version could
-        // show them before it is due anyway.
+        // The rows wait for more unless kMinApplyBatch (or the batch bound)
+        // are taken or a version is due: an exact batch of k costs far less
+        // than k batches of one at d = 4096 (P is streamed once per batch),
+        // and no version could show them before it is due anyway.
         if (deferred_ &&
             (interval == 0 || SteadyMs() - last_publish_ms_ >= interval ||
-             static_cast<int>(batch_y_.size()) >= t_->options_.max_batch)) {
+             static_cast<int>(batch_y_.size()) >=
+                 std::min(t_->options_.max_batch, kMinApplyBatch))) {
           ApplyBatch();
         }
       } else if (st == NATS_TIMEOUT) {
