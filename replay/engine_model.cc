@@ -298,6 +298,10 @@ absl::StatusOr<SimResult> Simulate(std::span<const SimRequest> requests,
       options.scheduler.policy == shim::SchedulingPolicy::kBounded;
   std::optional<shim::CountdownScheduler> admit;
   std::vector<std::optional<shim::CarriedDeadline>> carried(n);
+  // The estimate each request was placed with in the admission queue (NaN:
+  // none), reported with its true length at completion (ObserveCompletion:
+  // the bound's estimates are corrected by the mean error).
+  std::vector<double> queue_estimate(n, kNaN);
   // Output lengths of the last kRecentLengths completions (a ring), and sum.
   constexpr size_t kRecentLengths = 1000;
   std::vector<double> recent_lengths;
@@ -343,6 +347,19 @@ absl::StatusOr<SimResult> Simulate(std::span<const SimRequest> requests,
     }
     const double len = static_cast<double>(
         result.requests[static_cast<size_t>(id)].output_tokens);
+    if (bounded) {
+      // Both stages learn the error of the estimate they placed it with:
+      // the queue its prior (or the recent mean), decode its prediction.
+      const double queued = queue_estimate[static_cast<size_t>(id)];
+      const double predicted_tokens =
+          result.requests[static_cast<size_t>(id)].predicted_tokens;
+      absl::Status s = absl::OkStatus();
+      if (!std::isnan(queued)) s = admit->ObserveCompletion(queued, len);
+      if (s.ok() && !std::isnan(predicted_tokens)) {
+        s = sched.ObserveCompletion(predicted_tokens, len);
+      }
+      if (!s.ok()) return absl::InternalError(s.message());
+    }
     if (recent_lengths.size() < kRecentLengths) {
       recent_lengths.push_back(len);
     } else {
@@ -371,7 +388,10 @@ absl::StatusOr<SimResult> Simulate(std::span<const SimRequest> requests,
           // themselves in arrival order).
           v = recent_sum / static_cast<double>(recent_lengths.size());
         }
-        if (s.ok() && v.has_value()) s = admit->SetPrior(key, *v);
+        if (s.ok() && v.has_value()) {
+          s = admit->SetPrior(key, *v);
+          queue_estimate[static_cast<size_t>(r.id)] = *v;
+        }
         if (!s.ok()) return absl::InternalError(s.message());
       }
     }
@@ -751,6 +771,15 @@ absl::StatusOr<SimResult> SimulateVllm(std::span<const SimRequest> requests,
       live[i] = 0;
       remove_from(running, id);
       absl::Status s = sched.Remove(std::to_string(id));
+      // The bound learns the error of the prediction, which placed its
+      // virtual job (a prior's placement is replaced by the first
+      // prediction).
+      const double predicted_tokens = result.requests[i].predicted_tokens;
+      if (s.ok() && !std::isnan(predicted_tokens)) {
+        s = sched.ObserveCompletion(
+            predicted_tokens,
+            static_cast<double>(result.requests[i].output_tokens));
+      }
       if (!s.ok()) return absl::InternalError(s.message());
       ++finished;
       if (options.prior != nullptr) {
