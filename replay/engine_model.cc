@@ -205,6 +205,9 @@ absl::StatusOr<Run> StartRun(std::span<const SimRequest> requests,
     o.arrival_s = r.arrival_s;
     o.output_tokens = std::max<int64_t>(r.output_tokens, 1);
     o.predicted_tokens = kNaN;
+    o.deadline_origin_step = kNaN;
+    o.deadline_step = kNaN;
+    o.completion_step = kNaN;
   }
   return run;
 }
@@ -247,6 +250,22 @@ absl::Status ApplyPredictions(Predictor& predictor, double now_s,
       ++result.late_predictions;
     }
   }
+  return absl::OkStatus();
+}
+
+// A finishing request's deadline (kBounded), before it leaves `sched`: the
+// step it counts from, the deadline, and the steps committed so far (its
+// last token's step is the last one committed).
+absl::Status RecordDeadline(const shim::CountdownScheduler& sched, int64_t id,
+                            SimResult& result) {
+  absl::StatusOr<shim::RequestStats> st = sched.GetRequest(std::to_string(id));
+  if (!st.ok()) return absl::InternalError(st.status().message());
+  RequestResult& o = result.requests[static_cast<size_t>(id)];
+  if (st->deadline.has_value()) {
+    o.deadline_origin_step = st->deadline_origin;
+    o.deadline_step = *st->deadline;
+  }
+  o.completion_step = static_cast<double>(sched.counters().steps);
   return absl::OkStatus();
 }
 
@@ -334,6 +353,9 @@ absl::StatusOr<SimResult> Simulate(std::span<const SimRequest> requests,
     --resident;
     ++finished;
     if (in_sched[static_cast<size_t>(id)]) {
+      if (bounded) {
+        RETURN_IF_ERROR(RecordDeadline(sched, id, result));
+      }
       absl::Status s = sched.Remove(std::to_string(id));
       if (!s.ok()) return absl::InternalError(s.message());
       in_sched[static_cast<size_t>(id)] = 0;
@@ -770,6 +792,9 @@ absl::StatusOr<SimResult> SimulateVllm(std::span<const SimRequest> requests,
       running_flag[i] = 0;
       live[i] = 0;
       remove_from(running, id);
+      if (so.policy == shim::SchedulingPolicy::kBounded) {
+        RETURN_IF_ERROR(RecordDeadline(sched, id, result));
+      }
       absl::Status s = sched.Remove(std::to_string(id));
       // The bound learns the error of the prediction, which placed its
       // virtual job (a prior's placement is replaced by the first
