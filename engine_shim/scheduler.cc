@@ -582,6 +582,20 @@ absl::Status CountdownScheduler::Commit(const std::vector<std::string>& ran) {
   return absl::OkStatus();
 }
 
+absl::Status CountdownScheduler::CommitIdle(int64_t steps) {
+  if (steps < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("idle steps must be >= 0, got ", steps));
+  }
+  if (!live_.empty()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "idle steps need an empty scheduler; ", live_.size(),
+        " requests are live"));
+  }
+  counters_.steps += steps;
+  return absl::OkStatus();
+}
+
 std::vector<std::string> CountdownScheduler::Select(int slots) {
   const size_t n = live_.size();
   const size_t k = slots <= 0 ? 0 : std::min(static_cast<size_t>(slots), n);

@@ -361,6 +361,15 @@ class CountdownScheduler {
   // committed then), kInvalidArgument for a repeated id.
   absl::Status Commit(const std::vector<std::string>& ran);
 
+  // Commits `steps` empty steps at once while no request is live: exactly
+  // what `steps` calls of Commit({}) would do then (the step count moves,
+  // nothing else: the virtual FCFS system's free times are absolute, so it
+  // drains by itself), in O(1). For an idle engine that passes a gap in
+  // empty steps (docs/SCHEDULING.md, "One deadline from arrival").
+  // kFailedPrecondition while a request is live, kInvalidArgument for
+  // steps < 0.
+  absl::Status CommitIdle(int64_t steps);
+
   // Number of live requests.
   size_t size() const { return live_.size(); }
 

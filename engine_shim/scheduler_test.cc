@@ -764,6 +764,63 @@ TEST(CountdownSchedulerTest, CalibratedBoundMatchesBruteForceReference) {
   EXPECT_EQ(plain.service_correction(), 0);
 }
 
+// An idle gap committed at once (CommitIdle) is the same as one empty
+// Commit per step: bursts separated by gaps, with deadlines, a tail window
+// and the correction, give bit-identical selections and deadlines.
+TEST(CountdownSchedulerTest, CommitIdleEqualsEmptySteps) {
+  SchedulerOptions o;
+  o.policy = SchedulingPolicy::kBounded;
+  o.slots = 4;
+  o.waiting_cap = 0;
+  o.tail_window = 50;
+  o.max_slowdown = 1.5;
+  CountdownScheduler stepped = MakeScheduler(o);
+  CountdownScheduler jumped = MakeScheduler(o);
+  std::mt19937_64 rng(5);
+  std::map<std::string, int64_t> left;
+  int next = 0;
+  for (int burst = 0; burst < 30; ++burst) {
+    for (int i = 0; i < 12; ++i) {
+      const std::string id = absl::StrCat("r", next++);
+      const int64_t len = TrueLength(rng);
+      const double est = NoisyPrediction(rng, len);
+      for (CountdownScheduler* s : {&stepped, &jumped}) {
+        ASSERT_TRUE(s->Add(id).ok());
+        ASSERT_TRUE(s->SetPrior(id, est).ok());
+      }
+      left[id] = len;
+    }
+    while (!left.empty()) {
+      const std::vector<std::string> a = stepped.Select();
+      ASSERT_EQ(a, jumped.Select());
+      for (const std::string& id : a) {
+        if (--left[id] > 0) continue;
+        const absl::StatusOr<RequestStats> st = stepped.GetRequest(id);
+        ASSERT_TRUE(st.ok());
+        EXPECT_EQ(st->deadline, jumped.GetRequest(id)->deadline) << id;
+        for (CountdownScheduler* s : {&stepped, &jumped}) {
+          ASSERT_TRUE(s->ObserveCompletion(*st->prior_tokens, 7).ok());
+          ASSERT_TRUE(s->Remove(id).ok());
+        }
+        left.erase(id);
+      }
+    }
+    // A gap of 0..300 empty steps (sometimes shorter than the virtual
+    // backlog, so the virtual FCFS system still holds work after it).
+    const int64_t gap = std::uniform_int_distribution<int64_t>(0, 300)(rng);
+    for (int64_t j = 0; j < gap; ++j) ASSERT_TRUE(stepped.Commit({}).ok());
+    ASSERT_TRUE(jumped.CommitIdle(gap).ok());
+    ASSERT_EQ(stepped.counters().steps, jumped.counters().steps);
+  }
+  EXPECT_GT(jumped.counters().urgent_selections, 0);
+  EXPECT_EQ(jumped.counters().urgent_selections,
+            stepped.counters().urgent_selections);
+  EXPECT_EQ(jumped.CommitIdle(-1).code(), StatusCode::kInvalidArgument);
+  ASSERT_TRUE(jumped.Add("x").ok());
+  EXPECT_EQ(jumped.CommitIdle(3).code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(jumped.counters().steps, stepped.counters().steps);
+}
+
 TEST(CountdownSchedulerTest, PriorPlacesUntilThePrediction) {
   SchedulerOptions o;
   o.slots = 1;

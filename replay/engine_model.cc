@@ -422,12 +422,11 @@ absl::StatusOr<SimResult> Simulate(std::span<const SimRequest> requests,
       if (bounded) {
         // The deadlines' clock is the step count: an idle engine passes the
         // gap in empty steps, so the virtual FCFS system drains meanwhile.
+        // Both schedulers are empty: the gap is committed in O(1).
         const int64_t idle = IdleSteps(order[next]->arrival_s - t, e);
-        for (int64_t j = 0; j < idle; ++j) {
-          absl::Status s = sched.Commit({});
-          if (s.ok()) s = admit->Commit({});
-          if (!s.ok()) return absl::InternalError(s.message());
-        }
+        absl::Status s = sched.CommitIdle(idle);
+        if (s.ok()) s = admit->CommitIdle(idle);
+        if (!s.ok()) return absl::InternalError(s.message());
       }
       t = order[next]->arrival_s;
       continue;
@@ -613,11 +612,10 @@ absl::StatusOr<SimResult> SimulateVllm(std::span<const SimRequest> requests,
     if (running.empty() && waiting.empty()) {
       if (so.policy == shim::SchedulingPolicy::kBounded) {
         // As in the slots engine: the idle gap passes in empty steps.
+        // The scheduler is empty: the gap is committed in O(1).
         const int64_t idle = IdleSteps(order[next]->arrival_s - t, e);
-        for (int64_t j = 0; j < idle; ++j) {
-          absl::Status s = sched.Commit({});
-          if (!s.ok()) return absl::InternalError(s.message());
-        }
+        absl::Status s = sched.CommitIdle(idle);
+        if (!s.ok()) return absl::InternalError(s.message());
       }
       t = order[next]->arrival_s;
       continue;
