@@ -12,6 +12,7 @@
   - bounded_linear_aging: requests whose deadline is not at risk are ranked
     by remaining - A x steps waited, step by step as a brute force ranks
     them;
+  - commit_idle() moves the step count of an empty scheduler;
   - bad input raises the documented exception and changes nothing.
 
 No leapd, no torch: the scheduler alone (deterministic, no I/O).
@@ -242,6 +243,13 @@ class BadInputTest(unittest.TestCase):
         c.select()
         with self.assertRaises(RuntimeError):
             c.carry("x")  # countdown: no deadlines
+        with self.assertRaises(RuntimeError):
+            c.commit_idle(5)  # a request is live
+        c.remove("x")
+        with self.assertRaises(ValueError):
+            c.commit_idle(-1)
+        c.commit_idle(5)
+        self.assertEqual(c.counters["steps"], 6)
 
 
 def main():

@@ -472,6 +472,13 @@ other live request waited); select() is order() + commit().
 
 Raises:
   KeyError: an id is not live (nothing committed). ValueError: a repeat.)doc")
+      .def("commit_idle", &PyScheduler::CommitIdle, py::arg("steps"),
+           R"doc(Commits `steps` empty steps at once while no request is live (an
+idle engine's gap on the deadlines' clock): the same as `steps` calls of
+commit([]), in O(1).
+
+Raises:
+  RuntimeError: a request is live. ValueError: steps < 0.)doc")
       .def("set_prediction", &PyScheduler::SetPrediction, py::arg("request_id"),
            py::arg("predicted_tokens"),
            R"doc(Sets a request's first prediction (tokens).

@@ -34,6 +34,7 @@ class PyScheduler {
   double ServiceCorrection() { return s_.service_correction(); }
   std::vector<std::string> Order(size_t k) { return s_.Order(k); }
   void Commit(const std::vector<std::string>& ran);
+  void CommitIdle(int64_t steps) { Check(s_.CommitIdle(steps)); }
   void SetPrediction(const std::string& id, double tokens);
   void Rescore(const std::string& id, double tokens);
   void SetPrior(const std::string& id, double tokens);
