@@ -81,15 +81,27 @@ struct FleetQualityView {
 // publish is still in flight or failed): set once, from the thread that
 // receives JetStream's acknowledgement, to the completion's FEEDBACK
 // sequence or UNAVAILABLE. Thread-safe.
+//
+// The result is kept as a code and a message, and every Wait() builds its
+// own Status from them: an error Status shares one reference-counted
+// representation between its copies, counted inside libabsl, where
+// ThreadSanitizer does not see the ordering; copies of one Status handed to
+// several threads made it report the last owner's free as a race.
 class PendingFleetAck {
  public:
   // The first call wins; runs the callbacks registered by OnDone.
-  void Set(absl::StatusOr<uint64_t> result) {
+  void Set(const absl::StatusOr<uint64_t>& result) {
     std::vector<std::function<void()>> run;
     {
       absl::MutexLock l(&mu_);
-      if (result_.has_value()) return;
-      result_ = std::move(result);
+      if (set_) return;
+      set_ = true;
+      if (result.ok()) {
+        seq_ = *result;
+      } else {
+        code_ = result.status().code();
+        message_ = std::string(result.status().message());
+      }
       run.swap(on_done_);
     }
     for (auto& f : run) f();
@@ -97,20 +109,19 @@ class PendingFleetAck {
   // Blocks until set.
   absl::StatusOr<uint64_t> Wait() {
     absl::MutexLock l(&mu_);
-    mu_.Await(absl::Condition(
-        +[](std::optional<absl::StatusOr<uint64_t>>* r) { return r->has_value(); },
-        &result_));
-    return *result_;
+    mu_.Await(absl::Condition(&set_));
+    if (code_ != absl::StatusCode::kOk) return absl::Status(code_, message_);
+    return seq_;
   }
   bool done() const {
     absl::MutexLock l(&mu_);
-    return result_.has_value();
+    return set_;
   }
   // `f` runs once the result is set (at once, here, when it already is).
   void OnDone(std::function<void()> f) {
     {
       absl::MutexLock l(&mu_);
-      if (!result_.has_value()) {
+      if (!set_) {
         on_done_.push_back(std::move(f));
         return;
       }
@@ -120,7 +131,10 @@ class PendingFleetAck {
 
  private:
   mutable absl::Mutex mu_;
-  std::optional<absl::StatusOr<uint64_t>> result_ ABSL_GUARDED_BY(mu_);
+  bool set_ ABSL_GUARDED_BY(mu_) = false;
+  uint64_t seq_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::StatusCode code_ ABSL_GUARDED_BY(mu_) = absl::StatusCode::kOk;
+  std::string message_ ABSL_GUARDED_BY(mu_);
   std::vector<std::function<void()>> on_done_ ABSL_GUARDED_BY(mu_);
 };
 

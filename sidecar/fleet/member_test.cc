@@ -18,6 +18,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
@@ -25,6 +26,7 @@
 #include <filesystem>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -730,6 +732,67 @@ TEST_F(FleetMemberTest, AResendDoesNotWaitForNats) {
   EXPECT_EQ(late->fleet_ack, nullptr);
   EXPECT_EQ(late->fleet_seq, before + 1);
   EXPECT_TRUE(WaitFor([&] { return a->fleet->Status().unconfirmed == 0; }));
+}
+
+// nats.c registers an asynchronous publish before it writes the message,
+// so its answer can come while the publishing thread is still inside
+// js_PublishMsgAsync: here the server is stopped, the socket's buffers fill,
+// one publish blocks in its write, and its 50 ms acknowledgement timeout
+// fires meanwhile. The message must outlive that call (freeing it from the
+// answering thread was a use after free that ASan/TSan see). Every publish is
+// answered exactly once, UNAVAILABLE while the server is stopped, and such an
+// answer is counted.
+TEST_F(FleetMemberTest, AnAnswerWhileItsMessageIsStillBeingWrittenIsSafe) {
+  StreamSpec spec;
+  spec.name = "BLOCKED";
+  spec.subjects = {"blocked.>"};
+  ASSERT_TRUE(observer_->EnsureStream(spec).ok());
+  NatsClientOptions o;
+  o.servers = {Url()};
+  o.timeout_ms = 50;
+  auto c = NatsClient::Connect(o);
+  ASSERT_TRUE(c.ok()) << c.status();
+  NatsClient& client = **c;
+  ASSERT_TRUE(client.WaitConnected(20000).ok());
+
+  StopNats();
+  const std::string payload(64 << 10, 'x');
+  absl::Mutex mu;
+  int answers = 0;
+  int unavailable = 0;
+  std::atomic<int> published{0};
+  std::atomic<bool> stop{false};
+  std::thread publisher([&] {
+    while (!stop.load() && published.load() < 4096) {
+      client.PublishAsync(absl::StrCat("blocked.", published.load()), payload,
+                          {}, [&](absl::StatusOr<PublishResult> r) {
+                            absl::MutexLock l(&mu);
+                            ++answers;
+                            if (absl::IsUnavailable(r.status())) ++unavailable;
+                          });
+      published.fetch_add(1);
+    }
+  });
+  const bool seen = WaitFor(
+      [&] { return client.async_answered_while_publishing() > 0; });
+  stop.store(true);
+  nats_->Signal(SIGCONT);
+  publisher.join();
+  ASSERT_TRUE(seen) << "no publish blocked long enough for its timeout ("
+                    << published.load() << " published)";
+  EXPECT_TRUE(WaitFor([&] {
+    absl::MutexLock l(&mu);
+    return answers == published.load();
+  })) << answers << " answers to " << published.load() << " publishes";
+  {
+    absl::MutexLock l(&mu);
+    EXPECT_GE(unavailable, 1);
+  }
+  EXPECT_EQ(client.async_in_flight(), 0);
+  // Exactly once: no answer comes later either (the last ones settled).
+  client.Close();
+  absl::MutexLock l(&mu);
+  EXPECT_EQ(answers, published.load());
 }
 
 TEST_F(FleetMemberTest, ControlOperationsWaitForTheTrainersAnswer) {

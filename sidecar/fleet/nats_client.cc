@@ -251,8 +251,22 @@ struct NatsClient::Callbacks {
   absl::Notification closed;
   // Asynchronous publishes in flight, by their message (the ack handler
   // gets the message it answers), and answers being delivered.
+  //
+  // nats.c 3.4 registers a message for its acknowledgement before it writes
+  // it to the connection, so the answer (a JetStream ack, or the MaxWait
+  // timeout its timer thread injects) can reach the ack handler while
+  // js_PublishMsgAsync is still reading the message: if the handler
+  // destroyed it then, the publishing thread would read freed memory. So
+  // while `publishing`, the handler leaves the message to the publishing
+  // thread (`own_msg`), which destroys it once js_PublishMsgAsync returned.
+  struct AsyncPub {
+    PublishCallback done;    // empty once answered (or failed by Close)
+    bool publishing = true;  // js_PublishMsgAsync has not returned yet
+    bool own_msg = false;    // answered: the message is ours to destroy
+  };
   absl::Mutex amu;
-  std::unordered_map<natsMsg*, PublishCallback> pending ABSL_GUARDED_BY(amu);
+  std::unordered_map<natsMsg*, AsyncPub> pending ABSL_GUARDED_BY(amu);
+  int64_t answered_while_publishing ABSL_GUARDED_BY(amu) = 0;
   int delivering ABSL_GUARDED_BY(amu) = 0;
   bool closed_async ABSL_GUARDED_BY(amu) = false;
 };
@@ -371,16 +385,27 @@ void NatsClient::Close() {
   if (callbacks_ != nullptr) {
     // Asynchronous publishes still in flight get UNAVAILABLE now; answers
     // being delivered are waited for (none reaches a caller after this).
-    std::unordered_map<natsMsg*, PublishCallback> left;
+    // (A message still being published stays listed, without its callback,
+    // for its publishing thread to settle.)
+    std::vector<PublishCallback> left;
     {
       absl::MutexLock l(&callbacks_->amu);
       callbacks_->closed_async = true;
-      left.swap(callbacks_->pending);
+      auto& pending = callbacks_->pending;
+      for (auto it = pending.begin(); it != pending.end();) {
+        if (it->second.done) left.push_back(std::move(it->second.done));
+        it->second.done = nullptr;
+        if (it->second.publishing) {
+          ++it;
+        } else {
+          it = pending.erase(it);
+        }
+      }
       callbacks_->amu.Await(absl::Condition(
           +[](int* delivering) { return *delivering == 0; },
           &callbacks_->delivering));
     }
-    for (auto& [msg, done] : left) {
+    for (PublishCallback& done : left) {
       done(absl::UnavailableError(
           "publish: the NATS connection was closed before JetStream "
           "acknowledged it"));
@@ -610,18 +635,37 @@ void NatsClient::PublishAsync(const std::string& subject,
           absl::StrCat("publish to ", subject, ": the NATS client is closed")));
       return;
     }
-    callbacks_->pending.emplace(key, std::move(done));
+    callbacks_->pending[key].done = std::move(done);
   }
   s = js_PublishMsgAsync(async_js_, &msg, &po);
-  if (s != NATS_OK) {
-    // The library did not take the message: no answer will come for it.
+  if (s == NATS_OK) {
+    bool destroy = false;
+    {
+      absl::MutexLock l(&callbacks_->amu);
+      auto it = callbacks_->pending.find(key);
+      if (it != callbacks_->pending.end()) {
+        it->second.publishing = false;
+        if (it->second.own_msg) {
+          // Answered while it was being written (see AsyncPub).
+          destroy = true;
+          callbacks_->pending.erase(it);
+        } else if (!it->second.done) {
+          // Failed by Close meanwhile; nats.c keeps the message.
+          callbacks_->pending.erase(it);
+        }
+      }
+    }
+    if (destroy) natsMsg_Destroy(key);
+  } else {
+    // The library did not take the message: no answer came or will come
+    // for it (nats.c reports an answered message as taken).
     natsMsg_Destroy(msg);
     PublishCallback d;
     {
       absl::MutexLock l(&callbacks_->amu);
       auto it = callbacks_->pending.find(key);
       if (it != callbacks_->pending.end()) {
-        d = std::move(it->second);
+        d = std::move(it->second.done);
         callbacks_->pending.erase(it);
       }
     }
@@ -636,24 +680,40 @@ void NatsClient::PublishAsync(const std::string& subject,
 int64_t NatsClient::async_in_flight() const {
   if (callbacks_ == nullptr) return 0;
   absl::MutexLock l(&callbacks_->amu);
-  return static_cast<int64_t>(callbacks_->pending.size());
+  int64_t n = 0;
+  for (const auto& [msg, p] : callbacks_->pending) n += p.done ? 1 : 0;
+  return n;
+}
+
+int64_t NatsClient::async_answered_while_publishing() const {
+  if (callbacks_ == nullptr) return 0;
+  absl::MutexLock l(&callbacks_->amu);
+  return callbacks_->answered_while_publishing;
 }
 
 void NatsClient::OnAsyncAck(jsCtx*, natsMsg* msg, jsPubAck* pa,
                             jsPubAckErr* pae, void* closure) {
   auto* cb = static_cast<Callbacks*>(closure);
   PublishCallback done;
+  bool destroy = true;  // false: its publishing thread destroys it
   {
     absl::MutexLock l(&cb->amu);
     auto it = cb->pending.find(msg);
     if (it != cb->pending.end()) {
-      done = std::move(it->second);
-      cb->pending.erase(it);
-      ++cb->delivering;
+      done = std::move(it->second.done);
+      it->second.done = nullptr;
+      if (it->second.publishing) {
+        it->second.own_msg = true;
+        destroy = false;
+        ++cb->answered_while_publishing;
+      } else {
+        cb->pending.erase(it);
+      }
+      if (done) ++cb->delivering;
     }
   }
   if (!done) {
-    natsMsg_Destroy(msg);
+    if (destroy) natsMsg_Destroy(msg);
     return;
   }
   absl::StatusOr<PublishResult> r;
@@ -675,7 +735,7 @@ void NatsClient::OnAsyncAck(jsCtx*, natsMsg* msg, jsPubAck* pa,
     }
     r = st;
   }
-  natsMsg_Destroy(msg);
+  if (destroy) natsMsg_Destroy(msg);
   done(std::move(r));
   absl::MutexLock l(&cb->amu);
   --cb->delivering;

@@ -325,6 +325,9 @@ class NatsClient {
                     const PublishOptions& options, PublishCallback done);
   // Asynchronous publishes not yet answered.
   int64_t async_in_flight() const;
+  // Answers (acknowledgements or timeouts) that came while nats.c was still
+  // writing their message (see NatsClient::Callbacks::AsyncPub; for tests).
+  int64_t async_answered_while_publishing() const;
 
   // The newest message on `subject` in `stream` (NOT_FOUND when none).
   absl::StatusOr<StreamMsg> GetLastMsg(const std::string& stream,
