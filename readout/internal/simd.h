@@ -66,7 +66,7 @@ struct Avx2 {
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
   }
-  static void Pin(V& v) { __asm__("" : "+v"(v)); }
+  LEAP_TARGET_AVX2 static void Pin(V& v) { __asm__("" : "+v"(v)); }
 };
 
 struct Avx512 {
