@@ -1070,6 +1070,11 @@ class FleetManifestTest(unittest.TestCase):
             env = {e["name"]: e for e in c["env"]}
             self.assertEqual(env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"],
                              "metadata.name")
+            # Go's scheduler threads follow the CPU request (a whole core).
+            gmp = env["GOMAXPROCS"]["valueFrom"]["resourceFieldRef"]
+            self.assertEqual(gmp["resource"], "requests.cpu")
+            self.assertEqual(gmp.get("containerName"), c["name"])
+            self.assertGreaterEqual(float(c["resources"]["requests"]["cpu"]), 1)
             # Ports of the config = the declared container ports.
             self.assertIn("listen: 0.0.0.0:%d" % ports["client"], conf)
             self.assertIn("http: 0.0.0.0:%d" % ports["monitor"], conf)

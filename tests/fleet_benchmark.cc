@@ -33,6 +33,8 @@
 //                   [--clients=6] [--nats_nodes=3] [--members=3]
 //                   [--trainer_cpus=N (m0 pinned to CPUs 0..N-1: its RLS uses
 //                   N threads; 0 = all)] [--version_interval_ms=200]
+//                   [--nats_gomaxprocs=N (GOMAXPROCS of the nats-servers;
+//                   0 = Go's default, the machine's cores)]
 //                   [--sustained=1] [--leapd=PATH (default: the one built
 //                   beside it)] [--trainer_args=--flag=v,--flag=v (more
 //                   flags for m0, e.g. --fleet_checkpoint_every_s=3600)]
@@ -249,6 +251,35 @@ std::string CpuReport(const std::map<std::string, double>& before,
   return out;
 }
 
+// CPU milliseconds per acknowledged completion by kind of process between
+// two samples: clients, the nats-servers together, the members' serving
+// work together (m0 without its trainer threads, and the others), m0's
+// trainer worker and its checkpoint thread. Much less sensitive to other
+// load on the machine than the rates.
+std::string CpuPerCompletion(const std::map<std::string, double>& before,
+                             const std::map<std::string, double>& after,
+                             size_t completions) {
+  if (completions == 0) return "no completions";
+  auto d = [&](const std::string& k) {
+    auto a = after.find(k);
+    auto b = before.find(k);
+    return (a == after.end() ? 0 : a->second) - (b == before.end() ? 0 : b->second);
+  };
+  double members = 0, all = 0;
+  for (const auto& [name, v] : after) {
+    if (name.find(' ') != std::string::npos) continue;
+    all += d(name);
+    if (name[0] == 'm') members += d(name);
+  }
+  const double worker = d("m0 trainer worker"), ck = d("m0 trainer checkpoint");
+  members -= worker + ck;
+  const double per = 1000.0 / static_cast<double>(completions);
+  return absl::StrFormat("clients %.2f, nats %.2f, members' serving %.2f, trainer worker "
+                         "%.2f, trainer checkpoint %.2f; all %.2f",
+                         d("clients") * per, d("nats") * per, members * per, worker * per,
+                         ck * per, all * per);
+}
+
 // The trainer's exact-RLS efficiency in the CPU it got: completions
 // applied per CPU-second of its worker thread, as a ratio of the one-core
 // bound. Meaningful with RLS on one thread (helper threads of a
@@ -285,6 +316,7 @@ int main(int argc, char** argv) {
   const int64_t interval_ms = IntFlag(argc, argv, "version_interval_ms", 200);
   const bool sustained = IntFlag(argc, argv, "sustained", 1) != 0;
   const std::string leapd_path = StrFlag(argc, argv, "leapd", LEAPD_PATH);
+  const int64_t nats_procs = IntFlag(argc, argv, "nats_gomaxprocs", 0);
   const std::vector<std::string> trainer_args = absl::StrSplit(
       StrFlag(argc, argv, "trainer_args", ""), ',', absl::SkipEmpty());
   std::vector<int64_t> rates;
@@ -297,9 +329,10 @@ int main(int argc, char** argv) {
   std::printf("cpu: %s; %ld cores; kernel %s\nuptime: %s\n",
               leap::readout::internal::CpuDescription().c_str(), cores,
               Sh("uname -r").c_str(), Sh("uptime").c_str());
-  std::printf("d = %lld, NATS %d node(s) R%d on loopback, %d members (m0 trains, on "
-              "%ld of %ld cores), %lld client threads, version interval %lld ms\n",
-              static_cast<long long>(dim), nats_nodes, nats_nodes, n_members,
+  std::printf("d = %lld, NATS %d node(s) R%d on loopback (GOMAXPROCS %s), %d members (m0 "
+              "trains, on %ld of %ld cores), %lld client threads, version interval %lld ms\n",
+              static_cast<long long>(dim), nats_nodes, nats_nodes,
+              nats_procs > 0 ? absl::StrCat(nats_procs).c_str() : "default", n_members,
               trainer_cores, cores, static_cast<long long>(clients),
               static_cast<long long>(interval_ms));
 
@@ -345,6 +378,9 @@ int main(int argc, char** argv) {
   // Before the NATS cluster and the members: removed after they stop.
   const leap::testing::ScopedTempDir tmp("leap-fleet-bench");
   const std::string& dir = tmp.path();
+  // The nats-servers inherit it (Go's GOMAXPROCS: the threads running Go
+  // code at once; default the machine's cores).
+  if (nats_procs > 0) setenv("GOMAXPROCS", absl::StrCat(nats_procs).c_str(), 1);
   leap::testing::NatsClusterOptions no;
   no.nodes = nats_nodes;
   no.dir = dir + "/nats";
@@ -512,6 +548,8 @@ int main(int argc, char** argv) {
     const auto cpu_after = CpuSample(member_pids);
     std::printf("  CPU per wall second until served (1.00 = one core): %s\n",
                 CpuReport(cpu_before, cpu_after, learn_secs, cores).c_str());
+    std::printf("  CPU ms per acknowledged completion: %s\n",
+                CpuPerCompletion(cpu_before, cpu_after, acked.size()).c_str());
     if (trainer_cores == 1) {
       std::printf("  trainer: %s\n",
                   TrainerEfficiency(before, stages(), cpu_before, cpu_after, bound1).c_str());
@@ -563,6 +601,8 @@ int main(int argc, char** argv) {
     const auto cpu_after = CpuSample(member_pids);
     std::printf("  CPU per wall second (1.00 = one core): %s\n",
                 CpuReport(cpu_before, cpu_after, phase_s, cores).c_str());
+    std::printf("  CPU ms per acknowledged completion: %s\n",
+                CpuPerCompletion(cpu_before, cpu_after, acked.size()).c_str());
     if (trainer_cores == 1) {
       std::printf("  trainer: %s\n",
                   TrainerEfficiency(before, stages(), cpu_before, cpu_after, bound1).c_str());

@@ -46,6 +46,11 @@ constexpr int64_t kQualityPutMinIntervalMs = 1000;
 constexpr int64_t kBacklogWaitMs = 20;
 // The most one batch's reading waits for such messages in all.
 constexpr int64_t kBacklogReadMs = 100;
+// Rows taken from the stream are applied once this many wait (or the
+// batch bound, a due version, an idle stream): at d = 4096 an exact batch
+// of 64 costs about half the CPU per completion of batches of a few, and
+// applying them as they come keeps the apply before a due version short.
+constexpr int kMinApplyBatch = 64;
 // After a checkpoint write of W, the next periodic one waits at least
 // this many times W after it: at d = 4096 a write (P copy, 64 MiB into
 // RocksDB or STATE) can take seconds of a busy core, and the thread must
@@ -739,7 +744,7 @@ class Trainer::Worker {
     std::vector<MsgPtr> msgs;
     while (!stop_.load()) {
       int64_t wait_ms = 50;
-      if (dirty_) {
+      if (dirty_ || deferred_) {
         wait_ms = std::clamp<int64_t>(last_publish_ms_ + interval - SteadyMs(), 1, 50);
       }
       natsMsg* raw = nullptr;
@@ -760,7 +765,9 @@ class Trainer::Worker {
         int pending = 0;
         natsSubscription_GetPending(sub_, &pending, nullptr);
         const int64_t read_deadline_ms = SteadyMs() + kBacklogReadMs;
-        while (static_cast<int>(msgs.size()) < t_->options_.max_batch &&
+        // Rows already taken and not yet applied count towards the bound.
+        const int room = t_->options_.max_batch - static_cast<int>(batch_y_.size());
+        while (static_cast<int>(msgs.size()) < room &&
                (pending > 0 || server_pending > 0)) {
           int64_t timeout_ms = 1;
           if (pending == 0) {
@@ -779,8 +786,19 @@ class Trainer::Worker {
         Stage("read", t0);
         Process(msgs);
         if (stop_.load()) break;
+        // The rows wait for more unless kMinApplyBatch (or the batch bound)
+        // are taken or a version is due: an exact batch of k costs far less
+        // than k batches of one at d = 4096 (P is streamed once per batch),
+        // and no version could show them before it is due anyway.
+        if (deferred_ &&
+            (interval == 0 || SteadyMs() - last_publish_ms_ >= interval ||
+             static_cast<int>(batch_y_.size()) >=
+                 std::min(t_->options_.max_batch, kMinApplyBatch))) {
+          ApplyBatch();
+        }
       } else if (st == NATS_TIMEOUT) {
         backlog_ = 0;  // nothing arrived within the wait
+        if (deferred_) ApplyBatch();  // due, or the stream is idle
       } else {
         Log(absl::StrCat("reading the stream: ", natsStatus_GetText(st)));
         // The ordered consumer recreates itself; a closed connection ends
@@ -791,6 +809,10 @@ class Trainer::Worker {
       if (SteadyMs() - last_quality_put_ms_ >= quality_interval) PublishQuality();
       MaybeCheckpoint(false, /*stopping=*/false);
     }
+    // What was taken is applied before the term ends: the duplicate index
+    // already holds its message ids, so a later term (this worker, from its
+    // in-memory state) must find them in theta and P.
+    if (deferred_) ApplyBatch();
     const bool final = final_checkpoint_.load() && !abandoned_;
     if (final) {
       // With NATS down nothing more reaches it (the local checkpoint is
@@ -874,7 +896,9 @@ class Trainer::Worker {
       PassQuality(seq);
     }
     Stage("parse", t0);
-    ApplyBatch();
+    // Applied by the caller (Run) when the batch is full, a version is due
+    // or the stream is idle.
+    deferred_ = true;
   }
 
   void Skip(const std::string& reason) {
@@ -1002,6 +1026,7 @@ class Trainer::Worker {
     batch_u_.clear();
     batch_y_.clear();
     batch_seq_.clear();
+    deferred_ = false;
     if (k > 0) Stage("apply", t0);
     if (!s.ok()) RlsRejected(s, k - applied);
   }
@@ -1602,6 +1627,9 @@ class Trainer::Worker {
   uint64_t pos_ = 0;  // sequence of the last message taken
   // A message other than an EXPORT was taken since the last ApplyBatch.
   bool moved_ = false;
+  // Messages taken (pos_ moved, rows perhaps in batch_u_) and not yet
+  // applied: fleet_seq_ still excludes them.
+  bool deferred_ = false;
   std::vector<float> batch_u_;
   std::vector<double> batch_y_;
   std::vector<uint64_t> batch_seq_;
