@@ -82,6 +82,11 @@ absl::Status SchedulerOptions::Validate() const {
     return absl::InvalidArgumentError(
         absl::StrCat("tail_quantile must be in [0, 1], got ", tail_quantile));
   }
+  if (calibration_window < 0 || calibration_window > (1 << 20)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "calibration_window must be in [0, 1048576], got ",
+        calibration_window));
+  }
   if (!std::isfinite(bounded_linear_aging) || bounded_linear_aging < 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "bounded_linear_aging must be finite and >= 0, got ",
@@ -207,9 +212,9 @@ absl::Status CountdownScheduler::SetPredictionImpl(absl::string_view request_id,
   if (!r.predicted_tokens.has_value() && r.deadline.has_value()) {
     // Its virtual FCFS finish was placed with the unpredicted estimate: the
     // first prediction corrects it (for this request only).
-    const double estimate = std::max(
-        1.0, std::max(value - static_cast<double>(r.generated),
-                      options_.remaining_floor));
+    const double estimate =
+        BoundJob(std::max(value - static_cast<double>(r.generated),
+                          options_.remaining_floor));
     r.virtual_finish += estimate - r.virtual_estimate;
     r.virtual_estimate = estimate;
     r.deadline = r.origin + options_.max_slowdown *
@@ -250,6 +255,46 @@ absl::Status CountdownScheduler::Remove(absl::string_view request_id) {
   live_.pop_back();
   ++counters_.removed;
   return absl::OkStatus();
+}
+
+absl::Status CountdownScheduler::ObserveCompletion(double estimate_tokens,
+                                                   double actual_tokens) {
+  if (absl::Status s = CheckTokens("estimate_tokens", estimate_tokens);
+      !s.ok()) {
+    return s;
+  }
+  if (absl::Status s = CheckTokens("actual_tokens", actual_tokens); !s.ok()) {
+    return s;
+  }
+  const size_t window = static_cast<size_t>(options_.calibration_window);
+  if (options_.policy != SchedulingPolicy::kBounded || window == 0) {
+    return absl::OkStatus();
+  }
+  const double error = actual_tokens - estimate_tokens;
+  if (errors_.size() < window) {
+    errors_.push_back(error);
+  } else {
+    errors_[errors_next_] = error;
+    errors_next_ = (errors_next_ + 1) % window;
+  }
+  correction_stale_ = true;
+  return absl::OkStatus();
+}
+
+double CountdownScheduler::service_correction() {
+  if (correction_stale_) {
+    // Oldest first, so the sum does not depend on where the ring starts.
+    double sum = 0;
+    const size_t m = errors_.size();
+    for (size_t j = 0; j < m; ++j) sum += errors_[(errors_next_ + j) % m];
+    correction_ = sum / static_cast<double>(m);
+    correction_stale_ = false;
+  }
+  return correction_;
+}
+
+double CountdownScheduler::BoundJob(double x) {
+  return std::max(1.0, x + service_correction());
 }
 
 absl::StatusOr<RequestStats> CountdownScheduler::GetRequest(
@@ -334,9 +379,8 @@ void CountdownScheduler::AssignDeadlines(double unpredicted_remaining) {
   const auto later = std::greater<double>();  // min-heap
   for (size_t i : new_requests_) {
     Request& r = live_[i];
-    const double estimate =
-        std::max(1.0, Estimate(r).has_value() ? Remaining(r)
-                                              : unpredicted_remaining);
+    const double estimate = BoundJob(
+        Estimate(r).has_value() ? Remaining(r) : unpredicted_remaining);
     double start = now;
     if (virtual_free_.size() >= servers) {
       std::pop_heap(virtual_free_.begin(), virtual_free_.end(), later);
@@ -387,6 +431,8 @@ void CountdownScheduler::Rank(size_t k) {
   const int64_t cap = options_.waiting_cap;
   const double rate = options_.aging_rate;
   const double now = static_cast<double>(counters_.steps);
+  const double correction =
+      policy == SchedulingPolicy::kBounded ? service_correction() : 0;
 
   candidates_.clear();
   for (size_t i = 0; i < n; ++i) {
@@ -398,7 +444,7 @@ void CountdownScheduler::Rank(size_t k) {
     const double remaining =
         estimated ? Remaining(r) : unpredicted_remaining;
     if (policy == SchedulingPolicy::kBounded &&
-        now + remaining > *r.deadline - 1) {
+        now + std::max(0.0, remaining + correction) > *r.deadline - 1) {
       c.tier = kTierUrgent;
       c.priority = *r.deadline;
     } else if (cap > 0 && r.steps_waited >= cap) {
@@ -533,6 +579,20 @@ absl::Status CountdownScheduler::Commit(const std::vector<std::string>& ran) {
     selected_[it->second] = 1;
   }
   CommitSelected();
+  return absl::OkStatus();
+}
+
+absl::Status CountdownScheduler::CommitIdle(int64_t steps) {
+  if (steps < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("idle steps must be >= 0, got ", steps));
+  }
+  if (!live_.empty()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "idle steps need an empty scheduler; ", live_.size(),
+        " requests are live"));
+  }
+  counters_.steps += steps;
   return absl::OkStatus();
 }
 

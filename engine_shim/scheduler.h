@@ -18,7 +18,11 @@
 //      earlier stage's Carry) keeps that stage's deadline: origin + S *
 //      max(F - origin, Q), origin its first step there (one deadline from
 //      arrival). kBounded with bounded_linear_aging > 0 ranks tier 2 by
-//      remaining - bounded_linear_aging * waited.
+//      remaining - bounded_linear_aging * waited. The estimates of the
+//      bound (virtual jobs, and `remaining` in the urgency test) carry the
+//      correction learned from completions (ObserveCompletion,
+//      calibration_window): job = max(1, x + delta), work left =
+//      max(0, remaining + delta); delta = 0 until a completion is reported.
 //   1. Promoted requests: steps_waited >= waiting_cap (when the cap is on).
 //      Most steps waited first; ties by arrival (FCFS).
 //   2. Everybody else by effective priority, smallest first; ties by arrival:
@@ -168,6 +172,20 @@ struct SchedulerOptions {
   // Default: 0
   double bounded_linear_aging = 0;
 
+  // kBounded: the service estimates the bound uses (each new request's job
+  // in the virtual FCFS system, the first prediction's correction of it, and
+  // the work left in the urgency test) are the ranking estimate x plus a
+  // correction delta learned from completions (ObserveCompletion): delta =
+  // the mean of (actual - estimate) over the last `calibration_window`
+  // completions reported, so that the corrected estimates are unbiased for
+  // the mean work of those completions (a prediction of sqrt(length)
+  // squared underestimates the mean length by Var(sqrt(length)); delta
+  // estimates that term). A job is max(1, x + delta); the work left in the
+  // urgency test max(0, remaining + delta). With no completion reported, or
+  // calibration_window = 0, delta = 0 (the estimates as ranked). In
+  // [0, 1 << 20]. Default: 1000
+  int calibration_window = 1000;
+
   // kLinearAging: tokens of priority gained per step waited. Finite, >= 0.
   // Default: 1
   double linear_aging = 1;
@@ -298,6 +316,21 @@ class CountdownScheduler {
   // Forgets a finished or cancelled request. kNotFound for an unknown id.
   absl::Status Remove(absl::string_view request_id);
 
+  // kBounded: a finished request's length, for the bound's correction
+  // (SchedulerOptions::calibration_window): `estimate_tokens`, what this
+  // scheduler ranked it by when its deadline was placed (its prediction, or
+  // its prior, or the value the caller placed it with), and `actual_tokens`,
+  // the output it produced. Keyed by value, not by id, so a stage that hands
+  // requests on before they finish (admission) can be told later. Report
+  // natural completions only (a cancelled request's length says nothing).
+  // Under other policies, or with calibration_window = 0, ignored.
+  // kInvalidArgument for a non-finite or negative value.
+  absl::Status ObserveCompletion(double estimate_tokens, double actual_tokens);
+
+  // The bound's current correction delta in tokens (0 before any reported
+  // completion).
+  double service_correction();
+
   // Decides one decode step and commits it: returns up to `slots` live
   // request ids (all of them when fewer are live), in priority order. The
   // returned requests get generated += 1 and steps_waited = 0; every other
@@ -327,6 +360,15 @@ class CountdownScheduler {
   // change as Select's. kNotFound for an id that is not live (nothing is
   // committed then), kInvalidArgument for a repeated id.
   absl::Status Commit(const std::vector<std::string>& ran);
+
+  // Commits `steps` empty steps at once while no request is live: exactly
+  // what `steps` calls of Commit({}) would do then (the step count moves,
+  // nothing else: the virtual FCFS system's free times are absolute, so it
+  // drains by itself), in O(1). For an idle engine that passes a gap in
+  // empty steps (docs/SCHEDULING.md, "One deadline from arrival").
+  // kFailedPrecondition while a request is live, kInvalidArgument for
+  // steps < 0.
+  absl::Status CommitIdle(int64_t steps);
 
   // Number of live requests.
   size_t size() const { return live_.size(); }
@@ -391,6 +433,8 @@ class CountdownScheduler {
   // The state change of one step; selected_[i] marks live_[i] as chosen.
   void CommitSelected();
   void AssignDeadlines(double unpredicted_remaining);
+  // The bound's virtual FCFS job for ranking estimate x: max(1, x + delta).
+  double BoundJob(double x);
 
   SchedulerOptions options_;
   // Live requests, unordered (swap-remove); index_ maps id to position.
@@ -410,6 +454,13 @@ class CountdownScheduler {
   // Virtual FCFS latencies of the last tail_window requests (a ring).
   std::vector<double> recent_latency_;
   size_t recent_next_ = 0;
+  // kBounded: actual - estimate of the last calibration_window reported
+  // completions (a ring, oldest at errors_next_ once full) and their mean,
+  // recomputed oldest first when stale.
+  std::vector<double> errors_;
+  size_t errors_next_ = 0;
+  double correction_ = 0;
+  bool correction_stale_ = false;
 };
 
 }  // namespace leap::shim

@@ -75,12 +75,31 @@ class ReferenceScheduler {
   bool Predicted(const std::string& id) const {
     return reqs_.at(id).pred.has_value();
   }
+  // A reported completion (scheduler.h, ObserveCompletion): the bound's
+  // correction is the mean of actual - estimate over the last
+  // calibration_window, summed oldest first.
+  void Observe(double estimate, double actual) {
+    if (o_.policy != SchedulingPolicy::kBounded || o_.calibration_window == 0) {
+      return;
+    }
+    errors_.push_back(actual - estimate);
+    if (errors_.size() > static_cast<size_t>(o_.calibration_window)) {
+      errors_.pop_front();
+    }
+  }
+  double Correction() const {
+    if (errors_.empty()) return 0;
+    double sum = 0;
+    for (double e : errors_) sum += e;
+    return sum / static_cast<double>(errors_.size());
+  }
   void Predict(const std::string& id, double v) {
     Req& r = reqs_.at(id);
     if (!r.pred && r.deadline) {
       const double est = std::max(
           1.0, std::max(v - static_cast<double>(r.generated),
-                        o_.remaining_floor));
+                        o_.remaining_floor) +
+                   Correction());
       r.vfinish += est - r.vest;
       r.vest = est;
       r.deadline = r.origin + o_.max_slowdown *
@@ -127,8 +146,8 @@ class ReferenceScheduler {
       const double now = static_cast<double>(steps_);
       for (const auto& [arrival, id] : fresh) {
         Req& r = reqs_.at(id);
-        const double est =
-            std::max(1.0, Ranked(r) ? Remaining(r) : unpredicted);
+        const double est = std::max(
+            1.0, (Ranked(r) ? Remaining(r) : unpredicted) + Correction());
         double start = now;
         if (servers_.size() == static_cast<size_t>(o_.slots)) {
           auto it = std::min_element(servers_.begin(), servers_.end());
@@ -162,7 +181,9 @@ class ReferenceScheduler {
     for (const auto& [id, r] : reqs_) {
       Entry e{{}, 0, id};
       const double rem = Ranked(r) ? Remaining(r) : unpredicted;
-      if (bounded && static_cast<double>(steps_) + rem > *r.deadline - 1) {
+      if (bounded && static_cast<double>(steps_) +
+                             std::max(0.0, rem + Correction()) >
+                         *r.deadline - 1) {
         e.key = {-1, *r.deadline, r.arrival};
       } else if (o_.waiting_cap > 0 && r.waited >= o_.waiting_cap) {
         e.key = {0, -static_cast<double>(r.waited), r.arrival};
@@ -289,6 +310,7 @@ class ReferenceScheduler {
   int64_t steps_ = 0;
   std::vector<double> servers_;  // virtual FCFS: busy servers' free times
   std::deque<double> recent_;    // last tail_window virtual latencies
+  std::deque<double> errors_;    // last calibration_window actual - estimate
 };
 
 // Random traffic: arrivals (with bursts), true lengths, predictions that are
@@ -311,6 +333,10 @@ struct Traffic {
   double prior_update_prob = 0;
   // Arrivals from another stage with a carried deadline (Add(id, carried)).
   double carried_prob = 0;
+  // Finished requests reported to ObserveCompletion with an estimate scaled
+  // by a factor drawn in [low, high] (also some with invalid values).
+  double observe_prob = 0;
+  double observe_low = 0.3, observe_high = 1.2;
 };
 
 double NoisyPrediction(std::mt19937_64& rng, int64_t true_len) {
@@ -455,7 +481,16 @@ void RunAgainstReference(const SchedulerOptions& options,
     const std::vector<std::string> want = ref.Select(slots);
     ASSERT_EQ(got, want) << "step " << step << " slots " << slots;
     for (const std::string& id : got) {
-      if (++generated[id] >= true_len[id]) remove(id);
+      if (++generated[id] < true_len[id]) continue;
+      if (traffic.observe_prob > 0 && u(rng) < traffic.observe_prob) {
+        const double actual = static_cast<double>(true_len[id]);
+        const double est =
+            actual * (traffic.observe_low +
+                      (traffic.observe_high - traffic.observe_low) * u(rng));
+        ASSERT_TRUE(sched.ObserveCompletion(est, actual).ok());
+        ref.Observe(est, actual);
+      }
+      remove(id);
     }
     ASSERT_EQ(sched.counters().cap_promotions, ref.cap_promotions);
     ASSERT_EQ(sched.counters().aging_promotions, ref.aging_promotions);
@@ -478,6 +513,9 @@ void RunAgainstReference(const SchedulerOptions& options,
   }
   if (options.policy == SchedulingPolicy::kBounded) {
     EXPECT_GT(sched.counters().urgent_selections, 0);
+    if (traffic.observe_prob > 0 && options.calibration_window > 0) {
+      EXPECT_NE(sched.service_correction(), 0);
+    }
   }
 }
 
@@ -650,6 +688,137 @@ TEST(CountdownSchedulerTest, CarriedDeadlinesMatchBruteForceReference) {
   // Not kBounded: no deadline, nothing to carry.
   EXPECT_EQ(s.Carry("a").status().code(), StatusCode::kFailedPrecondition);
   EXPECT_FALSE(s.GetRequest("a")->deadline.has_value());
+}
+
+// The bound's service estimates corrected by the mean error of reported
+// completions (ObserveCompletion, calibration_window): virtual jobs, the
+// first prediction's correction and the urgency test, with estimates biased
+// low (the correction grows) or high (it turns negative), short windows (the
+// ring wraps), priors and carried requests; ignored by other policies.
+TEST(CountdownSchedulerTest, CalibratedBoundMatchesBruteForceReference) {
+  struct Config {
+    SchedulingPolicy policy;
+    int slots, cap, window;
+    double low, high;
+  };
+  const Config configs[] = {
+      {SchedulingPolicy::kBounded, 64, 128, 1000, 0.3, 1.0},
+      {SchedulingPolicy::kBounded, 8, 0, 5, 0.2, 0.9},
+      {SchedulingPolicy::kBounded, 16, 0, 37, 1.0, 3.0},
+      {SchedulingPolicy::kBounded, 3, 4, 1, 0.5, 1.5},
+      {SchedulingPolicy::kBounded, 8, 0, 0, 0.2, 0.9},
+      {SchedulingPolicy::kCountdown, 16, 0, 1000, 0.2, 0.9},
+  };
+  uint64_t seed = 200;
+  for (const Config& c : configs) {
+    SchedulerOptions o;
+    o.policy = c.policy;
+    o.slots = c.slots;
+    o.waiting_cap = c.cap;
+    o.calibration_window = c.window;
+    o.max_slowdown = 1.5;
+    o.unpredicted_tokens = 100;
+    Traffic t;
+    t.target_live = std::max(40, std::min(500, c.slots * 8));
+    t.max_arrivals = std::max(2, c.slots / 4);
+    t.carried_prob = 0.3;
+    t.prior_prob = 0.3;
+    t.observe_prob = 0.7;
+    t.observe_low = c.low;
+    t.observe_high = c.high;
+    RunAgainstReference(o, t, 1500, seed++);
+    if (HasFatalFailure()) return;
+  }
+  // The correction is the plain mean error of the window, oldest dropped.
+  SchedulerOptions o;
+  o.policy = SchedulingPolicy::kBounded;
+  o.calibration_window = 3;
+  CountdownScheduler s = MakeScheduler(o);
+  EXPECT_EQ(s.service_correction(), 0);
+  ASSERT_TRUE(s.ObserveCompletion(10, 30).ok());   // +20
+  EXPECT_EQ(s.service_correction(), 20);
+  ASSERT_TRUE(s.ObserveCompletion(100, 90).ok());  // -10
+  ASSERT_TRUE(s.ObserveCompletion(5, 11).ok());    // +6
+  EXPECT_EQ(s.service_correction(), 16.0 / 3.0);
+  ASSERT_TRUE(s.ObserveCompletion(0, 4).ok());     // +4, drops +20
+  EXPECT_EQ(s.service_correction(), 0);
+  for (double bad : {std::nan(""), -1.0, HUGE_VAL}) {
+    EXPECT_EQ(s.ObserveCompletion(bad, 1).code(), StatusCode::kInvalidArgument);
+    EXPECT_EQ(s.ObserveCompletion(1, bad).code(), StatusCode::kInvalidArgument);
+  }
+  EXPECT_EQ(s.service_correction(), 0);
+  // With a correction, a new request's virtual job (slots free, tail
+  // reference off) is its estimate plus the correction: deadline = S x job.
+  o.tail_window = 0;
+  o.max_slowdown = 2;
+  o.calibration_window = 10;
+  CountdownScheduler b = MakeScheduler(o);
+  ASSERT_TRUE(b.ObserveCompletion(40, 100).ok());  // delta = 60
+  ASSERT_TRUE(b.Add("a").ok());
+  ASSERT_TRUE(b.SetPrediction("a", 40).ok());
+  b.Select(0);
+  EXPECT_EQ(b.GetRequest("a")->deadline, 2.0 * (40 + 60));
+  // A countdown scheduler ignores completions.
+  CountdownScheduler plain = MakeScheduler(SchedulerOptions{});
+  ASSERT_TRUE(plain.ObserveCompletion(1, 1000).ok());
+  EXPECT_EQ(plain.service_correction(), 0);
+}
+
+// An idle gap committed at once (CommitIdle) is the same as one empty
+// Commit per step: bursts separated by gaps, with deadlines, a tail window
+// and the correction, give bit-identical selections and deadlines.
+TEST(CountdownSchedulerTest, CommitIdleEqualsEmptySteps) {
+  SchedulerOptions o;
+  o.policy = SchedulingPolicy::kBounded;
+  o.slots = 4;
+  o.waiting_cap = 0;
+  o.tail_window = 50;
+  o.max_slowdown = 1.5;
+  CountdownScheduler stepped = MakeScheduler(o);
+  CountdownScheduler jumped = MakeScheduler(o);
+  std::mt19937_64 rng(5);
+  std::map<std::string, int64_t> left;
+  int next = 0;
+  for (int burst = 0; burst < 30; ++burst) {
+    for (int i = 0; i < 12; ++i) {
+      const std::string id = absl::StrCat("r", next++);
+      const int64_t len = TrueLength(rng);
+      const double est = NoisyPrediction(rng, len);
+      for (CountdownScheduler* s : {&stepped, &jumped}) {
+        ASSERT_TRUE(s->Add(id).ok());
+        ASSERT_TRUE(s->SetPrior(id, est).ok());
+      }
+      left[id] = len;
+    }
+    while (!left.empty()) {
+      const std::vector<std::string> a = stepped.Select();
+      ASSERT_EQ(a, jumped.Select());
+      for (const std::string& id : a) {
+        if (--left[id] > 0) continue;
+        const absl::StatusOr<RequestStats> st = stepped.GetRequest(id);
+        ASSERT_TRUE(st.ok());
+        EXPECT_EQ(st->deadline, jumped.GetRequest(id)->deadline) << id;
+        for (CountdownScheduler* s : {&stepped, &jumped}) {
+          ASSERT_TRUE(s->ObserveCompletion(*st->prior_tokens, 7).ok());
+          ASSERT_TRUE(s->Remove(id).ok());
+        }
+        left.erase(id);
+      }
+    }
+    // A gap of 0..300 empty steps (sometimes shorter than the virtual
+    // backlog, so the virtual FCFS system still holds work after it).
+    const int64_t gap = std::uniform_int_distribution<int64_t>(0, 300)(rng);
+    for (int64_t j = 0; j < gap; ++j) ASSERT_TRUE(stepped.Commit({}).ok());
+    ASSERT_TRUE(jumped.CommitIdle(gap).ok());
+    ASSERT_EQ(stepped.counters().steps, jumped.counters().steps);
+  }
+  EXPECT_GT(jumped.counters().urgent_selections, 0);
+  EXPECT_EQ(jumped.counters().urgent_selections,
+            stepped.counters().urgent_selections);
+  EXPECT_EQ(jumped.CommitIdle(-1).code(), StatusCode::kInvalidArgument);
+  ASSERT_TRUE(jumped.Add("x").ok());
+  EXPECT_EQ(jumped.CommitIdle(3).code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(jumped.counters().steps, stepped.counters().steps);
 }
 
 TEST(CountdownSchedulerTest, PriorPlacesUntilThePrediction) {
@@ -1481,6 +1650,8 @@ TEST(CountdownSchedulerTest, BadInput) {
   invalid([](SchedulerOptions& o) { o.tail_window = -1; });
   invalid([&](SchedulerOptions& o) { o.tail_quantile = 1.5; });
   invalid([&](SchedulerOptions& o) { o.tail_quantile = kNan; });
+  invalid([](SchedulerOptions& o) { o.calibration_window = -1; });
+  invalid([](SchedulerOptions& o) { o.calibration_window = (1 << 20) + 1; });
 
   CountdownScheduler sched = MakeScheduler(SchedulerOptions{});
   ASSERT_TRUE(sched.Add("a").ok());

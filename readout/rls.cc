@@ -414,11 +414,21 @@ absl::Status RlsState::UpdateChunk(const float* u, int64_t ldu,
   LEAP_CHECK_EQ(info, 0) << "dtrtri on a factor with pivots >= 0.7";
 
   // theta += V S^-1 (y - U theta) = V' h, h = L^-T L^-1 e, in FP64.
+  // U theta: each row's sum in eight independent partial sums (entry j in
+  // sum j % 8, added in a fixed order at the end), which the compiler
+  // vectorizes; one chain of n dependent additions cost ~4 us per row.
   std::vector<double> e(k), g(k, 0.0), h(k, 0.0);
+  const double* th = theta_.data();
+  const int64_t n8 = n / 8 * 8;
   for (int64_t a = 0; a < k; ++a) {
     const float* ua = u + a * ldu;
-    double dot = 0;
-    for (int64_t j = 0; j < n; ++j) dot += double{ua[j]} * theta_[j];
+    double part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int64_t j = 0; j < n8; j += 8) {
+      for (int l = 0; l < 8; ++l) part[l] += double{ua[j + l]} * th[j + l];
+    }
+    for (int64_t j = n8; j < n; ++j) part[j - n8] += double{ua[j]} * th[j];
+    const double dot = ((part[0] + part[1]) + (part[2] + part[3])) +
+                       ((part[4] + part[5]) + (part[6] + part[7]));
     e[a] = y[a] - dot;
   }
   for (int64_t c = 0; c < k; ++c) {
@@ -427,10 +437,11 @@ absl::Status RlsState::UpdateChunk(const float* u, int64_t ldu,
   for (int64_t r = 0; r < k; ++r) {
     for (int64_t c = 0; c <= r; ++c) h[c] += s[c * k + r] * g[r];
   }
+  double* thw = theta_.data();
   for (int64_t a = 0; a < k; ++a) {
     const float* va = vt + a * ld;
     const double ha = h[a];
-    for (int64_t j = 0; j < n; ++j) theta_[j] += double{va[j]} * ha;
+    for (int64_t j = 0; j < n; ++j) thw[j] += double{va[j]} * ha;
   }
 
   // The pending columns W' = L^-1 V' (k rows of ld floats, padding zero).

@@ -205,6 +205,9 @@ absl::StatusOr<Run> StartRun(std::span<const SimRequest> requests,
     o.arrival_s = r.arrival_s;
     o.output_tokens = std::max<int64_t>(r.output_tokens, 1);
     o.predicted_tokens = kNaN;
+    o.deadline_origin_step = kNaN;
+    o.deadline_step = kNaN;
+    o.completion_step = kNaN;
   }
   return run;
 }
@@ -247,6 +250,22 @@ absl::Status ApplyPredictions(Predictor& predictor, double now_s,
       ++result.late_predictions;
     }
   }
+  return absl::OkStatus();
+}
+
+// A finishing request's deadline (kBounded), before it leaves `sched`: the
+// step it counts from, the deadline, and the steps committed so far (its
+// last token's step is the last one committed).
+absl::Status RecordDeadline(const shim::CountdownScheduler& sched, int64_t id,
+                            SimResult& result) {
+  absl::StatusOr<shim::RequestStats> st = sched.GetRequest(std::to_string(id));
+  if (!st.ok()) return absl::InternalError(st.status().message());
+  RequestResult& o = result.requests[static_cast<size_t>(id)];
+  if (st->deadline.has_value()) {
+    o.deadline_origin_step = st->deadline_origin;
+    o.deadline_step = *st->deadline;
+  }
+  o.completion_step = static_cast<double>(sched.counters().steps);
   return absl::OkStatus();
 }
 
@@ -298,6 +317,10 @@ absl::StatusOr<SimResult> Simulate(std::span<const SimRequest> requests,
       options.scheduler.policy == shim::SchedulingPolicy::kBounded;
   std::optional<shim::CountdownScheduler> admit;
   std::vector<std::optional<shim::CarriedDeadline>> carried(n);
+  // The estimate each request was placed with in the admission queue (NaN:
+  // none), reported with its true length at completion (ObserveCompletion:
+  // the bound's estimates are corrected by the mean error).
+  std::vector<double> queue_estimate(n, kNaN);
   // Output lengths of the last kRecentLengths completions (a ring), and sum.
   constexpr size_t kRecentLengths = 1000;
   std::vector<double> recent_lengths;
@@ -330,6 +353,9 @@ absl::StatusOr<SimResult> Simulate(std::span<const SimRequest> requests,
     --resident;
     ++finished;
     if (in_sched[static_cast<size_t>(id)]) {
+      if (bounded) {
+        RETURN_IF_ERROR(RecordDeadline(sched, id, result));
+      }
       absl::Status s = sched.Remove(std::to_string(id));
       if (!s.ok()) return absl::InternalError(s.message());
       in_sched[static_cast<size_t>(id)] = 0;
@@ -343,6 +369,19 @@ absl::StatusOr<SimResult> Simulate(std::span<const SimRequest> requests,
     }
     const double len = static_cast<double>(
         result.requests[static_cast<size_t>(id)].output_tokens);
+    if (bounded) {
+      // Both stages learn the error of the estimate they placed it with:
+      // the queue its prior (or the recent mean), decode its prediction.
+      const double queued = queue_estimate[static_cast<size_t>(id)];
+      const double predicted_tokens =
+          result.requests[static_cast<size_t>(id)].predicted_tokens;
+      absl::Status s = absl::OkStatus();
+      if (!std::isnan(queued)) s = admit->ObserveCompletion(queued, len);
+      if (s.ok() && !std::isnan(predicted_tokens)) {
+        s = sched.ObserveCompletion(predicted_tokens, len);
+      }
+      if (!s.ok()) return absl::InternalError(s.message());
+    }
     if (recent_lengths.size() < kRecentLengths) {
       recent_lengths.push_back(len);
     } else {
@@ -371,7 +410,10 @@ absl::StatusOr<SimResult> Simulate(std::span<const SimRequest> requests,
           // themselves in arrival order).
           v = recent_sum / static_cast<double>(recent_lengths.size());
         }
-        if (s.ok() && v.has_value()) s = admit->SetPrior(key, *v);
+        if (s.ok() && v.has_value()) {
+          s = admit->SetPrior(key, *v);
+          queue_estimate[static_cast<size_t>(r.id)] = *v;
+        }
         if (!s.ok()) return absl::InternalError(s.message());
       }
     }
@@ -380,12 +422,11 @@ absl::StatusOr<SimResult> Simulate(std::span<const SimRequest> requests,
       if (bounded) {
         // The deadlines' clock is the step count: an idle engine passes the
         // gap in empty steps, so the virtual FCFS system drains meanwhile.
+        // Both schedulers are empty: the gap is committed in O(1).
         const int64_t idle = IdleSteps(order[next]->arrival_s - t, e);
-        for (int64_t j = 0; j < idle; ++j) {
-          absl::Status s = sched.Commit({});
-          if (s.ok()) s = admit->Commit({});
-          if (!s.ok()) return absl::InternalError(s.message());
-        }
+        absl::Status s = sched.CommitIdle(idle);
+        if (s.ok()) s = admit->CommitIdle(idle);
+        if (!s.ok()) return absl::InternalError(s.message());
       }
       t = order[next]->arrival_s;
       continue;
@@ -571,11 +612,10 @@ absl::StatusOr<SimResult> SimulateVllm(std::span<const SimRequest> requests,
     if (running.empty() && waiting.empty()) {
       if (so.policy == shim::SchedulingPolicy::kBounded) {
         // As in the slots engine: the idle gap passes in empty steps.
+        // The scheduler is empty: the gap is committed in O(1).
         const int64_t idle = IdleSteps(order[next]->arrival_s - t, e);
-        for (int64_t j = 0; j < idle; ++j) {
-          absl::Status s = sched.Commit({});
-          if (!s.ok()) return absl::InternalError(s.message());
-        }
+        absl::Status s = sched.CommitIdle(idle);
+        if (!s.ok()) return absl::InternalError(s.message());
       }
       t = order[next]->arrival_s;
       continue;
@@ -750,7 +790,19 @@ absl::StatusOr<SimResult> SimulateVllm(std::span<const SimRequest> requests,
       running_flag[i] = 0;
       live[i] = 0;
       remove_from(running, id);
+      if (so.policy == shim::SchedulingPolicy::kBounded) {
+        RETURN_IF_ERROR(RecordDeadline(sched, id, result));
+      }
       absl::Status s = sched.Remove(std::to_string(id));
+      // The bound learns the error of the prediction, which placed its
+      // virtual job (a prior's placement is replaced by the first
+      // prediction).
+      const double predicted_tokens = result.requests[i].predicted_tokens;
+      if (s.ok() && !std::isnan(predicted_tokens)) {
+        s = sched.ObserveCompletion(
+            predicted_tokens,
+            static_cast<double>(result.requests[i].output_tokens));
+      }
       if (!s.ok()) return absl::InternalError(s.message());
       ++finished;
       if (options.prior != nullptr) {

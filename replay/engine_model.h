@@ -203,6 +203,14 @@ struct RequestResult {
   // Longest run of consecutive steps this request spent in the scheduler
   // without a decode slot.
   int64_t max_wait_steps = 0;
+  // Tail bound (kBounded) only, else NaN, and NaN for a request that never
+  // reached the decode scheduler (done at prefill): on the deadlines' clock
+  // (engine steps, idle gaps included), the step its deadline counts from,
+  // its deadline as it stood at completion, and the steps before the one
+  // that produced its last token.
+  double deadline_origin_step = 0;
+  double deadline_step = 0;
+  double completion_step = 0;
 };
 
 struct SimOptions {

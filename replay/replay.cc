@@ -350,6 +350,10 @@ absl::Status ReplayOptions::Validate() const {
   if (!(bounded_aging >= 0 && std::isfinite(bounded_aging))) {
     return bad("--bounded-aging must be >= 0, got ", bounded_aging);
   }
+  if (bound_calibration < 0 || bound_calibration > (int64_t{1} << 20)) {
+    return bad("--bound-calibration must be in [0, 1048576], got ",
+               bound_calibration);
+  }
   if (!(aging_rate >= 0 && std::isfinite(aging_rate))) {
     return bad("--aging-rate must be >= 0, got ", aging_rate);
   }
@@ -652,6 +656,8 @@ absl::StatusOr<ReplayReport> RunReplay(const ReplayOptions& o,
         if (spec.discipline == shim::SchedulingPolicy::kBounded) {
           so.scheduler.max_slowdown = spec.knob;
           so.scheduler.bounded_linear_aging = o.bounded_aging;
+          so.scheduler.calibration_window =
+              static_cast<int>(o.bound_calibration);
         } else if (spec.discipline == shim::SchedulingPolicy::kLinearAging) {
           so.scheduler.linear_aging = spec.knob;
         }

@@ -144,6 +144,10 @@ struct ReplayOptions {
   // Linear aging (tokens per step waited) of the ranked tier of every
   // +bounded policy (SchedulerOptions::bounded_linear_aging). Default: 0
   double bounded_aging = 0;
+  // Completions (the last N) from which every +bounded policy learns the
+  // mean error of its estimates (SchedulerOptions::calibration_window);
+  // 0 = the estimates as ranked. Default: 1000
+  int64_t bound_calibration = 1000;
 
   // leapd: this binary (default: FindLeapd()) started for the run, or a
   // running one at `server`.

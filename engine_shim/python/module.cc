@@ -362,8 +362,11 @@ Not thread-safe: call it from the engine's step loop only.)doc")
                        double remaining_floor, const std::string& unpredicted,
                        double unpredicted_tokens, const std::string& policy,
                        double max_slowdown, double linear_aging,
-                       int tail_window, double tail_quantile) {
+                       int tail_window, double tail_quantile,
+                       double bounded_linear_aging, int calibration_window) {
              leap::shim::SchedulerOptions o;
+             o.bounded_linear_aging = bounded_linear_aging;
+             o.calibration_window = calibration_window;
              o.policy = ParseSchedulingPolicy(policy);
              o.max_slowdown = max_slowdown;
              o.tail_window = tail_window;
@@ -387,6 +390,8 @@ Not thread-safe: call it from the engine's step loop only.)doc")
            py::arg("policy") = "countdown", py::arg("max_slowdown") = 2.5,
            py::arg("linear_aging") = 1.0, py::arg("tail_window") = 1000,
            py::arg("tail_quantile") = 0.99,
+           py::arg("bounded_linear_aging") = 0.0,
+           py::arg("calibration_window") = 1000,
            R"doc(Args:
   slots: decode slots per step taken by select() (>= 1).
   waiting_cap: steps without a slot after which a request is promoted
@@ -409,15 +414,71 @@ Not thread-safe: call it from the engine's step loop only.)doc")
     tail_quantile of the virtual FCFS latencies of the last tail_window
     requests (0 = off); a request may take S x max(its own, that).
   linear_aging: tokens of priority per step waited of "linear-aging".
+  bounded_linear_aging: "bounded" ranks the requests whose deadline is not
+    at risk by remaining - A x steps waited instead of the countdown (0 =
+    the countdown); the deadline rule is unchanged.
+  calibration_window: "bounded" adds to the estimates it places deadlines
+    with the mean error (actual - estimate) of the last N completions given
+    to observe_completion(), so they are unbiased for the mean (0 = off).
 
 Raises:
   ValueError: an option out of range.)doc")
       .def("add", &PyScheduler::Add, py::arg("request_id"),
+           py::arg("carried") = py::none(),
            R"doc(Makes a request live (no prediction yet, 0 generated). Add it
 before capturing it, so its prediction finds it.
 
+Args:
+  carried: None, or the dict carry() of an earlier stage's "bounded"
+    scheduler returned for it (age, virtual_left, virtual_estimate,
+    tail_reference): the request keeps the deadline it got at arrival
+    there (one deadline from arrival across admission and decode; both
+    schedulers must count the same steps). Ignored by other policies.
+
 Raises:
-  ValueError: the id is live already.)doc")
+  ValueError: the id is live already, or a carried field is missing,
+    negative (age, estimate, reference) or not finite.
+  TypeError: carried is not a dict.)doc")
+      .def("carry", &PyScheduler::Carry, py::arg("request_id"),
+           R"doc(The deadline state of a live request of a "bounded" scheduler,
+for add(id, carried=...) on the next stage's scheduler: dict with age
+(steps since its first step here, or in the stage before), virtual_left
+(its virtual FCFS finish minus the coming step), virtual_estimate and
+tail_reference.
+
+Raises:
+  KeyError: unknown id.
+  RuntimeError: it has no deadline yet (not "bounded", or before its first
+    step).)doc")
+      .def("observe_completion", &PyScheduler::ObserveCompletion,
+           py::arg("estimate_tokens"), py::arg("actual_tokens"),
+           R"doc(Reports a finished request's estimate (the prediction or prior
+this scheduler placed it with) and its true output length: "bounded"
+corrects its estimates by the mean error of the last calibration_window
+reports. Report natural completions only. Ignored by other policies.
+
+Raises:
+  ValueError: a negative or non-finite value.)doc")
+      .def_property_readonly(
+          "service_correction", &PyScheduler::ServiceCorrection,
+          "The bound's current correction in tokens (0 before any report).")
+      .def("order", &PyScheduler::Order, py::arg("k"),
+           R"doc(The first k live requests of the coming step, in select()'s
+order, without committing anything (engines where every admitted request
+decodes each step; a waiting queue).)doc")
+      .def("commit", &PyScheduler::Commit, py::arg("ran"),
+           R"doc(Commits one step in which the requests `ran` held a slot (every
+other live request waited); select() is order() + commit().
+
+Raises:
+  KeyError: an id is not live (nothing committed). ValueError: a repeat.)doc")
+      .def("commit_idle", &PyScheduler::CommitIdle, py::arg("steps"),
+           R"doc(Commits `steps` empty steps at once while no request is live (an
+idle engine's gap on the deadlines' clock): the same as `steps` calls of
+commit([]), in O(1).
+
+Raises:
+  RuntimeError: a request is live. ValueError: steps < 0.)doc")
       .def("set_prediction", &PyScheduler::SetPrediction, py::arg("request_id"),
            py::arg("predicted_tokens"),
            R"doc(Sets a request's first prediction (tokens).
@@ -471,7 +532,10 @@ Raises:
   TypeError: an element is not a leap_shim.Event.)doc")
       .def("request", &PyScheduler::Request, py::arg("request_id"),
            R"doc(A snapshot of a live request: dict with predicted_tokens (None
-until predicted), generated, steps_waited, arrival, predictions.
+until predicted), generated, steps_waited, arrival, predictions,
+prior_tokens (None without a prior), added_step, waited_total, deadline
+(None before its first step and under other policies than "bounded") and
+deadline_origin.
 
 Raises:
   KeyError: unknown id.)doc")
@@ -480,7 +544,8 @@ Raises:
       .def_property_readonly(
           "counters", &PyScheduler::Counters,
           R"doc(Counters since creation, as a dict: steps, selections,
-cap_promotions, aging_promotions, max_steps_waited, added, removed.)doc")
+cap_promotions, aging_promotions, max_steps_waited, urgent_selections,
+added, removed.)doc")
       .def("__len__", &PyScheduler::size, "Number of live requests.")
       .def("__contains__", &PyScheduler::Contains, py::arg("request_id"),
            "True when the request is live.");

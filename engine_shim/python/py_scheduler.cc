@@ -2,6 +2,7 @@
 
 #include <pybind11/stl.h>
 
+#include <iterator>
 #include <utility>
 
 #include "absl/status/statusor.h"
@@ -13,9 +14,59 @@ namespace leap::shim::python {
 
 namespace py = pybind11;
 
-void PyScheduler::Add(const std::string& id) {
-  Check(s_.Add(id));
+void PyScheduler::Add(const std::string& id, const py::object& carried) {
+  if (carried.is_none()) {
+    Check(s_.Add(id));
+  } else {
+    if (!py::isinstance<py::dict>(carried)) {
+      throw py::type_error(absl::StrCat(
+          "carried must be None or a dict from carry(), got ",
+          std::string(py::str(py::type::handle_of(carried).attr("__name__")))));
+    }
+    const py::dict d = carried.cast<py::dict>();
+    CarriedDeadline c;
+    const std::pair<const char*, double*> fields[] = {
+        {"age", &c.age},
+        {"virtual_left", &c.virtual_left},
+        {"virtual_estimate", &c.virtual_estimate},
+        {"tail_reference", &c.tail_reference}};
+    for (const auto& [name, field] : fields) {
+      if (!d.contains(name)) {
+        throw py::value_error(
+            absl::StrCat("carried deadline of ", id, " lacks '", name, "'"));
+      }
+      *field = d[name].cast<double>();
+    }
+    if (d.size() != std::size(fields)) {
+      throw py::value_error(absl::StrCat(
+          "carried deadline of ", id,
+          " takes exactly age, virtual_left, virtual_estimate and "
+          "tail_reference, got ",
+          d.size(), " keys"));
+    }
+    Check(s_.Add(id, c));
+  }
   version_.erase(id);
+}
+
+py::dict PyScheduler::Carry(const std::string& id) const {
+  absl::StatusOr<CarriedDeadline> c = s_.Carry(id);
+  if (!c.ok()) ThrowStatus(c.status());
+  py::dict d;
+  d["age"] = c->age;
+  d["virtual_left"] = c->virtual_left;
+  d["virtual_estimate"] = c->virtual_estimate;
+  d["tail_reference"] = c->tail_reference;
+  return d;
+}
+
+void PyScheduler::ObserveCompletion(double estimate_tokens,
+                                    double actual_tokens) {
+  Check(s_.ObserveCompletion(estimate_tokens, actual_tokens));
+}
+
+void PyScheduler::Commit(const std::vector<std::string>& ran) {
+  Check(s_.Commit(ran));
 }
 
 void PyScheduler::SetPrediction(const std::string& id, double tokens) {
@@ -78,6 +129,15 @@ py::dict PyScheduler::Request(const std::string& id) const {
   d["steps_waited"] = r->steps_waited;
   d["arrival"] = r->arrival;
   d["predictions"] = r->predictions;
+  d["prior_tokens"] = r->prior_tokens.has_value()
+                          ? py::object(py::float_(*r->prior_tokens))
+                          : py::object(py::none());
+  d["added_step"] = r->added_step;
+  d["waited_total"] = r->waited_total;
+  d["deadline"] = r->deadline.has_value()
+                      ? py::object(py::float_(*r->deadline))
+                      : py::object(py::none());
+  d["deadline_origin"] = r->deadline_origin;
   return d;
 }
 
@@ -89,6 +149,7 @@ py::dict PyScheduler::Counters() const {
   d["cap_promotions"] = c.cap_promotions;
   d["aging_promotions"] = c.aging_promotions;
   d["max_steps_waited"] = c.max_steps_waited;
+  d["urgent_selections"] = c.urgent_selections;
   d["added"] = c.added;
   d["removed"] = c.removed;
   return d;

@@ -26,7 +26,15 @@ class PyScheduler {
  public:
   explicit PyScheduler(CountdownScheduler s) : s_(std::move(s)) {}
 
-  void Add(const std::string& id);
+  // `carried`: None, or a dict from Carry() (age, virtual_left,
+  // virtual_estimate, tail_reference) of another stage's scheduler.
+  void Add(const std::string& id, const pybind11::object& carried);
+  pybind11::dict Carry(const std::string& id) const;
+  void ObserveCompletion(double estimate_tokens, double actual_tokens);
+  double ServiceCorrection() { return s_.service_correction(); }
+  std::vector<std::string> Order(size_t k) { return s_.Order(k); }
+  void Commit(const std::vector<std::string>& ran);
+  void CommitIdle(int64_t steps) { Check(s_.CommitIdle(steps)); }
   void SetPrediction(const std::string& id, double tokens);
   void Rescore(const std::string& id, double tokens);
   void SetPrior(const std::string& id, double tokens);

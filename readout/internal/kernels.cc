@@ -745,28 +745,44 @@ void GemmAccSymAvx512(int64_t m, int64_t N, int64_t K, float alpha,
                 j0, C, ldc);
 }
 
+// RA x RB dots of rows already converted to FP64 (stride ld, n a multiple
+// of 8), summed per lane then across lanes; S[a * lds + b] = the sum.
 template <int RA, int RB>
-LEAP_AVX512 void DotF64TileAvx512(const float* X, int64_t ldx, const float* Y,
-                                  int64_t ldy, int64_t n, double* S,
-                                  int64_t lds) {
+LEAP_AVX512 void DotF64TileAvx512(const double* X, const double* Y, int64_t ld,
+                                  int64_t n, double* S, int64_t lds) {
   __m512d acc[RA][RB];
+#pragma GCC unroll 4
   for (int a = 0; a < RA; ++a)
+#pragma GCC unroll 4
     for (int b = 0; b < RB; ++b) acc[a][b] = _mm512_setzero_pd();
-  int64_t j = 0;
-  for (; j + 8 <= n; j += 8) {
-    __m512d x[RA], y[RB];
-    for (int a = 0; a < RA; ++a) x[a] = _mm512_cvtps_pd(_mm256_loadu_ps(X + a * ldx + j));
-    for (int b = 0; b < RB; ++b) y[b] = _mm512_cvtps_pd(_mm256_loadu_ps(Y + b * ldy + j));
-    for (int a = 0; a < RA; ++a)
-      for (int b = 0; b < RB; ++b) acc[a][b] = _mm512_fmadd_pd(x[a], y[b], acc[a][b]);
-  }
-  for (int a = 0; a < RA; ++a) {
+  for (int64_t j = 0; j < n; j += 8) {
+    __m512d x[RA];
+#pragma GCC unroll 4
+    for (int a = 0; a < RA; ++a) x[a] = _mm512_load_pd(X + a * ld + j);
+#pragma GCC unroll 4
     for (int b = 0; b < RB; ++b) {
-      double s = _mm512_reduce_add_pd(acc[a][b]);
-      for (int64_t jj = j; jj < n; ++jj) {
-        s += double{X[a * ldx + jj]} * double{Y[b * ldy + jj]};
-      }
-      S[a * lds + b] = s;
+      const __m512d y = _mm512_load_pd(Y + b * ld + j);
+#pragma GCC unroll 4
+      for (int a = 0; a < RA; ++a) acc[a][b] = _mm512_fmadd_pd(x[a], y, acc[a][b]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int a = 0; a < RA; ++a) {
+    if constexpr (RB == 4) {
+      // The four sums of row a at once: pairs within 128-bit lanes, then the
+      // lanes (a fixed order, a quarter of the shuffles of four reductions).
+      const __m512d t01 = _mm512_add_pd(_mm512_unpacklo_pd(acc[a][0], acc[a][1]),
+                                        _mm512_unpackhi_pd(acc[a][0], acc[a][1]));
+      const __m512d t23 = _mm512_add_pd(_mm512_unpacklo_pd(acc[a][2], acc[a][3]),
+                                        _mm512_unpackhi_pd(acc[a][2], acc[a][3]));
+      const __m512d w = _mm512_add_pd(_mm512_shuffle_f64x2(t01, t23, 0x88),
+                                      _mm512_shuffle_f64x2(t01, t23, 0xDD));
+      const __m512d r = _mm512_shuffle_f64x2(w, w, 0xD8);
+      const __m256d sum = _mm256_add_pd(_mm512_castpd512_pd256(r),
+                                        _mm512_extractf64x4_pd(r, 1));
+      _mm256_storeu_pd(S + a * lds, sum);
+    } else {
+      for (int b = 0; b < RB; ++b) S[a * lds + b] = _mm512_reduce_add_pd(acc[a][b]);
     }
   }
 }
@@ -774,34 +790,48 @@ LEAP_AVX512 void DotF64TileAvx512(const float* X, int64_t ldx, const float* Y,
 LEAP_AVX512 void DotF64BlockAvx512(const float* X, int64_t ldx,
                                    const float* Y, int64_t ldy, int64_t k,
                                    int64_t n, double* S, int64_t lds) {
-  // Columns in blocks of 256, so that the blocks of X and Y (k x 256 floats
-  // each) stay in L2 while every tile runs over them; S accumulates the
+  // Columns in blocks of 128, converted to FP64 once per block (k x 128
+  // doubles each, zero-padded to a multiple of 8; they stay in L2 while
+  // every tile runs over them, and no tile converts); S accumulates the
   // blocks in order.
   constexpr int64_t kJb = 256;
-  std::vector<double> part(static_cast<size_t>(k * k));
+  // Thread-local buffers (a fresh 1 MiB allocation per call would be
+  // mapped and zeroed by the kernel page by page every batch).
+  thread_local std::vector<double> buf;
+  const size_t need = static_cast<size_t>(k * k + 2 * k * kJb + 8);
+  if (buf.size() < need) buf.resize(need);
+  double* xd = buf.data() + (8 - reinterpret_cast<uintptr_t>(buf.data()) / 8 % 8) % 8;
+  double* yd = xd + k * kJb;
+  double* part = yd + k * kJb;
   for (int64_t a = 0; a < k; ++a) {
     for (int64_t b = a; b < k; ++b) S[a * lds + b] = 0.0;
   }
   for (int64_t j0 = 0; j0 < n; j0 += kJb) {
     const int64_t jn = std::min(kJb, n - j0);
-    const float* x = X + j0;
-    const float* y = Y + j0;
+    const int64_t jn8 = (jn + 7) / 8 * 8;
+    for (int64_t a = 0; a < k; ++a) {
+      for (int64_t j = 0; j < jn; ++j) {
+        xd[a * kJb + j] = X[a * ldx + j0 + j];
+        yd[a * kJb + j] = Y[a * ldy + j0 + j];
+      }
+      for (int64_t j = jn; j < jn8; ++j) xd[a * kJb + j] = yd[a * kJb + j] = 0.0;
+    }
     int64_t a = 0;
     for (; a + 4 <= k; a += 4) {
       int64_t b = a;
       for (; b + 4 <= k; b += 4) {
-        DotF64TileAvx512<4, 4>(x + a * ldx, ldx, y + b * ldy, ldy, jn,
-                               part.data() + a * k + b, k);
+        DotF64TileAvx512<4, 4>(xd + a * kJb, yd + b * kJb, kJb, jn8,
+                               part + a * k + b, k);
       }
       for (; b < k; ++b) {
-        DotF64TileAvx512<4, 1>(x + a * ldx, ldx, y + b * ldy, ldy, jn,
-                               part.data() + a * k + b, k);
+        DotF64TileAvx512<4, 1>(xd + a * kJb, yd + b * kJb, kJb, jn8,
+                               part + a * k + b, k);
       }
     }
     for (; a < k; ++a) {
       for (int64_t b = a; b < k; ++b) {
-        DotF64TileAvx512<1, 1>(x + a * ldx, ldx, y + b * ldy, ldy, jn,
-                               part.data() + a * k + b, k);
+        DotF64TileAvx512<1, 1>(xd + a * kJb, yd + b * kJb, kJb, jn8,
+                               part + a * k + b, k);
       }
     }
     for (int64_t r = 0; r < k; ++r) {

@@ -5,9 +5,13 @@
 //
 // A struct has: kLanes floats per vector V; Load/Store (unaligned), Set1,
 // Zero, Add, Mul, Fma(a, b, c) = a * b + c (rounded once where the set has
-// FMA; the portable one may round twice), Sum (the lanes in a fixed order);
+// FMA; the portable one may round twice), Sum (the lanes in a fixed order),
+// Pin (v must be in a register here: a loaded value used twice is then
+// loaded once, not folded into both uses as a memory operand);
 // kStrip and kInterleave: how many vectors of columns the sweep's passes
-// keep in registers at once (what the register file allows).
+// keep in registers at once (what the register file allows); kPairRows:
+// whether its first pass runs two rows at once (kPairInterleave vectors of
+// columns each), which needs 2K sums in registers.
 #ifndef LEAP_READOUT_INTERNAL_SIMD_H_
 #define LEAP_READOUT_INTERNAL_SIMD_H_
 
@@ -27,6 +31,8 @@ struct Portable {
   static constexpr int64_t kLanes = 1;
   static constexpr int kStrip = 1;
   static constexpr int kInterleave = 1;
+  static constexpr bool kPairRows = false;
+  static constexpr int kPairInterleave = 1;
   using V = float;
   static V Load(const float* p) { return *p; }
   static void Store(float* p, V v) { *p = v; }
@@ -36,6 +42,7 @@ struct Portable {
   static V Mul(V a, V b) { return a * b; }
   static V Fma(V a, V b, V c) { return a * b + c; }
   static float Sum(V v) { return v; }
+  static void Pin(V&) {}
 };
 
 #if defined(__x86_64__)
@@ -43,6 +50,8 @@ struct Avx2 {
   static constexpr int64_t kLanes = 8;
   static constexpr int kStrip = 1;  // 16 registers: 8 sums of 1 vector
   static constexpr int kInterleave = 2;
+  static constexpr bool kPairRows = false;  // 2K sums would fill the 16 registers
+  static constexpr int kPairInterleave = 1;
   using V = __m256;
   LEAP_TARGET_AVX2 static V Load(const float* p) { return _mm256_loadu_ps(p); }
   LEAP_TARGET_AVX2 static void Store(float* p, V v) { _mm256_storeu_ps(p, v); }
@@ -57,12 +66,15 @@ struct Avx2 {
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
   }
+  LEAP_TARGET_AVX2 static void Pin(V& v) { __asm__("" : "+v"(v)); }
 };
 
 struct Avx512 {
   static constexpr int64_t kLanes = 16;
   static constexpr int kStrip = 2;  // 16 sums of 32 registers
   static constexpr int kInterleave = 4;
+  static constexpr bool kPairRows = true;  // 2K = 16 sums, 2 x 2 rows of P, 4 fold sums
+  static constexpr int kPairInterleave = 2;
   using V = __m512;
   LEAP_TARGET_AVX512 static V Load(const float* p) { return _mm512_loadu_ps(p); }
   LEAP_TARGET_AVX512 static void Store(float* p, V v) { _mm512_storeu_ps(p, v); }
@@ -72,6 +84,7 @@ struct Avx512 {
   LEAP_TARGET_AVX512 static V Mul(V a, V b) { return _mm512_mul_ps(a, b); }
   LEAP_TARGET_AVX512 static V Fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
   LEAP_TARGET_AVX512 static float Sum(V v) { return _mm512_reduce_add_ps(v); }
+  LEAP_TARGET_AVX512 static void Pin(V& v) { __asm__("" : "+v"(v)); }
 };
 #endif
 

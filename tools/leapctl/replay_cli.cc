@@ -232,6 +232,11 @@ int ReplayCommand(const std::vector<std::string>& args, std::ostream& out,
                "Every +bounded policy orders requests whose deadline is not "
                "at risk by remaining - A * steps waited (linear aging) "
                "instead of the countdown; 0 = the countdown.");
+  flags.Int64("bound-calibration", &o.bound_calibration, "N",
+              "Every +bounded policy adds to its estimates the mean error "
+              "(true - estimated length) of the last N completions, so the "
+              "deadlines are placed with estimates unbiased for the mean; "
+              "0 = the estimates as ranked.");
   flags.String("unpredicted", &o.unpredicted, "median|fixed|first|last",
                "Where the scheduler puts a request whose prediction is not "
                "known yet.");

@@ -1,0 +1,266 @@
+#!/usr/bin/python3
+"""The Python binding of the tail bound (leap_shim.Scheduler, policy
+"bounded"), against brute-force references written here:
+
+  - one deadline from arrival: a waiting queue and a decode stage, both
+    "bounded" schedulers counting the same steps; every request's deadline
+    in the queue equals a virtual FCFS system computed here (servers, prior
+    plus the learned correction, S x latency), and carry() / add(carried=)
+    hands the same deadline to the decode stage;
+  - observe_completion(): the correction is the mean error of the window,
+    and a new request's virtual job carries it;
+  - bounded_linear_aging: requests whose deadline is not at risk are ranked
+    by remaining - A x steps waited, step by step as a brute force ranks
+    them;
+  - commit_idle() moves the step count of an empty scheduler;
+  - bad input raises the documented exception and changes nothing.
+
+No leapd, no torch: the scheduler alone (deterministic, no I/O).
+
+Run: /usr/bin/python3 tests/python_scheduler_test.py --module-dir DIR
+"""
+
+import argparse
+import importlib
+import math
+import random
+import sys
+import unittest
+
+ARGS = None
+leap_shim = None
+
+
+def setUpModule():
+    global leap_shim
+    sys.path.insert(0, ARGS.module_dir)
+    leap_shim = importlib.import_module("leap_shim")
+
+
+class VirtualFcfs:
+    """The bound's virtual FCFS system: `servers` servers, jobs in arrival
+    order, each on the server that frees first (docs/SCHEDULING.md)."""
+
+    def __init__(self, servers):
+        self.servers = servers
+        self.free = []
+
+    def place(self, now, job):
+        start = now
+        if len(self.free) == self.servers:
+            self.free.sort()
+            start = max(now, self.free.pop(0))
+        self.free.append(start + job)
+        return start + job
+
+
+class OneDeadlineFromArrivalTest(unittest.TestCase):
+
+    def test_queue_deadlines_match_reference_and_carry_into_decode(self):
+        rng = random.Random(7)
+        slots, resident, s_max = 2, 4, 2.0
+        kw = dict(slots=slots, waiting_cap=0, policy="bounded",
+                  max_slowdown=s_max, tail_window=0, calibration_window=4)
+        queue = leap_shim.Scheduler(**kw)
+        decode = leap_shim.Scheduler(**kw)
+        ref = VirtualFcfs(slots)
+        errors = []  # the queue's reported (actual - estimate), window 4
+        prior, true_len, want_deadline = {}, {}, {}
+        arrived_at = {}
+        generated = {}
+        placed = set()
+        next_id, finished = 0, 0
+        for step in range(400):
+            # Arrivals: bursts of 0..3 requests with a prior each.
+            for _ in range(rng.choice([0, 0, 1, 3])):
+                rid = "r%03d" % next_id
+                next_id += 1
+                true_len[rid] = rng.randint(1, 30)
+                prior[rid] = float(rng.randint(1, 20))
+                queue.add(rid)
+                queue.set_prior(rid, prior[rid])
+                arrived_at[rid] = step
+            # Decode: every live request of the decode stage keeps the
+            # deadline it got in the queue.
+            ran = decode.select()
+            for rid in ran:
+                generated[rid] += 1
+            for rid in list(generated):
+                if rid in ran and generated[rid] >= true_len[rid]:
+                    decode.remove(rid)
+                    del generated[rid]
+                    finished += 1
+                    errors.append(true_len[rid] - prior[rid])
+                    del errors[:-4]
+                    queue.observe_completion(prior[rid], true_len[rid])
+            # The reference places this step's new requests (the queue does
+            # so at its order() below), in arrival
+            # order, with the correction as it stands now.
+            correction = sum(errors) / len(errors) if errors else 0.0
+            self.assertEqual(queue.service_correction, correction)
+            for rid in sorted(arrived_at, key=lambda r: int(r[1:])):
+                if rid in placed:
+                    continue
+                placed.add(rid)
+                job = max(1.0, prior[rid] + correction)
+                finish = ref.place(float(step), job)
+                want_deadline[rid] = arrived_at[rid] + s_max * max(
+                    finish - arrived_at[rid], 1.0)
+            # Admission: the queue's order, up to the free room.
+            room = resident - len(decode)
+            admitted = queue.order(room) if len(queue) else []
+            queue.commit(admitted)
+            for rid in admitted:
+                self.assertEqual(queue.request(rid)["deadline"],
+                                 want_deadline[rid], rid)
+                carried = queue.carry(rid)
+                self.assertEqual(carried["age"], step + 1 - arrived_at[rid])
+                queue.remove(rid)
+                decode.add(rid, carried=carried)
+                got = decode.request(rid)
+                # Both stages count the same steps: the same deadline and
+                # origin, on the decode stage's clock.
+                self.assertAlmostEqual(got["deadline"], want_deadline[rid],
+                                       places=9, msg=rid)
+                self.assertEqual(got["deadline_origin"], arrived_at[rid])
+                generated[rid] = 0
+            for rid in list(arrived_at):
+                if rid in queue:
+                    self.assertEqual(queue.request(rid)["deadline"],
+                                     want_deadline[rid], rid)
+        self.assertGreater(finished, 40)
+        self.assertNotEqual(queue.service_correction, 0)
+        self.assertEqual(queue.counters["steps"], decode.counters["steps"])
+        self.assertGreater(queue.counters["steps"], 0)
+
+    def test_observe_completion_corrects_new_jobs(self):
+        s = leap_shim.Scheduler(slots=1, waiting_cap=0, policy="bounded",
+                                max_slowdown=2.0, tail_window=0,
+                                calibration_window=2)
+        self.assertEqual(s.service_correction, 0.0)
+        s.observe_completion(10.0, 40.0)   # +30
+        s.observe_completion(20.0, 10.0)   # -10
+        self.assertEqual(s.service_correction, 10.0)
+        s.observe_completion(5.0, 35.0)    # +30, drops +30
+        self.assertEqual(s.service_correction, 10.0)
+        s.observe_completion(0.0, 50.0)    # +50, drops -10
+        self.assertEqual(s.service_correction, 40.0)
+        s.add("a")
+        s.set_prediction("a", 12.0)
+        self.assertEqual(s.order(1), ["a"])  # places its deadline
+        self.assertEqual(s.request("a")["deadline"], 2.0 * (12.0 + 40.0))
+        # Other policies ignore completions.
+        c = leap_shim.Scheduler()
+        c.observe_completion(1.0, 100.0)
+        self.assertEqual(c.service_correction, 0.0)
+
+
+class BoundedLinearAgingTest(unittest.TestCase):
+
+    def test_ranked_tier_is_linear_aging(self):
+        rng = random.Random(3)
+        a = 0.5
+        # S so large that no deadline comes due: the ranked tier decides.
+        s = leap_shim.Scheduler(slots=2, waiting_cap=0, policy="bounded",
+                                max_slowdown=1e6, bounded_linear_aging=a)
+        pred, gen, waited, arrival = {}, {}, {}, {}
+        next_id = 0
+        plain_order_differs = False
+        for step in range(120):
+            if step % 3 == 0 and next_id < 30:
+                for _ in range(2):
+                    rid = "q%02d" % next_id
+                    arrival[rid] = next_id
+                    next_id += 1
+                    pred[rid] = float(rng.randint(1, 80))
+                    gen[rid], waited[rid] = 0, 0
+                    s.add(rid)
+                    s.set_prediction(rid, pred[rid])
+
+            def remaining(r):
+                return max(pred[r] - gen[r], 1.0)
+            want = sorted(pred, key=lambda r: (
+                remaining(r) - a * waited[r], arrival[r]))[:2]
+            plain = sorted(pred, key=lambda r: (remaining(r), arrival[r]))[:2]
+            plain_order_differs |= plain != want
+            self.assertEqual(s.select(), want, "step %d" % step)
+            for r in pred:
+                if r in want:
+                    gen[r] += 1
+                else:
+                    waited[r] += 1
+                self.assertEqual(s.request(r)["waited_total"], waited[r])
+            for r in want:
+                if gen[r] >= pred[r]:
+                    s.remove(r)
+                    for d in (pred, gen, waited):
+                        del d[r]
+        self.assertTrue(plain_order_differs)
+        self.assertEqual(s.counters["urgent_selections"], 0)
+
+
+class BadInputTest(unittest.TestCase):
+
+    def test_errors(self):
+        with self.assertRaises(ValueError):
+            leap_shim.Scheduler(calibration_window=-1)
+        with self.assertRaises(ValueError):
+            leap_shim.Scheduler(policy="bounded", bounded_linear_aging=-1.0)
+        with self.assertRaises(ValueError):
+            leap_shim.Scheduler(bounded_linear_aging=math.inf)
+        s = leap_shim.Scheduler(policy="bounded")
+        good = {"age": 3.0, "virtual_left": 5.0, "virtual_estimate": 4.0,
+                "tail_reference": 0.0}
+        for bad in ({"age": 1.0}, dict(good, age=-1.0),
+                    dict(good, virtual_left=math.nan),
+                    dict(good, extra=1.0)):
+            with self.assertRaises(ValueError):
+                s.add("a", carried=bad)
+        with self.assertRaises(TypeError):
+            s.add("a", carried=[1.0, 2.0, 3.0, 4.0])
+        self.assertEqual(len(s), 0)
+        with self.assertRaises(KeyError):
+            s.carry("a")
+        s.add("a", carried=good)
+        # Its deadline is fixed at once: origin = coming step - age.
+        self.assertEqual(s.request("a")["deadline_origin"], -3.0)
+        self.assertEqual(s.request("a")["deadline"], -3.0 + 2.5 * 8.0)
+        self.assertEqual(s.carry("a"), good)
+        s.add("b")
+        with self.assertRaises(RuntimeError):
+            s.carry("b")  # no deadline before its first step
+        for est, act in ((-1.0, 1.0), (1.0, math.nan), (math.inf, 2.0)):
+            with self.assertRaises(ValueError):
+                s.observe_completion(est, act)
+        self.assertEqual(s.service_correction, 0.0)
+        with self.assertRaises(KeyError):
+            s.commit(["a", "zz"])
+        with self.assertRaises(ValueError):
+            s.commit(["a", "a"])
+        self.assertEqual(s.counters["steps"], 0)
+        c = leap_shim.Scheduler()
+        c.add("x")
+        c.select()
+        with self.assertRaises(RuntimeError):
+            c.carry("x")  # countdown: no deadlines
+        with self.assertRaises(RuntimeError):
+            c.commit_idle(5)  # a request is live
+        c.remove("x")
+        with self.assertRaises(ValueError):
+            c.commit_idle(-1)
+        c.commit_idle(5)
+        self.assertEqual(c.counters["steps"], 6)
+
+
+def main():
+    global ARGS
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--module-dir", required=True,
+                        help="directory holding the built leap_shim module")
+    ARGS, rest = parser.parse_known_args()
+    result = unittest.main(argv=[sys.argv[0]] + rest, exit=False, verbosity=2)
+    sys.exit(0 if result.result.wasSuccessful() else 1)
+
+
+if __name__ == "__main__":
+    main()
