@@ -1074,7 +1074,9 @@ class FleetManifestTest(unittest.TestCase):
             gmp = env["GOMAXPROCS"]["valueFrom"]["resourceFieldRef"]
             self.assertEqual(gmp["resource"], "requests.cpu")
             self.assertEqual(gmp.get("containerName"), c["name"])
-            self.assertGreaterEqual(float(c["resources"]["requests"]["cpu"]), 1)
+            cpu = str(c["resources"]["requests"]["cpu"])  # "1", "1500m"
+            cores = float(cpu[:-1]) / 1000 if cpu.endswith("m") else float(cpu)
+            self.assertGreaterEqual(cores, 1)
             # Ports of the config = the declared container ports.
             self.assertIn("listen: 0.0.0.0:%d" % ports["client"], conf)
             self.assertIn("http: 0.0.0.0:%d" % ports["monitor"], conf)

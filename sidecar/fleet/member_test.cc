@@ -757,17 +757,21 @@ TEST_F(FleetMemberTest, AnAnswerWhileItsMessageIsStillBeingWrittenIsSafe) {
 
   StopNats();
   const std::string payload(64 << 10, 'x');
+  constexpr int kMax = 4096;
   absl::Mutex mu;
   int answers = 0;
   int unavailable = 0;
+  std::vector<int> answered(kMax, 0);  // answers per publish
   std::atomic<int> published{0};
   std::atomic<bool> stop{false};
   std::thread publisher([&] {
-    while (!stop.load() && published.load() < 4096) {
-      client.PublishAsync(absl::StrCat("blocked.", published.load()), payload,
-                          {}, [&](absl::StatusOr<PublishResult> r) {
+    while (!stop.load() && published.load() < kMax) {
+      const int i = published.load();
+      client.PublishAsync(absl::StrCat("blocked.", i), payload, {},
+                          [&, i](absl::StatusOr<PublishResult> r) {
                             absl::MutexLock l(&mu);
                             ++answers;
+                            ++answered[i];
                             if (absl::IsUnavailable(r.status())) ++unavailable;
                           });
       published.fetch_add(1);
@@ -789,10 +793,13 @@ TEST_F(FleetMemberTest, AnAnswerWhileItsMessageIsStillBeingWrittenIsSafe) {
     EXPECT_GE(unavailable, 1);
   }
   EXPECT_EQ(client.async_in_flight(), 0);
-  // Exactly once: no answer comes later either (the last ones settled).
+  // Exactly once each: no answer comes later either (the last ones settled).
   client.Close();
   absl::MutexLock l(&mu);
   EXPECT_EQ(answers, published.load());
+  for (int i = 0; i < published.load(); ++i) {
+    ASSERT_EQ(answered[i], 1) << "publish " << i;
+  }
 }
 
 TEST_F(FleetMemberTest, ControlOperationsWaitForTheTrainersAnswer) {

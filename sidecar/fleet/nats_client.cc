@@ -3,6 +3,7 @@
 #include <nats/nats.h>
 
 #include <algorithm>
+#include <cassert>
 #include <cstring>
 #include <unordered_map>
 #include <utility>
@@ -635,7 +636,12 @@ void NatsClient::PublishAsync(const std::string& subject,
           absl::StrCat("publish to ", subject, ": the NATS client is closed")));
       return;
     }
-    callbacks_->pending[key].done = std::move(done);
+    // A live message's address is not reused: every entry goes before its
+    // message is destroyed.
+    auto [it, fresh] = callbacks_->pending.try_emplace(key);
+    assert(fresh);
+    (void)fresh;
+    it->second.done = std::move(done);
   }
   s = js_PublishMsgAsync(async_js_, &msg, &po);
   if (s == NATS_OK) {
@@ -658,8 +664,8 @@ void NatsClient::PublishAsync(const std::string& subject,
     if (destroy) natsMsg_Destroy(key);
   } else {
     // The library did not take the message: no answer came or will come
-    // for it (nats.c reports an answered message as taken).
-    natsMsg_Destroy(msg);
+    // for it (nats.c reports an answered message as taken). Its entry goes
+    // before the message does (a new message may reuse the address).
     PublishCallback d;
     {
       absl::MutexLock l(&callbacks_->amu);
@@ -669,6 +675,7 @@ void NatsClient::PublishAsync(const std::string& subject,
         callbacks_->pending.erase(it);
       }
     }
+    natsMsg_Destroy(msg);
     if (d) {
       absl::Status st = NatsError(s, 0, absl::StrCat("publish to ", subject));
       if (absl::IsDeadlineExceeded(st)) st = absl::UnavailableError(st.message());
@@ -694,28 +701,8 @@ int64_t NatsClient::async_answered_while_publishing() const {
 void NatsClient::OnAsyncAck(jsCtx*, natsMsg* msg, jsPubAck* pa,
                             jsPubAckErr* pae, void* closure) {
   auto* cb = static_cast<Callbacks*>(closure);
-  PublishCallback done;
-  bool destroy = true;  // false: its publishing thread destroys it
-  {
-    absl::MutexLock l(&cb->amu);
-    auto it = cb->pending.find(msg);
-    if (it != cb->pending.end()) {
-      done = std::move(it->second.done);
-      it->second.done = nullptr;
-      if (it->second.publishing) {
-        it->second.own_msg = true;
-        destroy = false;
-        ++cb->answered_while_publishing;
-      } else {
-        cb->pending.erase(it);
-      }
-      if (done) ++cb->delivering;
-    }
-  }
-  if (!done) {
-    if (destroy) natsMsg_Destroy(msg);
-    return;
-  }
+  // The answer is built first, while the message is surely alive: once
+  // `own_msg` is set below, its publishing thread may destroy it.
   absl::StatusOr<PublishResult> r;
   if (pa != nullptr) {
     r = PublishResult{pa->Sequence, pa->Duplicate};
@@ -735,7 +722,26 @@ void NatsClient::OnAsyncAck(jsCtx*, natsMsg* msg, jsPubAck* pa,
     }
     r = st;
   }
+  PublishCallback done;
+  bool destroy = true;  // false: its publishing thread destroys it
+  {
+    absl::MutexLock l(&cb->amu);
+    auto it = cb->pending.find(msg);
+    if (it != cb->pending.end()) {
+      done = std::move(it->second.done);
+      it->second.done = nullptr;
+      if (it->second.publishing) {
+        it->second.own_msg = true;
+        destroy = false;
+        ++cb->answered_while_publishing;
+      } else {
+        cb->pending.erase(it);
+      }
+      if (done) ++cb->delivering;
+    }
+  }
   if (destroy) natsMsg_Destroy(msg);
+  if (!done) return;
   done(std::move(r));
   absl::MutexLock l(&cb->amu);
   --cb->delivering;
