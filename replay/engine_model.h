@@ -206,8 +206,9 @@ struct RequestResult {
   // Tail bound (kBounded) only, else NaN, and NaN for a request that never
   // reached the decode scheduler (done at prefill): on the deadlines' clock
   // (engine steps, idle gaps included), the step its deadline counts from,
-  // its deadline as it stood at completion, and the steps before the one
-  // that produced its last token.
+  // its deadline as it stood at completion, and the steps committed up to
+  // and including the one that produced its last token. (StartRun sets all
+  // three to NaN first.)
   double deadline_origin_step = 0;
   double deadline_step = 0;
   double completion_step = 0;

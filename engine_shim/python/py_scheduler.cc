@@ -35,7 +35,12 @@ void PyScheduler::Add(const std::string& id, const py::object& carried) {
         throw py::value_error(
             absl::StrCat("carried deadline of ", id, " lacks '", name, "'"));
       }
-      *field = d[name].cast<double>();
+      try {
+        *field = d[name].cast<double>();
+      } catch (const py::cast_error&) {
+        throw py::value_error(absl::StrCat("carried deadline of ", id, ": '",
+                                           name, "' is not a number"));
+      }
     }
     if (d.size() != std::size(fields)) {
       throw py::value_error(absl::StrCat(

@@ -790,15 +790,21 @@ LEAP_AVX512 void DotF64TileAvx512(const double* X, const double* Y, int64_t ld,
 LEAP_AVX512 void DotF64BlockAvx512(const float* X, int64_t ldx,
                                    const float* Y, int64_t ldy, int64_t k,
                                    int64_t n, double* S, int64_t lds) {
-  // Columns in blocks of 128, converted to FP64 once per block (k x 128
+  // Columns in blocks of 256, converted to FP64 once per block (k x 256
   // doubles each, zero-padded to a multiple of 8; they stay in L2 while
   // every tile runs over them, and no tile converts); S accumulates the
-  // blocks in order.
+  // blocks in order. (The 4 x 4 tiles sum their lanes pairwise, the edge
+  // tiles with _mm512_reduce_add_pd: deterministic, but an entry's last
+  // bit depends on which tile it falls in.)
   constexpr int64_t kJb = 256;
-  // Thread-local buffers (a fresh 1 MiB allocation per call would be
-  // mapped and zeroed by the kernel page by page every batch).
-  thread_local std::vector<double> buf;
+  // Thread-local buffers (a fresh 1.5 MiB allocation per call at k = 256
+  // would be mapped and zeroed by the kernel page by page every batch).
+  // Kept only up to k = 512 (4 MiB); wider calls allocate their own.
+  thread_local std::vector<double> kept;
+  std::vector<double> wide;
   const size_t need = static_cast<size_t>(k * k + 2 * k * kJb + 8);
+  constexpr size_t kKeepMax = 512 * 512 + 2 * 512 * kJb + 8;
+  std::vector<double>& buf = need <= kKeepMax ? kept : wide;
   if (buf.size() < need) buf.resize(need);
   double* xd = buf.data() + (8 - reinterpret_cast<uintptr_t>(buf.data()) / 8 % 8) % 8;
   double* yd = xd + k * kJb;

@@ -1127,7 +1127,7 @@ TEST(FleetQualityTracker, ACheckpointKeepsPairsWithinItsBudgetAndRestoresTheRepo
 // version interval of 2 s and 40 completions published back to back, the
 // trainer applies them in a few RLS batches, and the result is still the
 // closed form over all of them.
-TEST_F(FleetTrainerTest, RowsArrivingOneByOneAreAppliedAsOneBatch) {
+TEST_F(FleetTrainerTest, RowsArrivingOneByOneAreAppliedInAFewBatches) {
   Fixture f = MakeFixture(11);
   CreateReadout(f, 1000);
   auto registry = std::make_shared<prometheus::Registry>();
