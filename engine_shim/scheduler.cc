@@ -87,6 +87,14 @@ absl::Status SchedulerOptions::Validate() const {
         "calibration_window must be in [0, 1048576], got ",
         calibration_window));
   }
+  switch (calibration) {
+    case BoundCalibration::kAdditive:
+    case BoundCalibration::kRatio:
+      break;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat(
+          "unknown bound calibration ", static_cast<int>(calibration)));
+  }
   if (!std::isfinite(bounded_linear_aging) || bounded_linear_aging < 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "bounded_linear_aging must be finite and >= 0, got ",
@@ -109,6 +117,16 @@ absl::string_view SchedulingPolicyName(SchedulingPolicy policy) {
       return "hrrn";
     case SchedulingPolicy::kLinearAging:
       return "linear-aging";
+  }
+  return "unknown";
+}
+
+absl::string_view BoundCalibrationName(BoundCalibration calibration) {
+  switch (calibration) {
+    case BoundCalibration::kAdditive:
+      return "additive";
+    case BoundCalibration::kRatio:
+      return "ratio";
   }
   return "unknown";
 }
@@ -212,9 +230,9 @@ absl::Status CountdownScheduler::SetPredictionImpl(absl::string_view request_id,
   if (!r.predicted_tokens.has_value() && r.deadline.has_value()) {
     // Its virtual FCFS finish was placed with the unpredicted estimate: the
     // first prediction corrects it (for this request only).
+    Calibrate();
     const double estimate =
-        BoundJob(std::max(value - static_cast<double>(r.generated),
-                          options_.remaining_floor));
+        std::max(1.0, BoundWork(value, r.generated, /*unpredicted=*/0));
     r.virtual_finish += estimate - r.virtual_estimate;
     r.virtual_estimate = estimate;
     r.deadline = r.origin + options_.max_slowdown *
@@ -270,31 +288,120 @@ absl::Status CountdownScheduler::ObserveCompletion(double estimate_tokens,
   if (options_.policy != SchedulingPolicy::kBounded || window == 0) {
     return absl::OkStatus();
   }
-  const double error = actual_tokens - estimate_tokens;
-  if (errors_.size() < window) {
-    errors_.push_back(error);
+  const std::pair<double, double> sample(estimate_tokens, actual_tokens);
+  if (samples_.size() < window) {
+    samples_.push_back(sample);
   } else {
-    errors_[errors_next_] = error;
-    errors_next_ = (errors_next_ + 1) % window;
+    samples_[samples_next_] = sample;
+    samples_next_ = (samples_next_ + 1) % window;
   }
   correction_stale_ = true;
   return absl::OkStatus();
 }
 
-double CountdownScheduler::service_correction() {
-  if (correction_stale_) {
-    // Oldest first, so the sum does not depend on where the ring starts.
-    double sum = 0;
-    const size_t m = errors_.size();
-    for (size_t j = 0; j < m; ++j) sum += errors_[(errors_next_ + j) % m];
-    correction_ = sum / static_cast<double>(m);
-    correction_stale_ = false;
-  }
-  return correction_;
+namespace {
+
+// kRatio: the octave of an estimate, x' = max(x, 1) in [2^b, 2^(b+1)).
+int Octave(double x) {
+  return std::min(std::ilogb(std::max(x, 1.0)), kCalibrationOctaves - 1);
 }
 
-double CountdownScheduler::BoundJob(double x) {
-  return std::max(1.0, x + service_correction());
+}  // namespace
+
+void CountdownScheduler::Calibrate() {
+  if (!correction_stale_) return;
+  correction_stale_ = false;
+  // Oldest first, so the sums do not depend on where the ring starts.
+  const size_t m = samples_.size();
+  if (options_.calibration == BoundCalibration::kAdditive) {
+    double sum = 0;
+    for (size_t j = 0; j < m; ++j) {
+      const auto& [estimate, actual] = samples_[(samples_next_ + j) % m];
+      sum += actual - estimate;
+    }
+    correction_ = sum / static_cast<double>(m);
+    return;
+  }
+  constexpr int kOctaves = kCalibrationOctaves;
+  double actual_sum[kOctaves] = {}, estimate_sum[kOctaves] = {};
+  int64_t count[kOctaves] = {};
+  for (size_t j = 0; j < m; ++j) {
+    const auto& [estimate, actual] = samples_[(samples_next_ + j) % m];
+    const int b = Octave(estimate);
+    actual_sum[b] += actual;
+    estimate_sum[b] += std::max(estimate, 1.0);
+    ++count[b];
+  }
+  // Groups of octaves from the bottom up, each closed once it holds
+  // kCalibrationMinGroup completions; a short (or empty) top group joins
+  // the last closed one. Sums add octave by octave, bottom up.
+  octave_ratio_.assign(kOctaves, 1.0);
+  int first = 0;        // first octave of the open group
+  int last_first = -1;  // first octave of the last closed group
+  double a = 0, e = 0, last_a = 0, last_e = 0;
+  int64_t c = 0;
+  const auto close = [&](int from, int to, double sa, double se) {
+    const double ratio = se > 0 ? sa / se : 1.0;
+    for (int b = from; b < to; ++b) octave_ratio_[b] = ratio;
+  };
+  for (int b = 0; b < kOctaves; ++b) {
+    a += actual_sum[b];
+    e += estimate_sum[b];
+    c += count[b];
+    if (c >= kCalibrationMinGroup) {
+      close(first, b + 1, a, e);
+      last_first = first;
+      last_a = a;
+      last_e = e;
+      first = b + 1;
+      a = e = 0;
+      c = 0;
+    }
+  }
+  if (first < kOctaves) {
+    if (last_first >= 0) {
+      close(last_first, kOctaves, last_a + a, last_e + e);
+    } else {
+      close(first, kOctaves, a, e);
+    }
+  }
+}
+
+double CountdownScheduler::service_correction() {
+  Calibrate();
+  return options_.calibration == BoundCalibration::kAdditive ? correction_
+                                                            : 0.0;
+}
+
+double CountdownScheduler::service_ratio(double estimate_tokens) {
+  Calibrate();
+  return RatioFor(estimate_tokens);
+}
+
+double CountdownScheduler::RatioFor(double x) const {
+  if (options_.calibration != BoundCalibration::kRatio ||
+      octave_ratio_.empty()) {
+    return 1.0;
+  }
+  return octave_ratio_[static_cast<size_t>(Octave(x))];
+}
+
+double CountdownScheduler::BoundWork(std::optional<double> total,
+                                     int64_t generated,
+                                     double unpredicted_remaining) const {
+  const double g = static_cast<double>(generated);
+  if (options_.calibration == BoundCalibration::kAdditive) {
+    const double delta = correction_;
+    if (!total.has_value()) return unpredicted_remaining + delta;
+    return std::max(*total - g, options_.remaining_floor) + delta;
+  }
+  if (!total.has_value()) {
+    return std::max(unpredicted_remaining, 1.0) *
+           RatioFor(unpredicted_remaining);
+  }
+  const double ratio = RatioFor(*total);
+  return std::max(std::max(*total, 1.0) * ratio - g,
+                  options_.remaining_floor * ratio);
 }
 
 absl::StatusOr<RequestStats> CountdownScheduler::GetRequest(
@@ -379,8 +486,8 @@ void CountdownScheduler::AssignDeadlines(double unpredicted_remaining) {
   const auto later = std::greater<double>();  // min-heap
   for (size_t i : new_requests_) {
     Request& r = live_[i];
-    const double estimate = BoundJob(
-        Estimate(r).has_value() ? Remaining(r) : unpredicted_remaining);
+    const double estimate = std::max(
+        1.0, BoundWork(Estimate(r), r.generated, unpredicted_remaining));
     double start = now;
     if (virtual_free_.size() >= servers) {
       std::pop_heap(virtual_free_.begin(), virtual_free_.end(), later);
@@ -426,13 +533,12 @@ void CountdownScheduler::Rank(size_t k) {
       any_unpredicted ? UnpredictedRemaining() : 0;
   const SchedulingPolicy policy = options_.policy;
   if (policy == SchedulingPolicy::kBounded) {
+    Calibrate();
     AssignDeadlines(unpredicted_remaining);
   }
   const int64_t cap = options_.waiting_cap;
   const double rate = options_.aging_rate;
   const double now = static_cast<double>(counters_.steps);
-  const double correction =
-      policy == SchedulingPolicy::kBounded ? service_correction() : 0;
 
   candidates_.clear();
   for (size_t i = 0; i < n; ++i) {
@@ -444,7 +550,9 @@ void CountdownScheduler::Rank(size_t k) {
     const double remaining =
         estimated ? Remaining(r) : unpredicted_remaining;
     if (policy == SchedulingPolicy::kBounded &&
-        now + std::max(0.0, remaining + correction) > *r.deadline - 1) {
+        now + std::max(0.0, BoundWork(Estimate(r), r.generated,
+                                      unpredicted_remaining)) >
+            *r.deadline - 1) {
       c.tier = kTierUrgent;
       c.priority = *r.deadline;
     } else if (cap > 0 && r.steps_waited >= cap) {

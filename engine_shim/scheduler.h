@@ -23,6 +23,8 @@
 //      correction learned from completions (ObserveCompletion,
 //      calibration_window): job = max(1, x + delta), work left =
 //      max(0, remaining + delta); delta = 0 until a completion is reported.
+//      With BoundCalibration::kRatio the correction is a factor per octave
+//      of the estimate instead (see BoundCalibration and BoundWork).
 //   1. Promoted requests: steps_waited >= waiting_cap (when the cap is on).
 //      Most steps waited first; ties by arrival (FCFS).
 //   2. Everybody else by effective priority, smallest first; ties by arrival:
@@ -112,6 +114,31 @@ enum class SchedulingPolicy {
   kLinearAging,
 };
 
+// kBounded: how the bound corrects its service estimates from reported
+// completions (ObserveCompletion; docs/SCHEDULING.md, "Estimates unbiased
+// for the mean"). Either way the corrected estimates of the window's
+// completions add up to their actual lengths (before the clamps).
+enum class BoundCalibration {
+  // x + delta, delta = the mean of (actual - estimate) over the window: one
+  // number for every request, right for an error that does not depend on
+  // the length.
+  kAdditive,
+  // x' * ratio(x), x' = max(x, 1): ratio = sum actual / sum x' over the
+  // window's completions whose estimate falls in the same group of octaves
+  // of x' ([2^b, 2^(b+1)), b = 0..kCalibrationOctaves - 1, the last one
+  // open), octaves merged from the bottom up until a group holds at least
+  // kCalibrationMinGroup completions (a short top group joins the one
+  // below). A piecewise-constant estimate of E[actual | estimate] /
+  // estimate: right for an error that grows with the length (a
+  // multiplicative bias, or a prior that regresses to the mean).
+  kRatio,
+};
+
+// BoundCalibration::kRatio: octaves of the estimate, and the fewest
+// completions a group of octaves must hold to get its own ratio.
+inline constexpr int kCalibrationOctaves = 32;
+inline constexpr int kCalibrationMinGroup = 64;
+
 // Configuration of a CountdownScheduler. All fields are validated by
 // Validate(); CountdownScheduler::Create rejects invalid options.
 struct SchedulerOptions {
@@ -186,6 +213,13 @@ struct SchedulerOptions {
   // [0, 1 << 20]. Default: 1000
   int calibration_window = 1000;
 
+  // kBounded: the form of that correction (see BoundCalibration): with
+  // kRatio a job is max(1, x' * ratio(x)) and the work left of a request
+  // with estimate x that generated g tokens max(0, x' * ratio(x) - g,
+  // remaining_floor * ratio(x)) (kAdditive: max(0, remaining + delta)).
+  // Default: kAdditive
+  BoundCalibration calibration = BoundCalibration::kAdditive;
+
   // kLinearAging: tokens of priority gained per step waited. Finite, >= 0.
   // Default: 1
   double linear_aging = 1;
@@ -196,6 +230,9 @@ struct SchedulerOptions {
 
 // "countdown", "bounded", "hrrn", "linear-aging".
 absl::string_view SchedulingPolicyName(SchedulingPolicy policy);
+
+// "additive", "ratio".
+absl::string_view BoundCalibrationName(BoundCalibration calibration);
 
 // A snapshot of one live request.
 struct RequestStats {
@@ -327,9 +364,14 @@ class CountdownScheduler {
   // kInvalidArgument for a non-finite or negative value.
   absl::Status ObserveCompletion(double estimate_tokens, double actual_tokens);
 
-  // The bound's current correction delta in tokens (0 before any reported
-  // completion).
+  // The bound's current additive correction delta in tokens (0 before any
+  // reported completion, and under BoundCalibration::kRatio).
   double service_correction();
+
+  // BoundCalibration::kRatio: the factor the bound applies to an estimate
+  // of `estimate_tokens` (1 before any reported completion, and under
+  // kAdditive).
+  double service_ratio(double estimate_tokens);
 
   // Decides one decode step and commits it: returns up to `slots` live
   // request ids (all of them when fewer are live), in priority order. The
@@ -433,8 +475,18 @@ class CountdownScheduler {
   // The state change of one step; selected_[i] marks live_[i] as chosen.
   void CommitSelected();
   void AssignDeadlines(double unpredicted_remaining);
-  // The bound's virtual FCFS job for ranking estimate x: max(1, x + delta).
-  double BoundJob(double x);
+  // Recomputes the correction from the window when a report came since.
+  void Calibrate();
+  // The bound's work left (before its clamp) of a request ranked by
+  // `total` (prediction or prior; nullopt: unpredicted, placed at
+  // `unpredicted_remaining`) that generated `generated` tokens: kAdditive
+  // max(total - generated, floor) + delta (unpredicted: u + delta), kRatio
+  // max(x' * ratio - generated, floor * ratio) (unpredicted: u' * ratio).
+  // Calibrate() first.
+  double BoundWork(std::optional<double> total, int64_t generated,
+                   double unpredicted_remaining) const;
+  // kRatio: the ratio for an estimate (after Calibrate()).
+  double RatioFor(double x) const;
 
   SchedulerOptions options_;
   // Live requests, unordered (swap-remove); index_ maps id to position.
@@ -454,12 +506,14 @@ class CountdownScheduler {
   // Virtual FCFS latencies of the last tail_window requests (a ring).
   std::vector<double> recent_latency_;
   size_t recent_next_ = 0;
-  // kBounded: actual - estimate of the last calibration_window reported
-  // completions (a ring, oldest at errors_next_ once full) and their mean,
-  // recomputed oldest first when stale.
-  std::vector<double> errors_;
-  size_t errors_next_ = 0;
+  // kBounded: (estimate, actual) of the last calibration_window reported
+  // completions (a ring, oldest at samples_next_ once full); the additive
+  // correction (mean of actual - estimate) or the ratio of each octave,
+  // recomputed, summing oldest first, when stale.
+  std::vector<std::pair<double, double>> samples_;
+  size_t samples_next_ = 0;
   double correction_ = 0;
+  std::vector<double> octave_ratio_;
   bool correction_stale_ = false;
 };
 

@@ -75,31 +75,120 @@ class ReferenceScheduler {
   bool Predicted(const std::string& id) const {
     return reqs_.at(id).pred.has_value();
   }
-  // A reported completion (scheduler.h, ObserveCompletion): the bound's
-  // correction is the mean of actual - estimate over the last
-  // calibration_window, summed oldest first.
+  // A reported completion (scheduler.h, ObserveCompletion), kept for the
+  // bound's correction over the last calibration_window.
   void Observe(double estimate, double actual) {
     if (o_.policy != SchedulingPolicy::kBounded || o_.calibration_window == 0) {
       return;
     }
-    errors_.push_back(actual - estimate);
-    if (errors_.size() > static_cast<size_t>(o_.calibration_window)) {
-      errors_.pop_front();
+    samples_.emplace_back(estimate, actual);
+    ratio_table_.clear();
+    if (samples_.size() > static_cast<size_t>(o_.calibration_window)) {
+      samples_.pop_front();
     }
   }
+  // kAdditive: the mean of actual - estimate, summed oldest first.
   double Correction() const {
-    if (errors_.empty()) return 0;
+    if (o_.calibration != BoundCalibration::kAdditive || samples_.empty()) {
+      return 0;
+    }
     double sum = 0;
-    for (double e : errors_) sum += e;
-    return sum / static_cast<double>(errors_.size());
+    for (const auto& [e, a] : samples_) sum += a - e;
+    return sum / static_cast<double>(samples_.size());
+  }
+  // kRatio: the octaves of x' = max(x, 1) grouped bottom up until a group
+  // holds kCalibrationMinGroup completions (a short top group joins the one
+  // below); the ratio of x's group is sum actual / sum x' over its
+  // completions, the sums taken octave by octave from the bottom, each
+  // octave's oldest first. Written per estimate, by brute force.
+  double Ratio(double x) const {
+    if (o_.calibration != BoundCalibration::kRatio || samples_.empty()) {
+      return 1;
+    }
+    if (ratio_table_.empty()) FillRatios();
+    return ratio_table_[static_cast<size_t>(Octave(x))];
+  }
+  static int Octave(double v) {
+    int b = 0;
+    for (double p = 2; p <= std::max(v, 1.0) && b < kCalibrationOctaves - 1;
+         p *= 2) {
+      ++b;
+    }
+    return b;
+  }
+  void FillRatios() const {
+    ratio_table_.assign(kCalibrationOctaves, 1.0);
+    const auto octave = [](double v) { return Octave(v); };
+    const auto octave_sums = [&](int b, double* sa, double* se) {
+      int64_t n = 0;
+      for (const auto& [e, a] : samples_) {
+        if (octave(e) != b) continue;
+        *sa += a;
+        *se += std::max(e, 1.0);
+        ++n;
+      }
+      return n;
+    };
+    // Groups: octaves [lo, hi), summed over [lo, split) then [split, hi)
+    // (split < hi for a short top group merged into the one below).
+    struct Group {
+      int lo, split, hi;
+    };
+    std::vector<Group> groups;
+    int from = 0;
+    int64_t count = 0;
+    for (int b = 0; b < kCalibrationOctaves; ++b) {
+      double ignore_a = 0, ignore_e = 0;
+      count += octave_sums(b, &ignore_a, &ignore_e);
+      if (count >= kCalibrationMinGroup) {
+        groups.push_back({from, b + 1, b + 1});
+        from = b + 1;
+        count = 0;
+      }
+    }
+    if (from < kCalibrationOctaves) {
+      if (groups.empty()) {
+        groups.push_back({from, kCalibrationOctaves, kCalibrationOctaves});
+      } else {
+        groups.back().hi = kCalibrationOctaves;
+      }
+    }
+    for (const Group& g : groups) {
+      double sa = 0, se = 0, top_a = 0, top_e = 0;
+      for (int b = g.lo; b < g.split; ++b) {
+        double oa = 0, oe = 0;
+        octave_sums(b, &oa, &oe);
+        sa += oa;
+        se += oe;
+      }
+      for (int b = g.split; b < g.hi; ++b) {
+        double oa = 0, oe = 0;
+        octave_sums(b, &oa, &oe);
+        top_a += oa;
+        top_e += oe;
+      }
+      sa += top_a;
+      se += top_e;
+      for (int b = g.lo; b < g.hi; ++b) ratio_table_[b] = se > 0 ? sa / se : 1;
+    }
+  }
+  // The bound's work left (scheduler.h, BoundCalibration): a prediction or
+  // prior `total`, or unpredicted at `u` (total absent).
+  double Work(std::optional<double> total, int64_t generated,
+              double u) const {
+    const double g = static_cast<double>(generated);
+    if (o_.calibration == BoundCalibration::kAdditive) {
+      if (!total) return u + Correction();
+      return std::max(*total - g, o_.remaining_floor) + Correction();
+    }
+    if (!total) return std::max(u, 1.0) * Ratio(u);
+    return std::max(std::max(*total, 1.0) * Ratio(*total) - g,
+                    o_.remaining_floor * Ratio(*total));
   }
   void Predict(const std::string& id, double v) {
     Req& r = reqs_.at(id);
     if (!r.pred && r.deadline) {
-      const double est = std::max(
-          1.0, std::max(v - static_cast<double>(r.generated),
-                        o_.remaining_floor) +
-                   Correction());
+      const double est = std::max(1.0, Work(v, r.generated, 0));
       r.vfinish += est - r.vest;
       r.vest = est;
       r.deadline = r.origin + o_.max_slowdown *
@@ -146,8 +235,8 @@ class ReferenceScheduler {
       const double now = static_cast<double>(steps_);
       for (const auto& [arrival, id] : fresh) {
         Req& r = reqs_.at(id);
-        const double est = std::max(
-            1.0, (Ranked(r) ? Remaining(r) : unpredicted) + Correction());
+        const double est =
+            std::max(1.0, Work(Total(r), r.generated, unpredicted));
         double start = now;
         if (servers_.size() == static_cast<size_t>(o_.slots)) {
           auto it = std::min_element(servers_.begin(), servers_.end());
@@ -181,9 +270,10 @@ class ReferenceScheduler {
     for (const auto& [id, r] : reqs_) {
       Entry e{{}, 0, id};
       const double rem = Ranked(r) ? Remaining(r) : unpredicted;
-      if (bounded && static_cast<double>(steps_) +
-                             std::max(0.0, rem + Correction()) >
-                         *r.deadline - 1) {
+      if (bounded &&
+          static_cast<double>(steps_) +
+                  std::max(0.0, Work(Total(r), r.generated, unpredicted)) >
+              *r.deadline - 1) {
         e.key = {-1, *r.deadline, r.arrival};
       } else if (o_.waiting_cap > 0 && r.waited >= o_.waiting_cap) {
         e.key = {0, -static_cast<double>(r.waited), r.arrival};
@@ -298,6 +388,9 @@ class ReferenceScheduler {
   };
   // Ranked by a prediction, or else by a prior.
   static bool Ranked(const Req& r) { return r.pred || r.prior; }
+  static std::optional<double> Total(const Req& r) {
+    return r.pred ? r.pred : r.prior;
+  }
   double Remaining(const Req& r) const {
     return std::max((r.pred ? *r.pred : *r.prior) -
                         static_cast<double>(r.generated),
@@ -310,7 +403,10 @@ class ReferenceScheduler {
   int64_t steps_ = 0;
   std::vector<double> servers_;  // virtual FCFS: busy servers' free times
   std::deque<double> recent_;    // last tail_window virtual latencies
-  std::deque<double> errors_;    // last calibration_window actual - estimate
+  // (estimate, actual) of the last calibration_window reported completions.
+  std::deque<std::pair<double, double>> samples_;
+  // kRatio: the ratio per octave, filled from samples_ when empty.
+  mutable std::vector<double> ratio_table_;
 };
 
 // Random traffic: arrivals (with bursts), true lengths, predictions that are
@@ -514,7 +610,12 @@ void RunAgainstReference(const SchedulerOptions& options,
   if (options.policy == SchedulingPolicy::kBounded) {
     EXPECT_GT(sched.counters().urgent_selections, 0);
     if (traffic.observe_prob > 0 && options.calibration_window > 0) {
-      EXPECT_NE(sched.service_correction(), 0);
+      if (options.calibration == BoundCalibration::kAdditive) {
+        EXPECT_NE(sched.service_correction(), 0);
+      } else {
+        EXPECT_EQ(sched.service_correction(), 0);
+        EXPECT_NE(sched.service_ratio(100), 1);
+      }
     }
   }
 }
@@ -700,7 +801,9 @@ TEST(CountdownSchedulerTest, CalibratedBoundMatchesBruteForceReference) {
     SchedulingPolicy policy;
     int slots, cap, window;
     double low, high;
+    BoundCalibration calibration = BoundCalibration::kAdditive;
   };
+  constexpr BoundCalibration kRatio = BoundCalibration::kRatio;
   const Config configs[] = {
       {SchedulingPolicy::kBounded, 64, 128, 1000, 0.3, 1.0},
       {SchedulingPolicy::kBounded, 8, 0, 5, 0.2, 0.9},
@@ -708,6 +811,13 @@ TEST(CountdownSchedulerTest, CalibratedBoundMatchesBruteForceReference) {
       {SchedulingPolicy::kBounded, 3, 4, 1, 0.5, 1.5},
       {SchedulingPolicy::kBounded, 8, 0, 0, 0.2, 0.9},
       {SchedulingPolicy::kCountdown, 16, 0, 1000, 0.2, 0.9},
+      // Ratio per group of octaves: several groups (a long window), one
+      // group (a window below kCalibrationMinGroup), estimates high.
+      {SchedulingPolicy::kBounded, 64, 128, 1000, 0.3, 1.0, kRatio},
+      {SchedulingPolicy::kBounded, 8, 0, 300, 0.2, 0.9, kRatio},
+      {SchedulingPolicy::kBounded, 16, 0, 37, 1.0, 3.0, kRatio},
+      {SchedulingPolicy::kBounded, 3, 4, 1, 0.5, 1.5, kRatio},
+      {SchedulingPolicy::kCountdown, 16, 0, 1000, 0.2, 0.9, kRatio},
   };
   uint64_t seed = 200;
   for (const Config& c : configs) {
@@ -716,6 +826,7 @@ TEST(CountdownSchedulerTest, CalibratedBoundMatchesBruteForceReference) {
     o.slots = c.slots;
     o.waiting_cap = c.cap;
     o.calibration_window = c.window;
+    o.calibration = c.calibration;
     o.max_slowdown = 1.5;
     o.unpredicted_tokens = 100;
     Traffic t;
@@ -762,6 +873,60 @@ TEST(CountdownSchedulerTest, CalibratedBoundMatchesBruteForceReference) {
   CountdownScheduler plain = MakeScheduler(SchedulerOptions{});
   ASSERT_TRUE(plain.ObserveCompletion(1, 1000).ok());
   EXPECT_EQ(plain.service_correction(), 0);
+  EXPECT_EQ(plain.service_ratio(1), 1);
+}
+
+// The ratio correction (BoundCalibration::kRatio) by hand: one ratio per
+// group of octaves holding kCalibrationMinGroup completions, a short top
+// group merged into the one below, estimates below 1 counted as 1, and the
+// deadline of a new request placed with max(x, 1) * ratio(x).
+TEST(CountdownSchedulerTest, RatioCalibrationByHand) {
+  static_assert(kCalibrationMinGroup == 64);
+  SchedulerOptions o;
+  o.policy = SchedulingPolicy::kBounded;
+  o.calibration = BoundCalibration::kRatio;
+  o.calibration_window = 1000;
+  o.tail_window = 0;
+  o.max_slowdown = 2;
+  CountdownScheduler s = MakeScheduler(o);
+  EXPECT_EQ(s.service_ratio(10), 1);
+  // Below the minimum: one group for every octave.
+  ASSERT_TRUE(s.ObserveCompletion(10, 20).ok());
+  ASSERT_TRUE(s.ObserveCompletion(0.5, 4).ok());  // counts as 1
+  EXPECT_EQ(s.service_ratio(3), 24.0 / 11.0);
+  EXPECT_EQ(s.service_ratio(5000), 24.0 / 11.0);
+  // 64 completions in [8, 16) (the two above included) close a group
+  // [0, 16); 10 in [512, 1024) make a short top group, merged into it.
+  for (int i = 0; i < 63; ++i) ASSERT_TRUE(s.ObserveCompletion(10, 20).ok());
+  // Now 65 in the group: (64 * 20 + 4) / (64 * 10 + 1).
+  const double low = (64 * 20.0 + 4) / (64 * 10.0 + 1);
+  EXPECT_DOUBLE_EQ(s.service_ratio(3), low);
+  for (int i = 0; i < 10; ++i) ASSERT_TRUE(s.ObserveCompletion(600, 1800).ok());
+  const double merged = (64 * 20.0 + 4 + 10 * 1800.0) / (64 * 10.0 + 1 +
+                                                        10 * 600.0);
+  EXPECT_DOUBLE_EQ(s.service_ratio(3), merged);
+  EXPECT_DOUBLE_EQ(s.service_ratio(700), merged);
+  // 54 more there: the top group [16, 32 octaves) holds 64 and gets its own
+  // ratio, 3; the estimates below keep theirs.
+  for (int i = 0; i < 54; ++i) ASSERT_TRUE(s.ObserveCompletion(600, 1800).ok());
+  EXPECT_DOUBLE_EQ(s.service_ratio(3), low);
+  EXPECT_DOUBLE_EQ(s.service_ratio(15.9), low);
+  EXPECT_EQ(s.service_ratio(16), 3);
+  EXPECT_EQ(s.service_ratio(1e9), 3);
+  EXPECT_EQ(s.service_correction(), 0);
+  // A new request's job is its estimate times its group's ratio: with the
+  // slots free and the reference off, deadline = S x job.
+  ASSERT_TRUE(s.Add("long").ok());
+  ASSERT_TRUE(s.SetPrediction("long", 700).ok());
+  ASSERT_TRUE(s.Add("short").ok());
+  ASSERT_TRUE(s.SetPrior("short", 0.25).ok());
+  s.Select(0);
+  EXPECT_EQ(s.GetRequest("long")->deadline, 2.0 * 700 * 3);
+  EXPECT_DOUBLE_EQ(*s.GetRequest("short")->deadline, 2.0 * std::max(1.0, low));
+  // The window drops the oldest: 1000 completions at ratio 1 in [8, 16)
+  // leave one group at ratio 1.
+  for (int i = 0; i < 1000; ++i) ASSERT_TRUE(s.ObserveCompletion(12, 12).ok());
+  EXPECT_EQ(s.service_ratio(700), 1);
 }
 
 // An idle gap committed at once (CommitIdle) is the same as one empty
@@ -1651,6 +1816,9 @@ TEST(CountdownSchedulerTest, BadInput) {
   invalid([&](SchedulerOptions& o) { o.tail_quantile = 1.5; });
   invalid([&](SchedulerOptions& o) { o.tail_quantile = kNan; });
   invalid([](SchedulerOptions& o) { o.calibration_window = -1; });
+  invalid([](SchedulerOptions& o) {
+    o.calibration = static_cast<BoundCalibration>(7);
+  });
   invalid([](SchedulerOptions& o) { o.calibration_window = (1 << 20) + 1; });
 
   CountdownScheduler sched = MakeScheduler(SchedulerOptions{});

@@ -199,8 +199,9 @@ absl::StatusOr<std::vector<PolicySpec>> ParsePolicies(absl::string_view list) {
             "policy '", token, "': bad knob '", kv.second, "'"));
       }
       p.has_discipline = true;
-      if (kv.first == "bounded") {
+      if (kv.first == "bounded" || kv.first == "bounded-ratio") {
         p.discipline = shim::SchedulingPolicy::kBounded;
+        p.ratio_calibration = kv.first == "bounded-ratio";
         p.knob = has_value ? v : kDefaultSlowdown;
         if (p.knob < 1) {
           return absl::InvalidArgumentError(absl::StrCat(
@@ -220,7 +221,8 @@ absl::StatusOr<std::vector<PolicySpec>> ParsePolicies(absl::string_view list) {
       } else {
         return absl::InvalidArgumentError(absl::StrCat(
             "policy '", token, "': unknown discipline '", disc,
-            "' (bounded[=S], aging[=A], hrrn, countdown)"));
+            "' (bounded[=S], bounded-ratio[=S], aging[=A], hrrn, "
+            "countdown)"));
       }
     }
     if (t == "fcfs") {
@@ -296,6 +298,7 @@ absl::StatusOr<std::vector<PolicySpec>> ParsePolicies(absl::string_view list) {
       q.has_discipline = p.has_discipline;
       q.discipline = p.discipline;
       q.knob = p.knob;
+      q.ratio_calibration = p.ratio_calibration;
       p = std::move(q);
     }
     p.predictor = p.name;
@@ -304,6 +307,7 @@ absl::StatusOr<std::vector<PolicySpec>> ParsePolicies(absl::string_view list) {
                       p.discipline == shim::SchedulingPolicy::kLinearAging
                           ? "aging"
                           : shim::SchedulingPolicyName(p.discipline));
+      if (p.ratio_calibration) absl::StrAppend(&p.name, "-ratio");
       if (p.discipline == shim::SchedulingPolicy::kBounded ||
           p.discipline == shim::SchedulingPolicy::kLinearAging) {
         absl::StrAppendFormat(&p.name, "=%g", p.knob);
@@ -658,6 +662,9 @@ absl::StatusOr<ReplayReport> RunReplay(const ReplayOptions& o,
           so.scheduler.bounded_linear_aging = o.bounded_aging;
           so.scheduler.calibration_window =
               static_cast<int>(o.bound_calibration);
+          so.scheduler.calibration = spec.ratio_calibration
+                                         ? shim::BoundCalibration::kRatio
+                                         : shim::BoundCalibration::kAdditive;
         } else if (spec.discipline == shim::SchedulingPolicy::kLinearAging) {
           so.scheduler.linear_aging = spec.knob;
         }

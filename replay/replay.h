@@ -47,6 +47,10 @@ struct PolicySpec {
   shim::SchedulingPolicy discipline = shim::SchedulingPolicy::kCountdown;
   double knob = 0;
   bool has_discipline = false;
+  // "+bounded-ratio[=S]": kBounded with BoundCalibration::kRatio (the
+  // bound's estimates corrected by a ratio per octave of the estimate
+  // instead of the mean error).
+  bool ratio_calibration = false;
   // "+prior" at the end of the name: length-aware admission, the waiting
   // requests ordered by a prior learned online from completions (prompt
   // length per product line, sidecar/core/length_prior.h).

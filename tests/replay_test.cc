@@ -404,13 +404,16 @@ TEST(ReplaySimTest, BoundedAdmissionHoldsTheDeadlineFromArrival) {
     weak.push_back(m * m);
   }
   const auto run = [&](shim::SchedulingPolicy policy,
-                       const std::vector<double>& prior_values, int window) {
+                       const std::vector<double>& prior_values, int window,
+                       shim::BoundCalibration calibration =
+                           shim::BoundCalibration::kAdditive) {
     SimOptions o = Small(0);
     o.engine.resident = 8;
     o.scheduler.policy = policy;
     o.scheduler.max_slowdown = 2;
     o.scheduler.tail_window = 0;
     o.scheduler.calibration_window = window;
+    o.scheduler.calibration = calibration;
     o.record_order = true;
     TablePredictor oracle(truth, 0, false, 0);
     TablePrior prior(prior_values);
@@ -440,14 +443,22 @@ TEST(ReplaySimTest, BoundedAdmissionHoldsTheDeadlineFromArrival) {
   const SimResult uncalibrated =
       run(shim::SchedulingPolicy::kBounded, truth, 0);
   const SimResult weak_run = run(shim::SchedulingPolicy::kBounded, weak, 1000);
+  const SimResult exact_ratio = run(shim::SchedulingPolicy::kBounded, truth,
+                                    1000, shim::BoundCalibration::kRatio);
+  const SimResult weak_ratio = run(shim::SchedulingPolicy::kBounded, weak,
+                                   1000, shim::BoundCalibration::kRatio);
   const auto [c_ratio, c_worst, c_checked] = worst(countdown);
   const auto [e_ratio, e_worst, e_checked] = worst(exact);
   const auto [w_ratio, w_worst, w_checked] = worst(weak_run);
+  const auto [wr_ratio, wr_worst, wr_checked] = worst(weak_ratio);
   std::printf(
-      "worst latency / deadline: exact %.3f, weak prior %.3f; worst latency "
-      "(s): countdown %.1f, bounded %.1f, weak prior %.1f; urgent "
-      "selections %lld\n",
-      e_ratio, w_ratio, c_worst, e_worst, w_worst,
+      "worst latency / deadline: exact %.3f, weak prior %.3f (ratio "
+      "correction %.3f); worst latency (s): countdown %.1f, bounded %.1f, "
+      "weak prior %.1f (ratio %.1f); mean PTL weak prior %.4f, ratio %.4f; "
+      "urgent selections %lld\n",
+      e_ratio, w_ratio, wr_ratio, c_worst, e_worst, w_worst, wr_worst,
+      ComputeMetrics(weak_run.requests).mean_ptl,
+      ComputeMetrics(weak_ratio.requests).mean_ptl,
       static_cast<long long>(exact.counters.urgent_selections));
   EXPECT_EQ(c_checked, 0);  // no deadlines under the countdown
   EXPECT_GT(e_checked, 300);
@@ -457,11 +468,16 @@ TEST(ReplaySimTest, BoundedAdmissionHoldsTheDeadlineFromArrival) {
   EXPECT_GT(c_worst, 1.2 * e_worst);
   EXPECT_GT(w_ratio, 1.1);
   EXPECT_EQ(exact.decode_order, uncalibrated.decode_order);
+  // Exact estimates teach the ratio correction a ratio of 1 too.
+  EXPECT_EQ(exact.decode_order, exact_ratio.decode_order);
+  EXPECT_EQ(wr_checked, e_checked);
   for (size_t i = 0; i < reqs.size(); ++i) {
     EXPECT_EQ(exact.requests[i].completion_s,
               uncalibrated.requests[i].completion_s);
     EXPECT_EQ(exact.requests[i].deadline_step,
               uncalibrated.requests[i].deadline_step);
+    EXPECT_EQ(exact.requests[i].deadline_step,
+              exact_ratio.requests[i].deadline_step);
   }
 }
 
@@ -589,6 +605,17 @@ TEST(ReplayPolicyTest, ParsesNamesPresetsAndLearnedSpecs) {
   EXPECT_FALSE(ParsePolicies("leap+hrrn=2").ok());
   EXPECT_FALSE(ParsePolicies("leap+fifo").ok());
   EXPECT_FALSE(ParsePolicies("leap+aging=-1").ok());
+  // The bound with the ratio correction (BoundCalibration::kRatio).
+  absl::StatusOr<std::vector<PolicySpec>> ratio =
+      ParsePolicies("leap+bounded-ratio=1.5+prior,oracle+bounded-ratio");
+  ASSERT_TRUE(ratio.ok()) << ratio.status();
+  EXPECT_EQ((*ratio)[0].name, "leap+bounded-ratio=1.5+prior");
+  EXPECT_EQ((*ratio)[0].discipline, shim::SchedulingPolicy::kBounded);
+  EXPECT_TRUE((*ratio)[0].ratio_calibration);
+  EXPECT_TRUE((*ratio)[0].prior_admission);
+  EXPECT_EQ((*ratio)[1].name, "oracle+bounded-ratio=2.5");
+  EXPECT_FALSE((*d)[0].ratio_calibration);
+  EXPECT_FALSE(ParsePolicies("leap+bounded-ratio=0.5").ok());
 }
 
 // ---- trace parsers

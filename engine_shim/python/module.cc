@@ -363,10 +363,20 @@ Not thread-safe: call it from the engine's step loop only.)doc")
                        double unpredicted_tokens, const std::string& policy,
                        double max_slowdown, double linear_aging,
                        int tail_window, double tail_quantile,
-                       double bounded_linear_aging, int calibration_window) {
+                       double bounded_linear_aging, int calibration_window,
+                       const std::string& calibration) {
              leap::shim::SchedulerOptions o;
              o.bounded_linear_aging = bounded_linear_aging;
              o.calibration_window = calibration_window;
+             if (calibration == "additive") {
+               o.calibration = leap::shim::BoundCalibration::kAdditive;
+             } else if (calibration == "ratio") {
+               o.calibration = leap::shim::BoundCalibration::kRatio;
+             } else {
+               throw py::value_error(
+                   "calibration must be 'additive' or 'ratio', got '" +
+                   calibration + "'");
+             }
              o.policy = ParseSchedulingPolicy(policy);
              o.max_slowdown = max_slowdown;
              o.tail_window = tail_window;
@@ -392,6 +402,7 @@ Not thread-safe: call it from the engine's step loop only.)doc")
            py::arg("tail_quantile") = 0.99,
            py::arg("bounded_linear_aging") = 0.0,
            py::arg("calibration_window") = 1000,
+           py::arg("calibration") = "additive",
            R"doc(Args:
   slots: decode slots per step taken by select() (>= 1).
   waiting_cap: steps without a slot after which a request is promoted
@@ -420,6 +431,9 @@ Not thread-safe: call it from the engine's step loop only.)doc")
   calibration_window: "bounded" adds to the estimates it places deadlines
     with the mean error (actual - estimate) of the last N completions given
     to observe_completion(), so they are unbiased for the mean (0 = off).
+  calibration: the form of that correction: "additive" (the mean error,
+    one number for all) or "ratio" (sum actual / sum estimate per group of
+    octaves of the estimate, for errors that grow with the length).
 
 Raises:
   ValueError: an option out of range.)doc")
@@ -461,7 +475,13 @@ Raises:
   ValueError: a negative or non-finite value.)doc")
       .def_property_readonly(
           "service_correction", &PyScheduler::ServiceCorrection,
-          "The bound's current correction in tokens (0 before any report).")
+          "The bound's current additive correction in tokens (0 before any "
+          "report, and with calibration=\"ratio\").")
+      .def("service_ratio", &PyScheduler::ServiceRatio,
+           py::arg("estimate_tokens"),
+           "With calibration=\"ratio\": the factor the bound applies to an "
+           "estimate of that many tokens (1 before any report, and with "
+           "\"additive\").")
       .def("order", &PyScheduler::Order, py::arg("k"),
            R"doc(The first k live requests of the coming step, in select()'s
 order, without committing anything (engines where every admitted request

@@ -32,6 +32,9 @@ class PyScheduler {
   pybind11::dict Carry(const std::string& id) const;
   void ObserveCompletion(double estimate_tokens, double actual_tokens);
   double ServiceCorrection() { return s_.service_correction(); }
+  double ServiceRatio(double estimate_tokens) {
+    return s_.service_ratio(estimate_tokens);
+  }
   std::vector<std::string> Order(size_t k) { return s_.Order(k); }
   void Commit(const std::vector<std::string>& ran);
   void CommitIdle(int64_t steps) { Check(s_.CommitIdle(steps)); }
