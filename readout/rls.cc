@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "readout/internal/blas.h"
 #include "readout/internal/kernels.h"
+#include "readout/internal/openblas.h"
 
 namespace leap::readout {
 namespace {
@@ -134,6 +135,12 @@ absl::Status RlsOptions::Validate() const {
         "kernels '", kernels,
         "' is unknown or not supported by this CPU (portable, avx2, avx512)"));
   }
+  if (!large_batches.empty() && large_batches != "openblas" &&
+      large_batches != "kernels") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "large_batches '", large_batches,
+        "' is unknown (openblas, kernels, or empty for the default)"));
+  }
   return absl::OkStatus();
 }
 
@@ -206,9 +213,17 @@ RlsState::RlsState(Eigen::VectorXd theta, SymMatrix p, RlsOptions options)
   kernels_ = options_.kernels.empty() ? &internal::BestKernels()
                                       : internal::KernelsByName(options_.kernels);
   threads_ = options_.threads > 0 ? options_.threads : AvailableCores();
+  blas_large_ = options_.large_batches == "openblas" ||
+                (options_.large_batches.empty() &&
+                 internal::OpenBlasPreferredFor(kernels_->name));
 }
 
 const char* RlsState::kernel_name() const { return kernels_->name; }
+
+std::string RlsState::large_batch_variant() const {
+  if (blas_large_) return "openblas " + internal::OpenBlasCore();
+  return kernels_->name;
+}
 
 absl::Status RlsState::Update(const float* u, int64_t ldu,
                               std::span<const double> y) {
@@ -230,7 +245,24 @@ void RlsState::ComputeVt(const float* u, int64_t ldu, int64_t k) {
   float* vt = vt_.get();
   const double t0 = Seconds(threads_);
   std::memset(vt, 0, sizeof(float) * k * ld);
-  {
+  if (blas_large_) {
+    // OpenBLAS in fixed column blocks of P (whole kSymBlock blocks), each
+    // with the same three single-threaded calls whatever the thread count.
+    internal::OpenBlasSingleThreaded();
+    constexpr int64_t kB = internal::kSymBlock;
+    const int64_t blocks = (n + kB - 1) / kB;
+    const int pieces = static_cast<int>(
+        std::min<int64_t>(internal::kBlasPieces, blocks));
+    const int parts = std::min(threads_, pieces);
+    RunParts(parts, [&](int t) {
+      for (int c = pieces * t / parts; c < pieces * (t + 1) / parts; ++c) {
+        const int64_t j0 = blocks * c / pieces * kB;
+        const int64_t j1 = std::min(n, blocks * (c + 1) / pieces * kB);
+        internal::OpenBlasProductBlock(k, n, u, ldu, p_->data(), ld, j0, j1,
+                                       vt, ld);
+      }
+    });
+  } else {
     // Compute-bound: Vt = U P (P symmetric) as a blocked product, columns
     // split across threads. Only P's upper blocks are read (the packing
     // takes the lower ones from their transposes), so the lower triangle
@@ -492,14 +524,34 @@ void RlsState::Flush() {
   const int64_t pending = pending_;
   const internal::Kernels& kern = *kernels_;
   const double t0 = Seconds(threads_);
-  RunParts(parts, [&](int t) {
-    for (int64_t b = first[t]; b < first[t + 1]; ++b) {
-      const int64_t i0 = b * kRows, i1 = std::min(n, i0 + kRows);
-      const int64_t j0 = i0 & ~int64_t{15};
-      kern.gemm_acc(i1 - i0, ld - j0, pending, -1.0f, w + i0, 1, ld, w + j0,
-                    ld, p + i0 * ld + j0, ld);
-    }
-  });
+  if (blas_large_) {
+    // OpenBLAS in fixed pieces of row blocks (balanced by area), each with
+    // the same single-threaded calls whatever the thread count.
+    internal::OpenBlasSingleThreaded();
+    const int pieces =
+        static_cast<int>(std::min<int64_t>(internal::kBlasPieces, blocks));
+    const std::vector<int64_t> rows =
+        SplitBlocksByArea(blocks, kRows, ld, pieces);
+    const int bparts = std::min(threads_, pieces);
+    RunParts(bparts, [&](int t) {
+      for (int c = pieces * t / bparts; c < pieces * (t + 1) / bparts; ++c) {
+        const int64_t i0 = rows[c] * kRows;
+        const int64_t i1 = std::min(n, rows[c + 1] * kRows);
+        if (i1 > i0) {
+          internal::OpenBlasFoldRows(pending, n, w, ld, p, ld, i0, i1);
+        }
+      }
+    });
+  } else {
+    RunParts(parts, [&](int t) {
+      for (int64_t b = first[t]; b < first[t + 1]; ++b) {
+        const int64_t i0 = b * kRows, i1 = std::min(n, i0 + kRows);
+        const int64_t j0 = i0 & ~int64_t{15};
+        kern.gemm_acc(i1 - i0, ld - j0, pending, -1.0f, w + i0, 1, ld, w + j0,
+                      ld, p + i0 * ld + j0, ld);
+      }
+    });
+  }
   const double t1 = Seconds(threads_);
   phases_.fold += t1 - t0;
   // The lower triangle outside the diagonal blocks is stale now: the

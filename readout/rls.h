@@ -100,6 +100,14 @@ struct RlsOptions {
   // Kernel set by name ("portable", "avx2", "avx512"); empty = the best
   // this CPU supports. Validate() rejects a set the CPU lacks. Default: ""
   std::string kernels;
+  // Which code computes batches wider than the fused sweep's (the product
+  // U P_base and the fold of the pending columns): "openblas" (OpenBLAS's
+  // SGEMM/SSYMM/SSYRK, run single-threaded in fixed pieces on this
+  // state's threads; OpenBLAS's own thread count is set to 1), "kernels"
+  // (the hand kernels of `kernels`), or empty: OpenBLAS when the kernels
+  // OpenBLAS picked for this CPU are AVX-512 and so are `kernels`, else the
+  // hand kernels. Default: ""
+  std::string large_batches;
 
   absl::Status Validate() const;
 };
@@ -159,6 +167,9 @@ class RlsState {
   int threads() const { return threads_; }
   // Name of the kernel set in use ("avx512", "avx2" or "portable").
   const char* kernel_name() const;
+  // What computes batches wider than 8: "openblas <its kernel family>"
+  // (e.g. "openblas SkylakeX") or the kernel set's name.
+  std::string large_batch_variant() const;
 
   // Where the time of every Update and Flush so far went.
   const RlsPhaseSeconds& phase_seconds() const { return phases_; }
@@ -198,6 +209,8 @@ class RlsState {
   int64_t pending_ = 0;
   int64_t updates_ = 0;
   const internal::Kernels* kernels_ = nullptr;
+  // Batches wider than 8 and the fold through OpenBLAS (large_batches).
+  bool blas_large_ = false;
   int threads_ = 1;
   RlsPhaseSeconds phases_;
   // V' of the batch in flight: fold_columns x ld floats.

@@ -595,6 +595,7 @@ TEST_P(KernelVariant, BatchSizesUpTo256AndThreadCountsEqualClosedForm) {
   for (int threads = 1; threads <= 4; ++threads) {
     RlsOptions opt;
     opt.kernels = GetParam();
+    opt.large_batches = "kernels";  // the hand kernels of this set
     opt.threads = threads;
     RlsState rls(an.theta0, SymMatrix::FromDouble(an.p0), opt);
     ASSERT_EQ(rls.threads(), threads);
@@ -608,6 +609,68 @@ TEST_P(KernelVariant, BatchSizesUpTo256AndThreadCountsEqualClosedForm) {
     std::printf("%s, %d threads, batch sizes 1..256 at d=%lld: theta rel err "
                 "%.3g, P rel err %.3g\n",
                 GetParam(), threads, static_cast<long long>(d), theta_err, p_err);
+    EXPECT_LT(theta_err, 1e-6);
+    EXPECT_LT(p_err, 1e-5);
+    if (threads == 1) {
+      theta_1 = rls.theta();
+      p_1 = p;
+    } else {
+      EXPECT_EQ((rls.theta() - theta_1).cwiseAbs().maxCoeff(), 0.0)
+          << threads << " threads";
+      EXPECT_EQ((p - p_1).cwiseAbs().maxCoeff(), 0.0) << threads << " threads";
+    }
+  }
+  EXPECT_GT(RelErr(an.theta0, theta_star), 1e-2);
+}
+
+// The OpenBLAS large-batch path (product and fold through OpenBLAS, in
+// fixed pieces), whatever kernels OpenBLAS picked for this CPU: batch sizes
+// 1..256 against the FP64 closed form, thread counts 1..4 bit-identical, P
+// exactly symmetric.
+TEST(Rls, OpenBlasLargeBatchesEqualClosedFormAndIgnoreThreads) {
+  const int64_t d = 300, n = d + 1;  // four row blocks of 96
+  DataGen gen(d, 41);
+  Anchor an = MakeAnchor(gen, d, 700, 3.0);
+  const std::vector<int> sizes = {1,  8,  9,  13, 33, 96, 97, 128,
+                                  5,  200, 255, 256, 2, 64, 17};
+  std::vector<std::vector<float>> us;
+  std::vector<std::vector<double>> ys;
+  MatrixXd a = an.a0;
+  VectorXd b = an.b0;
+  for (int k : sizes) {
+    us.emplace_back();
+    ys.emplace_back();
+    gen.Rows(k, us.back(), n, ys.back(), 0.7);
+    MatrixXd da = MatrixXd::Zero(n, n);
+    Accumulate(us.back(), n, k, n, ys.back(), da, b);
+    a += MatrixXd(da.selfadjointView<Eigen::Lower>());
+  }
+  Eigen::LDLT<MatrixXd> ldlt(a);
+  const VectorXd theta_star = ldlt.solve(b);
+  const MatrixXd p_star = ldlt.solve(MatrixXd::Identity(n, n));
+  VectorXd theta_1;
+  MatrixXd p_1;
+  for (int threads = 1; threads <= 4; ++threads) {
+    RlsOptions opt;
+    opt.threads = threads;
+    opt.large_batches = "openblas";
+    RlsState rls(an.theta0, SymMatrix::FromDouble(an.p0), opt);
+    ASSERT_EQ(rls.large_batch_variant().rfind("openblas ", 0), 0u)
+        << rls.large_batch_variant();
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      ASSERT_TRUE(rls.Update(us[i].data(), n, ys[i]).ok());
+    }
+    const double theta_err = RelErr(rls.theta(), theta_star);
+    const SymMatrix& ps = rls.P();
+    for (int64_t i = 0; i < n; ++i) {
+      for (int64_t j = 0; j < i; ++j) ASSERT_EQ(ps(i, j), ps(j, i)) << i << "," << j;
+    }
+    const MatrixXd p = ps.ToDouble();
+    const double p_err = (p - p_star).norm() / p_star.norm();
+    std::printf("%s, %d threads, batch sizes 1..256 at d=%lld: theta rel err "
+                "%.3g, P rel err %.3g\n",
+                rls.large_batch_variant().c_str(), threads,
+                static_cast<long long>(d), theta_err, p_err);
     EXPECT_LT(theta_err, 1e-6);
     EXPECT_LT(p_err, 1e-5);
     if (threads == 1) {
@@ -657,17 +720,20 @@ TEST(Rls, EveryBatchSizeFrom1To256EqualsClosedForm) {
 TEST_P(KernelVariant, OverflowInAnyRowRejectsTheBatch) {
   LEAP_REQUIRE_VARIANT();
   const int64_t n = 40;
+  for (const char* large : {"kernels", "openblas"})
   for (int k : {1, 8, 9, 40}) {
     for (int bad = 0; bad < k; bad += std::max(1, k / 3)) {
       RlsOptions opt;
       opt.kernels = GetParam();
+      opt.large_batches = large;
       RlsState rls(VectorXd::Zero(n), SymMatrix::ScaledIdentity(n, 10.0f), opt);
       std::vector<float> u(k * n, 0.5f);
       std::vector<double> y(k, 3.0);
       u[bad * n + 2] = 3e38f;
       const absl::Status s = rls.Update(u.data(), n, y);
       EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition)
-          << GetParam() << " k=" << k << " bad row " << bad << ": " << s;
+          << GetParam() << " " << large << " k=" << k << " bad row " << bad
+          << ": " << s;
       EXPECT_EQ(rls.updates(), 0);
       EXPECT_EQ(rls.theta(), VectorXd::Zero(n));
       EXPECT_EQ(rls.pending_columns(), 0);
@@ -684,6 +750,12 @@ TEST(Rls, OptionsRejectUnknownKernelsAndBadThreads) {
   EXPECT_EQ(o.Validate().code(), absl::StatusCode::kInvalidArgument);
   o.threads = 0;
   EXPECT_TRUE(o.Validate().ok());
+  o.large_batches = "mkl";
+  EXPECT_EQ(o.Validate().code(), absl::StatusCode::kInvalidArgument);
+  for (const char* v : {"openblas", "kernels", ""}) {
+    o.large_batches = v;
+    EXPECT_TRUE(o.Validate().ok()) << v;
+  }
   EXPECT_GE(AvailableCores(), 1);
 }
 
