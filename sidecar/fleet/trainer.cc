@@ -813,19 +813,19 @@ class Trainer::Worker {
         // this term (the lease will not renew either).
         if (st == NATS_CONNECTION_CLOSED || st == NATS_INVALID_SUBSCRIPTION) break;
       }
-      if (dirty_ && SteadyMs() - last_publish_ms_ >= interval) Publish("rls", "");
+      if (dirty_ && SteadyMs() - last_publish_ms_ >= interval) Publish(RlsCause(), "");
       if (SteadyMs() - last_quality_put_ms_ >= quality_interval) PublishQuality();
       MaybeCheckpoint(false, /*stopping=*/false);
     }
     // What was taken is applied before the term ends: the duplicate index
     // already holds its message ids, so a later term (this worker, from its
     // in-memory state) must find them in theta and P.
-    if (deferred_) ApplyBatch();
+    if (deferred_) ApplyBatch();  // (a rejection publishes nothing now)
     const bool final = final_checkpoint_.load() && !abandoned_;
     if (final) {
       // With NATS down nothing more reaches it (the local checkpoint is
       // still written): the stop stays bounded.
-      if (dirty_ && t_->Connected()) Publish("rls", "", /*stopping=*/true);
+      if (dirty_ && t_->Connected()) Publish(RlsCause(), "", /*stopping=*/true);
       if (t_->Connected()) PublishQuality();
       MaybeCheckpoint(true, /*stopping=*/true);
     }
@@ -1039,6 +1039,12 @@ class Trainer::Worker {
     if (!s.ok()) RlsRejected(s, k - applied);
   }
 
+  // The cause of the next "rls" version: the freeze of a rejected batch
+  // whose version is still due.
+  std::string RlsCause() const {
+    return frozen_cause_.empty() ? std::string("rls") : frozen_cause_;
+  }
+
   void RlsRejected(const absl::Status& s, int64_t kept_now) {
     int64_t kept;
     {
@@ -1051,7 +1057,18 @@ class Trainer::Worker {
     if (t_->families_ != nullptr) {
       t_->families_->rls_errors.Add({{"readout", r_.name}}).Increment();
     }
-    Publish(absl::StrCat("frozen: rls: ", s.message()), "");
+    frozen_cause_ = absl::StrCat("frozen: rls: ", s.message());
+    if (stop_.load()) {
+      // The term is ending (a clean stop, a lease lost, a crash stand-in):
+      // no synchronous publish here, which would wait for NATS (its full
+      // timeout while NATS is down) even after the lease is lost. The
+      // version stays due (dirty_): a clean stop publishes it with its
+      // short timeout while connected and fenced, the next term of this
+      // member first thing; a successor replays the batch.
+      dirty_ = true;
+      return;
+    }
+    Publish(frozen_cause_, "");
   }
 
   // On RESUME: the kept completions first, as one batch. False when it was
@@ -1290,6 +1307,7 @@ class Trainer::Worker {
         {
           absl::MutexLock lock(&mu_);
           ver_seq_ = ack->Sequence;
+          frozen_cause_.clear();
           last_version_ = v.version();
           last_published_seq_ = v.fleet_seq();
           ++published_;
@@ -1626,6 +1644,9 @@ class Trainer::Worker {
   uint64_t quality_seq_ ABSL_GUARDED_BY(mu_) = 0;
   bool quality_dirty_ ABSL_GUARDED_BY(mu_) = false;
   bool dirty_ = false;  // worker thread (also written under mu_)
+  // The cause of a due version that reports a rejected batch ("frozen: rls:
+  // ..."); empty otherwise. Worker thread.
+  std::string frozen_cause_;
 
   // The checkpoint thread's hand-over (one pending capture at most).
   absl::Mutex ckpt_mu_;
