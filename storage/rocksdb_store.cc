@@ -271,9 +271,8 @@ class RocksStore final : public StateStore {
   }
 
   // ----------------------------------------------------------------- log
-  absl::Status AppendLog(const ReadoutMeta& meta,
-                         std::span<const LogRecord> records) override {
-    rocksdb::WriteBatch b;
+  void AddLog(rocksdb::WriteBatch& b, const ReadoutMeta& meta,
+              std::span<const LogRecord> records) {
     std::string now;
     PutU64(now, static_cast<uint64_t>(UnixMs()));
     for (const LogRecord& r : records) {
@@ -291,9 +290,36 @@ class RocksStore final : public StateStore {
       b.Put(h_[kLog], Key2(meta.incarnation, r.seq), v);
       for (const std::string& key : r.dedup_keys) b.Put(h_[kDedup], key, now);
     }
+  }
+
+  absl::Status AppendLog(const ReadoutMeta& meta,
+                         std::span<const LogRecord> records) override {
+    rocksdb::WriteBatch b;
+    AddLog(b, meta, records);
     rocksdb::WriteOptions wo;
     wo.sync = o_.sync_log;
     return FromRocks(Write(db_, wo, &b), "append feedback log");
+  }
+
+  // One WriteBatch, so one write-ahead-log write: the dataset record is
+  // kept exactly when the log records are. A dataset record that cannot be
+  // prepared (no dataset kept, its stats unreadable) does not stop the log
+  // append: *dataset says why.
+  absl::Status AppendLogAndDataset(
+      const ReadoutMeta& meta, std::span<const LogRecord> records,
+      const std::string& dataset_name, DatasetRecord dataset_record,
+      absl::StatusOr<DatasetStats>* dataset) override {
+    rocksdb::WriteBatch b;
+    AddLog(b, meta, records);
+    absl::MutexLock lock(&ds_mu_);
+    absl::StatusOr<DatasetStats> st =
+        AddDatasetLocked(b, dataset_name, std::move(dataset_record));
+    rocksdb::WriteOptions wo;
+    wo.sync = o_.sync_log;
+    RETURN_IF_ERROR(FromRocks(Write(db_, wo, &b), "append feedback log"));
+    if (st.ok()) ds_stats_[dataset_name] = *st;
+    if (dataset != nullptr) *dataset = std::move(st);
+    return absl::OkStatus();
   }
 
   absl::StatusOr<bool> WasRecorded(const std::string& key) override {
@@ -753,12 +779,15 @@ class RocksStore final : public StateStore {
     return st;
   }
 
-  absl::StatusOr<DatasetStats> AppendDataset(const std::string& name,
-                                             DatasetRecord r) override {
+  // Adds a dataset record (and the retention's deletions and the new
+  // stats) to `b`; the stats to keep once `b` is written.
+  absl::StatusOr<DatasetStats> AddDatasetLocked(rocksdb::WriteBatch& b,
+                                                const std::string& name,
+                                                DatasetRecord r)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(ds_mu_) {
     if (o_.dataset_max_records == 0) {
       return absl::FailedPreconditionError("no dataset is kept (--dataset_max_records=0)");
     }
-    absl::MutexLock lock(&ds_mu_);
     ASSIGN_OR_RETURN(DatasetStats st, DatasetStatsLocked(name));
     std::string v;
     v.reserve(r.features.size() + 21);
@@ -769,7 +798,6 @@ class RocksStore final : public StateStore {
     v += r.features;
     const uint32_t crc = Crc32c(v.data() + 4, v.size() - 4);
     std::memcpy(v.data(), &crc, 4);
-    rocksdb::WriteBatch b;
     if (st.records == 0) st.first_seq = st.next_seq;
     r.seq = st.next_seq++;
     b.Put(h_[kDataset], DsKey(name, r.seq), v);
@@ -798,6 +826,14 @@ class RocksStore final : public StateStore {
     PutU64(sv, static_cast<uint64_t>(st.records));
     PutU64(sv, static_cast<uint64_t>(st.bytes));
     b.Put(h_[kDataset], DsStatsKey(name), sv);
+    return st;
+  }
+
+  absl::StatusOr<DatasetStats> AppendDataset(const std::string& name,
+                                             DatasetRecord r) override {
+    absl::MutexLock lock(&ds_mu_);
+    rocksdb::WriteBatch b;
+    ASSIGN_OR_RETURN(DatasetStats st, AddDatasetLocked(b, name, std::move(r)));
     rocksdb::WriteOptions wo;
     wo.sync = o_.sync_log;
     RETURN_IF_ERROR(FromRocks(Write(db_, wo, &b), "append dataset"));

@@ -527,6 +527,54 @@ TEST_F(RocksStoreTest, DatasetRetentionByCountAndBytes) {
             absl::StatusCode::kFailedPrecondition);
 }
 
+// A feedback-log record and a dataset record appended together (one
+// WriteBatch) are both there after a reopen, the dataset's retention and
+// stats apply as for AppendDataset; with no dataset kept the log record is
+// still written and the dataset's result says why.
+TEST_F(RocksStoreTest, ALogRecordAndItsDatasetRecordAreAppendedTogether) {
+  RocksStoreOptions o;
+  o.dataset_max_records = 2;
+  Open(o);
+  ReadoutMeta m = Create("chat");
+  for (uint64_t seq = 1; seq <= 3; ++seq) {
+    LogRecord r = Record(seq);
+    DatasetRecord d;
+    d.dtype = r.dtype;
+    d.features = r.features;
+    d.tokens = static_cast<int64_t>(seq) * 10;
+    d.unix_ms = static_cast<int64_t>(seq);
+    absl::StatusOr<DatasetStats> ds = absl::UnknownError("unset");
+    ASSERT_TRUE(store_->AppendLogAndDataset(m, {&r, 1}, "chat", std::move(d), &ds).ok());
+    ASSERT_TRUE(ds.ok()) << ds.status();
+    EXPECT_EQ(ds->records, std::min<int64_t>(static_cast<int64_t>(seq), 2));
+    EXPECT_EQ(ds->next_seq, seq + 1);
+  }
+  Close();
+  Open(o);
+  RecoveredState st = Load();
+  ASSERT_EQ(st.readouts.size(), 1u);
+  ASSERT_EQ(st.readouts[0].log.size(), 3u);
+  EXPECT_EQ(st.readouts[0].log[2].features, Record(3).features);
+  EXPECT_TRUE(*store_->WasRecorded("key-3-b"));
+  std::vector<int64_t> tokens;
+  ASSERT_TRUE(store_->ScanDataset("chat", 0, [&](const DatasetRecord& r) {
+    tokens.push_back(r.tokens);
+    EXPECT_EQ(r.features, Record(static_cast<uint64_t>(r.tokens / 10)).features);
+    return true;
+  }).ok());
+  EXPECT_EQ(tokens, (std::vector<int64_t>{20, 30}));
+  // No dataset: the log record alone.
+  o.dataset_max_records = 0;
+  Open(o);
+  LogRecord r = Record(4);
+  absl::StatusOr<DatasetStats> ds = absl::UnknownError("unset");
+  ASSERT_TRUE(store_->AppendLogAndDataset(m, {&r, 1}, "chat", DatasetRecord{}, &ds).ok());
+  EXPECT_EQ(ds.status().code(), absl::StatusCode::kFailedPrecondition);
+  st = Load();
+  ASSERT_EQ(st.readouts.size(), 1u);
+  EXPECT_EQ(st.readouts[0].log.size(), 4u);
+}
+
 // Quality pairs: the newest come back in order with the count ever
 // appended, after a reopen.
 TEST_F(RocksStoreTest, QualityPairsPersist) {

@@ -200,6 +200,23 @@ class StateStore {
   // Calls `fn` for the records, oldest first (the newest `limit` when
   // limit > 0), from one consistent view; stops early when fn returns
   // false. Corrupt records are skipped and counted in *corrupt.
+  // AppendLog, then AppendDataset(dataset_name, dataset_record), as one
+  // durable write where the store can (RocksDB: one WriteBatch, one
+  // write-ahead-log write): the result is AppendLog's, and the dataset
+  // record is kept only with the log records. *dataset (when not null) is
+  // AppendDataset's result; a dataset record that cannot be kept does not
+  // fail the log append.
+  virtual absl::Status AppendLogAndDataset(
+      const ReadoutMeta& meta, std::span<const LogRecord> records,
+      const std::string& dataset_name, DatasetRecord dataset_record,
+      absl::StatusOr<DatasetStats>* dataset) {
+    absl::Status log = AppendLog(meta, records);
+    if (!log.ok()) return log;
+    absl::StatusOr<DatasetStats> st =
+        AppendDataset(dataset_name, std::move(dataset_record));
+    if (dataset != nullptr) *dataset = std::move(st);
+    return absl::OkStatus();
+  }
   virtual absl::Status ScanDataset(
       const std::string& /*readout*/, int64_t /*limit*/,
       const std::function<bool(const DatasetRecord&)>& /*fn*/,

@@ -100,12 +100,22 @@ std::map<std::string, double> StageSeconds(const std::string& metrics) {
     for (const auto& [metric, key] :
          {std::pair<const char*, const char*>{
               "leap_fleet_trainer_completions_applied_total{", "#applied"},
-          {"leap_fleet_trainer_batches_total{", "#batches"}}) {
+          {"leap_fleet_trainer_batches_total{", "#batches"},
+          {"leap_fleet_trainer_lease_lost_total", "#lease_lost"},
+          {"leap_fleet_trainer_terms_total", "#terms"}}) {
       double v = 0;
       if (absl::StartsWith(line, metric) &&
           absl::SimpleAtod(line.substr(line.rfind(' ') + 1), &v)) {
         out[key] += v;
       }
+    }
+    if (absl::StartsWith(line, "leap_fleet_trainer_checkpoints_total{")) {
+      double v = 0;
+      if (absl::SimpleAtod(line.substr(line.rfind(' ') + 1), &v)) {
+        out[line.find("where=\"local\"") != absl::string_view::npos ? "#ckpt_local"
+                                                                     : "#ckpt_fleet"] += v;
+      }
+      continue;
     }
     if (!absl::StartsWith(line, "leap_fleet_trainer_seconds_total{")) continue;
     const size_t at = line.find("stage=\"");
@@ -138,6 +148,14 @@ std::string StageReport(const std::map<std::string, double>& before,
                                           "(mean %.1f), apply %.0f us/completion",
                                           applied, batches, applied / batches,
                                           1e6 * delta("apply") / applied));
+  }
+  absl::StrAppend(&out, absl::StrFormat("; checkpoints written: %.0f local, %.0f fleet",
+                                        delta("#ckpt_local"), delta("#ckpt_fleet")));
+  // A new term (the lease lost under load and won again) restarts the
+  // worker thread: its CPU figures for this phase are then not comparable.
+  if (delta("#lease_lost") > 0 || delta("#terms") > 0) {
+    absl::StrAppend(&out, absl::StrFormat("; LEASE LOST %.0f time(s), %.0f new term(s)",
+                                          delta("#lease_lost"), delta("#terms")));
   }
   return out;
 }

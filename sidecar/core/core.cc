@@ -845,6 +845,14 @@ absl::StatusOr<CompletionOutcome> Core::Complete(absl::string_view request_id,
   metrics_->cache_entries().Set(static_cast<double>(cache_.size()));
 
   CompletionOutcome outcome;
+  // The dataset record goes into the serving readout's feedback-log write
+  // when that readout learns the completion (one durable write for both);
+  // otherwise it is appended on its own below.
+  std::optional<storage::DatasetRecord> dataset =
+      DatasetRecordFor(r, x, output_tokens, reason);
+  absl::StatusOr<storage::DatasetStats> dataset_result =
+      absl::UnknownError("dataset record not written");
+  bool dataset_written = false;
   auto map = readouts_.load();
   std::vector<std::string> learners;  // a readout learns a completion once
   for (size_t i = 0; i < r.scores.size(); ++i) {
@@ -903,8 +911,18 @@ absl::StatusOr<CompletionOutcome> Core::Complete(absl::string_view request_id,
         uint64_t local_seq = 0;
         const double target =
             readout::TargetFromTokens(output_tokens, ro.spec().max_tokens);
-        absl::Status learned =
-            ro.Learn({r.request_id, x, target, dedup_keys, &local_seq});
+        Learnable item;
+        item.request_id = r.request_id;
+        item.x = x;
+        item.target = target;
+        item.dedup_keys = dedup_keys;
+        item.assigned_seq = &local_seq;
+        if (i == 0 && dataset.has_value()) {
+          item.dataset = &*dataset;
+          item.dataset_result = &dataset_result;
+        }
+        absl::Status learned = ro.Learn(item);
+        if (learned.ok() && item.dataset != nullptr) dataset_written = true;
         if (FleetLink* fleet = fleet_.load(); fleet != nullptr && learned.ok()) {
           FleetCompletionRecord c;
           c.readout = s.readout;
@@ -946,7 +964,12 @@ absl::StatusOr<CompletionOutcome> Core::Complete(absl::string_view request_id,
           if (!seq.ok()) {
             // Recorded in the outbox, not acknowledged: the engine resends,
             // and the resend is acknowledged once the record is published.
-            if (i == 0) return seq.status();
+            if (i == 0) {
+              if (dataset_written) {
+                DatasetAppended(r.scores[0].readout, dataset_result);
+              }
+              return seq.status();
+            }
             std::fprintf(stderr, "leapd: shadow readout '%s': %s\n",
                          ro.name().c_str(), std::string(seq.status().message()).c_str());
           } else if (i == 0) {
@@ -970,13 +993,22 @@ absl::StatusOr<CompletionOutcome> Core::Complete(absl::string_view request_id,
       outcome.skip_reason = skip;
     }
   }
-  RecordDataset(r, x, output_tokens, reason);
+  if (dataset.has_value()) {
+    const std::string& name = r.scores[0].readout;
+    if (!dataset_written) {
+      dataset_result = store_->AppendDataset(name, std::move(*dataset));
+    }
+    DatasetAppended(name, dataset_result);
+  }
   return outcome;
 }
 
-void Core::RecordDataset(const LiveRequest& r, readout::FeatureView x,
-                         int64_t output_tokens, readout::FinishReason reason) {
-  if (store_ == nullptr || !options_.dataset || r.scores.empty()) return;
+std::optional<storage::DatasetRecord> Core::DatasetRecordFor(
+    const LiveRequest& r, readout::FeatureView x, int64_t output_tokens,
+    readout::FinishReason reason) {
+  if (store_ == nullptr || !options_.dataset || r.scores.empty()) {
+    return std::nullopt;
+  }
   // Kept under the serving readout's name, when its true length is known
   // (not cancelled, not cut at the request's own max_tokens).
   const std::string& name = r.scores[0].readout;
@@ -986,7 +1018,7 @@ void Core::RecordDataset(const LiveRequest& r, readout::FeatureView x,
       output_tokens, reason, r.request_max_tokens, budget);
   if (!action.ok() || *action == readout::FeedbackAction::kSkipCancelled ||
       *action == readout::FeedbackAction::kSkipCensored) {
-    return;
+    return std::nullopt;
   }
   storage::DatasetRecord rec;
   rec.dtype = x.dtype;
@@ -994,8 +1026,11 @@ void Core::RecordDataset(const LiveRequest& r, readout::FeatureView x,
                       static_cast<size_t>(x.dim) * readout::DTypeSize(x.dtype));
   rec.tokens = output_tokens;
   rec.unix_ms = UnixMs();
-  absl::StatusOr<storage::DatasetStats> st =
-      store_->AppendDataset(name, std::move(rec));
+  return rec;
+}
+
+void Core::DatasetAppended(const std::string& name,
+                           const absl::StatusOr<storage::DatasetStats>& st) {
   if (!st.ok()) {
     std::fprintf(stderr, "leapd: dataset of '%s': record not kept: %s\n",
                  name.c_str(), std::string(st.status().message()).c_str());

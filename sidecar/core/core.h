@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -271,9 +272,15 @@ class Core {
   absl::Status CreateReadoutImpl(const std::string& name,
                                  readout::ReadoutState state, bool cold,
                                  const std::string& reason);
-  // Keeps a finished request's features and length (when enabled).
-  void RecordDataset(const LiveRequest& r, readout::FeatureView x,
-                     int64_t output_tokens, readout::FinishReason reason);
+  // The dataset record of a finished request (its features and length)
+  // when one is to be kept (enabled, the true length known), under the
+  // serving readout's name (r.scores[0].readout).
+  std::optional<storage::DatasetRecord> DatasetRecordFor(
+      const LiveRequest& r, readout::FeatureView x, int64_t output_tokens,
+      readout::FinishReason reason);
+  // Reports a dataset append's result (a log line, or the observer).
+  void DatasetAppended(const std::string& name,
+                       const absl::StatusOr<storage::DatasetStats>& st);
   absl::Status InstallRouteLocked(Route route, bool persist)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(admin_mu_);
 

@@ -245,7 +245,12 @@ absl::Status LiveReadout::Learn(const Learnable& item) {
                         item.x.dim * readout::DTypeSize(item.x.dtype));
     rec.target = item.target;
     rec.dedup_keys = item.dedup_keys;
-    absl::Status s = store_->AppendLog(meta_, {&rec, 1});
+    absl::Status s =
+        item.dataset != nullptr
+            ? store_->AppendLogAndDataset(meta_, {&rec, 1}, name_,
+                                          std::move(*item.dataset),
+                                          item.dataset_result)
+            : store_->AppendLog(meta_, {&rec, 1});
     if (!s.ok()) {
       return absl::UnavailableError(absl::StrCat(
           "feedback not recorded (not acknowledged): ", s.message()));

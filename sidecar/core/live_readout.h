@@ -140,6 +140,12 @@ struct Learnable {
   std::vector<std::string> dedup_keys;
   // When set, receives the record's sequence in the feedback log.
   uint64_t* assigned_seq = nullptr;
+  // When set (with a store): this dataset record of the readout's name is
+  // written with the log record, in one durable write
+  // (StateStore::AppendLogAndDataset), and *dataset_result receives the
+  // dataset append's result. Not written when Learn fails.
+  storage::DatasetRecord* dataset = nullptr;
+  absl::StatusOr<storage::DatasetStats>* dataset_result = nullptr;
 };
 
 // A version learned elsewhere (fleet mode: a FleetVersion) to serve as is.

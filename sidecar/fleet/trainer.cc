@@ -56,6 +56,14 @@ constexpr int kMinApplyBatch = 64;
 // RocksDB or STATE) can take seconds of a busy core, and the thread must
 // not take as much CPU as learning.
 constexpr int64_t kCheckpointRestFactor = 4;
+// A periodic local checkpoint is written only when it saves a restart more
+// than it costs: when re-applying the rows applied since the last one
+// would take at least as long as the last local write took (measured by
+// the apply time those rows took, an upper bound: a replay applies them
+// in full batches). Otherwise it waits, at most this many periods: at
+// d = 4096 a write (64 MiB P copy and RocksDB write) took 6-7.5 s of a
+// busy core, the ~1,000 rows of 10 s at 100/s ~0.7 s to apply.
+constexpr int64_t kLocalCheckpointMaxPeriods = 6;
 
 int64_t SteadyMs() {
   return std::chrono::duration_cast<std::chrono::milliseconds>(
@@ -805,19 +813,19 @@ class Trainer::Worker {
         // this term (the lease will not renew either).
         if (st == NATS_CONNECTION_CLOSED || st == NATS_INVALID_SUBSCRIPTION) break;
       }
-      if (dirty_ && SteadyMs() - last_publish_ms_ >= interval) Publish("rls", "");
+      if (dirty_ && SteadyMs() - last_publish_ms_ >= interval) Publish(RlsCause(), "");
       if (SteadyMs() - last_quality_put_ms_ >= quality_interval) PublishQuality();
       MaybeCheckpoint(false, /*stopping=*/false);
     }
     // What was taken is applied before the term ends: the duplicate index
     // already holds its message ids, so a later term (this worker, from its
     // in-memory state) must find them in theta and P.
-    if (deferred_) ApplyBatch();
+    if (deferred_) ApplyBatch();  // (a rejection publishes nothing now)
     const bool final = final_checkpoint_.load() && !abandoned_;
     if (final) {
       // With NATS down nothing more reaches it (the local checkpoint is
       // still written): the stop stays bounded.
-      if (dirty_ && t_->Connected()) Publish("rls", "", /*stopping=*/true);
+      if (dirty_ && t_->Connected()) Publish(RlsCause(), "", /*stopping=*/true);
       if (t_->Connected()) PublishQuality();
       MaybeCheckpoint(true, /*stopping=*/true);
     }
@@ -1017,7 +1025,7 @@ class Trainer::Worker {
             .Set(static_cast<double>(fleet_seq_));
       }
     }
-    if (applied > 0) ++batches_since_local_;
+    if (applied > 0) apply_ns_since_local_ += SteadyNs() - t0;
     if (applied > 0 && t_->families_ != nullptr) {
       t_->families_->applied.Add({{"readout", r_.name}})
           .Increment(static_cast<double>(applied));
@@ -1029,6 +1037,12 @@ class Trainer::Worker {
     deferred_ = false;
     if (k > 0) Stage("apply", t0);
     if (!s.ok()) RlsRejected(s, k - applied);
+  }
+
+  // The cause of the next "rls" version: the freeze of a rejected batch
+  // whose version is still due.
+  std::string RlsCause() const {
+    return frozen_cause_.empty() ? std::string("rls") : frozen_cause_;
   }
 
   void RlsRejected(const absl::Status& s, int64_t kept_now) {
@@ -1043,7 +1057,18 @@ class Trainer::Worker {
     if (t_->families_ != nullptr) {
       t_->families_->rls_errors.Add({{"readout", r_.name}}).Increment();
     }
-    Publish(absl::StrCat("frozen: rls: ", s.message()), "");
+    frozen_cause_ = absl::StrCat("frozen: rls: ", s.message());
+    if (stop_.load()) {
+      // The term is ending (a clean stop, a lease lost, a crash stand-in):
+      // no synchronous publish here, which would wait for NATS (its full
+      // timeout while NATS is down) even after the lease is lost. The
+      // version stays due (dirty_): a clean stop publishes it with its
+      // short timeout while connected and fenced, the next term of this
+      // member first thing; a successor replays the batch.
+      dirty_ = true;
+      return;
+    }
+    Publish(frozen_cause_, "");
   }
 
   // On RESUME: the kept completions first, as one batch. False when it was
@@ -1282,6 +1307,7 @@ class Trainer::Worker {
         {
           absl::MutexLock lock(&mu_);
           ver_seq_ = ack->Sequence;
+          frozen_cause_.clear();
           last_version_ = v.version();
           last_published_seq_ = v.fleet_seq();
           ++published_;
@@ -1356,8 +1382,10 @@ class Trainer::Worker {
     const int64_t now = SteadyMs();
     const bool requested = checkpoint_requested_.exchange(false);
     force = force || requested;
+    int64_t local_write_ns;
     {
       absl::MutexLock lock(&ckpt_mu_);
+      local_write_ns = last_local_write_ns_;
       if (ckpt_failed_fleet_) fleet_captured_seq_ = 0;  // retried when due
       if (ckpt_failed_local_) local_captured_seq_ = 0;
       ckpt_failed_fleet_ = ckpt_failed_local_ = false;
@@ -1390,10 +1418,15 @@ class Trainer::Worker {
         (force || periodic_due(last_fleet_ckpt_ms_, t_->options_.checkpoint_every_ms));
     // The local store has no place for kept completions: while some are
     // kept only STATE checkpoints are written (a local one would hide them).
+    // A periodic local checkpoint also waits while re-applying what it
+    // would save costs less than writing it did (kLocalCheckpointMaxPeriods).
+    const int64_t local_every = t_->options_.local_checkpoint_every_ms;
+    const bool local_worth =
+        apply_ns_since_local_ >= local_write_ns ||
+        now - last_local_ckpt_ms_ >= kLocalCheckpointMaxPeriods * local_every;
     const bool local_due =
         t_->options_.local_store != nullptr && !kept && seq > local_captured_seq_ &&
-        (force ||
-         periodic_due(last_local_ckpt_ms_, t_->options_.local_checkpoint_every_ms));
+        (force || (periodic_due(last_local_ckpt_ms_, local_every) && local_worth));
     if (!fleet_due && !local_due) return;
     const int64_t t0 = SteadyNs();
     CheckpointJob job;
@@ -1413,6 +1446,7 @@ class Trainer::Worker {
     if (local_due) {
       last_local_ckpt_ms_ = now;
       local_captured_seq_ = job.state.fleet_seq;
+      apply_ns_since_local_ = 0;
     }
     if (fleet_due) {
       last_fleet_ckpt_ms_ = now;
@@ -1452,11 +1486,15 @@ class Trainer::Worker {
         job.shared_p.reset();
       }
       const bool local_ok = !job.local || WriteLocal(job.state);
+      // The copy of P and the local write: what the next local checkpoint
+      // must save to be worth writing.
+      const int64_t local_ns = SteadyNs() - t0;
       const bool fleet_ok = !job.fleet || WriteFleet(job.state, job.stopping);
       Stage("checkpoint_write", t0);
       const int64_t end_ms = SteadyMs();
       absl::MutexLock lock(&ckpt_mu_);
       ckpt_busy_ = false;
+      if (job.local && local_ok) last_local_write_ns_ = local_ns;
       ckpt_rest_until_ms_ =
           end_ms + kCheckpointRestFactor * ((SteadyNs() - t0) / 1'000'000);
       if (!local_ok) ckpt_failed_local_ = true;
@@ -1606,6 +1644,9 @@ class Trainer::Worker {
   uint64_t quality_seq_ ABSL_GUARDED_BY(mu_) = 0;
   bool quality_dirty_ ABSL_GUARDED_BY(mu_) = false;
   bool dirty_ = false;  // worker thread (also written under mu_)
+  // The cause of a due version that reports a rejected batch ("frozen: rls:
+  // ..."); empty otherwise. Worker thread.
+  std::string frozen_cause_;
 
   // The checkpoint thread's hand-over (one pending capture at most).
   absl::Mutex ckpt_mu_;
@@ -1617,6 +1658,8 @@ class Trainer::Worker {
   bool ckpt_drain_ ABSL_GUARDED_BY(ckpt_mu_) = false;
   bool ckpt_failed_local_ ABSL_GUARDED_BY(ckpt_mu_) = false;
   bool ckpt_failed_fleet_ ABSL_GUARDED_BY(ckpt_mu_) = false;
+  // How long the last local checkpoint took (P copy and write), ns.
+  int64_t last_local_write_ns_ ABSL_GUARDED_BY(ckpt_mu_) = 0;
   std::thread ckpt_thread_;
 
   // Worker thread only.
@@ -1642,7 +1685,8 @@ class Trainer::Worker {
   int64_t last_local_ckpt_ms_ = 0;
   uint64_t fleet_captured_seq_ = 0;  // fleet_seq of the last capture handed over
   uint64_t local_captured_seq_ = 0;
-  int64_t batches_since_local_ = 0;
+  // The apply time (ns) of the rows applied since the last local capture.
+  int64_t apply_ns_since_local_ = 0;
   // Checkpoint thread only (set by LoadState before it starts).
   int32_t checkpoint_chunks_ = 0;
   std::optional<storage::ReadoutMeta> local_meta_;

@@ -878,6 +878,89 @@ TEST_F(FleetTrainerTest, AStopWithNatsDownIsBoundedAndCheckpointsLocally) {
   EXPECT_EQ(local->readouts[0].checkpoint.completions_learned, 50);
 }
 
+// A checkpoint captured while taken rows wait to be applied (they are not
+// in theta and P, and fleet_seq excludes them, but the quality has counted
+// them), then a crash (Abandon: no final checkpoint) and a restart from
+// that checkpoint: the waiting rows are replayed from the stream and
+// learned once, and counted in the quality once.
+TEST_F(FleetTrainerTest, ACheckpointTakenWhileRowsWaitRestartsExactlyOnce) {
+  Fixture f = MakeFixture(12);
+  CreateReadout(f, 600);
+  std::mt19937_64 rng(51);
+  std::vector<Row> rows;
+  // All in the stream before the trainer starts, so its first read takes
+  // them together: 10 rows, an EXPORT whose deadline has passed (a control
+  // operation: it applies the rows before it and moves fleet_seq, and is
+  // not answered), 20 rows that then wait (fewer than 64, no version due).
+  for (int i = 0; i < 10; ++i) {
+    rows.push_back(MakeRow(rng, f));
+    PublishCompletion(rows.back(), absl::StrCat("w", i));
+  }
+  const uint64_t split = PublishControl(FleetControl::EXPORT, "", "old", 1);
+  uint64_t last = 0;
+  for (int i = 10; i < 30; ++i) {
+    rows.push_back(MakeRow(rng, f));
+    last = PublishCompletion(rows.back(), absl::StrCat("w", i));
+  }
+  TrainerOptions oa = Options("a", 600);
+  oa.version_interval_ms = int64_t{1} << 50;  // never due: rows wait for 64
+  oa.checkpoint_every_ms = 0;  // a fleet checkpoint whenever fleet_seq moved
+  std::unique_ptr<Trainer> a = *Trainer::Start(conn_->nc, oa);
+  a->SetReadouts({f.readout});
+  // a applies the waiting rows once the stream is idle, and checkpoints.
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  for (;;) {
+    std::optional<TrainerReadoutStatus> st = a->Status(kReadout);
+    if (st.has_value() && st->completions_learned == 30 &&
+        st->fleet_checkpoint_seq >= last) {
+      break;
+    }
+    ASSERT_LT(absl::Now(), deadline) << "trainer a never checkpointed seq " << last;
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  a->Abandon();
+  // The checkpoint captured at the EXPORT: the 10 rows before it learned,
+  // the 20 after it taken (counted in the quality) and not applied.
+  absl::StatusOr<FleetState> mid =
+      ReadNewestState(conn_->nc, conn_->js, StateStream(fleet_),
+                      CheckpointSubject(fleet_, kReadout), last - 1);
+  ASSERT_TRUE(mid.ok()) << mid.status();
+  EXPECT_EQ(mid->fleet_seq, split);
+  EXPECT_EQ(mid->completions_learned, 10);
+  FleetQuality q;
+  ASSERT_TRUE(q.ParseFromString(mid->quality));
+  EXPECT_EQ(q.fleet_seq(), last);
+  EXPECT_EQ(q.overall().completions(), 30);
+  // The trainer died right after it: it is the fleet's newest checkpoint.
+  ASSERT_TRUE(PublishState(conn_->js, StateStream(fleet_), CheckpointSubject(fleet_, kReadout),
+                           kReadout, "a-mid-again", *mid)
+                  .ok());
+  auto registry = std::make_shared<prometheus::Registry>();
+  TrainerOptions ob = Options("b", 600);
+  ob.registry = registry;
+  std::unique_ptr<Conn> conn_b = Connect(server_.url());
+  std::unique_ptr<Trainer> b = *Trainer::Start(conn_b->nc, ob);
+  b->SetReadouts({f.readout});
+  rows.push_back(MakeRow(rng, f));
+  last = PublishCompletion(rows.back(), "w30");
+  FleetVersion v = WaitVersion(
+      [&](const FleetVersion& v) { return v.trainer() == "b" && v.fleet_seq() >= last; });
+  EXPECT_EQ(v.completions_learned(), 31);
+  const double err = RelErr(Theta(v), ClosedForm(f, f.theta0, f.p0.ToDouble(), rows));
+  std::printf("fleet trainer: restart from a checkpoint taken while 20 rows waited: %.3g "
+              "relative\n",
+              err);
+  EXPECT_LT(err, 5e-6);
+  std::optional<TrainerReadoutStatus> sb = b->Status(kReadout);
+  ASSERT_TRUE(sb.has_value());
+  EXPECT_EQ(sb->quality_completions, 31);
+  // None skipped as a duplicate (-1: the series was never created).
+  EXPECT_LE(MetricValue(*registry, "leap_fleet_trainer_completions_skipped_total",
+                        "reason=\"duplicate\""),
+            0);
+  b.reset();
+}
+
 
 using ::leap::testing::RefSpearman;
 
