@@ -312,6 +312,14 @@ class LeapdClientTest(unittest.TestCase):
         # Unspecified dtype.
         self.assert_rpc_error(inv, ["dtype"], self.predict, "bad-dtype",
                               self.features(), pb.FEATURE_DTYPE_UNSPECIFIED)
+        # An id over 256 bytes: INVALID_ARGUMENT naming its size, the limit
+        # and its start; a completion of one too (not NOT_FOUND: it is not
+        # counted as unknown below).
+        too_long = ["request_id of 300 bytes is over the limit of 256 bytes",
+                    'it starts "' + "L" * 32 + '"']
+        self.assert_rpc_error(inv, too_long, self.predict, "L" * 300,
+                              self.features())
+        self.assert_rpc_error(inv, too_long, self.complete, "L" * 300, 10)
         # Completion for an id never predicted: NOT_FOUND, naming it.
         self.assert_rpc_error(grpc.StatusCode.NOT_FOUND, ["never-seen"],
                               self.complete, "never-seen", 10)
