@@ -15,6 +15,7 @@
 
 #include "Eigen/Cholesky"
 #include "Eigen/Core"
+#include "absl/strings/str_cat.h"
 #include "engine_shim/client.h"
 #include "gtest/gtest.h"
 #include "readout/artifact.h"
@@ -468,7 +469,7 @@ TEST_P(ShimClient, BatchesStayWithinLeapdsMaxBatchBytes) {
   std::vector<shim::CapturedFeatures> batch;
   std::set<std::string> ids;
   for (int i = 0; i < 100; ++i) {
-    batch.push_back(Features("m" + std::to_string(i), rng));
+    batch.push_back(Features(absl::StrCat("m", i), rng));
     ids.insert(batch.back().request_id);
   }
   (*client)->Submit(std::move(batch));
