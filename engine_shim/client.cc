@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/ids.h"
 #include "common/shm_format.h"
 
 namespace leap::shim {
@@ -16,6 +17,14 @@ constexpr int32_t kAlreadyExists = 6;
 constexpr int32_t kInvalidArgument = 3;
 constexpr int32_t kResourceExhausted = 8;
 constexpr int32_t kUnavailable = 14;  // a transient refusal: resent
+
+// Largest message the Client builds (a batch of features, completions,
+// cancels or prior queries, counted as the records' bytes plus
+// kRecordOverhead each): far below gRPC's send limit (256 MiB, set in Dial)
+// and leapd's --max_message_bytes (512 MiB). A batch that would outgrow it
+// goes in several messages.
+constexpr size_t kMaxMessageBytes = size_t{16} << 20;
+constexpr size_t kRecordOverhead = 32;  // a record's protobuf framing, at most
 
 // The Client whose callback this thread is running (Emit from inside the
 // callback queues instead of taking events_mu_ again).
@@ -31,6 +40,18 @@ Event PredictionEvent(Event::Kind kind, const pb::Prediction& p) {
   e.readout = p.readout();
   e.version = p.version();
   return e;
+}
+
+// The ids of a feature or arrival record, checked as leapd checks them
+// (docs/WIRE.md, "Feature records"): INVALID_ARGUMENT in leapd's words.
+absl::Status CheckRecordIds(const std::string& request_id,
+                            const std::string& product_line) {
+  if (request_id.empty()) return absl::InvalidArgumentError("request_id is empty");
+  if (request_id.find('\0') != std::string::npos) {
+    return absl::InvalidArgumentError("request_id must not contain NUL");
+  }
+  if (absl::Status s = CheckIdBytes("request_id", request_id); !s.ok()) return s;
+  return CheckIdBytes("product_line", product_line);
 }
 
 // An 'error' event (request_id empty for a stream-level error).
@@ -214,7 +235,13 @@ void Client::Submit(std::vector<CapturedFeatures> features) {
       Event err;
       err.kind = Event::Kind::kError;
       err.request_id = f.request_id;
-      if (f.bytes.size() != want) {
+      if (absl::Status bad = CheckRecordIds(f.request_id, f.product_line);
+          !bad.ok()) {
+        // Refused here, as leapd would: a record that could outgrow a shm
+        // frame or a gRPC message never reaches the connection.
+        err.code = kInvalidArgument;
+        err.message = std::string(bad.message());
+      } else if (f.bytes.size() != want) {
         err.code = kInvalidArgument;
         err.message = absl::StrCat("features of ", f.bytes.size(),
                                    " bytes; the client ships ", want);
@@ -253,14 +280,31 @@ void Client::Complete(const std::string& request_id, int64_t output_tokens,
 }
 
 void Client::RequestPriors(std::vector<Arrival> arrivals) {
-  absl::MutexLock lock(&mu_);
-  if (!acked_hello_ || broken_ || priors_unsupported_ ||
-      static_cast<int64_t>(priors_out_.size() + arrivals.size()) >
-          options_.max_live_requests) {
-    stats_.priors_dropped += static_cast<int64_t>(arrivals.size());
-    return;
+  // A record leapd would refuse for its ids is refused here (an error
+  // event, as from leapd), connected or not; the others go on.
+  std::vector<Event> rejected;
+  for (auto a = arrivals.begin(); a != arrivals.end();) {
+    absl::Status bad = CheckRecordIds(a->request_id, a->product_line);
+    if (bad.ok()) {
+      ++a;
+      continue;
+    }
+    rejected.push_back(ErrorEvent(a->request_id, kInvalidArgument,
+                                  absl::StrCat("arrival record: ", bad.message())));
+    a = arrivals.erase(a);
   }
-  for (Arrival& a : arrivals) priors_out_.push_back(std::move(a));
+  {
+    absl::MutexLock lock(&mu_);
+    stats_.errors += static_cast<int64_t>(rejected.size());
+    if (!acked_hello_ || broken_ || priors_unsupported_ ||
+        static_cast<int64_t>(priors_out_.size() + arrivals.size()) >
+            options_.max_live_requests) {
+      stats_.priors_dropped += static_cast<int64_t>(arrivals.size());
+    } else {
+      for (Arrival& a : arrivals) priors_out_.push_back(std::move(a));
+    }
+  }
+  for (auto& e : rejected) Emit(std::move(e));
 }
 
 void Client::Cancel(const std::string& request_id) {
@@ -326,6 +370,7 @@ void Client::ReaderLoop(Transport* t, uint64_t generation) {
       switch (m.body_case()) {
         case pb::SidecarMessage::kHelloAck: {
           sidecar_id_ = m.hello_ack().sidecar_id();
+          max_batch_bytes_ = m.hello_ack().max_batch_bytes();
           acked_hello_ = true;
           Event e;
           e.kind = Event::Kind::kConnected;
@@ -526,6 +571,7 @@ bool Client::Session(Transport* t) {
   for (;;) {
     pb::EngineMessage priors, features, completions, cancels;
     std::vector<std::string> completing;
+    std::vector<Event> refused;  // emitted once mu_ is released
     {
       absl::MutexLock lock(&mu_);
       // Wakes for work, and at the time of the earliest completion resend
@@ -551,8 +597,13 @@ bool Client::Session(Transport* t) {
       }
       // Prior queries first: they order admission, which comes before
       // everything else a request does.
+      size_t prior_bytes = 0;
       while (!priors_out_.empty() &&
              priors.prior_queries().records_size() < options_.max_batch_records) {
+        const size_t add = priors_out_.front().request_id.size() +
+                           priors_out_.front().product_line.size() + kRecordOverhead;
+        if (prior_bytes > 0 && prior_bytes + add > kMaxMessageBytes) break;
+        prior_bytes += add;
         Arrival a = std::move(priors_out_.front());
         priors_out_.pop_front();
         auto* r = priors.mutable_prior_queries()->add_records();
@@ -566,16 +617,57 @@ bool Client::Session(Transport* t) {
         prior_inflight_[priors.seq()] = priors.prior_queries().records_size();
         NoteSent(priors.seq());
       }
+      // Each message holds at most max_batch_records records and
+      // kMaxMessageBytes bytes; the features message at most leapd's
+      // max_batch_bytes of features (HelloAck) too. What would outgrow its
+      // message waits for the next one.
+      const size_t feature_cap =
+          max_batch_bytes_ > 0
+              ? std::min(kMaxMessageBytes, static_cast<size_t>(max_batch_bytes_))
+              : kMaxMessageBytes;
+      size_t feature_bytes = 0;
+      size_t message_bytes[3] = {0, 0, 0};  // by Outgoing::Kind
       while (!outbox_.empty() &&
              features.features().records_size() < options_.max_batch_records &&
              completions.completions().completions_size() <
                  options_.max_batch_records) {
+        {
+          const Outgoing& next = outbox_.front();
+          auto it = live_.find(next.request_id);
+          const bool has_features =
+              next.kind == Outgoing::Kind::kFeatures && it != live_.end();
+          const size_t payload = has_features ? it->second.features.bytes.size() : 0;
+          const size_t add =
+              next.request_id.size() + kRecordOverhead + payload +
+              (has_features ? it->second.features.product_line.size() : 0);
+          size_t& used = message_bytes[static_cast<int>(next.kind)];
+          if (used > 0 && (used + add > kMaxMessageBytes ||
+                           feature_bytes + payload > feature_cap)) {
+            break;
+          }
+          if (payload <= feature_cap) {  // (else refused below)
+            used += add;
+            feature_bytes += payload;
+          }
+        }
         Outgoing o = std::move(outbox_.front());
         outbox_.pop_front();
         auto it = live_.find(o.request_id);
         switch (o.kind) {
           case Outgoing::Kind::kFeatures: {
             if (it == live_.end()) break;  // cancelled meanwhile
+            if (it->second.features.bytes.size() > feature_cap) {
+              // Alone over leapd's max_batch_bytes: leapd would refuse every
+              // message that carries it. Refused here, the request dropped.
+              ++stats_.errors;
+              refused.push_back(ErrorEvent(
+                  o.request_id, kResourceExhausted,
+                  absl::StrCat("features of ", it->second.features.bytes.size(),
+                               " bytes exceed leapd's max_batch_bytes (",
+                               feature_cap, ")")));
+              live_.erase(it);
+              break;
+            }
             ++it->second.sends;
             auto* r = features.mutable_features()->add_records();
             r->set_request_id(o.request_id);
@@ -615,6 +707,7 @@ bool Client::Session(Transport* t) {
       if (completions.has_completions()) NoteSent(completions.seq());
       if (cancels.has_cancels()) NoteSent(cancels.seq());
     }
+    for (auto& e : refused) Emit(std::move(e));
     if (priors.has_prior_queries() && !t->Send(priors)) return false;
     if (features.has_features() && !t->Send(features)) return false;
     if (completions.has_completions() && !t->Send(completions)) return false;

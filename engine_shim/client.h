@@ -195,8 +195,16 @@ class Client {
   Client(const Client&) = delete;
   Client& operator=(const Client&) = delete;
 
-  // Queues features of new requests. Wrong sizes are reported as error
-  // events (INVALID_ARGUMENT), never thrown.
+  // Queues features of new requests. What leapd would refuse for its size
+  // is refused here, as an error event for that request alone (never
+  // thrown; the others go on): features not dim values of the dtype, and a
+  // request id that is empty, holds a NUL or is longer than kMaxIdBytes
+  // (256, common/ids.h), or a product line longer than that
+  // (INVALID_ARGUMENT, leapd's words, naming the size, the limit and the
+  // id's start). So no record can outgrow a shm frame or a gRPC message
+  // (docs/WIRE.md, "Sizes"). Features alone larger than the connected
+  // leapd's max_batch_bytes are refused when they would be sent
+  // (RESOURCE_EXHAUSTED).
   void Submit(std::vector<CapturedFeatures> features);
   // Queues how a request ended. It stays known (for resending) until the
   // sidecar acknowledges it, it is cancelled, or the client is destroyed. A
@@ -215,7 +223,9 @@ class Client {
   void Cancel(const std::string& request_id);
   // Asks leapd for the length prior of requests that just arrived (before
   // prefill). Each available prior comes back as a kPrior event; a query
-  // leapd refuses is a kError event (INVALID_ARGUMENT naming the field).
+  // leapd refuses is a kError event (INVALID_ARGUMENT naming the field); one
+  // whose ids leapd would refuse (as Submit's) is refused here at once, the
+  // same way, whether connected or not.
   // Fail-open: while degraded, or connected to a leapd that does not serve
   // priors, the queries are dropped at once (ClientStats::priors_dropped)
   // and no event comes: the scheduler keeps first-come placement. Queries
@@ -323,6 +333,9 @@ class Client {
   std::set<std::pair<absl::Time, std::string>> retries_ ABSL_GUARDED_BY(mu_);
   std::mt19937_64 retry_rng_ ABSL_GUARDED_BY(mu_){std::random_device{}()};
   std::string sidecar_id_ ABSL_GUARDED_BY(mu_);
+  // The connected leapd's largest feature payload per message (HelloAck;
+  // 0: it said none).
+  int64_t max_batch_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   bool broken_ ABSL_GUARDED_BY(mu_) = false;
   bool acked_hello_ ABSL_GUARDED_BY(mu_) = false;
   uint64_t generation_ ABSL_GUARDED_BY(mu_) = 0;

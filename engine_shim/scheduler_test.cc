@@ -620,6 +620,25 @@ void RunAgainstReference(const SchedulerOptions& options,
   }
 }
 
+// A brute-force config's starting point: its discipline, slots and waiting
+// cap, 100 tokens for an unpredicted request; and traffic that keeps the
+// engine overloaded (live >> slots) so the order matters. Each config loop
+// sets what it tests on top.
+struct ConfigRun {
+  SchedulerOptions options;
+  Traffic traffic;
+};
+ConfigRun OverloadedRun(SchedulingPolicy policy, int slots, int cap) {
+  ConfigRun r;
+  r.options.policy = policy;
+  r.options.slots = slots;
+  r.options.waiting_cap = cap;
+  r.options.unpredicted_tokens = 100;
+  r.traffic.target_live = std::max(40, std::min(500, slots * 8));
+  r.traffic.max_arrivals = std::max(2, slots / 4);
+  return r;
+}
+
 TEST(CountdownSchedulerTest, MatchesBruteForceReference) {
   struct Config {
     int slots, cap;
@@ -641,17 +660,10 @@ TEST(CountdownSchedulerTest, MatchesBruteForceReference) {
   };
   uint64_t seed = 1;
   for (const Config& c : configs) {
-    SchedulerOptions o;
-    o.slots = c.slots;
-    o.waiting_cap = c.cap;
+    auto [o, t] = OverloadedRun(SchedulingPolicy::kCountdown, c.slots, c.cap);
     o.aging_rate = c.aging;
     o.unpredicted = c.policy;
     o.remaining_floor = c.floor;
-    o.unpredicted_tokens = 100;
-    Traffic t;
-    // Keep the engine overloaded (live >> slots) so the order matters.
-    t.target_live = std::max(40, std::min(500, c.slots * 8));
-    t.max_arrivals = std::max(2, c.slots / 4);
     RunAgainstReference(o, t, 2000, seed++);
     if (HasFatalFailure()) return;
   }
@@ -678,24 +690,17 @@ TEST(CountdownSchedulerTest, NewPoliciesMatchBruteForceReference) {
   };
   uint64_t seed = 50;
   for (const Config& c : configs) {
-    SchedulerOptions o;
-    o.policy = c.policy;
-    o.slots = c.slots;
-    o.waiting_cap = c.cap;
+    auto [o, t] = OverloadedRun(c.policy, c.slots, c.cap);
     o.aging_rate = c.aging;
     o.max_slowdown = c.slowdown;
     o.linear_aging = c.linear;
     o.unpredicted = c.unpredicted;
-    o.unpredicted_tokens = 100;
     // Bounded configs: the default tail reference, a short window with a
     // median reference (linear here is reused as the window), and none.
     if (c.policy == SchedulingPolicy::kBounded) {
       o.tail_window = c.linear == 7 ? 7 : (c.slowdown == 4 ? 0 : 1000);
       o.tail_quantile = c.linear == 7 ? 0.5 : 0.99;
     }
-    Traffic t;
-    t.target_live = std::max(40, std::min(500, c.slots * 8));
-    t.max_arrivals = std::max(2, c.slots / 4);
     RunAgainstReference(o, t, 2000, seed++);
     if (HasFatalFailure()) return;
   }
@@ -722,15 +727,8 @@ TEST(CountdownSchedulerTest, PriorsMatchBruteForceReference) {
   };
   uint64_t seed = 90;
   for (const Config& c : configs) {
-    SchedulerOptions o;
-    o.policy = c.policy;
-    o.slots = c.slots;
-    o.waiting_cap = c.cap;
+    auto [o, t] = OverloadedRun(c.policy, c.slots, c.cap);
     o.unpredicted = c.unpredicted;
-    o.unpredicted_tokens = 100;
-    Traffic t;
-    t.target_live = std::max(40, std::min(500, c.slots * 8));
-    t.max_arrivals = std::max(2, c.slots / 4);
     t.prior_prob = 0.6;
     t.prior_update_prob = 0.01;
     t.late_prob = 0.6;  // many requests wait on their prior
@@ -757,20 +755,13 @@ TEST(CountdownSchedulerTest, CarriedDeadlinesMatchBruteForceReference) {
   };
   uint64_t seed = 120;
   for (const Config& c : configs) {
-    SchedulerOptions o;
-    o.policy = c.policy;
-    o.slots = c.slots;
-    o.waiting_cap = c.cap;
+    auto [o, t] = OverloadedRun(c.policy, c.slots, c.cap);
     o.tail_window = c.window;
     o.max_slowdown = 1.5;
-    o.unpredicted_tokens = 100;
     // The ranked tier by linear aging instead of the countdown.
     if (c.slots == 16 && c.policy == SchedulingPolicy::kBounded) {
       o.bounded_linear_aging = 0.05;
     }
-    Traffic t;
-    t.target_live = std::max(40, std::min(500, c.slots * 8));
-    t.max_arrivals = std::max(2, c.slots / 4);
     t.carried_prob = 0.5;
     t.prior_prob = 0.3;
     RunAgainstReference(o, t, 1500, seed++);
@@ -821,17 +812,10 @@ TEST(CountdownSchedulerTest, CalibratedBoundMatchesBruteForceReference) {
   };
   uint64_t seed = 200;
   for (const Config& c : configs) {
-    SchedulerOptions o;
-    o.policy = c.policy;
-    o.slots = c.slots;
-    o.waiting_cap = c.cap;
+    auto [o, t] = OverloadedRun(c.policy, c.slots, c.cap);
     o.calibration_window = c.window;
     o.calibration = c.calibration;
     o.max_slowdown = 1.5;
-    o.unpredicted_tokens = 100;
-    Traffic t;
-    t.target_live = std::max(40, std::min(500, c.slots * 8));
-    t.max_arrivals = std::max(2, c.slots / 4);
     t.carried_prob = 0.3;
     t.prior_prob = 0.3;
     t.observe_prob = 0.7;

@@ -317,17 +317,20 @@ TEST(LengthPriorWire, BadInputGetsAPreciseErrorAndNothingElseIsLost) {
   add("zero", 0, 0);
   add("neg-cap", 10, -1);
   add(std::string("n\0l", 3), 10, 0);
+  add(std::string(300, 'l'), 10, 0);
   add("good", 10, 0);
   pb::SidecarMessage m = e.Call(q);
   ASSERT_TRUE(m.has_priors()) << m.DebugString();
   ASSERT_EQ(m.priors().priors_size(), 1);
   EXPECT_EQ(m.priors().priors(0).request_id(), "good");
   EXPECT_FALSE(m.priors().priors(0).available());
-  ASSERT_EQ(m.priors().errors_size(), 4);
+  ASSERT_EQ(m.priors().errors_size(), 5);
   const std::vector<std::string> want = {
       "request_id is empty", "prompt_tokens must be in [1, ",
-      "decoding max_tokens must be in [0, ", "must not contain NUL"};
-  for (int i = 0; i < 4; ++i) {
+      "decoding max_tokens must be in [0, ", "must not contain NUL",
+      "arrival record: request_id of 300 bytes is over the limit of 256 bytes "
+      "(it starts \"llllllllllllllllllllllllllllllll\")"};
+  for (int i = 0; i < 5; ++i) {
     EXPECT_EQ(m.priors().errors(i).code(), 3);
     EXPECT_NE(m.priors().errors(i).message().find(want[i]), std::string::npos)
         << m.priors().errors(i).message();

@@ -16,7 +16,6 @@ SIGTERM, expecting exit code 0.
 Run: /usr/bin/python3 tests/python_client_test.py --leapd PATH --proto-dir DIR
 """
 
-import argparse
 import math
 import os
 import random
@@ -34,6 +33,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                 "support"))
 import leapd_lines  # noqa: E402  (tests/support/leapd_lines.py)
 import proto_stubs  # noqa: E402  (tests/support/proto_stubs.py)
+import test_main  # noqa: E402  (tests/support/test_main.py)
 
 ARGS = None  # parsed command line (set in main)
 PB = {}  # generated modules: predictor_pb2, predictor_pb2_grpc, admin_...
@@ -312,6 +312,14 @@ class LeapdClientTest(unittest.TestCase):
         # Unspecified dtype.
         self.assert_rpc_error(inv, ["dtype"], self.predict, "bad-dtype",
                               self.features(), pb.FEATURE_DTYPE_UNSPECIFIED)
+        # An id over 256 bytes: INVALID_ARGUMENT naming its size, the limit
+        # and its start; a completion of one too (not NOT_FOUND: it is not
+        # counted as unknown below).
+        too_long = ["request_id of 300 bytes is over the limit of 256 bytes",
+                    'it starts "' + "L" * 32 + '"']
+        self.assert_rpc_error(inv, too_long, self.predict, "L" * 300,
+                              self.features())
+        self.assert_rpc_error(inv, too_long, self.complete, "L" * 300, 10)
         # Completion for an id never predicted: NOT_FOUND, naming it.
         self.assert_rpc_error(grpc.StatusCode.NOT_FOUND, ["never-seen"],
                               self.complete, "never-seen", 10)
@@ -341,13 +349,8 @@ class LeapdClientTest(unittest.TestCase):
 
 def main():
     global ARGS
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--leapd", required=True, help="path to leapd")
-    parser.add_argument("--proto-dir", required=True,
-                        help="directory holding leap/v1/*.proto")
-    ARGS, rest = parser.parse_known_args()
-    result = unittest.main(argv=[sys.argv[0]] + rest, exit=False, verbosity=2)
-    sys.exit(0 if result.result.wasSuccessful() else 1)
+    ARGS = test_main.parse_args(__doc__, "leapd", "proto-dir")
+    test_main.run()
 
 
 if __name__ == "__main__":

@@ -20,12 +20,15 @@ No leapd, no torch: the scheduler alone (deterministic, no I/O).
 Run: /usr/bin/python3 tests/python_scheduler_test.py --module-dir DIR
 """
 
-import argparse
-import importlib
 import math
+import os
 import random
 import sys
 import unittest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                "support"))
+import test_main  # noqa: E402  (tests/support/test_main.py)
 
 ARGS = None
 leap_shim = None
@@ -33,8 +36,7 @@ leap_shim = None
 
 def setUpModule():
     global leap_shim
-    sys.path.insert(0, ARGS.module_dir)
-    leap_shim = importlib.import_module("leap_shim")
+    leap_shim = test_main.import_leap_shim(ARGS.module_dir)
 
 
 class VirtualFcfs:
@@ -254,12 +256,8 @@ class BadInputTest(unittest.TestCase):
 
 def main():
     global ARGS
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--module-dir", required=True,
-                        help="directory holding the built leap_shim module")
-    ARGS, rest = parser.parse_known_args()
-    result = unittest.main(argv=[sys.argv[0]] + rest, exit=False, verbosity=2)
-    sys.exit(0 if result.result.wasSuccessful() else 1)
+    ARGS = test_main.parse_args(__doc__, "module-dir")
+    test_main.run()
 
 
 if __name__ == "__main__":

@@ -30,9 +30,7 @@ Run: /usr/bin/python3 tests/python_shim_test.py --leapd PATH --proto-dir DIR
        --module-dir DIR_OF_leap_shim
 """
 
-import argparse
 import ctypes
-import importlib
 import math
 import os
 import shutil
@@ -50,6 +48,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                 "support"))
 import leapd_lines  # noqa: E402  (tests/support/leapd_lines.py)
 import proto_stubs  # noqa: E402  (tests/support/proto_stubs.py)
+import test_main  # noqa: E402  (tests/support/test_main.py)
 import temp_dirs  # noqa: E402  (tests/support/temp_dirs.py)
 import numpy as np
 import torch
@@ -68,8 +67,7 @@ def setUpModule():
     """Imports leap_shim and generates the gRPC stubs (Admin and
     WatchReadout only) from proto/ into a temporary directory."""
     global STUB_DIR, leap_shim
-    sys.path.insert(0, ARGS.module_dir)
-    leap_shim = importlib.import_module("leap_shim")
+    leap_shim = test_main.import_leap_shim(ARGS.module_dir)
     STUB_DIR, stubs = proto_stubs.generate(ARGS.proto_dir, "leap_shim_stubs_")
     PB.update(stubs)
 
@@ -1042,15 +1040,8 @@ class CudaCaptureTest(LeapdFixture):
 
 def main():
     global ARGS
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--leapd", required=True, help="path to leapd")
-    parser.add_argument("--proto-dir", required=True,
-                        help="directory holding leap/v1/*.proto")
-    parser.add_argument("--module-dir", required=True,
-                        help="directory holding the built leap_shim module")
-    ARGS, rest = parser.parse_known_args()
-    result = unittest.main(argv=[sys.argv[0]] + rest, exit=False, verbosity=2)
-    sys.exit(0 if result.result.wasSuccessful() else 1)
+    ARGS = test_main.parse_args(__doc__, "leapd", "proto-dir", "module-dir")
+    test_main.run()
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@
 
 #include "Eigen/Cholesky"
 #include "Eigen/Core"
+#include "absl/strings/str_cat.h"
 #include "engine_shim/client.h"
 #include "gtest/gtest.h"
 #include "readout/artifact.h"
@@ -366,6 +367,138 @@ TEST_P(ShimClient, SetCallbackAfterStartGetsTheEventsQueuedBefore) {
   ASSERT_EQ(polled.size(), 1u);
   EXPECT_EQ(polled[0].request_id, "late-bad");
   EXPECT_EQ(col.events().size(), now.size());
+}
+
+int CountKind(const std::vector<Event>& ev, Event::Kind kind) {
+  return ShimEvents::CountOf(ev, kind);
+}
+
+// A request id or product line longer than leapd takes (kMaxIdBytes, 256),
+// also one larger than a whole shm frame (20,000 bytes; the smallest ring,
+// used here, carries 16,376 per frame), is refused by Submit and by
+// RequestPriors as an error event for itself alone: INVALID_ARGUMENT in
+// leapd's words, naming the size, the limit and the id's start
+// (docs/WIRE.md, "Sizes"). The connection stays up (one connect, no
+// disconnect), and the requests around it are predicted and learned; an id
+// of exactly 256 bytes is served.
+TEST_P(ShimClient, OverlongIdsAreRefusedAloneAndTheConnectionStays) {
+  Sidecar leapd("shimid-" + GetParam(), GetParam());
+  ASSERT_NO_FATAL_FAILURE(leapd.StartWithReadout());
+  ShimEvents col;
+  shim::ClientOptions o = testing::TestClientOptions(leapd.endpoint, kDim, "ids");
+  o.shm_ring_bytes = 1 << 16;
+  auto client = testing::StartRecordedClient(o, &col);
+  ASSERT_TRUE(client.ok()) << client.status();
+  ASSERT_TRUE((*client)->WaitConnected(absl::Seconds(10)));
+
+  std::mt19937 rng(11);
+  const std::string huge(20000, 'h'), over(257, 'o'), at_limit(256, 'k');
+  const std::string huge_prior(20000, 'q');
+  shim::CapturedFeatures long_line = Features("long-line", rng);
+  long_line.product_line = std::string(257, 'p');
+  std::vector<shim::CapturedFeatures> batch;
+  for (const std::string& id : {std::string("before"), huge, over}) {
+    batch.push_back(Features(id, rng));
+  }
+  batch.push_back(long_line);
+  batch.push_back(Features(at_limit, rng));
+  batch.push_back(Features("after", rng));
+  (*client)->Submit(std::move(batch));
+  (*client)->RequestPriors({{huge_prior, "", 10, 0}, {"prior-ok", "", 10, 0}});
+  const std::set<std::string> served = {"before", at_limit, "after"};
+  ASSERT_TRUE(col.Wait([&](const auto& ev) {
+    return Count(ev, Event::Kind::kPrediction, served) == 3;
+  })) << "the requests around the refused ones were not predicted";
+
+  const std::vector<Event> ev = col.events();
+  auto refusal = [&](const std::string& id) {
+    const Event* e = testing::FindEvent(ev, Event::Kind::kError, id);
+    EXPECT_NE(e, nullptr) << id.substr(0, 8) << "... (" << id.size() << " bytes)";
+    if (e == nullptr) return std::string();
+    EXPECT_EQ(e->code, 3) << e->message;
+    return e->message;
+  };
+  EXPECT_EQ(refusal(huge), "request_id of 20000 bytes is over the limit of 256 bytes "
+                           "(it starts \"" + std::string(32, 'h') + "\")");
+  EXPECT_EQ(refusal(over), "request_id of 257 bytes is over the limit of 256 bytes "
+                           "(it starts \"" + std::string(32, 'o') + "\")");
+  EXPECT_EQ(refusal("long-line"), "product_line of 257 bytes is over the limit of 256 "
+                                  "bytes (it starts \"" + std::string(32, 'p') + "\")");
+  EXPECT_EQ(refusal(huge_prior), "arrival record: request_id of 20000 bytes is over the "
+                                 "limit of 256 bytes (it starts \"" +
+                                     std::string(32, 'q') + "\")");
+  EXPECT_EQ(CountKind(ev, Event::Kind::kError), 4);
+
+  // Completing a refused id does nothing; the served ones are learned.
+  (*client)->Complete(huge, 10, shim::FinishReason::kStop);
+  for (const std::string& id : served) (*client)->Complete(id, 50, shim::FinishReason::kStop);
+  ASSERT_TRUE(testing::AwaitNoneLive(**client)) << "live: " << (*client)->stats().live;
+  const shim::ClientStats st = (*client)->stats();
+  EXPECT_EQ(st.connects, 1);
+  EXPECT_EQ(st.errors, 4);
+  EXPECT_EQ(st.predictions, 3);
+  EXPECT_EQ(st.completion_retries, 0);
+  EXPECT_EQ(CountKind(col.events(), Event::Kind::kDisconnected), 0);
+  EXPECT_EQ(CountKind(col.events(), Event::Kind::kError), 4);
+}
+
+// leapd takes at most --max_batch_bytes of features per message (here the
+// least it allows, 1,024 bytes), and says so in its HelloAck: the client
+// sends a larger batch as several messages (100 requests of 128 bytes, one
+// Submit, all predicted, no error), and refuses a request whose features
+// alone are larger (2,048 bytes: RESOURCE_EXHAUSTED naming both sizes, for
+// it alone; the connection stays). Over shm too, where leapd takes the
+// features from slots: the client behaves the same on both transports.
+TEST_P(ShimClient, BatchesStayWithinLeapdsMaxBatchBytes) {
+  Sidecar leapd("shimbb-" + GetParam(), GetParam());
+  leapd.args.push_back("--max_batch_bytes=1024");
+  ASSERT_NO_FATAL_FAILURE(leapd.Start());
+  constexpr int64_t kWide = 512;
+  for (const auto& [name, dim] : {std::pair<const char*, int64_t>{"wide", kWide}, {"r", kDim}}) {
+    // The default route ends on "r".
+    const grpc::Status s = testing::CreateDefaultReadout(leapd.sock, name, dim);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+  }
+  ShimEvents col;
+  shim::ClientOptions o = testing::TestClientOptions(leapd.endpoint, kDim, "batch");
+  o.max_batch_records = 1024;
+  auto client = testing::StartRecordedClient(o, &col);
+  ASSERT_TRUE(client.ok()) << client.status();
+  ASSERT_TRUE((*client)->WaitConnected(absl::Seconds(10)));
+  std::mt19937 rng(13);
+  std::vector<shim::CapturedFeatures> batch;
+  std::set<std::string> ids;
+  for (int i = 0; i < 100; ++i) {
+    batch.push_back(Features(absl::StrCat("m", i), rng));
+    ids.insert(batch.back().request_id);
+  }
+  (*client)->Submit(std::move(batch));
+  ASSERT_TRUE(col.Wait([&](const auto& ev) {
+    return Count(ev, Event::Kind::kPrediction, ids) == 100;
+  })) << "errors: " << CountKind(col.events(), Event::Kind::kError);
+  EXPECT_EQ(CountKind(col.events(), Event::Kind::kError), 0);
+
+  ShimEvents wide_col;
+  auto wide = testing::StartRecordedClient(
+      testing::TestClientOptions(leapd.endpoint, kWide, "wide"), &wide_col);
+  ASSERT_TRUE(wide.ok()) << wide.status();
+  ASSERT_TRUE((*wide)->WaitConnected(absl::Seconds(10)));
+  std::normal_distribution<float> n01;
+  std::vector<float> x(kWide);
+  for (auto& v : x) v = n01(rng);
+  (*wide)->Submit({{"w0", "", std::string(reinterpret_cast<const char*>(x.data()), kWide * 4), 0}});
+  ASSERT_TRUE(wide_col.Wait([&](const auto& ev) {
+    return testing::FindEvent(ev, Event::Kind::kError, "w0") != nullptr;
+  }));
+  const std::vector<Event> wide_ev = wide_col.events();
+  const Event* e = testing::FindEvent(wide_ev, Event::Kind::kError, "w0");
+  ASSERT_NE(e, nullptr);
+  EXPECT_EQ(e->code, 8) << e->message;
+  EXPECT_EQ(e->message, "features of 2048 bytes exceed leapd's max_batch_bytes (1024)");
+  EXPECT_EQ((*wide)->stats().live, 0);
+  EXPECT_EQ((*wide)->stats().connects, 1);
+  EXPECT_EQ(CountKind(wide_col.events(), Event::Kind::kDisconnected), 0);
+  EXPECT_EQ((*client)->stats().connects, 1);
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, ShimClient, ::testing::Values("unix", "shm"),

@@ -214,6 +214,7 @@ Outcome RunScenario(const std::string& endpoint) {
   AddRecord(&batch, "a0", Features(11));                      // duplicate live id
   AddRecord(&batch, "", Features(12));                        // empty id
   AddRecord(&batch, std::string(300, 'x'), Features(13));     // id too long
+  AddRecord(&batch, std::string(20000, 'y'), Features(14));   // more than 16 KiB
   send_and_wait(batch);
   // The wrong-size record's error may come as its own message on shm.
   EXPECT_TRUE(rec.WaitUntil([](const auto& ms) {
@@ -221,7 +222,7 @@ Outcome RunScenario(const std::string& endpoint) {
     for (const auto& m : ms) {
       if (m.seq() == 1 && m.has_predictions()) errors += m.predictions().errors_size();
     }
-    return errors == 6;
+    return errors == 7;
   }));
 
   pb::EngineMessage done;
@@ -231,6 +232,7 @@ Outcome RunScenario(const std::string& endpoint) {
   AddCompletion(&done, "ghost", 5, pb::FINISH_REASON_STOP);          // unknown
   AddCompletion(&done, "a2", -5, pb::FINISH_REASON_STOP);            // bad count
   AddCompletion(&done, "a3", 7, pb::FINISH_REASON_UNSPECIFIED);      // bad reason
+  AddCompletion(&done, std::string(20000, 'z'), 5, pb::FINISH_REASON_STOP);  // id too long
   send_and_wait(done);
   // Two completions learned (batch 1): versions 2 and 3 publish; the live
   // requests a2..a5 are rescored at version 3.
@@ -253,6 +255,7 @@ Outcome RunScenario(const std::string& endpoint) {
   cancels.set_seq(4);
   cancels.mutable_cancels()->add_request_ids("a5");
   cancels.mutable_cancels()->add_request_ids("ghost2");
+  cancels.mutable_cancels()->add_request_ids(std::string(300, 'c'));  // id too long
   send_and_wait(cancels);
   send_and_wait(Hello(5));  // a second hello is a message-level error
   pb::EngineMessage empty;
@@ -334,6 +337,19 @@ TEST(ShmTransport, ConformsToGrpcConnect) {
   const std::string& after = grpc_outcome.answers[10];
   EXPECT_NE(after.find("accepted: 1"), std::string::npos) << after;  // b2
   EXPECT_EQ(after.find("errors"), std::string::npos) << after;
+  // Ids over the limit (kMaxIdBytes, 256), a feature record's, a
+  // completion's and a cancel's, 300 or 20,000 bytes: INVALID_ARGUMENT
+  // naming the size and the limit (a completion or cancel too: no live id
+  // is that long), for that record alone; the id echoed at most 4 KiB.
+  const std::string over = " bytes is over the limit of 256 bytes (it starts ";
+  EXPECT_EQ(count(grpc_outcome.answers[1], "request_id of 300" + over), 1);
+  EXPECT_EQ(count(grpc_outcome.answers[1], "request_id of 20000" + over), 1);
+  EXPECT_EQ(count(grpc_outcome.answers[1], std::string(4097, 'y')), 0);
+  EXPECT_EQ(count(grpc_outcome.answers[2], "request_id of 20000" + over), 1);
+  EXPECT_NE(grpc_outcome.answers[2].find("accepted: 2"), std::string::npos)
+      << grpc_outcome.answers[2];
+  EXPECT_EQ(count(grpc_outcome.answers[4], "request_id of 300" + over), 1);
+  EXPECT_EQ(count(grpc_outcome.answers[4], "code: 5"), 1);  // ghost2
 }
 
 // ------------------------------------------------------- hostile engines

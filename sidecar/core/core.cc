@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/clock.h"
 #include "common/status_macros.h"
+#include "common/ids.h"
 #include "nlohmann/json.hpp"
 
 namespace leap::sidecar {
@@ -475,12 +476,9 @@ absl::Status Core::CheckRequest(const ScoreRequest& r) const {
     return absl::InvalidArgumentError("request_id must not contain NUL");
   }
   RETURN_IF_ERROR(ValidateInstanceId(r.instance));
-  if (static_cast<int64_t>(r.request_id.size()) > options_.max_id_bytes ||
-      static_cast<int64_t>(r.product_line.size()) > options_.max_id_bytes) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "request_id and product_line are limited to ", options_.max_id_bytes,
-        " bytes"));
-  }
+  const size_t max_id = static_cast<size_t>(options_.max_id_bytes);
+  RETURN_IF_ERROR(CheckIdBytes("request_id", r.request_id, max_id));
+  RETURN_IF_ERROR(CheckIdBytes("product_line", r.product_line, max_id));
   if (r.request_max_tokens < 0 ||
       r.request_max_tokens > readout::kMaxReportedTokens) {
     return absl::InvalidArgumentError(absl::StrCat(

@@ -3,6 +3,7 @@
 #include <cstdio>
 
 #include "absl/strings/str_cat.h"
+#include "common/ids.h"
 #include "sidecar/core/prior_table.h"
 
 namespace leap::sidecar {
@@ -305,10 +306,13 @@ void CancelRequests(Core* core, absl::Span<const absl::string_view> ids,
                     absl::string_view instance) {
   std::vector<absl::Status> status;
   core->CancelBatch(ids, &status, instance);
+  const size_t max_id = static_cast<size_t>(core->options().max_id_bytes);
   for (size_t i = 0; i < ids.size(); ++i) {
     if (!status[i].ok()) {
-      AddRequestError(std::string(ids[i]), status[i], ack->mutable_errors(),
-                      core->metrics());
+      // No live request has a longer id: refused as too long, not unknown.
+      absl::Status too_long = CheckIdBytes("request_id", ids[i], max_id);
+      AddRequestError(std::string(ids[i]), too_long.ok() ? status[i] : too_long,
+                      ack->mutable_errors(), core->metrics());
       continue;
     }
     tracker->Untrack(ids[i]);

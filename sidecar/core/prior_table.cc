@@ -3,6 +3,7 @@
 #include <memory>
 
 #include "absl/strings/str_cat.h"
+#include "common/ids.h"
 #include "sidecar/core/core.h"
 #include "sidecar/core/engine_messages.h"
 
@@ -57,12 +58,15 @@ absl::Status CheckArrival(const Core& core, const pb::ArrivalRecord& r) {
     return absl::InvalidArgumentError(
         "arrival record: request_id must not contain NUL");
   }
-  if (static_cast<int64_t>(r.request_id().size()) > max_id ||
-      static_cast<int64_t>(r.product_line().size()) > max_id) {
+  absl::Status too_long =
+      CheckIdBytes("request_id", r.request_id(), static_cast<size_t>(max_id));
+  if (too_long.ok()) {
+    too_long = CheckIdBytes("product_line", r.product_line(),
+                            static_cast<size_t>(max_id));
+  }
+  if (!too_long.ok()) {
     return absl::InvalidArgumentError(
-        absl::StrCat("arrival record: request_id and product_line are "
-                     "limited to ",
-                     max_id, " bytes"));
+        absl::StrCat("arrival record: ", too_long.message()));
   }
   if (r.prompt_tokens() < 1 || r.prompt_tokens() > readout::kMaxReportedTokens) {
     return absl::InvalidArgumentError(
@@ -114,6 +118,13 @@ absl::StatusOr<CompletionOutcome> CompleteWithPrior(
     Core* core, absl::string_view request_id, int64_t output_tokens,
     readout::FinishReason reason, absl::string_view instance,
     bool defer_fleet_ack, int64_t prompt_tokens) {
+  // No live request has a longer id: refused as too long, not as unknown.
+  if (absl::Status s = CheckIdBytes(
+          "request_id", request_id,
+          static_cast<size_t>(core->options().max_id_bytes));
+      !s.ok()) {
+    return s;
+  }
   if (prompt_tokens < 0 || prompt_tokens > readout::kMaxReportedTokens) {
     return absl::InvalidArgumentError(
         absl::StrCat("completion prompt_tokens must be in [0, ",

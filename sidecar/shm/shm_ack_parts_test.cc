@@ -26,16 +26,13 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/mutex.h"
-#include "absl/time/clock.h"
-#include "absl/time/time.h"
 #include "engine_shim/client.h"
 #include "gtest/gtest.h"
 #include "leap/v1/fleet.pb.h"
 #include "sidecar/fleet/member.h"
 #include "sidecar/fleet/nats_client.h"
 #include "sidecar/shm/shm_server.h"
-#include "storage/rocksdb_store.h"
+#include "tests/support/fleet_member.h"
 #include "tests/support/nats_cluster.h"
 #include "tests/support/readout_fixtures.h"
 #include "tests/support/scoped_temp_dir.h"
@@ -44,26 +41,13 @@
 namespace leap::sidecar {
 namespace {
 
+using ::leap::testing::AwaitNoneLive;
+using ::leap::testing::PollUntil;
+using ::leap::testing::ShimEvents;
+
 constexpr int64_t kDim = 16;
 constexpr char kFleet[] = "parts";
-constexpr absl::Duration kDeadline = absl::Seconds(30);
 
-// Waits until `pred` holds (it reads the Client's counters, which no event
-// announces); false at the deadline.
-template <typename F>
-bool Eventually(F pred) {
-  const absl::Time deadline = absl::Now() + kDeadline;
-  while (!pred()) {
-    if (absl::Now() > deadline) return false;
-    absl::SleepFor(absl::Milliseconds(5));
-  }
-  return true;
-}
-
-int CountKind(const std::vector<shim::Event>& ev, shim::Event::Kind kind) {
-  return static_cast<int>(std::count_if(
-      ev.begin(), ev.end(), [kind](const shim::Event& e) { return e.kind == kind; }));
-}
 // Error events that name a request (an attach tried before the link to the
 // socket exists is an error event without one: "cannot reach leapd's shm
 // socket").
@@ -79,67 +63,29 @@ class ShmAckPartsTest : public ::testing::Test {
     // A short name: the shm path must fit a unix socket path.
     tmp_ = std::make_unique<::leap::testing::ScopedTempDir>("shm_parts");
     dir_ = tmp_->path();
-    ::leap::testing::NatsClusterOptions no;
-    no.nodes = 1;
-    no.dir = (dir_ / "nats").string();
-    auto nats = ::leap::testing::NatsCluster::Start(no);
-    ASSERT_TRUE(nats.ok()) << nats.status();
-    nats_ = std::move(*nats);
-
-    auto st = storage::OpenRocksStore((dir_ / "m").string(), {});
-    ASSERT_TRUE(st.ok()) << st.status();
-    store_ = std::move(*st);
-    auto loaded = store_->Load();
-    ASSERT_TRUE(loaded.ok()) << loaded.status();
-    CoreOptions co;
-    co.readout.serving_only = true;
-    core_ = std::make_unique<Core>(co, &metrics_, store_.get());
-    ASSERT_TRUE(core_->Recover(std::move(*loaded)).ok());
-    fleet::FleetMemberOptions fo;
-    fo.nats.servers = {nats_->url(0)};
-    fo.fleet = kFleet;
-    fo.member = "m";
-    fo.on_degraded = [this](bool d) {
-      absl::MutexLock l(&mu_);
-      degraded_ = d;
-    };
-    auto f = fleet::FleetMember::Create(core_.get(), fo);
-    ASSERT_TRUE(f.ok()) << f.status();
-    fleet_ = std::move(*f);
-    core_->SetFleet(fleet_.get());
-    ASSERT_TRUE(fleet_->Start({}, 20'000).ok());
+    ::leap::testing::FleetTestMemberOptions mo;
+    mo.fleet = kFleet;
+    mo.member = "m";
     state_ = ::leap::testing::RandomState(kDim, 43);
-    ASSERT_TRUE(fleet_->CreateReadout("chat", state_).ok());
-    Route route;
-    route.arms.push_back({"chat", "chat", 100.0, false});
-    ASSERT_TRUE(fleet_->SetRoute(route).ok());
+    ASSERT_NO_FATAL_FAILURE(fleet_.Start(dir_, mo, "chat", state_));
 
     ShmServerOptions so;
     so.path = (dir_ / "leap.shm").string();
     so.max_slots = 1024;
-    auto server = ShmServer::Start(core_.get(), "parts-sidecar", so);
+    auto server = ShmServer::Start(fleet_.member->core.get(), "parts-sidecar", so);
     ASSERT_TRUE(server.ok()) << server.status();
     server_ = std::move(*server);
   }
   void TearDown() override {
     server_.reset();
-    if (core_ != nullptr) core_->SetFleet(nullptr);
-    if (fleet_ != nullptr) fleet_->Stop();
-    fleet_.reset();
-    if (core_ != nullptr) core_->Shutdown(false);
-    core_.reset();
-    store_.reset();
-    nats_.reset();
+    fleet_.Stop();
     tmp_.reset();
   }
 
-  bool AwaitDegraded(bool want) {
-    absl::MutexLock l(&mu_);
-    auto cond = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return degraded_ == want; };
-    return mu_.AwaitWithTimeout(absl::Condition(&cond), kDeadline);
-  }
+  bool AwaitDegraded(bool want) { return fleet_.degraded.Await(want); }
+  fleet::FleetMember& member() { return *fleet_.member->fleet; }
   uint64_t StreamLast() {
-    auto last = fleet_->nats().LastSeq(fleet::FeedbackStream(kFleet));
+    auto last = member().nats().LastSeq(fleet::FeedbackStream(kFleet));
     EXPECT_TRUE(last.ok()) << last.status();
     return last.value_or(0);
   }
@@ -148,7 +94,7 @@ class ShmAckPartsTest : public ::testing::Test {
     std::vector<v1::fleet::FleetCompletion> out;
     const uint64_t last = StreamLast();
     for (uint64_t s = after + 1; s <= last; ++s) {
-      auto m = fleet_->nats().GetMsg(fleet::FeedbackStream(kFleet), s);
+      auto m = member().nats().GetMsg(fleet::FeedbackStream(kFleet), s);
       EXPECT_TRUE(m.ok()) << m.status();
       if (!m.ok() || m->subject != fleet::FeedbackSubject(kFleet, "chat")) continue;
       v1::fleet::FleetCompletion c;
@@ -159,7 +105,7 @@ class ShmAckPartsTest : public ::testing::Test {
   }
   // A Client whose endpoint is `link`, which does not lead to the server
   // yet: it stays unattached (degraded) until Link().
-  std::unique_ptr<shim::Client> StartUnattached(::leap::testing::ShimEvents* events) {
+  std::unique_ptr<shim::Client> StartUnattached(ShimEvents* events) {
     link_ = (dir_ / "l").string();
     shim::ClientOptions o =
         ::leap::testing::TestClientOptions("shm://" + link_, kDim, "parts");
@@ -169,14 +115,9 @@ class ShmAckPartsTest : public ::testing::Test {
     EXPECT_TRUE(c.ok()) << c.status();
     if (!c.ok()) return nullptr;
     // It tried and could not attach (an error event without a request id).
-    EXPECT_TRUE(events->Wait([](const std::vector<shim::Event>& ev) {
-      for (const shim::Event& e : ev) {
-        if (e.kind == shim::Event::Kind::kError && e.request_id.empty() &&
-            e.message.find("cannot reach leapd's shm socket") != std::string::npos) {
-          return true;
-        }
-      }
-      return false;
+    EXPECT_TRUE(events->Await([](const shim::Event& e) {
+      return e.kind == shim::Event::Kind::kError && e.request_id.empty() &&
+             e.message.find("cannot reach leapd's shm socket") != std::string::npos;
     }));
     return std::move(*c);
   }
@@ -190,16 +131,10 @@ class ShmAckPartsTest : public ::testing::Test {
   std::unique_ptr<::leap::testing::ScopedTempDir> tmp_;
   std::filesystem::path dir_;
   std::string link_;
-  std::unique_ptr<::leap::testing::NatsCluster> nats_;
-  std::unique_ptr<storage::StateStore> store_;
-  Metrics metrics_;
-  std::unique_ptr<Core> core_;
-  std::unique_ptr<fleet::FleetMember> fleet_;
+  ::leap::testing::OneNodeFleet fleet_;
   readout::ReadoutState state_;
   std::unique_ptr<ShmServer> server_;
   std::mt19937_64 rng_{5};
-  absl::Mutex mu_;
-  bool degraded_ ABSL_GUARDED_BY(mu_) = true;
 };
 
 // 69 completions with a bad token count (INVALID_ARGUMENT, ids of 200
@@ -210,10 +145,10 @@ class ShmAckPartsTest : public ::testing::Test {
 TEST_F(ShmAckPartsTest, AnUnavailableRefusalPastAFrameOfErrorsIsResentAndStoredOnce) {
   ASSERT_TRUE(AwaitDegraded(false));
   const uint64_t stored = StreamLast();
-  ASSERT_TRUE(nats_->Kill(0).ok());
+  ASSERT_TRUE(fleet_.nats->Kill(0).ok());
   ASSERT_TRUE(AwaitDegraded(true));
 
-  ::leap::testing::ShimEvents events;
+  ShimEvents events;
   std::unique_ptr<shim::Client> c = StartUnattached(&events);
   ASSERT_NE(c, nullptr);
   constexpr int kBad = 69;
@@ -237,11 +172,11 @@ TEST_F(ShmAckPartsTest, AnUnavailableRefusalPastAFrameOfErrorsIsResentAndStoredO
     return RequestErrors(ev) >= kBad;
   })) << "error events: " << RequestErrors(events.events());
   // The refusal was seen: the completion is kept for a resend.
-  ASSERT_TRUE(Eventually([&] { return c->stats().completion_retries >= 1; }))
+  ASSERT_TRUE(PollUntil([&] { return c->stats().completion_retries >= 1; }))
       << "the UNAVAILABLE refusal was not seen";
   const shim::ClientStats held = c->stats();
   const int attach_errors =
-      CountKind(events.events(), shim::Event::Kind::kError) - RequestErrors(events.events());
+      events.Count(shim::Event::Kind::kError) - RequestErrors(events.events());
   EXPECT_EQ(held.live, 1);
   EXPECT_EQ(held.errors, kBad + attach_errors);
   EXPECT_EQ(held.connects, 1);
@@ -258,9 +193,9 @@ TEST_F(ShmAckPartsTest, AnUnavailableRefusalPastAFrameOfErrorsIsResentAndStoredO
   EXPECT_GT(answer_bytes, size_t{16} << 10);
 
   // NATS back: a resend is acknowledged without the engine doing anything.
-  ASSERT_TRUE(nats_->Restart(0).ok());
+  ASSERT_TRUE(fleet_.nats->Restart(0).ok());
   ASSERT_TRUE(AwaitDegraded(false));
-  ASSERT_TRUE(Eventually([&] { return c->stats().live == 0; }))
+  ASSERT_TRUE(AwaitNoneLive(*c))
       << "the refused completion was not resent and acknowledged";
   EXPECT_EQ(RequestErrors(events.events()), kBad);
   EXPECT_EQ(c->stats().errors, held.errors);
@@ -283,7 +218,7 @@ TEST_F(ShmAckPartsTest, AnUnavailableRefusalPastAFrameOfErrorsIsResentAndStoredO
 TEST_F(ShmAckPartsTest, CompletionsSentAtConnectKeepTheEnginesOrder) {
   ASSERT_TRUE(AwaitDegraded(false));
   const uint64_t stored = StreamLast();
-  ::leap::testing::ShimEvents events;
+  ShimEvents events;
   std::unique_ptr<shim::Client> c = StartUnattached(&events);
   ASSERT_NE(c, nullptr);
   constexpr int kRequests = 100;
@@ -304,7 +239,7 @@ TEST_F(ShmAckPartsTest, CompletionsSentAtConnectKeepTheEnginesOrder) {
   }
   EXPECT_EQ(c->stats().connects, 0);
   Link();
-  ASSERT_TRUE(Eventually([&] { return c->stats().live == 0; }))
+  ASSERT_TRUE(AwaitNoneLive(*c))
       << "live: " << c->stats().live;
   EXPECT_EQ(RequestErrors(events.events()), 0);
   EXPECT_EQ(c->stats().connects, 1);

@@ -3,13 +3,15 @@
 // and recovered from it, its FleetMember started on NATS (with the creation
 // state writer), optionally its Admin service on a real gRPC port; and a
 // Trainer on a member's NATS connection that reports its role to the member
-// and gets the readouts from the member's CONFIG watcher. Header only
+// and gets the readouts from the member's CONFIG watcher; and such a member
+// alone on a nats-server of its own (OneNodeFleet). Header only
 // (it reports failures to gtest); test-only: the test links leap::fleet_trainer
 // and, for the Admin service, leap::service.
 #ifndef LEAP_TESTS_SUPPORT_FLEET_MEMBER_H_
 #define LEAP_TESTS_SUPPORT_FLEET_MEMBER_H_
 
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -17,6 +19,8 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "leap/v1/admin.grpc.pb.h"
@@ -25,6 +29,7 @@
 #include "sidecar/fleet/trainer.h"
 #include "sidecar/grpc/admin_service.h"
 #include "storage/rocksdb_store.h"
+#include "tests/support/nats_cluster.h"
 
 namespace leap::testing {
 
@@ -37,6 +42,34 @@ struct FleetTestMemberOptions {
   std::shared_ptr<sidecar::PublishListener> listener = nullptr;
   // Serve the Admin service on 127.0.0.1, port 0 (`stub` talks to it).
   bool admin = false;
+  // FleetMemberOptions::on_degraded (e.g. DegradedWatch::Callback()).
+  std::function<void(bool degraded)> on_degraded = nullptr;
+  // JetStream's acknowledgement timeout (NatsClientOptions::timeout_ms;
+  // 0: its default).
+  int64_t nats_timeout_ms = 0;
+};
+
+// A member's degraded flag as on_degraded reports it, so that a test waits
+// for a change instead of sleeping. Outlive the member it watches.
+class DegradedWatch {
+ public:
+  std::function<void(bool)> Callback() {
+    return [this](bool d) {
+      absl::MutexLock l(&mu_);
+      degraded_ = d;
+    };
+  }
+  // Waits until the flag equals `want` (it starts degraded); false at the
+  // timeout.
+  bool Await(bool want, absl::Duration timeout = absl::Seconds(30)) {
+    absl::MutexLock l(&mu_);
+    auto cond = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return degraded_ == want; };
+    return mu_.AwaitWithTimeout(absl::Condition(&cond), timeout);
+  }
+
+ private:
+  absl::Mutex mu_;
+  bool degraded_ ABSL_GUARDED_BY(mu_) = true;
 };
 
 // Use from the test thread: Start once (under ASSERT_NO_FATAL_FAILURE),
@@ -67,6 +100,8 @@ struct FleetTestMember {
     fo.fleet = o.fleet;
     fo.member = o.member;
     fo.lease_ms = o.lease_ms;
+    fo.on_degraded = o.on_degraded;
+    if (o.nats_timeout_ms > 0) fo.nats.timeout_ms = o.nats_timeout_ms;
     auto m = fleet::FleetMember::Create(core.get(), fo);
     ASSERT_TRUE(m.ok()) << m.status();
     fleet = std::move(*m);
@@ -94,6 +129,43 @@ struct FleetTestMember {
     if (server != nullptr) server->Shutdown();
     if (core != nullptr) core->SetFleet(nullptr);
     if (fleet != nullptr) fleet->Stop();
+  }
+};
+
+// A nats-server of one node (nats_cluster.h, in dir / "nats") and one
+// FleetTestMember on it whose degraded flag `degraded` watches, serving
+// readout `name` (created from `state` through the fleet) routed 100% on
+// the default product line. The test links leap_test_nats too. Use from
+// the test thread: Start once (under ASSERT_NO_FATAL_FAILURE), Stop before
+// destruction.
+struct OneNodeFleet {
+  std::unique_ptr<NatsCluster> nats;
+  DegradedWatch degraded;
+  std::unique_ptr<FleetTestMember> member;
+
+  // `o.url` and `o.on_degraded` are set here.
+  void Start(const std::filesystem::path& dir, FleetTestMemberOptions o,
+             const std::string& name, const readout::ReadoutState& state) {
+    NatsClusterOptions no;
+    no.nodes = 1;
+    no.dir = (dir / "nats").string();
+    auto started = NatsCluster::Start(no);
+    ASSERT_TRUE(started.ok()) << started.status();
+    nats = std::move(*started);
+    o.url = nats->url(0);
+    o.on_degraded = degraded.Callback();
+    member = std::make_unique<FleetTestMember>();
+    ASSERT_NO_FATAL_FAILURE(member->Start(dir, o));
+    ASSERT_TRUE(member->fleet->CreateReadout(name, state).ok());
+    sidecar::Route route;
+    route.arms.push_back({name, name, 100.0, false});
+    ASSERT_TRUE(member->fleet->SetRoute(route).ok());
+  }
+  // The member first, then NATS.
+  void Stop() {
+    if (member != nullptr) member->Stop();
+    member.reset();
+    nats.reset();
   }
 };
 

@@ -48,6 +48,10 @@ class NatsCluster {
   std::string monitor(int i) const;
   std::string name(int i) const;
   bool running(int i) const { return nodes_[i].proc != nullptr; }
+  // Node i's process while it runs (else null): for signals Kill does not
+  // send, such as SIGSTOP / SIGCONT (Kill and the destructor end a stopped
+  // node too).
+  client::Process* process(int i) const { return nodes_[i].proc.get(); }
   // The server's recent log lines (stderr), for failure messages.
   std::string Tail(int i) const;
 

@@ -1,19 +1,23 @@
 // The events a shim::Client delivers to its callback, recorded so that a test
-// waits on an event (with a deadline) instead of sleeping; and a Client
-// started with fast reconnects whose callback records into one. Header only,
+// waits on an event (with a deadline) instead of sleeping; a Client started
+// with fast reconnects whose callback records into one; and a deadline poll
+// for the Client's counters, which no event announces. Header only,
 // test-only: the test links leap::shim_client.
 #ifndef LEAP_TESTS_SUPPORT_SHIM_EVENTS_H_
 #define LEAP_TESTS_SUPPORT_SHIM_EVENTS_H_
 
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "engine_shim/client.h"
 
@@ -35,9 +39,42 @@ class ShimEvents {
     auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return pred(events_); };
     return mu_.AwaitWithTimeout(absl::Condition(&ready), timeout);
   }
+  // Waits for an event that `match` accepts; returns the first such event
+  // (nullopt at the timeout).
+  std::optional<shim::Event> Await(const std::function<bool(const shim::Event&)>& match,
+                                   absl::Duration timeout = absl::Seconds(30)) {
+    std::optional<shim::Event> found;
+    Wait(
+        [&](const std::vector<shim::Event>& ev) {
+          for (const shim::Event& e : ev) {
+            if (match(e)) {
+              found = e;
+              return true;
+            }
+          }
+          return false;
+        },
+        timeout);
+    return found;
+  }
+  // Waits until at least `n` events of `kind` came; false at the timeout.
+  bool AwaitCount(shim::Event::Kind kind, int n,
+                  absl::Duration timeout = absl::Seconds(30)) {
+    return Wait([&](const std::vector<shim::Event>& ev) { return CountOf(ev, kind) >= n; },
+                timeout);
+  }
+  // Events of `kind` so far.
+  int Count(shim::Event::Kind kind) {
+    absl::MutexLock lock(&mu_);
+    return CountOf(events_, kind);
+  }
   std::vector<shim::Event> events() {
     absl::MutexLock lock(&mu_);
     return events_;
+  }
+  static int CountOf(const std::vector<shim::Event>& ev, shim::Event::Kind kind) {
+    return static_cast<int>(std::count_if(
+        ev.begin(), ev.end(), [kind](const shim::Event& e) { return e.kind == kind; }));
   }
 
  private:
@@ -52,6 +89,34 @@ inline const shim::Event* FindEvent(const std::vector<shim::Event>& ev,
     if (e.kind == kind && e.request_id == id) return &e;
   }
   return nullptr;
+}
+
+// Matchers for ShimEvents::Await: any event of `kind`; the prediction of `id`.
+inline std::function<bool(const shim::Event&)> OfKind(shim::Event::Kind kind) {
+  return [kind](const shim::Event& e) { return e.kind == kind; };
+}
+inline std::function<bool(const shim::Event&)> PredictionOf(const std::string& id) {
+  return [id](const shim::Event& e) {
+    return e.kind == shim::Event::Kind::kPrediction && e.request_id == id;
+  };
+}
+
+// Polls `pred` (every 2 ms) until it holds; false after `timeout`. Only for
+// what no event announces, such as the Client's counters (stats()).
+template <typename F>
+bool PollUntil(F pred, absl::Duration timeout = absl::Seconds(30)) {
+  const absl::Time deadline = absl::Now() + timeout;
+  while (!pred()) {
+    if (absl::Now() > deadline) return false;
+    absl::SleepFor(absl::Milliseconds(2));  // the poll period
+  }
+  return true;
+}
+
+// Polls until `c` holds no live request: every completion acknowledged
+// (or refused for good). Acknowledgements carry no event.
+inline bool AwaitNoneLive(shim::Client& c, absl::Duration timeout = absl::Seconds(30)) {
+  return PollUntil([&c] { return c.stats().live == 0; }, timeout);
 }
 
 // Client options for a test: `endpoint`, width `dim`, `engine_id`, and
