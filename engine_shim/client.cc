@@ -657,14 +657,18 @@ bool Client::Session(Transport* t) {
           case Outgoing::Kind::kFeatures: {
             if (it == live_.end()) break;  // cancelled meanwhile
             if (it->second.features.bytes.size() > feature_cap) {
-              // Alone over leapd's max_batch_bytes: leapd would refuse every
-              // message that carries it. Refused here, the request dropped.
+              // Alone over leapd's max_batch_bytes (or the 16 MiB message
+              // limit): no message can carry it. Refused here, dropped.
               ++stats_.errors;
               refused.push_back(ErrorEvent(
                   o.request_id, kResourceExhausted,
-                  absl::StrCat("features of ", it->second.features.bytes.size(),
-                               " bytes exceed leapd's max_batch_bytes (",
-                               feature_cap, ")")));
+                  feature_cap < kMaxMessageBytes
+                      ? absl::StrCat("features of ", it->second.features.bytes.size(),
+                                     " bytes exceed leapd's max_batch_bytes (",
+                                     feature_cap, ")")
+                      : absl::StrCat("features of ", it->second.features.bytes.size(),
+                                     " bytes exceed the client's message limit (",
+                                     feature_cap, " bytes)")));
               live_.erase(it);
               break;
             }

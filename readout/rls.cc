@@ -218,6 +218,12 @@ RlsState::RlsState(Eigen::VectorXd theta, SymMatrix p, RlsOptions options)
                  internal::OpenBlasPreferredFor(kernels_->name));
 }
 
+bool PrepareOpenBlasForRls() {
+  if (!internal::OpenBlasPreferredFor(internal::BestKernels().name)) return false;
+  internal::OpenBlasSingleThreaded();
+  return true;
+}
+
 const char* RlsState::kernel_name() const { return kernels_->name; }
 
 std::string RlsState::large_batch_variant() const {

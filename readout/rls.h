@@ -130,6 +130,15 @@ struct RlsPhaseSeconds {
   }
 };
 
+// Call once at process start, before any thread runs: where RlsState's
+// default sends wide batches to OpenBLAS on this host (its AVX-512
+// kernels), sets OpenBLAS to one thread for the whole process now, instead
+// of lazily from an RLS thread while another thread may be inside an
+// OpenBLAS call (the RLS threads run OpenBLAS in fixed pieces of their
+// own). Other OpenBLAS users in the process (the bootstrap ridge fit) then
+// run on one thread. Returns whether it did.
+bool PrepareOpenBlasForRls();
+
 // The RLS state of one readout: theta (FP64) and P (FP32).
 // Not thread-safe: one thread (the readout's RLS worker) owns it; publish
 // copies of theta to readers.

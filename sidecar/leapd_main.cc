@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <string>
 
+#include "readout/rls.h"
 #include "sidecar/app/leapd_options.h"
 #include "sidecar/app/leapd_server.h"
 
@@ -19,6 +20,8 @@ int Fail(const absl::Status& s) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Before any thread starts (see the function's comment).
+  leap::readout::PrepareOpenBlasForRls();
   leap::sidecar::ParseLeapdFlags(argc, argv);
   absl::StatusOr<leap::sidecar::LeapdOptions> options =
       leap::sidecar::LeapdOptionsFromFlags();

@@ -197,9 +197,6 @@ class StateStore {
       const std::string& /*readout*/) {
     return absl::UnimplementedError("this store keeps no dataset");
   }
-  // Calls `fn` for the records, oldest first (the newest `limit` when
-  // limit > 0), from one consistent view; stops early when fn returns
-  // false. Corrupt records are skipped and counted in *corrupt.
   // AppendLog, then AppendDataset(dataset_name, dataset_record), as one
   // durable write where the store can (RocksDB: one WriteBatch, one
   // write-ahead-log write): the result is AppendLog's, and the dataset
@@ -217,6 +214,9 @@ class StateStore {
     if (dataset != nullptr) *dataset = std::move(st);
     return absl::OkStatus();
   }
+  // Calls `fn` for the records, oldest first (the newest `limit` when
+  // limit > 0), from one consistent view; stops early when fn returns
+  // false. Corrupt records are skipped and counted in *corrupt.
   virtual absl::Status ScanDataset(
       const std::string& /*readout*/, int64_t /*limit*/,
       const std::function<bool(const DatasetRecord&)>& /*fn*/,

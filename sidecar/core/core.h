@@ -17,6 +17,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "absl/synchronization/mutex.h"
+#include "common/ids.h"
 #include "readout/artifact.h"
 #include "readout/target.h"
 #include "sidecar/core/feature_cache.h"
@@ -36,7 +37,7 @@ struct CoreOptions {
   // Largest feature payload of one batch message. Default: 64 MiB
   int64_t max_batch_bytes = int64_t{64} << 20;
   // Longest request id / product line. Default: 256
-  int64_t max_id_bytes = 256;
+  int64_t max_id_bytes = static_cast<int64_t>(kMaxIdBytes);
   // With a store: keep the features and true lengths of finished requests
   // (the dataset, docs/STORAGE.md). Default: true
   bool dataset = true;

@@ -531,6 +531,9 @@ class Trainer::Worker {
     fleet_seq_ = best->fleet_seq;
     learned_ = best->completions_learned;
     frozen_ = best->frozen || !has_p_;
+    // A rejected batch's cause from an earlier term does not describe a
+    // state loaded unfrozen (a successor went on from it).
+    if (!frozen_) frozen_cause_.clear();
     kept_u_ = std::move(kept_u);
     kept_y_ = std::move(kept_y);
     kept_seq_ = std::move(kept_seq);
@@ -1387,7 +1390,14 @@ class Trainer::Worker {
       absl::MutexLock lock(&ckpt_mu_);
       local_write_ns = last_local_write_ns_;
       if (ckpt_failed_fleet_) fleet_captured_seq_ = 0;  // retried when due
-      if (ckpt_failed_local_) local_captured_seq_ = 0;
+      if (ckpt_failed_local_) {
+        // Due again as if the failed capture had not happened: the age and
+        // the apply time since the last local checkpoint that was written
+        // (the recovery bound in FLEET.md counts from that one).
+        local_captured_seq_ = 0;
+        last_local_ckpt_ms_ = local_ckpt_before_capture_ms_;
+        apply_ns_since_local_ += apply_ns_at_local_capture_;
+      }
       ckpt_failed_fleet_ = ckpt_failed_local_ = false;
       // One write at a time; a periodic capture waits for the thread, and
       // for kCheckpointRestFactor times the last write's duration after it
@@ -1444,6 +1454,8 @@ class Trainer::Worker {
     job.fleet = fleet_due;
     job.stopping = stopping;
     if (local_due) {
+      local_ckpt_before_capture_ms_ = last_local_ckpt_ms_;
+      apply_ns_at_local_capture_ = apply_ns_since_local_;
       last_local_ckpt_ms_ = now;
       local_captured_seq_ = job.state.fleet_seq;
       apply_ns_since_local_ = 0;
@@ -1687,6 +1699,10 @@ class Trainer::Worker {
   uint64_t local_captured_seq_ = 0;
   // The apply time (ns) of the rows applied since the last local capture.
   int64_t apply_ns_since_local_ = 0;
+  // At the last local capture: the previous capture's time and the apply
+  // time then counted, restored when that capture's write fails.
+  int64_t local_ckpt_before_capture_ms_ = 0;
+  int64_t apply_ns_at_local_capture_ = 0;
   // Checkpoint thread only (set by LoadState before it starts).
   int32_t checkpoint_chunks_ = 0;
   std::optional<storage::ReadoutMeta> local_meta_;
