@@ -106,6 +106,34 @@ double RelErr(const VectorXd& got, const VectorXd& want) {
   return (got - want).norm() / want.norm();
 }
 
+// Batches of the given sizes after the anchor, and the FP64 closed form
+// (theta*, P*) over the anchor and all of them.
+struct BatchesAndClosedForm {
+  std::vector<std::vector<float>> us;
+  std::vector<std::vector<double>> ys;
+  VectorXd theta_star;
+  MatrixXd p_star;
+};
+
+BatchesAndClosedForm MakeBatches(DataGen& gen, int64_t n, const Anchor& an,
+                                 const std::vector<int>& sizes) {
+  BatchesAndClosedForm out;
+  MatrixXd a = an.a0;
+  VectorXd b = an.b0;
+  for (int k : sizes) {
+    out.us.emplace_back();
+    out.ys.emplace_back();
+    gen.Rows(k, out.us.back(), n, out.ys.back(), 0.7);
+    MatrixXd da = MatrixXd::Zero(n, n);
+    Accumulate(out.us.back(), n, k, n, out.ys.back(), da, b);
+    a += MatrixXd(da.selfadjointView<Eigen::Lower>());
+  }
+  Eigen::LDLT<MatrixXd> ldlt(a);
+  out.theta_star = ldlt.solve(b);
+  out.p_star = ldlt.solve(MatrixXd::Identity(n, n));
+  return out;
+}
+
 // The fused sweep, against FP64, for every kernel set: P's upper blocks
 // folded with W (the rest of P poisoned with NaN: never read, never
 // written), D + the earlier blocks' T equal U P on the folded P, and the
@@ -575,21 +603,11 @@ TEST_P(KernelVariant, BatchSizesUpTo256AndThreadCountsEqualClosedForm) {
   const std::vector<int> sizes = {1,  2,  3,  5,  7,   8,   9,   12,  13,
                                   16, 17, 31, 32, 33,  47,  48,  49,  64,
                                   95, 96, 97, 127, 128, 129, 200, 255, 256};
-  std::vector<std::vector<float>> us;
-  std::vector<std::vector<double>> ys;
-  MatrixXd a = an.a0;
-  VectorXd b = an.b0;
-  for (int k : sizes) {
-    us.emplace_back();
-    ys.emplace_back();
-    gen.Rows(k, us.back(), n, ys.back(), 0.7);
-    MatrixXd da = MatrixXd::Zero(n, n);
-    Accumulate(us.back(), n, k, n, ys.back(), da, b);
-    a += MatrixXd(da.selfadjointView<Eigen::Lower>());
-  }
-  Eigen::LDLT<MatrixXd> ldlt(a);
-  const VectorXd theta_star = ldlt.solve(b);
-  const MatrixXd p_star = ldlt.solve(MatrixXd::Identity(n, n));
+  const BatchesAndClosedForm batches = MakeBatches(gen, n, an, sizes);
+  const auto& us = batches.us;
+  const auto& ys = batches.ys;
+  const VectorXd& theta_star = batches.theta_star;
+  const MatrixXd& p_star = batches.p_star;
   VectorXd theta_1;
   MatrixXd p_1;
   for (int threads = 1; threads <= 4; ++threads) {
@@ -633,21 +651,11 @@ TEST(Rls, OpenBlasLargeBatchesEqualClosedFormAndIgnoreThreads) {
   Anchor an = MakeAnchor(gen, d, 700, 3.0);
   const std::vector<int> sizes = {1,  8,  9,  13, 33, 96, 97, 128,
                                   5,  200, 255, 256, 2, 64, 17};
-  std::vector<std::vector<float>> us;
-  std::vector<std::vector<double>> ys;
-  MatrixXd a = an.a0;
-  VectorXd b = an.b0;
-  for (int k : sizes) {
-    us.emplace_back();
-    ys.emplace_back();
-    gen.Rows(k, us.back(), n, ys.back(), 0.7);
-    MatrixXd da = MatrixXd::Zero(n, n);
-    Accumulate(us.back(), n, k, n, ys.back(), da, b);
-    a += MatrixXd(da.selfadjointView<Eigen::Lower>());
-  }
-  Eigen::LDLT<MatrixXd> ldlt(a);
-  const VectorXd theta_star = ldlt.solve(b);
-  const MatrixXd p_star = ldlt.solve(MatrixXd::Identity(n, n));
+  const BatchesAndClosedForm batches = MakeBatches(gen, n, an, sizes);
+  const auto& us = batches.us;
+  const auto& ys = batches.ys;
+  const VectorXd& theta_star = batches.theta_star;
+  const MatrixXd& p_star = batches.p_star;
   VectorXd theta_1;
   MatrixXd p_1;
   for (int threads = 1; threads <= 4; ++threads) {
