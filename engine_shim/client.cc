@@ -84,6 +84,10 @@ absl::Status ClientOptions::Validate() const {
         "instance_id must be at most 128 bytes without NUL, got ", instance_id.size(),
         " bytes", instance_id.find('\0') != std::string::npos ? " with a NUL" : ""));
   }
+  // leapd refuses a longer one at the hello (docs/WIRE.md, "Sizes"): refused
+  // here, before any I/O, instead of failing every connection.
+  if (absl::Status s = CheckIdBytes("engine_id", engine_id); !s.ok()) return s;
+  if (absl::Status s = CheckIdBytes("model_id", model_id); !s.ok()) return s;
   if (shm_slots < 1 || shm_slots > ::leap::shm::kMaxSlots) {
     return absl::InvalidArgumentError(absl::StrCat(
         "shm_slots must be in [1, ", ::leap::shm::kMaxSlots, "], got ", shm_slots));

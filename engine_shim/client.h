@@ -74,7 +74,8 @@ struct ClientOptions {
   // with a leapd in the same pod; /path is its --shm socket).
   // Default: 127.0.0.1:7070
   std::string endpoint = "127.0.0.1:7070";
-  // Identity for leapd's logs and metrics (e.g. the pod name).
+  // Identity for leapd's logs and metrics (e.g. the pod name). At most
+  // kMaxIdBytes (256) bytes, as model_id.
   std::string engine_id;
   // This engine's instance id (Hello.instance_id): leapd scopes request ids
   // to it, so engines that number requests alike never collide. Kept for

@@ -3,10 +3,12 @@
 // of its width is refused with FAILED_PRECONDITION naming both, over gRPC
 // Connect and over the shm attach; a matching hello, and a hello or readout
 // that declares nothing, is served; --allow_hello_mismatch serves the
-// mismatch and logs it.
+// mismatch and logs it. An engine_id or model_id over 256 bytes is refused
+// INVALID_ARGUMENT naming the field, on both transports.
 #include <filesystem>
 #include <string>
 
+#include "absl/strings/str_cat.h"
 #include "engine_shim/shm_channel.h"
 #include "gtest/gtest.h"
 #include "readout/artifact.h"
@@ -154,6 +156,63 @@ TEST(HelloIdentity, AllowFlagServesTheMismatchAndLogsIt) {
   EXPECT_NE(line->find("served anyway (--allow_hello_mismatch)"),
             std::string::npos)
       << *line;
+}
+
+// engine_id and model_id hold at most 256 bytes (docs/WIRE.md, "Sizes"):
+// a longer one is refused INVALID_ARGUMENT naming the field, its size, the
+// limit and its start, over gRPC Connect and over the shm attach alike; a
+// hello too large for an attach packet (an engine_id of 70,000 bytes) is
+// refused in words over shm, not hung up on. 256 bytes are served.
+TEST(HelloIdentity, OverlongEngineAndModelIdsAreRefusedNamingTheField) {
+  Leapd l = Start("ids");
+  ASSERT_NE(l.proc, nullptr);
+  auto over = [](const char* field, size_t n, char c) {
+    return absl::StrCat(field, " of ", n,
+                        " bytes is over the limit of 256 bytes (it starts \"",
+                        std::string(32, c), "\")");
+  };
+  struct Case {
+    std::string engine_id, model_id, want;
+  };
+  const Case cases[] = {
+      {std::string(257, 'e'), kModel, over("engine_id", 257, 'e')},
+      {"hello-test", std::string(300, 'm'), over("model_id", 300, 'm')},
+      {std::string(20000, 'e'), std::string(300, 'm'),
+       over("engine_id", 20000, 'e')},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.want.substr(0, 30));
+    pb::Hello h = MakeHello(c.model_id, kLayer);
+    h.set_engine_id(c.engine_id);
+    const grpc::Status g = GrpcHello(l, h);
+    EXPECT_EQ(g.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_EQ(g.error_message(), c.want);
+    const absl::Status s = ShmHello(l, h);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_EQ(s.message(), "leapd refused the shm attach: " + c.want);
+  }
+  pb::Hello huge = MakeHello(kModel, kLayer);
+  huge.set_engine_id(std::string(70000, 'h'));
+  const grpc::Status g = GrpcHello(l, huge);
+  EXPECT_EQ(g.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(g.error_message(), over("engine_id", 70000, 'h'));
+  const absl::Status s = ShmHello(l, huge);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_EQ(s.message(),
+            "leapd refused the shm attach: shm attach request larger than "
+            "65536 bytes (a hello's engine_id and model_id hold at most 256 "
+            "bytes each, its instance_id 128)");
+  // At the limit: served on both transports (a model_id of 256 bytes gets
+  // as far as the identity check: another model than the readout's).
+  pb::Hello at_limit = MakeHello(kModel, kLayer);
+  at_limit.set_engine_id(std::string(256, 'e'));
+  EXPECT_TRUE(GrpcHello(l, at_limit).ok());
+  EXPECT_TRUE(ShmHello(l, at_limit).ok());
+  const pb::Hello long_model = MakeHello(std::string(256, 'm'), kLayer);
+  EXPECT_EQ(GrpcHello(l, long_model).error_code(),
+            grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_EQ(ShmHello(l, long_model).code(),
+            absl::StatusCode::kFailedPrecondition);
 }
 
 }  // namespace

@@ -506,7 +506,7 @@ INSTANTIATE_TEST_SUITE_P(Transports, ShimClient, ::testing::Values("unix", "shm"
 
 // Options checked by Start, before any I/O: the message names the option,
 // the allowed values and the value given.
-TEST(ShimClientOptions, BadInstanceIdAndShmGeometryAreRefusedByStart) {
+TEST(ShimClientOptions, BadIdsAndShmGeometryAreRefusedByStart) {
   auto refused = [](shim::ClientOptions o) {
     o.endpoint = "unix:///nowhere";
     o.dim = 8;
@@ -520,6 +520,18 @@ TEST(ShimClientOptions, BadInstanceIdAndShmGeometryAreRefusedByStart) {
   o.instance_id = std::string("a\0b", 3);
   EXPECT_EQ(refused(o),
             "instance_id must be at most 128 bytes without NUL, got 3 bytes with a NUL");
+  // engine_id and model_id: leapd's bound on a hello's ids, in its words.
+  o = {};
+  o.engine_id = std::string(257, 'e');
+  EXPECT_EQ(refused(o), "engine_id of 257 bytes is over the limit of 256 bytes (it starts \"" +
+                            std::string(32, 'e') + "\")");
+  o.engine_id = std::string(70000, 'E');
+  EXPECT_EQ(refused(o), "engine_id of 70000 bytes is over the limit of 256 bytes (it starts \"" +
+                            std::string(32, 'E') + "\")");
+  o.engine_id.clear();
+  o.model_id = std::string(300, 'm');
+  EXPECT_EQ(refused(o), "model_id of 300 bytes is over the limit of 256 bytes (it starts \"" +
+                            std::string(32, 'm') + "\")");
   o = {};
   for (uint32_t bad : {0u, (1u << 20) + 1}) {
     o.shm_slots = bad;
@@ -535,6 +547,8 @@ TEST(ShimClientOptions, BadInstanceIdAndShmGeometryAreRefusedByStart) {
   o.endpoint = "unix:///nowhere";
   o.dim = 8;
   o.instance_id = std::string(128, 'i');
+  o.engine_id = std::string(256, 'e');
+  o.model_id = std::string(256, 'm');
   o.shm_slots = 1u << 20;
   o.shm_ring_bytes = 1u << 16;
   auto c = shim::Client::Start(o);

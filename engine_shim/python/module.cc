@@ -140,7 +140,8 @@ Args:
   dtype: element type shipped to leapd: "float32" (default), "bfloat16" or
     "float16"; captured tensors of another of these types are converted.
   engine_id, model_id, layer: identity shown in leapd's logs and metrics
-    (layer = the L whose hidden state is captured).
+    (layer = the L whose hidden state is captured); engine_id and model_id
+    hold at most 256 bytes each.
   min_backoff_s, max_backoff_s: reconnect backoff, doubling from min to max;
     also spaces the resends of a completion refused UNAVAILABLE.
   connect_timeout_s: how long one connection attempt may take.
@@ -173,7 +174,7 @@ Args:
 Raises:
   ValueError: a bad option (dim outside [1, 16384], unknown dtype, a TLS
     file that cannot be read, a certificate without its key, an instance_id
-    over 128 bytes, response_timeout_s <= 0, shm_slots or shm_ring_bytes
+    over 128 bytes, an engine_id or model_id over 256, response_timeout_s <= 0, shm_slots or shm_ring_bytes
     out of range, ...), with a message naming it.)doc")
       .def(
           "capture", &PyClient::Capture, py::arg("tensor"),

@@ -69,6 +69,14 @@ absl::StatusOr<readout::DType> CheckHello(const pb::Hello& hello) {
   if (absl::Status s = ValidateInstanceId(hello.instance_id()); !s.ok()) {
     return s;
   }
+  // Bounded like the ids of a record (docs/WIRE.md, "Sizes"): a hello
+  // always fits a shm attach request and the log lines that name it.
+  if (absl::Status s = CheckIdBytes("engine_id", hello.engine_id()); !s.ok()) {
+    return s;
+  }
+  if (absl::Status s = CheckIdBytes("model_id", hello.model_id()); !s.ok()) {
+    return s;
+  }
   absl::StatusOr<readout::DType> dtype = DTypeFromProto(hello.dtype());
   if (!dtype.ok()) return dtype.status();
   if (hello.dim() < readout::kMinDim || hello.dim() > readout::kMaxDim) {

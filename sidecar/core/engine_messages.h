@@ -37,8 +37,9 @@ void AddRequestError(const std::string& id, const absl::Status& s,
                      google::protobuf::RepeatedPtrField<leap::v1::RequestError>* out,
                      Metrics& metrics);
 
-// Checks a Hello: the dtype and dim ranges and the instance id.
-// INVALID_ARGUMENT otherwise.
+// Checks a Hello: the dtype and dim ranges, the instance id (at most 128
+// bytes, no NUL), and engine_id and model_id (at most kMaxIdBytes each;
+// CheckIdBytes' words, naming the field). INVALID_ARGUMENT otherwise.
 absl::StatusOr<readout::DType> CheckHello(const leap::v1::Hello& hello);
 
 // Checks a Hello's identity against the readouts that take its width:

@@ -20,6 +20,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "common/clock.h"
+#include "common/ids.h"
 #include "common/shm_format.h"
 #include "sidecar/shm/internal/shm_attach.h"
 #include "sidecar/shm/internal/shm_session.h"
@@ -296,6 +297,16 @@ void ShmServer::Impl::HandleAttach(const std::shared_ptr<ShmSession>& a) {
       shm::ReceivePacket(a->sock, &packet, &fds, shm::kMaxAttachPacket);
   for (int fd : fds) close(fd);             // an engine never sends fds
   if (absl::IsDeadlineExceeded(s)) return;  // nothing to read yet
+  if (absl::IsInvalidArgument(s)) {
+    // Larger than any valid attach request (its hello's ids are bounded):
+    // refused in words, not by hanging up.
+    Refuse(*core, a.get(),
+           absl::InvalidArgumentError(absl::StrCat(
+               "shm attach request larger than ", shm::kMaxAttachPacket,
+               " bytes (a hello's engine_id and model_id hold at most ",
+               kMaxIdBytes, " bytes each, its instance_id 128)")));
+    return;
+  }
   if (!s.ok()) {
     a->dead = true;  // hung up (or failed) before attaching
     return;
