@@ -61,6 +61,29 @@ class LeapdFlagsTest(unittest.TestCase):
                 self.refused(args + ["--%s=%s" % (flag, bad)],
                              "--%s must be >= 1, got %s" % (flag, bad))
 
+    def test_versions_kept_below_checkpoint_every_batches(self):
+        """With --data_dir, recovery replays the log since the checkpoint
+        in the batches of the versions published after it: they must all be
+        kept (docs/STORAGE.md, "Recovery")."""
+        db = "--data_dir=" + os.path.join(self.dir, "db")
+        for kept, every in (("100", None), ("9", "10"), ("1", "2")):
+            with self.subTest(versions_kept=kept, checkpoint_every_batches=every):
+                args = [db, "--versions_kept=" + kept]
+                if every is not None:
+                    args.append("--checkpoint_every_batches=" + every)
+                self.refused(args, "--versions_kept (%s) must be >= "
+                             "--checkpoint_every_batches (%s) with --data_dir: "
+                             "recovery replays the log since the newest checkpoint "
+                             "in the batches of the versions published after it"
+                             % (kept, every or "256"))
+        # Equal is enough; without --data_dir nothing is replayed. (A bad
+        # --outbox_bytes, checked after them, stops leapd before it opens
+        # anything, so its error shows these passed.)
+        for args in ([db, "--versions_kept=10", "--checkpoint_every_batches=10"],
+                     ["--versions_kept=5"]):
+            with self.subTest(args=args):
+                self.refused(args + ["--outbox_bytes=0"], "--outbox_bytes must be >= 1")
+
     def test_unreadable_files(self):
         missing = os.path.join(self.dir, "missing.pem")
         for flag in ("fleet_creds", "fleet_tls_ca"):

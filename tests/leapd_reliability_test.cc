@@ -183,7 +183,7 @@ TEST(Recovery, VersionsNameTheSameStateAcrossKillNine) {
       "--data_dir=" + dir, "--rls_batch=8", "--rls_flush=5ms",
       // Fixed batches of 8 (no adaptive backlog batches): many versions.
       "--rls_batch_max=8",
-      "--checkpoint_every_batches=1000000", "--checkpoint_every=1h"};
+      "--checkpoint_every_batches=10000", "--checkpoint_every=1h"};
   std::mt19937_64 rng(17);
   const Req probe = MakeReq("probe", dim, rng);
   std::map<int64_t, pb::ReadoutVersion> before;

@@ -60,7 +60,9 @@ ABSL_FLAG(int32_t, checkpoints_kept, 2,
           "Valid checkpoints kept per readout (the log is kept from the "
           "oldest, so a corrupt newest one falls back without loss).");
 ABSL_FLAG(int64_t, versions_kept, 10000,
-          "Published versions kept per readout on disk and in memory.");
+          "Published versions kept per readout on disk and in memory (with "
+          "--data_dir at least --checkpoint_every_batches: recovery replays "
+          "the log in the batches of the versions since the checkpoint).");
 ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:9464",
           "host:port for Prometheus /metrics (port 0 picks one; empty "
           "disables). Printed as 'metrics on http://ADDR/metrics'.");
@@ -564,6 +566,17 @@ absl::StatusOr<LeapdOptions> LeapdOptionsFromFlags() {
   }
   lo.data_dir = absl::GetFlag(FLAGS_data_dir);
   if (!lo.data_dir.empty()) {
+    // Recovery replays the log after the newest checkpoint in the batches
+    // of the versions published since (docs/STORAGE.md, "Recovery"): up to
+    // --checkpoint_every_batches of them, which must all be kept.
+    if (options.readout.versions_kept < options.readout.checkpoint_every_batches) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--versions_kept (", options.readout.versions_kept,
+          ") must be >= --checkpoint_every_batches (",
+          options.readout.checkpoint_every_batches,
+          ") with --data_dir: recovery replays the log since the newest "
+          "checkpoint in the batches of the versions published after it"));
+    }
     storage::RocksStoreOptions& so = lo.store;
     so.sync_log = absl::GetFlag(FLAGS_sync_log);
     so.checkpoints_kept = absl::GetFlag(FLAGS_checkpoints_kept);
