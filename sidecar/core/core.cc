@@ -848,9 +848,8 @@ absl::StatusOr<CompletionOutcome> Core::Complete(absl::string_view request_id,
   // otherwise it is appended on its own below.
   std::optional<storage::DatasetRecord> dataset =
       DatasetRecordFor(r, x, output_tokens, reason);
-  absl::StatusOr<storage::DatasetStats> dataset_result =
-      absl::UnknownError("dataset record not written");
-  bool dataset_written = false;
+  // Set once the dataset record is written: the append's result.
+  std::optional<absl::StatusOr<storage::DatasetStats>> dataset_result;
   auto map = readouts_.load();
   std::vector<std::string> learners;  // a readout learns a completion once
   for (size_t i = 0; i < r.scores.size(); ++i) {
@@ -906,7 +905,6 @@ absl::StatusOr<CompletionOutcome> Core::Complete(absl::string_view request_id,
         ro.metrics().skipped_frozen->Increment();
       } else {
         learners.push_back(s.readout);
-        uint64_t local_seq = 0;
         const double target =
             readout::TargetFromTokens(output_tokens, ro.spec().max_tokens);
         Learnable item;
@@ -914,13 +912,11 @@ absl::StatusOr<CompletionOutcome> Core::Complete(absl::string_view request_id,
         item.x = x;
         item.target = target;
         item.dedup_keys = dedup_keys;
-        item.assigned_seq = &local_seq;
-        if (i == 0 && dataset.has_value()) {
-          item.dataset = &*dataset;
-          item.dataset_result = &dataset_result;
+        if (i == 0 && dataset.has_value()) item.dataset = &*dataset;
+        absl::StatusOr<Learned> learned = ro.Learn(item);
+        if (learned.ok() && learned->dataset.has_value()) {
+          dataset_result = *std::move(learned->dataset);
         }
-        absl::Status learned = ro.Learn(item);
-        if (learned.ok() && item.dataset != nullptr) dataset_written = true;
         if (FleetLink* fleet = fleet_.load(); fleet != nullptr && learned.ok()) {
           FleetCompletionRecord c;
           c.readout = s.readout;
@@ -936,7 +932,7 @@ absl::StatusOr<CompletionOutcome> Core::Complete(absl::string_view request_id,
           c.predicted_tokens = s.predicted_tokens;
           c.served_version = s.version;
           c.true_tokens = truth;
-          c.local_seq = local_seq;
+          c.local_seq = learned->seq;
           c.dedup_keys = dedup_keys;
           if (defer_fleet_ack) {
             // Pipelined: the caller acknowledges the engine once set.
@@ -963,8 +959,8 @@ absl::StatusOr<CompletionOutcome> Core::Complete(absl::string_view request_id,
             // Recorded in the outbox, not acknowledged: the engine resends,
             // and the resend is acknowledged once the record is published.
             if (i == 0) {
-              if (dataset_written) {
-                DatasetAppended(r.scores[0].readout, dataset_result);
+              if (dataset_result.has_value()) {
+                DatasetAppended(r.scores[0].readout, *dataset_result);
               }
               return seq.status();
             }
@@ -979,10 +975,11 @@ absl::StatusOr<CompletionOutcome> Core::Complete(absl::string_view request_id,
             // Not acknowledged: keep the request live so a retry can learn it.
             (*taken)->gone.store(false);
             cache_.Insert(*taken, NowNs()).IgnoreError();
-            return learned;
+            return learned.status();
           }
           std::fprintf(stderr, "leapd: shadow readout '%s': %s\n",
-                       ro.name().c_str(), std::string(learned.message()).c_str());
+                       ro.name().c_str(),
+                       std::string(learned.status().message()).c_str());
         }
       }
     }
@@ -993,10 +990,12 @@ absl::StatusOr<CompletionOutcome> Core::Complete(absl::string_view request_id,
   }
   if (dataset.has_value()) {
     const std::string& name = r.scores[0].readout;
-    if (!dataset_written) {
+    if (!dataset_result.has_value()) {
+      // Not learned by the serving readout (or not written with its log
+      // record): on its own.
       dataset_result = store_->AppendDataset(name, std::move(*dataset));
     }
-    DatasetAppended(name, dataset_result);
+    DatasetAppended(name, *dataset_result);
   }
   return outcome;
 }

@@ -233,34 +233,38 @@ void LiveReadout::Enqueue(const readout::FeatureView& x, double target,
   metrics_.rls_backlog->Set(static_cast<double>(queue_.size()));
 }
 
-absl::Status LiveReadout::Learn(const Learnable& item) {
+absl::StatusOr<Learned> LiveReadout::Learn(const Learnable& item) {
   absl::MutexLock lock(&log_mu_);
-  const uint64_t seq = next_seq_;
+  Learned out;
+  out.seq = next_seq_;
   if (store_ != nullptr) {
     storage::LogRecord rec;
-    rec.seq = seq;
+    rec.seq = out.seq;
     rec.request_id = std::string(item.request_id);
     rec.dtype = item.x.dtype;
     rec.features.assign(static_cast<const char*>(item.x.data),
                         item.x.dim * readout::DTypeSize(item.x.dtype));
     rec.target = item.target;
     rec.dedup_keys = item.dedup_keys;
-    absl::Status s =
-        item.dataset != nullptr
-            ? store_->AppendLogAndDataset(meta_, {&rec, 1}, name_,
-                                          std::move(*item.dataset),
-                                          item.dataset_result)
-            : store_->AppendLog(meta_, {&rec, 1});
+    absl::Status s;
+    if (item.dataset != nullptr) {
+      absl::StatusOr<storage::DatasetStats> appended =
+          absl::UnknownError("dataset record not written");
+      s = store_->AppendLogAndDataset(meta_, {&rec, 1}, name_,
+                                      std::move(*item.dataset), &appended);
+      if (s.ok()) out.dataset = std::move(appended);
+    } else {
+      s = store_->AppendLog(meta_, {&rec, 1});
+    }
     if (!s.ok()) {
       return absl::UnavailableError(absl::StrCat(
           "feedback not recorded (not acknowledged): ", s.message()));
     }
   }
   ++next_seq_;
-  if (item.assigned_seq != nullptr) *item.assigned_seq = seq;
   // Serving only: the record waits in the log (the outbox) for the fleet.
-  if (!options_.serving_only) Enqueue(item.x, item.target, seq);
-  return absl::OkStatus();
+  if (!options_.serving_only) Enqueue(item.x, item.target, out.seq);
+  return out;
 }
 
 absl::StatusOr<bool> LiveReadout::InstallVersion(const InstalledVersion& v) {

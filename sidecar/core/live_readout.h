@@ -138,14 +138,21 @@ struct Learnable {
   double target = 0;
   // Recorded in the store's dedup index with the log record.
   std::vector<std::string> dedup_keys;
-  // When set, receives the record's sequence in the feedback log.
-  uint64_t* assigned_seq = nullptr;
-  // When set (with a store): this dataset record of the readout's name is
-  // written with the log record, in one durable write
-  // (StateStore::AppendLogAndDataset), and *dataset_result receives the
-  // dataset append's result. Not written when Learn fails.
+  // When set and the readout has a store: this dataset record of the
+  // readout's name is written (moved from) with the log record, in one
+  // durable write (StateStore::AppendLogAndDataset). Learned::dataset says
+  // whether it was; untouched when it was not.
   storage::DatasetRecord* dataset = nullptr;
-  absl::StatusOr<storage::DatasetStats>* dataset_result = nullptr;
+};
+
+// What Learn wrote.
+struct Learned {
+  // The record's sequence in the feedback log.
+  uint64_t seq = 0;
+  // Set exactly when Learnable::dataset was written with the log record:
+  // the dataset append's result. Unset (no dataset given, or no store):
+  // nothing of it was written, and the caller still holds the record.
+  std::optional<absl::StatusOr<storage::DatasetStats>> dataset;
 };
 
 // A version learned elsewhere (fleet mode: a FleetVersion) to serve as is.
@@ -205,7 +212,8 @@ class LiveReadout {
   // Records one completion durably in the feedback log (when there is a
   // store), then queues it for the RLS thread (standardized here, off that
   // thread). Only after this returns OK may the completion be acknowledged.
-  absl::Status Learn(const Learnable& item);
+  // UNAVAILABLE, writing nothing, when the log write fails.
+  absl::StatusOr<Learned> Learn(const Learnable& item);
   // Queues a record recovered from the log (already durable).
   void Replay(const storage::LogRecord& record);
   // Recovery, before the readout serves: replays `log` (the records after

@@ -74,6 +74,30 @@ class LiveReadoutTest : public ::testing::Test {
     init.meta = std::move(meta);
     return std::make_unique<LiveReadout>(std::move(init), o, &metrics_, &hub_);
   }
+  // A RocksDB store in `tmp` (its folder "db").
+  static std::unique_ptr<storage::StateStore> OpenStore(
+      const ::leap::testing::ScopedTempDir& tmp) {
+    auto opened = storage::OpenRocksStore(tmp.File("db"));
+    EXPECT_TRUE(opened.ok()) << opened.status();
+    return opened.ok() ? std::move(*opened) : nullptr;
+  }
+  // Creates readout `name` of state_ (at version 1, with P unless
+  // without_p) in `store`; returns its metadata, incarnation assigned.
+  storage::ReadoutMeta CreateInStore(storage::StateStore& store,
+                                     const std::string& name = "r",
+                                     bool without_p = false) {
+    storage::ReadoutMeta meta;
+    meta.name = name;
+    meta.spec = state_.spec;
+    meta.standardizer = state_.standardizer;
+    meta.has_p = !without_p;
+    storage::ReadoutCheckpoint initial;
+    initial.version = 1;
+    initial.theta = state_.theta;
+    if (!without_p) initial.p = state_.p;
+    EXPECT_TRUE(store.CreateReadout(&meta, initial).ok());
+    return meta;
+  }
   static LiveReadoutOptions Options(int batch, absl::Duration flush = absl::Hours(1)) {
     LiveReadoutOptions o;
     o.rls_batch = batch;
@@ -367,7 +391,7 @@ TEST_F(LiveReadoutTest, ACompletionNotLoggedIsNeitherAcknowledgedNorLearned) {
   LogFailsStore store;
   auto r = Make(Options(1), &store);
   std::vector<float> x = testing::RandomFeatures(state_, rng_);
-  absl::Status s = r->Learn({"c", readout::FeatureView::F32(x.data(), kDim), 10.0, {}});
+  absl::Status s = r->Learn({"c", readout::FeatureView::F32(x.data(), kDim), 10.0, {}}).status();
   EXPECT_TRUE(absl::IsUnavailable(s)) << s;
   EXPECT_NE(s.message().find("disk full"), std::string::npos) << s;
   r->WaitIdle();
@@ -376,21 +400,73 @@ TEST_F(LiveReadoutTest, ACompletionNotLoggedIsNeitherAcknowledgedNorLearned) {
   EXPECT_EQ(r->current()->version, 1);
 }
 
+// Learn says what it wrote: the log position, and the dataset record given
+// with the completion only when it went into the log's write. Without a
+// store nothing is written and the record is left to the caller as it was
+// (Core then appends it on its own); with one, log and dataset record are
+// both in the store.
+TEST_F(LiveReadoutTest, LearnSaysWhetherItWroteTheDatasetRecord) {
+  std::vector<float> x = testing::RandomFeatures(state_, rng_);
+  const auto f32 = readout::FeatureView::F32(x.data(), kDim);
+  auto make_record = [&] {
+    storage::DatasetRecord d;
+    d.features = testing::Bytes(x);
+    d.tokens = 321;
+    return d;
+  };
+  {
+    auto r = Make(Options(8));
+    storage::DatasetRecord d = make_record();
+    Learnable item{"c", f32, 10.0, {}};
+    item.dataset = &d;
+    absl::StatusOr<Learned> learned = r->Learn(item);
+    ASSERT_TRUE(learned.ok()) << learned.status();
+    EXPECT_EQ(learned->seq, 1u);
+    EXPECT_FALSE(learned->dataset.has_value());
+    EXPECT_EQ(d.features, testing::Bytes(x));  // still the caller's
+    EXPECT_EQ(d.tokens, 321);
+  }
+  const ::leap::testing::ScopedTempDir tmp("live_readout_dataset");
+  std::unique_ptr<storage::StateStore> store = OpenStore(tmp);
+  ASSERT_NE(store, nullptr);
+  auto r = Make(Options(8), store.get(), CreateInStore(*store));
+  storage::DatasetRecord d = make_record();
+  Learnable item{"c1", f32, 10.0, {}};
+  item.dataset = &d;
+  absl::StatusOr<Learned> learned = r->Learn(item);
+  ASSERT_TRUE(learned.ok()) << learned.status();
+  EXPECT_EQ(learned->seq, 1u);
+  ASSERT_TRUE(learned->dataset.has_value());
+  ASSERT_TRUE(learned->dataset->ok()) << learned->dataset->status();
+  EXPECT_EQ((*learned->dataset)->records, 1);
+  // No dataset record given: none written.
+  learned = r->Learn({"c2", f32, 11.0, {}});
+  ASSERT_TRUE(learned.ok()) << learned.status();
+  EXPECT_EQ(learned->seq, 2u);
+  EXPECT_FALSE(learned->dataset.has_value());
+  std::vector<storage::DatasetRecord> kept;
+  ASSERT_TRUE(store
+                  ->ScanDataset("r", 0,
+                                [&](const storage::DatasetRecord& rec) {
+                                  kept.push_back(rec);
+                                  return true;
+                                })
+                  .ok());
+  ASSERT_EQ(kept.size(), 1u);
+  EXPECT_EQ(kept[0].features, testing::Bytes(x));
+  EXPECT_EQ(kept[0].tokens, 321);
+  r.reset();
+  auto loaded = store->Load();
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  ASSERT_EQ(loaded->readouts.size(), 1u);
+  EXPECT_EQ(loaded->readouts[0].log.size(), 2u);
+}
+
 TEST_F(LiveReadoutTest, CheckpointsInTheStoreHoldTheExactState) {
   const ::leap::testing::ScopedTempDir tmp("live_readout_test");
-  const std::string dir = tmp.File("db");
-  auto opened = storage::OpenRocksStore(dir);
-  ASSERT_TRUE(opened.ok()) << opened.status();
-  std::unique_ptr<storage::StateStore> store = std::move(*opened);
-  storage::ReadoutMeta meta;
-  meta.name = "r";
-  meta.spec = state_.spec;
-  meta.standardizer = state_.standardizer;
-  storage::ReadoutCheckpoint initial;
-  initial.version = 1;
-  initial.theta = state_.theta;
-  initial.p = state_.p;
-  ASSERT_TRUE(store->CreateReadout(&meta, initial).ok());
+  std::unique_ptr<storage::StateStore> store = OpenStore(tmp);
+  ASSERT_NE(store, nullptr);
+  const storage::ReadoutMeta meta = CreateInStore(*store);
   LiveReadoutOptions o = Options(2);
   o.checkpoint_every_batches = 2;
   auto r = Make(o, store.get(), meta);
@@ -424,21 +500,11 @@ TEST_F(LiveReadoutTest, CheckpointsInTheStoreHoldTheExactState) {
 
 TEST_F(LiveReadoutTest, AnRlsFailureFreezeIsDurable) {
   const ::leap::testing::ScopedTempDir tmp("live_readout_freeze");
-  const std::string dir = tmp.File("db");
-  auto opened = storage::OpenRocksStore(dir);
-  ASSERT_TRUE(opened.ok()) << opened.status();
-  std::unique_ptr<storage::StateStore> store = std::move(*opened);
+  std::unique_ptr<storage::StateStore> store = OpenStore(tmp);
+  ASSERT_NE(store, nullptr);
   // An indefinite P: the first update is rejected and freezes learning.
   state_.p = readout::SymMatrix::ScaledIdentity(kDim + 1, -1.0f);
-  storage::ReadoutMeta meta;
-  meta.name = "r";
-  meta.spec = state_.spec;
-  meta.standardizer = state_.standardizer;
-  storage::ReadoutCheckpoint initial;
-  initial.version = 1;
-  initial.theta = state_.theta;
-  initial.p = state_.p;
-  ASSERT_TRUE(store->CreateReadout(&meta, initial).ok());
+  const storage::ReadoutMeta meta = CreateInStore(*store);
   auto r = Make(Options(1), store.get(), meta);
   Learn(*r);
   r->WaitIdle();
@@ -461,19 +527,9 @@ TEST_F(LiveReadoutTest, AnRlsFailureFreezeIsDurable) {
 // numbers, and prunes confirmed log records with a theta-only checkpoint.
 TEST_F(LiveReadoutTest, ServingOnlyRecordsInstallsAndPrunes) {
   const ::leap::testing::ScopedTempDir tmp("live_readout_serving");
-  const std::string dir = tmp.File("db");
-  auto opened = storage::OpenRocksStore(dir);
-  ASSERT_TRUE(opened.ok()) << opened.status();
-  std::unique_ptr<storage::StateStore> store = std::move(*opened);
-  storage::ReadoutMeta meta;
-  meta.name = "r";
-  meta.spec = state_.spec;
-  meta.standardizer = state_.standardizer;
-  meta.has_p = false;
-  storage::ReadoutCheckpoint initial;
-  initial.version = 1;
-  initial.theta = state_.theta;
-  ASSERT_TRUE(store->CreateReadout(&meta, initial).ok());
+  std::unique_ptr<storage::StateStore> store = OpenStore(tmp);
+  ASSERT_NE(store, nullptr);
+  const storage::ReadoutMeta meta = CreateInStore(*store, "r", /*without_p=*/true);
   LiveReadoutOptions o = Options(1, absl::Milliseconds(1));
   o.serving_only = true;
   auto r = Make(o, store.get(), meta);  // the state has P: ignored
@@ -483,11 +539,10 @@ TEST_F(LiveReadoutTest, ServingOnlyRecordsInstallsAndPrunes) {
   std::vector<uint64_t> seqs;
   for (int i = 0; i < 3; ++i) {
     std::vector<float> x = testing::RandomFeatures(state_, rng_);
-    uint64_t seq = 0;
-    ASSERT_TRUE(r->Learn({absl::StrCat("s", i), readout::FeatureView::F32(x.data(), kDim),
-                          7.0, {}, &seq})
-                    .ok());
-    seqs.push_back(seq);
+    absl::StatusOr<Learned> learned =
+        r->Learn({absl::StrCat("s", i), readout::FeatureView::F32(x.data(), kDim), 7.0, {}});
+    ASSERT_TRUE(learned.ok()) << learned.status();
+    seqs.push_back(learned->seq);
   }
   EXPECT_EQ(seqs, (std::vector<uint64_t>{1, 2, 3}));
   r->WaitIdle();
@@ -639,22 +694,12 @@ TEST_F(LiveReadoutTest, AGuardrailTripActsOffTheCompletingThread) {
 // its checkpoint left both records in the log for a restart to learn.
 TEST_F(LiveReadoutTest, RollbackRacingResumeSerializes) {
   const ::leap::testing::ScopedTempDir tmp("live_readout_race");
-  const std::string dir = tmp.File("db");
-  auto opened = storage::OpenRocksStore(dir);
-  ASSERT_TRUE(opened.ok()) << opened.status();
-  std::unique_ptr<storage::StateStore> store = std::move(*opened);
+  std::unique_ptr<storage::StateStore> store = OpenStore(tmp);
+  ASSERT_NE(store, nullptr);
   int orders[2] = {0, 0};  // [rollback first, resume first]
   for (int round = 0; round < 30; ++round) {
     SCOPED_TRACE(absl::StrCat("round ", round));
-    storage::ReadoutMeta meta;
-    meta.name = absl::StrCat("r", round);
-    meta.spec = state_.spec;
-    meta.standardizer = state_.standardizer;
-    storage::ReadoutCheckpoint initial;
-    initial.version = 1;
-    initial.theta = state_.theta;
-    initial.p = state_.p;
-    ASSERT_TRUE(store->CreateReadout(&meta, initial).ok());
+    const storage::ReadoutMeta meta = CreateInStore(*store, absl::StrCat("r", round));
     LiveReadoutInit init;
     init.name = meta.name;
     init.state = state_;
