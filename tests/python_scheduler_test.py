@@ -9,6 +9,9 @@
     hands the same deadline to the decode stage;
   - observe_completion(): the correction is the mean error of the window,
     and a new request's virtual job carries it;
+  - calibration="ratio": service_ratio(x) equals a reference that groups
+    the window's completions by octave of the estimate (sum actual / sum
+    estimate per group), and a new request's deadline is S x x' x ratio;
   - bounded_linear_aging: requests whose deadline is not at risk are ranked
     by remaining - A x steps waited, step by step as a brute force ranks
     them;
@@ -155,6 +158,93 @@ class OneDeadlineFromArrivalTest(unittest.TestCase):
         c = leap_shim.Scheduler()
         c.observe_completion(1.0, 100.0)
         self.assertEqual(c.service_correction, 0.0)
+
+
+def reference_ratios(samples, octaves=32, min_group=64):
+    """The ratio calibration's factor per octave of x' = max(x, 1), from
+    the (estimate, actual) pairs of the window, oldest first
+    (docs/SCHEDULING.md, "The ratio correction"): octaves merged from the
+    bottom up until a group holds min_group completions, a short top group
+    joined to the one below, each group's ratio sum actual / sum x'. Sums
+    in the module's order (per octave oldest first, then octave by octave
+    bottom up), so the floats are the same."""
+    def octave(x):
+        return min(math.frexp(max(x, 1.0))[1] - 1, octaves - 1)
+    a_sum, e_sum, count = [0.0] * octaves, [0.0] * octaves, [0] * octaves
+    for est, act in samples:
+        b = octave(est)
+        a_sum[b] += act
+        e_sum[b] += max(est, 1.0)
+        count[b] += 1
+    ratio = [1.0] * octaves
+    groups = []  # [first, end, sum actual, sum estimate] of closed groups
+    first, a, e, c = 0, 0.0, 0.0, 0
+    for b in range(octaves):
+        a += a_sum[b]
+        e += e_sum[b]
+        c += count[b]
+        if c >= min_group:
+            groups.append([first, b + 1, a, e])
+            first, a, e, c = b + 1, 0.0, 0.0, 0
+    if first < octaves:
+        if groups:
+            groups[-1] = [groups[-1][0], octaves, groups[-1][2] + a, groups[-1][3] + e]
+        else:
+            groups.append([first, octaves, a, e])
+    for lo, hi, sa, se in groups:
+        for b in range(lo, hi):
+            ratio[b] = sa / se if se > 0 else 1.0
+    return lambda x: ratio[octave(x)]
+
+
+class RatioCalibrationTest(unittest.TestCase):
+
+    def test_service_ratio_matches_reference_and_places_deadlines(self):
+        rng = random.Random(5)
+        window = 300
+        s = leap_shim.Scheduler(slots=3, waiting_cap=0, policy="bounded",
+                                max_slowdown=2.0, tail_window=0,
+                                calibration_window=window, calibration="ratio")
+        self.assertEqual(s.service_ratio(10.0), 1.0)  # no report yet
+        samples = []
+        for step in range(700):
+            # Estimates over octaves 0..11 (and below 1), errors that grow
+            # with the length and a bias that differs per range.
+            est = rng.choice((0.5, 1.0)) if step % 50 == 0 else \
+                math.exp(rng.uniform(0.0, 8.0))
+            act = max(0.0, est * (0.6 + 0.3 * math.log1p(est)) * rng.lognormvariate(0, 0.4))
+            s.observe_completion(est, act)
+            samples.append((est, act))
+            if step in (0, 40, 63, 64, 130, 299, 300, 451, 699):
+                ratio = reference_ratios(samples[-window:])
+                for x in (0.0, 0.5, 1.0, 1.5, 3.0, 7.9, 8.0, 100.0, 1000.0,
+                          2500.0, 4096.0, 1e6, 1e12):
+                    self.assertEqual(s.service_ratio(x), ratio(x),
+                                     "step %d, x %g" % (step, x))
+        ratio = reference_ratios(samples[-window:])
+        self.assertGreater(len({ratio(2.0 ** b) for b in range(12)}), 1)
+        self.assertEqual(s.service_correction, 0.0)  # no additive part
+        # A new request's job is x' x ratio(x): with a virtual server free
+        # for each (3 slots) and the tail reference off, its deadline is
+        # S x job.
+        for rid, x in (("a", 12.0), ("b", 700.0), ("c", 0.25)):
+            s.add(rid)
+            s.set_prediction(rid, x)
+        self.assertEqual(len(s.order(3)), 3)
+        for rid, x in (("a", 12.0), ("b", 700.0), ("c", 0.25)):
+            want = 2.0 * max(1.0, max(x, 1.0) * ratio(x))
+            self.assertAlmostEqual(s.request(rid)["deadline"], want,
+                                   delta=1e-12 * want, msg=rid)
+        # "additive" has no ratio; a bad form is a ValueError naming it.
+        additive = leap_shim.Scheduler(policy="bounded", calibration="additive")
+        additive.observe_completion(10.0, 40.0)
+        self.assertEqual(additive.service_ratio(10.0), 1.0)
+        self.assertEqual(additive.service_correction, 30.0)
+        with self.assertRaises(ValueError) as cm:
+            leap_shim.Scheduler(policy="bounded", calibration="multiplicative")
+        self.assertEqual(str(cm.exception),
+                         "calibration must be 'additive' or 'ratio', got "
+                         "'multiplicative'")
 
 
 class BoundedLinearAgingTest(unittest.TestCase):

@@ -557,7 +557,8 @@ class EndToEndTest(LeapdFixture):
 class ClientOptionsTest(LeapdFixture):
     """The Client options shared with the C++ Client reach leapd: the
     instance id scopes request ids, shm_slots and shm_ring_bytes size the
-    shared-memory segment, response_timeout_s abandons a hung leapd."""
+    shared-memory segment, response_timeout_s abandons a hung leapd. Ids
+    over leapd's bound are refused by the client alone."""
 
     def options_client(self, endpoint, **kw):
         c = leap_shim.Client(endpoint, DIM, min_backoff_s=0.02,
@@ -589,6 +590,50 @@ class ClientOptionsTest(LeapdFixture):
         self.assertTrue(ev.wait_for(lambda e: any(x.kind == "error" for x in e)))
         err = [x for x in ev.all if x.kind == "error"][0]
         self.assertEqual((err.request_id, err.code), ("r0", 6), err.message)
+
+    def test_overlong_ids_are_refused_alone_and_the_connection_stays(self):
+        """A request id or product line over 256 bytes (also one larger
+        than a shm frame) is refused by capture / request_priors as an
+        'error' event (code 3) for itself alone, in leapd's words
+        (docs/WIRE.md, "Sizes"): nothing of it is sent, the connection
+        stays, the rows around it are predicted; 256 bytes are served. On
+        both transports."""
+        def over(field, n, c):
+            return ('%s of %d bytes is over the limit of 256 bytes '
+                    '(it starts "%s")' % (field, n, c * 32))
+
+        for endpoint in ("unix://" + self.sock, "shm://" + self.sock + ".shm"):
+            with self.subTest(endpoint=endpoint):
+                c = self.options_client(endpoint, shm_ring_bytes=65536)
+                ev = Events(c)
+                huge, long_id, at_limit = "h" * 20000, "o" * 257, "k" * 256
+                c.capture(self.rows([0.1, 0.2, 0.3, 0.4]),
+                          ["before", huge, long_id, at_limit])
+                c.capture(self.rows([0.5]), ["long-line"], product_line="p" * 257)
+                c.request_priors(["q" * 20000], prompt_tokens=10)
+                c.capture(self.rows([0.6]), ["after"])
+                served = {"before", at_limit, "after"}
+                self.assertTrue(ev.wait_for(
+                    lambda a: len(latest(a, served, ("prediction",))) == 3 and
+                    len([e for e in a if e.kind == "error"]) == 4),
+                    "the rows around the refused ids were not predicted")
+                errors = {e.request_id: (e.code, e.message)
+                          for e in ev.all if e.kind == "error"}
+                self.assertEqual(errors, {
+                    huge: (3, over("request_id", 20000, "h")),
+                    long_id: (3, over("request_id", 257, "o")),
+                    "long-line": (3, over("product_line", 257, "p")),
+                    "q" * 20000: (3, "arrival record: " + over("request_id", 20000, "q")),
+                })
+                c.complete(huge, 10, "stop")  # a refused id: nothing happens
+                for rid in sorted(served):
+                    c.complete(rid, 50, "stop")
+                self.assertTrue(ev.wait_for(lambda a: c.stats["live"] == 0))
+                stats = c.stats
+                self.assertEqual((stats["connects"], stats["errors"],
+                                  stats["predictions"]), (1, 4, 3))
+                self.assertTrue(stats["connected"])
+                self.assertEqual([e for e in ev.all if e.kind == "disconnected"], [])
 
     def test_shm_slots_and_ring_bytes_size_the_segment(self):
         shm = "shm://" + self.sock + ".shm"
@@ -841,9 +886,9 @@ class BadInputTest(unittest.TestCase):
         self.assertTrue(c.closed)
 
     def test_client_option_errors(self):
-        """instance_id, response_timeout_s, shm_slots and shm_ring_bytes:
-        a bad value is a ValueError naming the option, the value and the
-        allowed range (before any I/O)."""
+        """instance_id, engine_id, model_id, response_timeout_s, shm_slots
+        and shm_ring_bytes: a bad value is a ValueError naming the option,
+        the value and the allowed range (before any I/O)."""
         def raises(msg, **kw):
             with self.assertRaises(ValueError) as cm:
                 leap_shim.Client("unix:///nowhere", DIM, **kw)
@@ -853,6 +898,10 @@ class BadInputTest(unittest.TestCase):
                instance_id="i" * 129)
         raises("instance_id must be at most 128 bytes without NUL, got 3 bytes with a NUL",
                instance_id="a\0b")
+        # leapd's bound on a hello's ids, in its words (docs/WIRE.md, "Sizes").
+        for field, n in (("engine_id", 257), ("model_id", 70000)):
+            raises('%s of %d bytes is over the limit of 256 bytes (it starts "%s")'
+                   % (field, n, "x" * 32), **{field: "x" * n})
         for bad in (0.0, -1.0, float("nan")):
             raises("response_timeout_s must be > 0 seconds, got %s" % (
                 "nan" if bad != bad else "%g" % bad), response_timeout_s=bad)
@@ -862,6 +911,7 @@ class BadInputTest(unittest.TestCase):
             raises("shm_ring_bytes must be a power of two in [65536, 67108864], "
                    "got %d" % bad, shm_ring_bytes=bad)
         with leap_shim.Client("unix:///nowhere", DIM, instance_id="i" * 128,
+                              engine_id="e" * 256, model_id="m" * 256,
                               response_timeout_s=0.5, shm_slots=1 << 20,
                               shm_ring_bytes=1 << 26) as c:
             self.assertEqual((c.instance_id, c.response_timeout_s, c.shm_slots,
