@@ -638,10 +638,8 @@ std::vector<std::string> CountdownScheduler::Order(size_t k) {
   return out;
 }
 
-absl::StatusOr<std::vector<std::string>> CountdownScheduler::OrderAmong(
+absl::Status CountdownScheduler::MarkSelected(
     const std::vector<std::string>& ids) {
-  std::vector<size_t> positions;
-  positions.reserve(ids.size());
   selected_.assign(live_.size(), 0);
   for (const std::string& id : ids) {
     auto it = index_.find(id);
@@ -653,8 +651,13 @@ absl::StatusOr<std::vector<std::string>> CountdownScheduler::OrderAmong(
           absl::StrCat("request ", id, " is listed twice"));
     }
     selected_[it->second] = 1;
-    positions.push_back(it->second);
   }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<std::string>> CountdownScheduler::OrderAmong(
+    const std::vector<std::string>& ids) {
+  if (absl::Status s = MarkSelected(ids); !s.ok()) return s;
   std::vector<std::string> out;
   if (ids.empty()) return out;
   Rank(0);
@@ -674,18 +677,7 @@ absl::StatusOr<std::vector<std::string>> CountdownScheduler::OrderAmong(
 }
 
 absl::Status CountdownScheduler::Commit(const std::vector<std::string>& ran) {
-  selected_.assign(live_.size(), 0);
-  for (const std::string& id : ran) {
-    auto it = index_.find(id);
-    if (it == index_.end()) {
-      return NotLive(id);
-    }
-    if (selected_[it->second]) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("request ", id, " is listed twice"));
-    }
-    selected_[it->second] = 1;
-  }
+  if (absl::Status s = MarkSelected(ran); !s.ok()) return s;
   CommitSelected();
   return absl::OkStatus();
 }

@@ -472,6 +472,9 @@ class CountdownScheduler {
   // Fills candidates_ for the coming step (assigning new deadlines first)
   // and puts the k smallest first, sorted.
   void Rank(size_t k);
+  // Marks the live requests `ids` in selected_ (the others 0): NOT_FOUND
+  // for an id not live, INVALID_ARGUMENT for one listed twice.
+  absl::Status MarkSelected(const std::vector<std::string>& ids);
   // The state change of one step; selected_[i] marks live_[i] as chosen.
   void CommitSelected();
   void AssignDeadlines(double unpredicted_remaining);

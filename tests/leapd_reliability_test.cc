@@ -117,6 +117,25 @@ bool WaitInfo(Leapd& s, const std::function<bool(const pb::ReadoutInfo&)>& pred,
   return false;
 }
 
+// The Identity tests' leapd: a data folder in `dir`, every completion
+// learned on its own (batches of one), a cold readout "r" of `dim`
+// (lambda 1) on the default route.
+void StartLearningEachCompletion(Leapd& s, const std::string& dir, int64_t dim) {
+  ASSERT_TRUE(s.Start({"--data_dir=" + dir, "--rls_batch=1", "--rls_batch_max=1"}));
+  CreateCold(s, dim, 1.0);
+}
+
+// Waits until leapd learned exactly `reqs`, each once: theta is their FP64
+// closed form (lambda 1).
+void ExpectLearnedExactly(Leapd& s, const std::vector<Req>& reqs, int64_t dim) {
+  const int64_t n = static_cast<int64_t>(reqs.size());
+  ASSERT_TRUE(WaitLearned(s, n));
+  const readout::ReadoutState state = s.Export();
+  EXPECT_EQ(state.completions_learned, n);
+  const Eigen::VectorXd want = ClosedForm(reqs, dim, 1.0);
+  EXPECT_LT((state.theta - want).norm() / want.norm(), 1e-6);
+}
+
 // Every version a WatchReadout(include_weights) stream delivers.
 class VersionLog {
  public:
@@ -340,10 +359,8 @@ TEST(Recovery, VersionsNameTheSameStateAcrossKillNine) {
 TEST(Identity, ReusedRequestIdIsLearnedEachTime) {
   const int64_t dim = 16;
   const testing::ScopedTempDir tmp("reuse");
-  const std::string& dir = tmp.path();
   Leapd s;
-  ASSERT_TRUE(s.Start({"--data_dir=" + dir, "--rls_batch=1", "--rls_batch_max=1"}));
-  CreateCold(s, dim, 1.0);
+  ASSERT_NO_FATAL_FAILURE(StartLearningEachCompletion(s, tmp.path(), dim));
   EngineStream e(s.channel, dim);
   std::mt19937_64 rng(23);
   std::vector<Req> all;
@@ -358,21 +375,15 @@ TEST(Identity, ReusedRequestIdIsLearnedEachTime) {
     EXPECT_EQ(ack.ack().duplicates(), 0) << "request " << i;
     EXPECT_EQ(ack.ack().errors_size(), 0) << "request " << i;
   }
-  ASSERT_TRUE(WaitLearned(s, 3));
-  const readout::ReadoutState state = s.Export();
-  EXPECT_EQ(state.completions_learned, 3);
-  const Eigen::VectorXd want = ClosedForm(all, dim, 1.0);
-  EXPECT_LT((state.theta - want).norm() / want.norm(), 1e-6);
+  ExpectLearnedExactly(s, all, dim);
 }
 
 // Defect 3 (leapd's side): engine B's "x" while engine A's "x" is live.
 TEST(Identity, SameIdFromTwoEnginesIsTwoRequests) {
   const int64_t dim = 16;
   const testing::ScopedTempDir tmp("two-engines");
-  const std::string& dir = tmp.path();
   Leapd s;
-  ASSERT_TRUE(s.Start({"--data_dir=" + dir, "--rls_batch=1", "--rls_batch_max=1"}));
-  CreateCold(s, dim, 1.0);
+  ASSERT_NO_FATAL_FAILURE(StartLearningEachCompletion(s, tmp.path(), dim));
   EngineStream a(s.channel, dim, pb::FEATURE_DTYPE_FLOAT32, "engine-a");
   EngineStream b(s.channel, dim, pb::FEATURE_DTYPE_FLOAT32, "engine-b");
   std::mt19937_64 rng(29);
@@ -391,10 +402,7 @@ TEST(Identity, SameIdFromTwoEnginesIsTwoRequests) {
   EXPECT_EQ(ack_a.ack().accepted(), 1) << ack_a.DebugString();
   EXPECT_EQ(ack_a.ack().errors_size(), 0);
   EXPECT_EQ(ack_a.ack().duplicates(), 0);
-  ASSERT_TRUE(WaitLearned(s, 2));
-  const readout::ReadoutState state = s.Export();
-  const Eigen::VectorXd want = ClosedForm({ra, rb}, dim, 1.0);
-  EXPECT_LT((state.theta - want).norm() / want.norm(), 1e-6);
+  ExpectLearnedExactly(s, {ra, rb}, dim);
 }
 
 // A completion whose ack was lost is resent on a new stream of the same
@@ -403,10 +411,8 @@ TEST(Identity, SameIdFromTwoEnginesIsTwoRequests) {
 TEST(Identity, ResentCompletionAfterReconnectIsLearnedOnce) {
   const int64_t dim = 16;
   const testing::ScopedTempDir tmp("resend");
-  const std::string& dir = tmp.path();
   Leapd s;
-  ASSERT_TRUE(s.Start({"--data_dir=" + dir, "--rls_batch=1", "--rls_batch_max=1"}));
-  CreateCold(s, dim, 1.0);
+  ASSERT_NO_FATAL_FAILURE(StartLearningEachCompletion(s, tmp.path(), dim));
   std::mt19937_64 rng(31);
   const Req r = MakeReq("once", dim, rng);
   {
