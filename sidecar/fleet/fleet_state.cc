@@ -13,7 +13,14 @@ namespace leap::fleet {
 namespace {
 
 constexpr char kMagic[4] = {'L', 'F', 'S', '1'};
-constexpr size_t kHeader = 12;  // magic, n (u32), has_p, frozen, 2 spare
+constexpr size_t kHeader = 12;  // magic, n (u32), P layout, frozen, 2 spare
+
+// The P layout byte: no P; all n x n entries row by row (what states were
+// written as before; still read); the upper triangle, row i from column i
+// on (n (n + 1) / 2 entries: half the bytes; written since).
+constexpr char kPNone = 0, kPFull = 1, kPUpper = 2;
+
+constexpr int64_t UpperFloats(int64_t n) { return n * (n + 1) / 2; }
 
 struct MsgDel {
   void operator()(natsMsg* m) const { natsMsg_Destroy(m); }
@@ -50,19 +57,21 @@ uint64_t StreamSequence(natsMsg* m) {
 
 std::string EncodeStatePayload(const FleetState& s) {
   const int64_t n = s.theta.size();
-  const int64_t pbytes = s.p.has_value() ? n * n * 4 : 0;
+  const int64_t pbytes = s.p.has_value() ? UpperFloats(n) * 4 : 0;
   std::string out(kHeader + n * 8 + pbytes, '\0');
   char* w = out.data();
   std::memcpy(w, kMagic, 4);
   const uint32_t n32 = static_cast<uint32_t>(n);
   std::memcpy(w + 4, &n32, 4);
-  w[8] = s.p.has_value() ? 1 : 0;
+  w[8] = s.p.has_value() ? kPUpper : kPNone;
   w[9] = s.frozen ? 1 : 0;
   std::memcpy(w + kHeader, s.theta.data(), n * 8);
   if (s.p.has_value()) {
+    // P is symmetric: its upper triangle, row i from column i on.
     char* pw = w + kHeader + n * 8;
     for (int64_t i = 0; i < n; ++i) {
-      std::memcpy(pw + i * n * 4, s.p->row(i), n * 4);
+      std::memcpy(pw, s.p->row(i) + i, (n - i) * 4);
+      pw += (n - i) * 4;
     }
   }
   return out;
@@ -75,11 +84,17 @@ absl::Status DecodeStatePayload(absl::string_view data, FleetState* s) {
   uint32_t n32 = 0;
   std::memcpy(&n32, data.data() + 4, 4);
   const int64_t n = n32;
-  const bool has_p = data[8] != 0;
+  const char layout = data[8];
+  if (layout != kPNone && layout != kPFull && layout != kPUpper) {
+    return absl::DataLossError(
+        absl::StrCat("fleet state: unknown P layout ", static_cast<int>(layout)));
+  }
   if (n < 2 || n > 16385) {
     return absl::DataLossError(absl::StrCat("fleet state: bad width ", n));
   }
-  const size_t want = kHeader + n * 8 + (has_p ? n * n * 4 : 0);
+  const int64_t pfloats =
+      layout == kPFull ? n * n : (layout == kPUpper ? UpperFloats(n) : 0);
+  const size_t want = kHeader + n * 8 + pfloats * 4;
   if (data.size() != want) {
     return absl::DataLossError(absl::StrCat("fleet state: ", data.size(),
                                             " bytes, expected ", want));
@@ -87,14 +102,22 @@ absl::Status DecodeStatePayload(absl::string_view data, FleetState* s) {
   s->frozen = data[9] != 0;
   s->theta.resize(n);
   std::memcpy(s->theta.data(), data.data() + kHeader, n * 8);
-  if (has_p) {
-    readout::SymMatrix p(n);
-    const char* pr = data.data() + kHeader + n * 8;
-    for (int64_t i = 0; i < n; ++i) std::memcpy(p.row(i), pr + i * n * 4, n * 4);
-    s->p = std::move(p);
-  } else {
+  if (layout == kPNone) {
     s->p.reset();
+    return absl::OkStatus();
   }
+  readout::SymMatrix p(n);
+  const char* pr = data.data() + kHeader + n * 8;
+  if (layout == kPFull) {  // written before the upper-triangle layout
+    for (int64_t i = 0; i < n; ++i) std::memcpy(p.row(i), pr + i * n * 4, n * 4);
+  } else {
+    for (int64_t i = 0; i < n; ++i) {
+      std::memcpy(p.row(i) + i, pr, (n - i) * 4);
+      pr += (n - i) * 4;
+    }
+    p.MirrorUpper();
+  }
+  s->p = std::move(p);
   return absl::OkStatus();
 }
 

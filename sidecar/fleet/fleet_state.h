@@ -57,7 +57,11 @@ struct FleetState {
 std::string ExportSubject(absl::string_view fleet, absl::string_view readout,
                           absl::string_view op_id);
 
-// theta, P and the flags as one byte string (little-endian), and back.
+// theta, P and the flags as one byte string (little-endian), and back. P
+// goes as its upper triangle (n (n + 1) / 2 FP32 values, row i from column
+// i on: 32 MiB at d = 4096 instead of 64); Decode also reads the full n x n
+// layout of states written before, and mirrors the triangle into a full
+// symmetric P either way.
 std::string EncodeStatePayload(const FleetState& s);
 absl::Status DecodeStatePayload(absl::string_view data, FleetState* s);
 

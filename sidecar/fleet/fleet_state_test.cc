@@ -6,9 +6,13 @@
 // dropped, never the checkpoint), the checkpoint is written and read back,
 // and the quality decoded from it reports exactly the series kept.
 // Fails when /usr/sbin/nats-server is missing (scripts/install-deps).
+// Also the state payload's layouts: P written as its upper triangle, read
+// back bit for bit in both triangles, and the full n x n layout of states
+// written before still read.
 #include "sidecar/fleet/fleet_state.h"
 
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <random>
 #include <string>
@@ -26,6 +30,88 @@ namespace leap::fleet {
 namespace {
 
 namespace fpb = ::leap::v1::fleet;
+
+// A random symmetric P (both triangles equal bit for bit, as CopySymmetric
+// leaves it) and theta of width n.
+FleetState RandomState(int64_t n, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> g;
+  FleetState s;
+  s.theta = Eigen::VectorXd::Zero(n);
+  for (int64_t i = 0; i < n; ++i) s.theta[i] = g(rng);
+  readout::SymMatrix p(n);
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t j = i; j < n; ++j) p(i, j) = g(rng);
+  }
+  p.MirrorUpper();
+  s.p = std::move(p);
+  return s;
+}
+
+void ExpectSameP(const readout::SymMatrix& a, const readout::SymMatrix& b) {
+  ASSERT_EQ(a.n(), b.n());
+  for (int64_t i = 0; i < a.n(); ++i) {
+    ASSERT_EQ(std::memcmp(a.row(i), b.row(i), a.n() * 4), 0) << "row " << i;
+  }
+}
+
+TEST(FleetStatePayload, PGoesAsItsUpperTriangleAndComesBackWhole) {
+  for (int64_t n : {2, 17, 130}) {
+    FleetState s = RandomState(n, static_cast<uint64_t>(n));
+    s.frozen = (n == 17);
+    const std::string data = EncodeStatePayload(s);
+    // 12 header bytes, theta in FP64, n (n + 1) / 2 FP32 values of P.
+    EXPECT_EQ(static_cast<int64_t>(data.size()), 12 + n * 8 + n * (n + 1) / 2 * 4);
+    FleetState back;
+    ASSERT_TRUE(DecodeStatePayload(data, &back).ok());
+    EXPECT_EQ(back.theta, s.theta);
+    EXPECT_EQ(back.frozen, s.frozen);
+    ASSERT_TRUE(back.p.has_value());
+    ExpectSameP(*back.p, *s.p);
+  }
+  // Without P: the header and theta only.
+  FleetState np = RandomState(9, 3);
+  np.p.reset();
+  FleetState back;
+  ASSERT_TRUE(DecodeStatePayload(EncodeStatePayload(np), &back).ok());
+  EXPECT_FALSE(back.p.has_value());
+  EXPECT_EQ(back.theta, np.theta);
+}
+
+TEST(FleetStatePayload, TheFullLayoutOfOlderStatesIsStillRead) {
+  const int64_t n = 33;
+  const FleetState s = RandomState(n, 7);
+  // The layout written before: P's layout byte 1, all n x n entries by row.
+  std::string old(12 + n * 8 + n * n * 4, '\0');
+  std::memcpy(old.data(), "LFS1", 4);
+  const uint32_t n32 = static_cast<uint32_t>(n);
+  std::memcpy(old.data() + 4, &n32, 4);
+  old[8] = 1;
+  std::memcpy(old.data() + 12, s.theta.data(), n * 8);
+  for (int64_t i = 0; i < n; ++i) {
+    std::memcpy(old.data() + 12 + n * 8 + i * n * 4, s.p->row(i), n * 4);
+  }
+  FleetState back;
+  ASSERT_TRUE(DecodeStatePayload(old, &back).ok());
+  EXPECT_EQ(back.theta, s.theta);
+  ASSERT_TRUE(back.p.has_value());
+  ExpectSameP(*back.p, *s.p);
+  // The new layout's P is half the old one's, plus half the diagonal.
+  const size_t head = 12 + n * 8;
+  EXPECT_EQ((EncodeStatePayload(s).size() - head) * 2, old.size() - head + n * 4);
+
+  // A layout byte of neither kind, or a size that fits neither layout.
+  std::string bad = old;
+  bad[8] = 3;
+  absl::Status st = DecodeStatePayload(bad, &back);
+  EXPECT_TRUE(absl::IsDataLoss(st)) << st;
+  EXPECT_NE(st.message().find("unknown P layout 3"), std::string::npos) << st;
+  bad = old;
+  bad[8] = 2;  // upper-triangle layout, full-size data
+  st = DecodeStatePayload(bad, &back);
+  EXPECT_TRUE(absl::IsDataLoss(st)) << st;
+  EXPECT_NE(st.message().find("expected"), std::string::npos) << st;
+}
 
 TEST(FleetStateQuality, AHugeSeriesCountDropsQualityNeverTheCheckpoint) {
   ::leap::testing::ScopedTempDir tmp("fleet_state_test");
