@@ -501,9 +501,13 @@ absl::Status ReceivePacket(int sock, std::string* bytes, std::vector<int>* fds,
     }
   }
   if (n == 0) return absl::UnavailableError("shm: peer closed the socket");
-  if (msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) {
+  if (msg.msg_flags & MSG_TRUNC) {
     return absl::InvalidArgumentError(absl::StrCat(
         "shm: control packet larger than ", max_bytes, " bytes"));
+  }
+  if (msg.msg_flags & MSG_CTRUNC) {
+    return absl::FailedPreconditionError(
+        "shm: control packet with more file descriptors than expected");
   }
   bytes->resize(static_cast<size_t>(n));
   return absl::OkStatus();

@@ -368,7 +368,9 @@ void FutexWakeAll(std::atomic<uint32_t>* word);
 absl::Status SendPacket(int sock, absl::string_view bytes,
                         const std::vector<int>& fds);
 // Receives one packet (EOF -> UNAVAILABLE; nothing to read on a
-// non-blocking socket -> DEADLINE_EXCEEDED); received fds go to `fds`.
+// non-blocking socket -> DEADLINE_EXCEEDED; a packet over `max_bytes` ->
+// INVALID_ARGUMENT; more than 4 fds -> FAILED_PRECONDITION); received fds go
+// to `fds`.
 absl::Status ReceivePacket(int sock, std::string* bytes,
                            std::vector<int>* fds, size_t max_bytes);
 

@@ -82,6 +82,8 @@ struct ClientOptions {
   // the Client's life (reconnects find their requests again). Default: a
   // random 128-bit hex id made by Start. At most 128 bytes, no NUL.
   std::string instance_id;
+  // The serving model (Hello.model_id), checked against the readouts' own.
+  // At most kMaxIdBytes (256) bytes.
   std::string model_id;
   int32_t layer = -1;
   // Feature width and dtype of every submission. Required.

@@ -76,11 +76,13 @@ class LeapdFlagsTest(unittest.TestCase):
                              "recovery replays the log since the newest checkpoint "
                              "in the batches of the versions published after it"
                              % (kept, every or "256"))
-        # Equal is enough; without --data_dir nothing is replayed. (A bad
+        # Equal is enough; without --data_dir, or in fleet mode (a member's
+        # readouts serve only), nothing is replayed in batches. (A bad
         # --outbox_bytes, checked after them, stops leapd before it opens
         # anything, so its error shows these passed.)
         for args in ([db, "--versions_kept=10", "--checkpoint_every_batches=10"],
-                     ["--versions_kept=5"]):
+                     ["--versions_kept=5"],
+                     self.fleet + ["--versions_kept=5"]):
             with self.subTest(args=args):
                 self.refused(args + ["--outbox_bytes=0"], "--outbox_bytes must be >= 1")
 

@@ -174,8 +174,9 @@ Args:
 Raises:
   ValueError: a bad option (dim outside [1, 16384], unknown dtype, a TLS
     file that cannot be read, a certificate without its key, an instance_id
-    over 128 bytes, an engine_id or model_id over 256, response_timeout_s <= 0, shm_slots or shm_ring_bytes
-    out of range, ...), with a message naming it.)doc")
+    over 128 bytes, an engine_id or model_id over 256 bytes,
+    response_timeout_s <= 0, shm_slots or shm_ring_bytes out of range, ...),
+    with a message naming it.)doc")
       .def(
           "capture", &PyClient::Capture, py::arg("tensor"),
           py::arg("request_ids"), py::arg("product_line") = "",

@@ -568,8 +568,10 @@ absl::StatusOr<LeapdOptions> LeapdOptionsFromFlags() {
   if (!lo.data_dir.empty()) {
     // Recovery replays the log after the newest checkpoint in the batches
     // of the versions published since (docs/STORAGE.md, "Recovery"): up to
-    // --checkpoint_every_batches of them, which must all be kept.
-    if (options.readout.versions_kept < options.readout.checkpoint_every_batches) {
+    // --checkpoint_every_batches of them, which must all be kept. A fleet
+    // member's readouts serve only: it replays nothing in batches.
+    if (!lo.fleet.has_value() &&
+        options.readout.versions_kept < options.readout.checkpoint_every_batches) {
       return absl::InvalidArgumentError(absl::StrCat(
           "--versions_kept (", options.readout.versions_kept,
           ") must be >= --checkpoint_every_batches (",

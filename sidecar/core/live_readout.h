@@ -141,7 +141,8 @@ struct Learnable {
   // When set and the readout has a store: this dataset record of the
   // readout's name is written (moved from) with the log record, in one
   // durable write (StateStore::AppendLogAndDataset). Learned::dataset says
-  // whether it was; untouched when it was not.
+  // whether it was; untouched when no store write was tried, moved from
+  // once one was (even when it failed).
   storage::DatasetRecord* dataset = nullptr;
 };
 

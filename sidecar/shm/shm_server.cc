@@ -307,6 +307,10 @@ void ShmServer::Impl::HandleAttach(const std::shared_ptr<ShmSession>& a) {
                kMaxIdBytes, " bytes each, its instance_id 128)")));
     return;
   }
+  if (absl::IsFailedPrecondition(s)) {  // more fds than a packet may carry
+    Refuse(*core, a.get(), absl::InvalidArgumentError(s.message()));
+    return;
+  }
   if (!s.ok()) {
     a->dead = true;  // hung up (or failed) before attaching
     return;
