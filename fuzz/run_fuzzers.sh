@@ -9,7 +9,8 @@
 #   TARGET     npy, artifact, shm, shm_frames, engine_session (default: all).
 # Each target first replays fuzz/regressions/<target>/ (every crash found so
 # far), then fuzzes for SECONDS on a copy of fuzz/corpus/<target>/ (the
-# committed corpus is not changed), one process, one thread. It prints
+# committed corpus is not changed), one process, one thread, LEAP_FUZZ_JOBS
+# (default: the number of cores) targets at a time. It prints
 # executions per second and total executions per target and exits non-zero
 # when any target crashed, leaked, ran out of memory or hung; the inputs that
 # did so are kept under $FUZZ_OUT (default: a new folder under /tmp) and
@@ -17,7 +18,7 @@
 # fuzz/regressions/<target>/ and fix the code.
 set -uo pipefail
 if [ $# -lt 1 ]; then
-  sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'
   exit 2
 fi
 BUILD_DIR=$1
@@ -37,22 +38,20 @@ cmake --build "$BUILD_DIR" --target "${bins[@]}" >"$OUT/build.log" 2>&1 || {
   exit 2
 }
 
-failed=0
-summary=()
-for t in "${TARGETS[@]}"; do
-  bin="$BUILD_DIR/fuzz/fuzz_$t"
-  log="$OUT/$t.log"
+# One target: regressions, then SECONDS of fuzzing; writes its summary
+# line to $OUT/$t.summary and returns non-zero when it failed.
+run_target() {
+  local t=$1 bin="$BUILD_DIR/fuzz/fuzz_$1" log="$OUT/$1.log" rc execs rate status
   mkdir -p "$OUT/corpus/$t" "$OUT/crashes/$t"
   cp -r "$SRC/corpus/$t/." "$OUT/corpus/$t/" 2>/dev/null || true
-  common=(-rss_limit_mb=2048 -timeout=30 -print_final_stats=1
-          "-artifact_prefix=$OUT/crashes/$t/")
+  local common=(-rss_limit_mb=2048 -timeout=30 -print_final_stats=1
+                "-artifact_prefix=$OUT/crashes/$t/")
   # 1. Every crash found before must stay fixed.
   if compgen -G "$SRC/regressions/$t/*" >/dev/null; then
     if ! "$bin" "${common[@]}" -runs=0 "$SRC/regressions/$t" >"$OUT/$t.regressions.log" 2>&1; then
       echo "FAIL $t: a regression input crashes again (see $OUT/$t.regressions.log)"
-      failed=1
-      summary+=("$(printf '%-16s %12s %14s  %s' "$t" - - "REGRESSION CRASH")")
-      continue
+      printf '%-16s %12s %14s  %s\n' "$t" - - "REGRESSION CRASH" >"$OUT/$t.summary"
+      return 1
     fi
   fi
   # 2. Fuzz for SECONDS.
@@ -62,13 +61,30 @@ for t in "${TARGETS[@]}"; do
   rate=$(sed -n 's/^stat::average_exec_per_sec: *//p' "$log" | tail -1)
   status=ok
   if [ $rc -ne 0 ]; then
-    failed=1
     status="CRASH (rc $rc): $(ls "$OUT/crashes/$t" | tr '\n' ' ')"
     echo "FAIL $t: libFuzzer exited $rc; log $log; inputs in $OUT/crashes/$t/"
     grep -m3 -E "ERROR: |SUMMARY: |FUZZ_CHECK" "$log" | sed 's/^/  /'
   fi
-  summary+=("$(printf '%-16s %12s %14s  %s' "$t" "${rate:-?}" "${execs:-?}" "$status")")
+  printf '%-16s %12s %14s  %s\n' "$t" "${rate:-?}" "${execs:-?}" "$status" >"$OUT/$t.summary"
+  [ $rc -eq 0 ]
+}
+
+# LEAP_FUZZ_JOBS targets at a time (default: the cores this process may
+# use); each target is one single-threaded process.
+JOBS=${LEAP_FUZZ_JOBS:-$(nproc)}
+[ "$JOBS" -ge 1 ] 2>/dev/null || JOBS=1
+echo "run_fuzzers: ${#TARGETS[@]} targets, ${SECONDS_EACH} s each, $JOBS at a time"
+for t in "${TARGETS[@]}"; do
+  while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do wait -n || true; done
+  ( run_target "$t"; echo $? >"$OUT/$t.rc" ) &
 done
+wait
+failed=0
+for t in "${TARGETS[@]}"; do
+  [ "$(cat "$OUT/$t.rc" 2>/dev/null)" = "0" ] || failed=1
+done
+summary=()
+for t in "${TARGETS[@]}"; do summary+=("$(cat "$OUT/$t.summary" 2>/dev/null || echo "$t  (no result)")"); done
 
 echo
 printf '%-16s %12s %14s  %s\n' target "execs/s" "total execs" status

@@ -281,14 +281,30 @@ def dockerfile_stages(path):
     return stages
 
 
+_DPKG_FILES = None
+
+
+def dpkg_files():
+    """Installed path -> owning package, read once from dpkg's file lists
+    (what dpkg-query -S searches; one dpkg-query per path took ~0.5 s)."""
+    global _DPKG_FILES
+    if _DPKG_FILES is None:
+        _DPKG_FILES = {}
+        for lst in sorted(glob.glob("/var/lib/dpkg/info/*.list")):
+            pkg = os.path.basename(lst)[:-len(".list")].split(":")[0]
+            with open(lst, errors="replace") as f:
+                for line in f:
+                    _DPKG_FILES.setdefault(line.rstrip("\n"), pkg)
+    return _DPKG_FILES
+
+
 def dpkg_owner(path):
+    files = dpkg_files()
     for p in {path, os.path.realpath(path)}:
         for cand in {p, re.sub(r"^/usr/lib/", "/lib/", p),
                      re.sub(r"^/lib/", "/usr/lib/", p)}:
-            r = subprocess.run(["dpkg-query", "-S", cand],
-                               capture_output=True, text=True)
-            if r.returncode == 0:
-                return r.stdout.split(":")[0].split(",")[0].strip()
+            if cand in files:
+                return files[cand]
     return None
 
 
