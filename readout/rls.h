@@ -229,6 +229,8 @@ class RlsState {
   // the transposed sums T of each of kSweepGroups fixed groups of row
   // blocks.
   static constexpr int kSweepGroups = 8;
+  // Extra floats of sweep_u_, so that U can start at a chosen offset.
+  static constexpr int64_t kSweepUSlack = 1024;
   std::unique_ptr<float[], void (*)(float*)> sweep_u_;
   std::unique_ptr<float[], void (*)(float*)> sweep_d_;
   std::unique_ptr<float[], void (*)(float*)> sweep_t_;
