@@ -225,10 +225,12 @@ class RlsState {
   // V' of the batch in flight: fold_columns x ld floats.
   std::unique_ptr<float[], void (*)(float*)> vt_;
   // The fused sweep's buffers (allocated on its first use): U padded
-  // (kPanelMaxVectors x ld), the row dots D (n x kPanelMaxVectors) and
-  // the transposed sums T of each of kSweepGroups fixed groups of row
-  // blocks.
+  // (kPanelMaxVectors x ld, from an offset chosen against W's: SweepVt),
+  // the row dots D (n x kPanelMaxVectors) and the transposed sums T of
+  // each of kSweepGroups fixed groups of row blocks.
   static constexpr int kSweepGroups = 8;
+  // Extra floats of sweep_u_, so that U can start at a chosen offset.
+  static constexpr int64_t kSweepUSlack = 1024;
   std::unique_ptr<float[], void (*)(float*)> sweep_u_;
   std::unique_ptr<float[], void (*)(float*)> sweep_d_;
   std::unique_ptr<float[], void (*)(float*)> sweep_t_;

@@ -232,6 +232,55 @@ TEST(SymSweepKernel, FoldsAndMultipliesLikeFp64ForEveryKernelAndShape) {
   }
 }
 
+// A row's dots and folded values do not depend on whether the sweep runs
+// it in a pair of rows or alone (kernels.h: each sum's order is fixed by
+// r0, r1, n, ldp; AVX-512 pairs rows and adds a pair's 16 sums together):
+// rows r0 .. r0 + 2 swept with r1 = r0 + 3 (a pair, then one alone) equal,
+// bit for bit, the same rows swept with the whole block (pairs only).
+TEST(SymSweepKernel, RowsInPairsEqualRowsAloneBitForBit) {
+  std::mt19937_64 rng(9);
+  std::uniform_real_distribution<float> unif(-1, 1);
+  constexpr int64_t kB = internal::kSymBlock;
+  const int64_t n = 613, ld = (n + 15) / 16 * 16;
+  std::vector<float> sym(n * ld, 0.0f);
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t j = i; j < n; ++j) sym[i * ld + j] = sym[j * ld + i] = unif(rng);
+  }
+  for (const internal::Kernels* kern : internal::SupportedKernels()) {
+    for (int k = 1; k <= internal::kPanelMaxVectors; ++k) {
+      for (bool fold : {false, true}) {
+        std::vector<float> w(k * ld, 0.0f), u(k * ld, 0.0f);
+        for (int c = 0; c < k; ++c) {
+          for (int64_t j = 0; j < n; ++j) {
+            w[c * ld + j] = 0.3f * unif(rng);
+            u[c * ld + j] = unif(rng);
+          }
+        }
+        for (int64_t r0 : {int64_t{0}, 2 * kB}) {
+          std::vector<float> p_all = sym, p_three = sym;
+          std::vector<float> d_all(kB * k, 0.0f), d_three(3 * k, 0.0f);
+          std::vector<float> t_all(k * ld, 0.0f), t_three(k * ld, 0.0f);
+          kern->sym_sweep(p_all.data(), ld, n, r0, r0 + kB, k, fold, w.data(), u.data(),
+                          ld, d_all.data(), t_all.data(), ld);
+          kern->sym_sweep(p_three.data(), ld, n, r0, r0 + 3, k, fold, w.data(),
+                          u.data(), ld, d_three.data(), t_three.data(), ld);
+          for (int64_t r = 0; r < 3; ++r) {
+            for (int c = 0; c < k; ++c) {
+              ASSERT_EQ(d_three[r * k + c], d_all[r * k + c])
+                  << kern->name << " k=" << k << " fold=" << fold << " row " << r0 + r
+                  << " dot " << c;
+            }
+            for (int64_t j = r0; j < ld; ++j) {
+              ASSERT_EQ(p_three[(r0 + r) * ld + j], p_all[(r0 + r) * ld + j])
+                  << kern->name << " k=" << k << " P(" << r0 + r << "," << j << ")";
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
 // The acceptance: >= 1,000 batches of random sizes 1..64 equal the
 // anchored closed form over all data.
 TEST(Rls, ThousandRandomBatchesEqualAnchoredClosedForm) {

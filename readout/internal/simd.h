@@ -84,6 +84,39 @@ struct Avx512 {
   LEAP_TARGET_AVX512 static V Mul(V a, V b) { return _mm512_mul_ps(a, b); }
   LEAP_TARGET_AVX512 static V Fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
   LEAP_TARGET_AVX512 static float Sum(V v) { return _mm512_reduce_add_ps(v); }
+  // out[c] += Sum(a[c]) and out[8 + c] += Sum(b[c]) for c < 8, with the
+  // same bits as Sum (each of its four halving steps adds the same pairs of
+  // lanes, here for several vectors per instruction): 15 additions and 31
+  // shuffles for the 16 sums instead of 16 x 8 operations.
+  LEAP_TARGET_AVX512 static void AddSums8x2(const V* a, const V* b, float* out) {
+    V x[16];
+    for (int c = 0; c < 8; ++c) {
+      x[c] = a[c];
+      x[8 + c] = b[c];
+    }
+    // Sum's steps: 256-bit halves, 128-bit halves, then lanes {0,1} +
+    // {2,3}, then lane 0 + lane 1.
+    V h[8], q[4], r[2];
+    for (int m = 0; m < 8; ++m) {
+      h[m] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * m], x[2 * m + 1], 0x44),
+                           _mm512_shuffle_f32x4(x[2 * m], x[2 * m + 1], 0xEE));
+    }
+    for (int m = 0; m < 4; ++m) {
+      q[m] = _mm512_add_ps(_mm512_shuffle_f32x4(h[2 * m], h[2 * m + 1], 0x88),
+                           _mm512_shuffle_f32x4(h[2 * m], h[2 * m + 1], 0xDD));
+    }
+    for (int m = 0; m < 2; ++m) {
+      r[m] = _mm512_add_ps(_mm512_shuffle_ps(q[2 * m], q[2 * m + 1], 0x44),
+                           _mm512_shuffle_ps(q[2 * m], q[2 * m + 1], 0xEE));
+    }
+    const V s = _mm512_add_ps(_mm512_shuffle_ps(r[0], r[1], 0x88),
+                              _mm512_shuffle_ps(r[0], r[1], 0xDD));
+    // Lane 4j + g of s holds the sum of x[4g + j]: put it in lane 4g + j.
+    const __m512i to = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1,
+                                        12, 8, 4, 0);
+    const V sums = _mm512_permutexvar_ps(to, s);
+    _mm512_storeu_ps(out, _mm512_add_ps(_mm512_loadu_ps(out), sums));
+  }
   LEAP_TARGET_AVX512 static void Pin(V& v) { __asm__("" : "+v"(v)); }
 };
 #endif
