@@ -703,7 +703,10 @@ TEST(FleetDegraded, NatsDownRefusesCompletionsKeepsPredicting) {
     EXPECT_FALSE(stats.fleet().degraded_reason().empty());
   }
 
-  ASSERT_TRUE(nats.Restart(0).ok());
+  {
+    const absl::Status restarted = nats.Restart(0);
+    ASSERT_TRUE(restarted.ok()) << restarted;
+  }
   // The engine resends until acknowledged (the member reconnects on its own).
   const absl::Time deadline = absl::Now() + absl::Seconds(60);
   while (true) {

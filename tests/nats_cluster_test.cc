@@ -218,7 +218,10 @@ TEST(NatsCluster, ThreeNodesR3SurvivesKillNine) {
       << "second claimant accepted";
   kvStore_Destroy(kv);
 
-  ASSERT_TRUE(c.Restart(victim).ok());
+  {
+    const absl::Status restarted = c.Restart(victim);
+    ASSERT_TRUE(restarted.ok()) << restarted;
+  }
   EXPECT_TRUE(c.running(victim));
   publish_some(10);
   cl.StreamLeader("FB", &msgs);
@@ -309,7 +312,10 @@ TEST(NatsCluster, QuickRestartOfTheStreamLeader) {
     ASSERT_TRUE(c.Kill(victim).ok());
     const absl::Time killed = absl::Now();
     absl::SleepFor(absl::Milliseconds(down_ms(rng)));  // the node stays down a while
-    ASSERT_TRUE(c.Restart(victim).ok());
+    {
+      const absl::Status restarted = c.Restart(victim);
+      ASSERT_TRUE(restarted.ok()) << restarted;
+    }
     const double restarted_ms = absl::ToDoubleMilliseconds(absl::Now() - killed);
     // The outage: kill -> first acknowledgement after it, once publishing
     // runs again (an ack after the kill that came from a publish sent

@@ -8,7 +8,8 @@
 // Fails when /usr/sbin/nats-server is missing (scripts/install-deps).
 // Also the state payload's layouts: P written as its upper triangle, read
 // back bit for bit in both triangles, and the full n x n layout of states
-// written before still read.
+// written before still read. And CloseSubscription leaves a JetStream
+// consumer for the server to remove instead of deleting it.
 #include "sidecar/fleet/fleet_state.h"
 
 #include <cmath>
@@ -16,6 +17,8 @@
 #include <filesystem>
 #include <random>
 #include <string>
+
+#include <nats/nats.h>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -199,6 +202,81 @@ TEST(FleetStateQuality, AHugeSeriesCountDropsQualityNeverTheCheckpoint) {
   EXPECT_EQ(few.arms_size(), 2);
   EXPECT_EQ(few.overall().predicted_size(), 8);
   EXPECT_EQ(few.arms(0).predicted_size(), 8);
+}
+
+// CloseSubscription never deletes a JetStream consumer (libnats 3.4.1's
+// delete on unsubscribe reads the consumer's name while its own
+// ordered-consumer recreation may free it): the consumer outlives the close,
+// and the server removes it by itself once nobody listens, which its
+// deletion advisory says. A subscription that read nothing and a core NATS
+// subscription close too.
+TEST(CloseSubscription, LeavesAJetStreamConsumerForTheServerToRemove) {
+  ::leap::testing::ScopedTempDir tmp("fleet_state_test");
+  ::leap::testing::NatsClusterOptions no;
+  no.nodes = 1;
+  no.dir = (std::filesystem::path(tmp.path()) / "nats").string();
+  auto cluster = ::leap::testing::NatsCluster::Start(no);
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  NatsClientOptions o;
+  o.servers = {(*cluster)->url(0)};
+  auto nats = NatsClient::Connect(o);
+  ASSERT_TRUE(nats.ok()) << nats.status();
+  ASSERT_TRUE((*nats)->WaitConnected(20'000).ok());
+  natsConnection* nc = (*nats)->raw_connection();
+  jsCtx* js = (*nats)->raw_jetstream();
+
+  jsStreamConfig sc;
+  jsStreamConfig_Init(&sc);
+  sc.Name = "close";
+  const char* subjects[] = {"close.x"};
+  sc.Subjects = subjects;
+  sc.SubjectsLen = 1;
+  sc.Storage = js_MemoryStorage;
+  jsStreamInfo* si = nullptr;
+  ASSERT_EQ(js_AddStream(&si, js, &sc, nullptr, nullptr), NATS_OK);
+  jsStreamInfo_Destroy(si);
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_EQ(js_Publish(nullptr, js, "close.x", "m", 1, nullptr, nullptr), NATS_OK);
+  }
+
+  for (const bool read_one : {true, false}) {
+    SCOPED_TRACE(read_one ? "read one message" : "read nothing");
+    jsSubOptions so;
+    jsSubOptions_Init(&so);
+    so.Stream = "close";
+    so.Ordered = true;
+    natsSubscription* sub = nullptr;
+    ASSERT_EQ(js_SubscribeSync(&sub, js, "close.x", nullptr, &so, nullptr), NATS_OK);
+    if (read_one) {
+      natsMsg* m = nullptr;
+      ASSERT_EQ(natsSubscription_NextMsg(&m, sub, 10'000), NATS_OK);
+      natsMsg_Destroy(m);
+    }
+    jsConsumerInfo* ci = nullptr;
+    ASSERT_EQ(natsSubscription_GetConsumerInfo(&ci, sub, nullptr, nullptr), NATS_OK);
+    const std::string name = ci->Name;
+    jsConsumerInfo_Destroy(ci);
+    natsSubscription* gone = nullptr;
+    ASSERT_EQ(natsConnection_SubscribeSync(
+                  &gone, nc,
+                  absl::StrCat("$JS.EVENT.ADVISORY.CONSUMER.DELETED.close.", name).c_str()),
+              NATS_OK);
+    ASSERT_EQ(natsConnection_FlushTimeout(nc, 5000), NATS_OK);
+
+    CloseSubscription(nc, sub);
+    ci = nullptr;
+    EXPECT_EQ(js_GetConsumerInfo(&ci, js, "close", name.c_str(), nullptr, nullptr), NATS_OK)
+        << "the consumer was deleted by the close";
+    jsConsumerInfo_Destroy(ci);
+    // The server's own removal (5 s without interest; 30 s allowed).
+    natsMsg* advisory = nullptr;
+    EXPECT_EQ(natsSubscription_NextMsg(&advisory, gone, 30'000), NATS_OK)
+        << "the server kept consumer " << name;
+    natsMsg_Destroy(advisory);
+    CloseSubscription(nc, gone);  // a core NATS subscription
+    EXPECT_EQ(js_GetConsumerInfo(&ci, js, "close", name.c_str(), nullptr, nullptr),
+              NATS_NOT_FOUND);
+  }
 }
 
 }  // namespace

@@ -1081,20 +1081,38 @@ KvWatcher::~KvWatcher() {
   StopAndDestroyWatcher(nc_, w_);  // (stopped already: flush, destroy)
 }
 
+namespace {
+
+// Whether `sub` reads a JetStream consumer, without I/O: libnats answers
+// NATS_INVALID_SUBSCRIPTION for a core NATS subscription (and NATS_NOT_FOUND
+// or NATS_OK for a JetStream one).
+bool IsJetStream(natsSubscription* sub) {
+  jsConsumerSequenceMismatch csm;
+  return natsSubscription_GetSequenceMismatch(&csm, sub) != NATS_INVALID_SUBSCRIPTION;
+}
+
+}  // namespace
+
 void UnsubscribeAndDrain(natsConnection* nc, natsSubscription* sub) {
   if (sub == nullptr) return;
   const auto connected = [nc] {
     return nc != nullptr && natsConnection_Status(nc) == NATS_CONN_STATUS_CONNECTED;
   };
-  if (connected()) {
+  if (connected() && !IsJetStream(sub)) {
     natsSubscription_Unsubscribe(sub);
   } else {
-    // Unsubscribe would also delete a JetStream consumer the library
-    // created, a request that waits its full timeout without a server (and
-    // the server drops an ephemeral consumer by itself). A limit of one
-    // message takes the subscription out of the connection at once when it
-    // got any message (a reconnect does not subscribe it again), without
-    // that request; one that got none is taken out by Destroy.
+    // A limit of one message: the subscription leaves the connection at
+    // once when it got any message (a reconnect does not subscribe it
+    // again); one that got none leaves with the one more message the server
+    // may send it, or in Destroy. Never natsSubscription_Unsubscribe on a
+    // JetStream subscription: it would also delete the consumer the library
+    // created, which (1) without a server waits out a request's timeout and
+    // (2) in libnats 3.4.1 reads the consumer's name after releasing the
+    // subscription's lock, while the thread that recreates an ordered
+    // consumer (after missed heartbeats, e.g. a NATS node lost) frees that
+    // name: a use after free when the delete answers "not found", which
+    // AddressSanitizer caught in the fleet tests. The server removes an
+    // ephemeral consumer without interest by itself (after 5 s).
     natsSubscription_AutoUnsubscribe(sub, 1);
   }
   // Checked again: a reconnect may have come in between.

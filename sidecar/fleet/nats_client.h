@@ -387,11 +387,13 @@ StreamMsg ToStreamMsg(__natsMsg* msg);
 // subscription up and then uses it without holding a reference, so
 // natsSubscription_Destroy alone (unsubscribe and free at once) is a use
 // after free in the reader. The UNSUB always goes first (whatever the
-// connection's state: a reconnect can come at any time; without a connection
-// it takes the subscription out of the connection without deleting a
-// JetStream consumer, which would wait for a server); then, when connected, a
-// flush (at most 2 s) returns once the reader has handled all the server sent
-// before its PONG, and after the UNSUB nothing more comes for `sub`.
+// connection's state: a reconnect can come at any time); then, when
+// connected, a flush (at most 2 s) returns once the reader has handled all
+// the server sent before its PONG, and after the UNSUB nothing more comes for
+// `sub`. A JetStream consumer the library created is never deleted here
+// (libnats 3.4.1's delete races with its own ordered-consumer recreation, a
+// use after free; see the .cc): the server removes an ephemeral consumer
+// without interest by itself, 5 s after its subscriber left.
 void UnsubscribeAndDrain(__natsConnection* nc, __natsSubscription* sub);
 
 // UnsubscribeAndDrain, then natsSubscription_Destroy. Use it for every
