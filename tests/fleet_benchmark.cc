@@ -25,8 +25,12 @@
 // share of the cores each took is measured in the same run; with the
 // trainer on one core, its completions per CPU-second of the worker thread
 // as a ratio of the one-core bound (its efficiency in the CPU it got,
-// whatever else ran). A warm-up (not measured) first lets the trainer
-// load the readout's creation state.
+// whatever else ran). Before anything is sent, every member must have
+// applied readout r and its route from CONFIG (CreateReadout and SetRoute
+// on m0 return before the other members have them); then a warm-up (not
+// measured) lets the trainer load the readout's creation state. Clients'
+// failures are printed with their gRPC status, and a member that never
+// served a version is reported with its watch's state and what it serves.
 // Prints the CPU model, kernel set, core count and `uptime` (other load
 // changes figures).
 //   fleet_benchmark [--dim=4096] [--seconds=10] [--rates=100,200,500]
@@ -321,6 +325,54 @@ std::string TrainerEfficiency(const std::map<std::string, double>& stages_before
                          applied / cpu, applied / cpu / bound1);
 }
 
+// Waits until the leapd at `address` has readout `name` and a default
+// route (polling its Admin API); false with *why after `timeout`.
+bool MemberServesReadout(const std::string& address, const std::string& name,
+                         std::chrono::seconds timeout, std::string* why) {
+  auto admin = pb::Admin::NewStub(leap::testing::MakeChannel(address));
+  const auto deadline = Clock::now() + timeout;
+  for (;;) {
+    grpc::ClientContext rctx;
+    pb::GetReadoutRequest rq;
+    rq.set_name(name);
+    pb::ReadoutInfo info;
+    grpc::Status st = admin->GetReadout(&rctx, rq, &info);
+    if (st.ok()) {
+      grpc::ClientContext lctx;
+      pb::ListRoutesResponse routes;
+      st = admin->ListRoutes(&lctx, pb::ListRoutesRequest(), &routes);
+      if (st.ok()) {
+        for (const pb::Route& r : routes.routes()) {
+          if (r.product_line().empty()) return true;
+        }
+        st = grpc::Status(grpc::StatusCode::NOT_FOUND, "no default route yet");
+      }
+    }
+    *why = leap::testing::StatusText(st);
+    if (Clock::now() >= deadline) return false;
+    // Benchmark bookkeeping, not a test: a short poll of another process.
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+}
+
+// "version V, fleet_seq S" of what the leapd at `address` serves now (the
+// first message of a new WatchReadout), or why it cannot say.
+std::string ServingNow(const std::string& address, const std::string& name) {
+  auto stub = pb::Predictor::NewStub(leap::testing::MakeChannel(address));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  pb::WatchReadoutRequest req;
+  req.set_readout(name);
+  auto w = stub->WatchReadout(&ctx, req);
+  pb::ReadoutVersion v;
+  if (w->Read(&v)) {
+    ctx.TryCancel();
+    w->Finish().IgnoreError();
+    return absl::StrCat("version ", v.version(), ", fleet_seq ", v.fleet_seq());
+  }
+  return leap::testing::StatusText(w->Finish());
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -459,6 +511,20 @@ int main(int argc, char** argv) {
       return 1;
     }
   }
+  // CreateReadout and SetRoute return once m0 has written them to CONFIG;
+  // the other members apply them when their CONFIG watcher reads them.
+  // Until then a Predict there fails (NOT_FOUND "no route ...") and a
+  // WatchReadout ends at once (NOT_FOUND "unknown readout"): a watcher
+  // started then would see no version at all. So nothing starts before
+  // every member has both.
+  for (size_t i = 0; i < addrs.size(); ++i) {
+    std::string why;
+    if (!MemberServesReadout(addrs[i], "r", std::chrono::seconds(60), &why)) {
+      std::fprintf(stderr, "m%zu never applied readout r and its route: %s\n", i,
+                   why.c_str());
+      return 1;
+    }
+  }
   std::vector<pid_t> member_pids;
   for (const auto& m : members) member_pids.push_back(m->pid());
   std::vector<std::unique_ptr<Watcher>> watchers;
@@ -483,12 +549,29 @@ int main(int argc, char** argv) {
     const auto deadline = Clock::now() + std::chrono::seconds(300);
     while (Clock::now() < deadline) {
       bool all = true;
-      for (auto& w : watchers) all &= w->last_seq() >= seq;
+      for (auto& w : watchers) {
+        if (w->last_seq() >= seq) continue;
+        all = false;
+        if (w->state() != "watching") return false;  // it will see nothing more
+      }
       if (all) return true;
       // Benchmark bookkeeping, not a test: a short poll of in-process state.
       std::this_thread::sleep_for(std::chrono::milliseconds(5));
     }
     return false;
+  };
+  // Why wait_all(seq) failed: per member, the newest fleet_seq its watcher
+  // saw, how its watch stands, and what it serves now (a new WatchReadout's
+  // first message).
+  auto report_members = [&](uint64_t seq) {
+    for (size_t i = 0; i < watchers.size(); ++i) {
+      std::fprintf(stderr,
+                   "  m%zu: watcher saw fleet_seq %llu (needed %llu), WatchReadout %s; "
+                   "serving now: %s\n",
+                   i, static_cast<unsigned long long>(watchers[i]->last_seq()),
+                   static_cast<unsigned long long>(seq), watchers[i]->state().c_str(),
+                   ServingNow(addrs[i], "r").c_str());
+    }
   };
   // The first version with fleet_seq >= seq in a member's log.
   auto first_with = [](const std::vector<Seen>& log, uint64_t seq) {
@@ -506,9 +589,9 @@ int main(int argc, char** argv) {
     return worst;
   };
 
-  // Warm-up, not measured: the trainer reads the 64 MiB creation state
-  // from STATE when it starts on the readout; the phases start once it
-  // has published a version including a first completion.
+  // Warm-up, not measured: the trainer reads the creation state (32 MiB of
+  // P) from STATE when it starts on the readout; the phases start once
+  // every member served a version including every completion acknowledged.
   {
     std::vector<Acked> acked;
     int64_t failures = 0;
@@ -520,16 +603,21 @@ int main(int argc, char** argv) {
     o.dim = dim;
     o.require_fleet_seq = true;
     const auto t0 = Clock::now();
-    leap::testing::RunPacedClients(o, &next_id, &acked, &failures);
+    std::vector<std::string> why;
+    leap::testing::RunPacedClients(o, &next_id, &acked, &failures, &why);
+    for (const std::string& w : why) std::printf("warm-up: failed: %s\n", w.c_str());
     uint64_t max_seq = 0;
     for (const Acked& a : acked) max_seq = std::max(max_seq, a.fleet_seq);
     if (acked.empty() || !wait_all(max_seq)) {
       std::fprintf(stderr, "warm-up: %zu acknowledged, %lld failed, not served\n",
                    acked.size(), static_cast<long long>(failures));
+      report_members(max_seq);
       return 1;
     }
-    std::printf("warm-up: %zu completions served by every member %.2f s after start\n",
-                acked.size(), Ms(Clock::now() - t0) / 1000);
+    std::printf("warm-up: %zu completions (%lld failed) served by every member %.2f s "
+                "after start\n",
+                acked.size(), static_cast<long long>(failures),
+                Ms(Clock::now() - t0) / 1000);
   }
 
   // 2. Sustained throughput (closed loop).
@@ -547,6 +635,7 @@ int main(int argc, char** argv) {
     if (!wait_all(max_seq)) {
       std::fprintf(stderr, "members never served fleet_seq %llu\n",
                    static_cast<unsigned long long>(max_seq));
+      report_members(max_seq);
       return 1;
     }
     std::vector<std::vector<Seen>> logs;
@@ -590,6 +679,7 @@ int main(int argc, char** argv) {
     if (!wait_all(max_seq)) {
       std::fprintf(stderr, "members never served fleet_seq %llu\n",
                    static_cast<unsigned long long>(max_seq));
+      report_members(max_seq);
       return 1;
     }
     std::vector<std::vector<Seen>> logs;

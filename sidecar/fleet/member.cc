@@ -522,8 +522,25 @@ void FleetMember::OnVersion(const StreamMsg& m) {
       ReadoutOfSubject(options_.fleet, m.subject);
   if (!readout.ok()) return;
   if (!core_->GetReadout(*readout).ok()) {
-    absl::MutexLock l(&mu_);
-    early_versions_[*readout] = m.data;
+    if (options_.before_early_version) options_.before_early_version(*readout);
+    {
+      absl::MutexLock l(&mu_);
+      early_versions_[*readout] = m.data;
+    }
+    // The CONFIG watcher creates the readout, then takes its kept version.
+    // If it created it after the check above and looked before the version
+    // was kept, it found none: the readout is there now, and the version is
+    // taken back here. Whichever of the two takes it installs it.
+    if (!core_->GetReadout(*readout).ok()) return;
+    std::string early;
+    {
+      absl::MutexLock l(&mu_);
+      auto it = early_versions_.find(*readout);
+      if (it == early_versions_.end()) return;
+      early = std::move(it->second);
+      early_versions_.erase(it);
+    }
+    InstallVersionMsg(*readout, early);
     return;
   }
   InstallVersionMsg(*readout, m.data);

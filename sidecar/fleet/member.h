@@ -61,6 +61,10 @@ struct FleetMemberOptions {
   // Called when degraded changes (from a NATS or request thread; must not
   // block).
   std::function<void(bool degraded)> on_degraded;
+  // Tests only: called on the versions thread when a version arrives for a
+  // readout this member has not created yet, before it is kept for the
+  // CONFIG watcher (which installs it when it creates the readout).
+  std::function<void(const std::string& readout)> before_early_version;
 
   absl::Status Validate() const;
 };

@@ -7,7 +7,8 @@
 // completions get UNAVAILABLE while predictions go on, and after NATS comes
 // back the outbox record is published once; a record left in the outbox by
 // a restart is republished at start; a FleetVersion published on the
-// subject is installed and served (score checked against FP64); fleet-wide
+// subject is installed and served (score checked against FP64), also one
+// that arrives while its readout is being created (the order forced); fleet-wide
 // operations wait for the trainer's answer. Fails when /usr/sbin/nats-server
 // is missing (scripts/install-deps installs it).
 #include "sidecar/fleet/member.h"
@@ -31,6 +32,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "client/process.h"
 #include "gtest/gtest.h"
@@ -193,7 +195,8 @@ class FleetMemberTest : public ::testing::Test {
                                       int64_t op_timeout_ms = 10'000,
                                       int64_t wait_ms = 20'000,
                                       int64_t versions_kept = 10'000,
-                                      int64_t nats_timeout_ms = 2000) {
+                                      int64_t nats_timeout_ms = 2000,
+                                      std::function<void(FleetMemberOptions*)> tweak = {}) {
     auto m = std::make_unique<Member>();
     storage::RocksStoreOptions so;
     auto st = storage::OpenRocksStore((dir_ / id).string(), so);
@@ -223,6 +226,7 @@ class FleetMemberTest : public ::testing::Test {
       absl::MutexLock l(&raw->mu);
       raw->degraded = d;
     };
+    if (tweak) tweak(&fo);
     auto f = FleetMember::Create(m->core.get(), fo);
     EXPECT_TRUE(f.ok()) << f.status();
     m->fleet = std::move(*f);
@@ -491,6 +495,58 @@ TEST_F(FleetMemberTest, PublishedVersionIsInstalledAndServed) {
   auto ro = c->core->GetReadout("chat");
   ASSERT_TRUE(ro.ok());
   ASSERT_TRUE(WaitFor([&] { return (*ro)->current()->version == 6; }));
+}
+
+// A version that arrives while its readout is being created here: the
+// versions thread finds no readout, and before it keeps the version for the
+// CONFIG watcher, the watcher creates the readout and looks for a kept
+// version (none yet). The version must still be installed, not kept until
+// the next one (with no traffic, forever). The interleaving is forced: the
+// versions thread is held (before_early_version) until the watcher has
+// created the readout and reported it to the readouts listener, which it
+// does after its look for a kept version.
+TEST_F(FleetMemberTest, AVersionArrivingWhileItsReadoutIsCreatedIsInstalled) {
+  absl::Notification held, created;
+  std::atomic<bool> first{true};
+  auto b = StartMember("b", 10'000, 20'000, 10'000, 2000, [&](FleetMemberOptions* o) {
+    o->before_early_version = [&](const std::string& readout) {
+      if (readout != "chat" || !first.exchange(false)) return;
+      held.Notify();
+      created.WaitForNotificationWithTimeout(absl::Seconds(30));
+    };
+  });
+  b->fleet->SetReadoutsListener([&](const std::vector<FleetReadoutEntry>& list) {
+    for (const FleetReadoutEntry& e : list) {
+      if (e.name == "chat" && !created.HasBeenNotified()) created.Notify();
+    }
+  });
+  const readout::ReadoutState st = RandomState(kDim, 10);
+  // A trainer's version 5 of "chat", before "chat" is in CONFIG.
+  Eigen::VectorXd theta = st.theta;
+  for (int64_t i = 0; i <= kDim; ++i) theta[i] += 0.01 * static_cast<double>(i + 1);
+  fpb::FleetVersion v;
+  v.set_readout("chat");
+  v.set_version(5);
+  v.set_theta(std::string(reinterpret_cast<const char*>(theta.data()),
+                          theta.size() * sizeof(double)));
+  v.set_completions_learned(40);
+  v.set_fleet_seq(1234);
+  v.set_cause("rls");
+  v.set_trainer("trainer-x");
+  ASSERT_TRUE(observer_->Publish(VersionSubject(kFleet, "chat"), v.SerializeAsString()).ok());
+  ASSERT_TRUE(held.WaitForNotificationWithTimeout(absl::Seconds(20)));
+  // Created through another member: b's CONFIG watcher creates it while b's
+  // versions thread is held.
+  auto a = StartMember("a");
+  ASSERT_TRUE(a->fleet->CreateReadout("chat", st).ok());
+  ASSERT_TRUE(created.WaitForNotificationWithTimeout(absl::Seconds(20)));
+  auto got = b->recorder->Await(5);
+  ASSERT_NE(got, nullptr) << "version 5 never installed on b";
+  EXPECT_EQ(got->fleet_seq, 1234u);
+  auto ro = b->core->GetReadout("chat");
+  ASSERT_TRUE(ro.ok());
+  EXPECT_EQ((*ro)->current()->version, 5);
+  EXPECT_EQ((*ro)->completions_learned(), 40);
 }
 
 // A member restarted behind the fleet: its checkpoint (written when its

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <random>
 
+#include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "leap/v1/predictor.grpc.pb.h"
 #include "tests/support/engine_client.h"
@@ -25,6 +26,13 @@ const char* FlagValue(int argc, char** argv, const std::string& name) {
   return nullptr;
 }
 }  // namespace
+
+std::string StatusText(const grpc::Status& s) {
+  // gRPC's codes are the canonical ones absl names.
+  const std::string name =
+      absl::StatusCodeToString(static_cast<absl::StatusCode>(s.error_code()));
+  return s.error_message().empty() ? name : absl::StrCat(name, " ", s.error_message());
+}
 
 int64_t IntFlag(int argc, char** argv, const std::string& name, int64_t def) {
   const char* v = FlagValue(argc, argv, name);
@@ -89,6 +97,11 @@ int64_t VersionWatcher::learned() {
   return seen_.empty() ? 0 : seen_.back().learned;
 }
 
+std::string VersionWatcher::state() {
+  std::lock_guard<std::mutex> l(mu_);
+  return end_.empty() ? "watching" : end_;
+}
+
 void VersionWatcher::Run() {
   auto stub = pb::Predictor::NewStub(channel_);
   pb::WatchReadoutRequest req;
@@ -100,10 +113,14 @@ void VersionWatcher::Run() {
     seen_.push_back({BenchClock::now(), v.fleet_seq(), v.completions_learned(),
                      v.published_unix_ms()});
   }
+  const grpc::Status st = w->Finish();
+  std::lock_guard<std::mutex> l(mu_);
+  end_ = absl::StrCat("ended: ", StatusText(st));
 }
 
 double RunPacedClients(const PacedClientsOptions& o, std::atomic<int64_t>* next_id,
-                       std::vector<AckedCompletion>* acked, int64_t* failures) {
+                       std::vector<AckedCompletion>* acked, int64_t* failures,
+                       std::vector<std::string>* failure_reasons) {
   std::mutex mu;
   std::vector<std::thread> threads;
   const auto start = BenchClock::now();
@@ -112,8 +129,14 @@ double RunPacedClients(const PacedClientsOptions& o, std::atomic<int64_t>* next_
   std::atomic<int64_t> failed{0};
   for (int64_t c = 0; c < o.clients; ++c) {
     threads.emplace_back([&, c] {
-      auto stub = pb::Predictor::NewStub(
-          MakeChannel(o.addresses[c % o.addresses.size()]));
+      const std::string& address = o.addresses[c % o.addresses.size()];
+      auto stub = pb::Predictor::NewStub(MakeChannel(address));
+      auto fail = [&](const std::string& why) {
+        ++failed;
+        if (failure_reasons == nullptr) return;
+        std::lock_guard<std::mutex> l(mu);
+        failure_reasons->push_back(why);
+      };
       std::mt19937_64 rng(c + 1 + next_id->load());
       std::normal_distribution<float> n01;
       std::vector<float> x(o.dim);
@@ -140,8 +163,8 @@ double RunPacedClients(const PacedClientsOptions& o, std::atomic<int64_t>* next_
             std::string(reinterpret_cast<const char*>(x.data()), x.size() * 4));
         pb::PredictResponse presp;
         grpc::ClientContext pctx;
-        if (!stub->Predict(&pctx, preq, &presp).ok()) {
-          ++failed;
+        if (grpc::Status st = stub->Predict(&pctx, preq, &presp); !st.ok()) {
+          fail(absl::StrCat("Predict at ", address, ": ", StatusText(st)));
           continue;
         }
         pb::CompleteRequest creq;
@@ -151,9 +174,12 @@ double RunPacedClients(const PacedClientsOptions& o, std::atomic<int64_t>* next_
         creq.mutable_completion()->set_reason(pb::FINISH_REASON_STOP);
         pb::CompleteResponse cresp;
         grpc::ClientContext cctx;
-        if (!stub->Complete(&cctx, creq, &cresp).ok() ||
-            (o.require_fleet_seq && cresp.fleet_seq() == 0)) {
-          ++failed;
+        if (grpc::Status st = stub->Complete(&cctx, creq, &cresp); !st.ok()) {
+          fail(absl::StrCat("Complete at ", address, ": ", StatusText(st)));
+          continue;
+        }
+        if (o.require_fleet_seq && cresp.fleet_seq() == 0) {
+          fail(absl::StrCat("Complete at ", address, ": acknowledged without fleet_seq"));
           continue;
         }
         mine.push_back({BenchClock::now(), NowUnixMs(), cresp.fleet_seq()});

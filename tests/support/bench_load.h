@@ -30,6 +30,8 @@ double Ms(BenchClock::duration d);
 double Pct(std::vector<double> v, double p);
 // The output of a shell command, trailing newlines dropped ("" on failure).
 std::string Sh(const std::string& cmd);
+// "NOT_FOUND message": a gRPC status for a report.
+std::string StatusText(const grpc::Status& s);
 
 // One version seen by WatchReadout, with the time it arrived.
 struct SeenVersion {
@@ -51,6 +53,9 @@ class VersionWatcher {
   std::vector<SeenVersion> seen();
   uint64_t last_seq();  // fleet_seq of the newest version (0: none)
   int64_t learned();    // completions_learned of the newest version (0: none)
+  // "watching", or how the WatchReadout call ended (e.g. NOT_FOUND when the
+  // leapd did not have readout "r" yet): a watch that ended sees nothing more.
+  std::string state();
 
  private:
   void Run();
@@ -58,6 +63,7 @@ class VersionWatcher {
   grpc::ClientContext ctx_;
   std::mutex mu_;
   std::vector<SeenVersion> seen_;
+  std::string end_;  // how the call ended; empty while it runs
   std::thread thread_;
 };
 
@@ -82,10 +88,13 @@ struct PacedClientsOptions {
 // Clients, one thread each, sending Predict then Complete for readout "r"
 // (default route) with N(0,1) features and a length of (18 + 0.5·Σx[0..15])²
 // tokens, request ids "b<n>" from *next_id. Fills *acked (sorted by ack time)
-// and *failures; returns the seconds it ran.
+// and *failures; returns the seconds it ran. `failure_reasons` (may be null)
+// receives each failure as "Predict|Complete at ADDRESS: CODE message" (or
+// "... acknowledged without fleet_seq").
 double RunPacedClients(const PacedClientsOptions& options,
                        std::atomic<int64_t>* next_id,
-                       std::vector<AckedCompletion>* acked, int64_t* failures);
+                       std::vector<AckedCompletion>* acked, int64_t* failures,
+                       std::vector<std::string>* failure_reasons = nullptr);
 
 }  // namespace leap::testing
 
