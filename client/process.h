@@ -26,7 +26,9 @@ namespace leap::client {
 struct ProcessOptions {
   // stderr into the same lines as stdout (else inherited). Default: false
   bool merge_stderr = false;
-  // The child gets SIGTERM when this process dies. Default: false
+  // The child gets SIGTERM when this process dies (PR_SET_PDEATHSIG:
+  // strictly, when the thread that called Start ends, so start such a child
+  // from a thread that lives as long as it should). Default: false
   bool die_with_parent = false;
   // Lines kept for lines() and Tail(), the oldest dropped first; 0 keeps
   // every line. Default: 0

@@ -9,7 +9,8 @@
 // Also the state payload's layouts: P written as its upper triangle, read
 // back bit for bit in both triangles, and the full n x n layout of states
 // written before still read. And CloseSubscription leaves a JetStream
-// consumer for the server to remove instead of deleting it.
+// consumer for the server to remove instead of deleting it, and
+// KvBucket::Watch delivers current values, then changes, in order.
 #include "sidecar/fleet/fleet_state.h"
 
 #include <cmath>
@@ -17,11 +18,13 @@
 #include <filesystem>
 #include <random>
 #include <string>
+#include <vector>
 
 #include <nats/nats.h>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
 #include "gtest/gtest.h"
 #include "leap/v1/fleet.pb.h"
 #include "sidecar/fleet/fleet_quality.h"
@@ -277,6 +280,99 @@ TEST(CloseSubscription, LeavesAJetStreamConsumerForTheServerToRemove) {
     EXPECT_EQ(js_GetConsumerInfo(&ci, js, "close", name.c_str(), nullptr, nullptr),
               NATS_NOT_FOUND);
   }
+}
+
+// KvBucket::Watch (an ordered consumer of its own on the bucket's stream):
+// the current value of each watched key first, then on_initial_done once,
+// then every change in order, deletes as markers; keys outside the filter
+// never; an empty selection is done at once. Checked against what was
+// written, entry by entry.
+TEST(KvWatch, CurrentValuesThenChangesInOrder) {
+  ::leap::testing::ScopedTempDir tmp("fleet_state_test");
+  ::leap::testing::NatsClusterOptions no;
+  no.nodes = 1;
+  no.dir = (std::filesystem::path(tmp.path()) / "nats").string();
+  auto cluster = ::leap::testing::NatsCluster::Start(no);
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  NatsClientOptions o;
+  o.servers = {(*cluster)->url(0)};
+  auto nats = NatsClient::Connect(o);
+  ASSERT_TRUE(nats.ok()) << nats.status();
+  ASSERT_TRUE((*nats)->WaitConnected(20'000).ok());
+  KvSpec spec;
+  spec.bucket = "watch";
+  spec.history = 4;
+  auto kv = (*nats)->EnsureKv(spec);
+  ASSERT_TRUE(kv.ok()) << kv.status();
+  ASSERT_TRUE((*kv)->Put("a.x", "1").ok());
+  ASSERT_TRUE((*kv)->Put("a.x", "2").ok());  // only the last value comes first
+  ASSERT_TRUE((*kv)->Put("a.y", "3").ok());
+  ASSERT_TRUE((*kv)->Put("b.z", "4").ok());  // outside "a.>"
+
+  struct Seen {
+    absl::Mutex mu;
+    std::vector<std::string> entries ABSL_GUARDED_BY(mu);
+    int done_at ABSL_GUARDED_BY(mu) = -1;  // entries seen when initial values ended
+  };
+  const auto describe = [](const KvEntry& e) {
+    return absl::StrCat(e.key, e.deleted ? " deleted" : absl::StrCat("=", e.value));
+  };
+  Seen seen;
+  auto w = (*kv)->Watch(
+      "a.>",
+      [&](const KvEntry& e) {
+        absl::MutexLock l(&seen.mu);
+        seen.entries.push_back(describe(e));
+      },
+      [&] {
+        absl::MutexLock l(&seen.mu);
+        seen.done_at = static_cast<int>(seen.entries.size());
+      });
+  ASSERT_TRUE(w.ok()) << w.status();
+  {
+    absl::MutexLock l(&seen.mu);
+    ASSERT_TRUE(seen.mu.AwaitWithTimeout(
+        absl::Condition(
+            +[](Seen* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s->mu) { return s->done_at >= 0; }, &seen),
+        absl::Seconds(20)));
+    EXPECT_EQ(seen.done_at, 2);
+  }
+  ASSERT_TRUE((*kv)->Put("a.y", "5").ok());
+  ASSERT_TRUE((*kv)->Put("b.z", "6").ok());
+  ASSERT_TRUE((*kv)->Delete("a.x").ok());
+  ASSERT_TRUE((*kv)->Put("a.w", "7").ok());
+  {
+    absl::MutexLock l(&seen.mu);
+    ASSERT_TRUE(seen.mu.AwaitWithTimeout(
+        absl::Condition(
+            +[](Seen* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s->mu) { return s->entries.size() >= 5; },
+            &seen),
+        absl::Seconds(20)));
+    EXPECT_EQ(seen.entries,
+              (std::vector<std::string>{"a.x=2", "a.y=3", "a.y=5", "a.x deleted", "a.w=7"}));
+  }
+  w->reset();  // stops, joins, frees
+
+  // Nothing under "c.>": done at once, with no entry.
+  Seen empty;
+  auto w2 = (*kv)->Watch(
+      "c.>",
+      [&](const KvEntry& e) {
+        absl::MutexLock l(&empty.mu);
+        empty.entries.push_back(describe(e));
+      },
+      [&] {
+        absl::MutexLock l(&empty.mu);
+        empty.done_at = static_cast<int>(empty.entries.size());
+      });
+  ASSERT_TRUE(w2.ok()) << w2.status();
+  absl::MutexLock l(&empty.mu);
+  ASSERT_TRUE(empty.mu.AwaitWithTimeout(
+      absl::Condition(
+          +[](Seen* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s->mu) { return s->done_at >= 0; }, &empty),
+      absl::Seconds(20)));
+  EXPECT_EQ(empty.done_at, 0);
+  EXPECT_TRUE(empty.entries.empty());
 }
 
 }  // namespace

@@ -553,7 +553,7 @@ absl::StatusOr<std::unique_ptr<KvBucket>> NatsClient::EnsureKv(
       return NatsError(s, 0, absl::StrCat("key-value bucket ", spec.bucket));
     }
   }
-  return std::unique_ptr<KvBucket>(new KvBucket(spec.bucket, kv, nc_));
+  return std::unique_ptr<KvBucket>(new KvBucket(spec.bucket, kv, nc_, js_));
 }
 
 namespace {
@@ -995,76 +995,85 @@ absl::Status KvBucket::Delete(const std::string& key) {
 
 namespace {
 
-// Destroys a watcher that may still receive messages. kvWatcher_Destroy
-// unsubscribes and frees the watcher's subscription at once; libnats 3.4.1's
-// reader thread may still hold that subscription for a message it read just
-// before (the race CloseSubscription closes for plain subscriptions, fixed
-// upstream in nats.c 0a7dd28b). So: unsubscribe (kvWatcher_Stop), then a
-// flush, whose PONG comes after every message the reader took for it, then
-// destroy.
-void StopAndDestroyWatcher(natsConnection* nc, kvWatcher* w) {
-  if (w == nullptr) return;
-  kvWatcher_Stop(w);
-  if (nc != nullptr && natsConnection_Status(nc) == NATS_CONN_STATUS_CONNECTED) {
-    natsConnection_FlushTimeout(nc, 2000);
+// One entry of a watch: a message of the bucket's stream on
+// "$KV.<bucket>.<key>"; `pending` is what the consumer had left after it.
+KvEntry MsgToKvEntry(natsMsg* m, size_t key_at, uint64_t* pending) {
+  KvEntry out;
+  const absl::string_view subject = natsMsg_GetSubject(m);
+  if (subject.size() > key_at) out.key = std::string(subject.substr(key_at));
+  if (const char* d = natsMsg_GetData(m); d != nullptr) {
+    out.value.assign(d, static_cast<size_t>(natsMsg_GetDataLength(m)));
   }
-  kvWatcher_Destroy(w);
+  *pending = 0;
+  jsMsgMetaData* meta = nullptr;
+  if (natsMsg_GetMetaData(&meta, m) == NATS_OK) {
+    out.revision = meta->Sequence.Stream;
+    *pending = meta->NumPending;
+    jsMsgMetaData_Destroy(meta);
+  }
+  // A delete or purge marker carries "KV-Operation: DEL" or "PURGE".
+  const char* op = nullptr;
+  out.deleted = natsMsgHeader_Get(m, "KV-Operation", &op) == NATS_OK && op != nullptr;
+  return out;
 }
 
 }  // namespace
 
-absl::StatusOr<std::vector<KvEntry>> KvBucket::List() {
-  kvWatcher* w = nullptr;
-  kvWatchOptions o;
-  kvWatchOptions_Init(&o);
-  o.IgnoreDeletes = true;
-  natsStatus s = kvStore_WatchAll(&w, kv_, &o);
-  if (s != NATS_OK) return NatsError(s, 0, absl::StrCat("list ", name_));
-  std::vector<KvEntry> out;
-  for (;;) {
-    kvEntry* e = nullptr;
-    s = kvWatcher_Next(&e, w, 5000);
-    if (s != NATS_OK) {
-      StopAndDestroyWatcher(nc_, w);
-      return NatsError(s, 0, absl::StrCat("list ", name_));
-    }
-    if (e == nullptr) break;  // initial values done
-    KvEntry k = ToKvEntry(e);
-    kvEntry_Destroy(e);
-    if (!k.deleted) out.push_back(std::move(k));
-  }
-  StopAndDestroyWatcher(nc_, w);
-  return out;
-}
-
 absl::StatusOr<std::unique_ptr<KvWatcher>> KvBucket::Watch(
     const std::string& keys, std::function<void(const KvEntry&)> callback,
     std::function<void()> on_initial_done) {
+  // What kvStore_Watch does (an ordered consumer on the bucket's stream, the
+  // last value of each key first), on a subscription of our own: ended with
+  // UnsubscribeAndDrain, never by kvWatcher_Stop, whose unsubscribe deletes
+  // the consumer (the libnats 3.4.1 use after free UnsubscribeAndDrain
+  // describes).
+  const std::string prefix = absl::StrCat("$KV.", name_, ".");
+  const std::string subject = prefix + (keys.empty() ? ">" : keys);
+  const std::string stream = "KV_" + name_;
+  jsSubOptions so;
+  jsSubOptions_Init(&so);
+  so.Stream = stream.c_str();
+  so.Ordered = true;
+  so.Config.DeliverPolicy = js_DeliverLastPerSubject;
   std::unique_ptr<KvWatcher> watcher(new KvWatcher());
   watcher->nc_ = nc_;
-  const natsStatus s =
-      keys.empty() ? kvStore_WatchAll(&watcher->w_, kv_, nullptr)
-                   : kvStore_Watch(&watcher->w_, kv_, keys.c_str(), nullptr);
+  jsErrCode jerr = static_cast<jsErrCode>(0);
+  natsStatus s = js_SubscribeSync(&watcher->sub_, js_, subject.c_str(), nullptr, &so, &jerr);
   if (s != NATS_OK) {
-    return NatsError(s, 0, absl::StrCat("watch ", name_, "/", keys));
+    watcher->sub_ = nullptr;
+    return NatsError(s, jerr, absl::StrCat("watch ", name_, "/", keys));
+  }
+  natsSubscription_SetPendingLimits(watcher->sub_, -1, -1);
+  // The initial values: what the consumer had when it was made (delivered
+  // since or not). None: they are done at once.
+  bool initial = true;
+  {
+    jsConsumerInfo* ci = nullptr;
+    s = natsSubscription_GetConsumerInfo(&ci, watcher->sub_, nullptr, &jerr);
+    if (s != NATS_OK) {
+      return NatsError(s, jerr, absl::StrCat("watch ", name_, "/", keys));
+    }
+    initial = ci->NumPending + ci->Delivered.Consumer > 0;
+    jsConsumerInfo_Destroy(ci);
   }
   KvWatcher* raw = watcher.get();
-  watcher->thread_ = std::thread([raw, callback = std::move(callback),
-                                  done = std::move(on_initial_done)] {
-    bool initial = true;
+  watcher->thread_ = std::thread([raw, initial, key_at = prefix.size(),
+                                  callback = std::move(callback),
+                                  done = std::move(on_initial_done)]() mutable {
+    if (!initial && done) done();
     while (!raw->stop_.load()) {
-      kvEntry* e = nullptr;
-      const natsStatus st = kvWatcher_Next(&e, raw->w_, 250);
+      natsMsg* m = nullptr;
+      const natsStatus st = natsSubscription_NextMsg(&m, raw->sub_, 250);
       if (st == NATS_TIMEOUT) continue;
       if (st != NATS_OK) break;  // stopped
-      if (e == nullptr) {
-        if (initial && done) done();
-        initial = false;
-        continue;
-      }
-      KvEntry k = ToKvEntry(e);
-      kvEntry_Destroy(e);
+      uint64_t pending = 0;
+      const KvEntry k = MsgToKvEntry(m, key_at, &pending);
+      natsMsg_Destroy(m);
       callback(k);
+      if (initial && pending == 0) {
+        initial = false;
+        if (done) done();
+      }
     }
   });
   return watcher;
@@ -1072,13 +1081,15 @@ absl::StatusOr<std::unique_ptr<KvWatcher>> KvBucket::Watch(
 
 void KvWatcher::Stop() {
   if (stop_.exchange(true)) return;
-  if (w_ != nullptr) kvWatcher_Stop(w_);
+  // Out of the connection (NextMsg then returns at once when it got any
+  // message; else within its 250 ms).
+  UnsubscribeAndDrain(nc_, sub_);
 }
 
 KvWatcher::~KvWatcher() {
   Stop();
   if (thread_.joinable()) thread_.join();
-  StopAndDestroyWatcher(nc_, w_);  // (stopped already: flush, destroy)
+  if (sub_ != nullptr) natsSubscription_Destroy(sub_);
 }
 
 namespace {

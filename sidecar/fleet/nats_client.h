@@ -34,7 +34,6 @@ struct __natsSubscription;
 struct __natsMsg;
 struct __jsCtx;
 struct __kvStore;
-struct __kvWatcher;
 struct jsPubAck;
 struct jsPubAckErr;
 
@@ -240,8 +239,6 @@ class KvBucket {
   absl::StatusOr<uint64_t> Update(const std::string& key, absl::string_view v,
                                   uint64_t last_revision);
   absl::Status Delete(const std::string& key);
-  // Every live key with its value (deleted keys left out).
-  absl::StatusOr<std::vector<KvEntry>> List();
   // Watches `keys` (a key or a wildcard such as "readout.>"; "" = all):
   // first the current value of each key, then every change, in order, to
   // `callback` on a thread of the watcher. `on_initial_done` (optional) is
@@ -254,18 +251,19 @@ class KvBucket {
 
  private:
   friend class NatsClient;
-  KvBucket(std::string name, __kvStore* kv, __natsConnection* nc)
-      : name_(std::move(name)), kv_(kv), nc_(nc) {}
+  KvBucket(std::string name, __kvStore* kv, __natsConnection* nc, __jsCtx* js)
+      : name_(std::move(name)), kv_(kv), nc_(nc), js_(js) {}
   const std::string name_;
   __kvStore* const kv_;
-  __natsConnection* const nc_;  // the connection of kv_ (watchers' flush)
+  __natsConnection* const nc_;  // the connection of kv_
+  __jsCtx* const js_;           // its JetStream context (watchers)
 };
 
-// Stops and joins its thread on destruction; its subscription is then
-// unsubscribed, drained by a flush when connected (as UnsubscribeAndDrain
-// does) and only then freed (kvWatcher_Destroy), so libnats 3.4.1's reader
-// thread cannot use it after it is freed. KvBucket::List ends its watcher
-// the same way.
+// A bucket's watch on an ordered consumer of its own (not libnats's
+// kvWatcher, whose stop deletes the consumer: see UnsubscribeAndDrain). Stop
+// ends the subscription with UnsubscribeAndDrain; the destructor then joins
+// the thread and only then frees the subscription, so libnats 3.4.1's reader
+// thread cannot use it after it is freed.
 class KvWatcher {
  public:
   ~KvWatcher();
@@ -276,7 +274,7 @@ class KvWatcher {
  private:
   friend class KvBucket;
   KvWatcher() = default;
-  __kvWatcher* w_ = nullptr;
+  __natsSubscription* sub_ = nullptr;
   __natsConnection* nc_ = nullptr;
   std::thread thread_;
   std::atomic<bool> stop_{false};
