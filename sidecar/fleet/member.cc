@@ -523,27 +523,49 @@ void FleetMember::OnVersion(const StreamMsg& m) {
   if (!readout.ok()) return;
   if (!core_->GetReadout(*readout).ok()) {
     if (options_.before_early_version) options_.before_early_version(*readout);
+    // Kept per incarnation it names (an unreadable one under 0: reported
+    // when installed).
+    fpb::FleetVersion v;
+    const int64_t created = v.ParseFromString(m.data) ? v.created_unix_ms() : 0;
     {
       absl::MutexLock l(&mu_);
-      early_versions_[*readout] = m.data;
+      early_versions_[*readout][created] = m.data;
     }
-    // The CONFIG watcher creates the readout, then takes its kept version.
+    // The CONFIG watcher creates the readout, then takes its kept versions.
     // If it created it after the check above and looked before the version
     // was kept, it found none: the readout is there now, and the version is
     // taken back here. Whichever of the two takes it installs it.
-    if (!core_->GetReadout(*readout).ok()) return;
-    std::string early;
-    {
-      absl::MutexLock l(&mu_);
-      auto it = early_versions_.find(*readout);
-      if (it == early_versions_.end()) return;
-      early = std::move(it->second);
-      early_versions_.erase(it);
-    }
-    InstallVersionMsg(*readout, early);
+    absl::StatusOr<std::shared_ptr<sidecar::LiveReadout>> r =
+        core_->GetReadout(*readout);
+    if (!r.ok()) return;
+    InstallEarlyVersions(*readout, (*r)->created_unix_ms());
     return;
   }
   InstallVersionMsg(*readout, m.data);
+}
+
+void FleetMember::InstallEarlyVersions(const std::string& readout,
+                                       int64_t created_unix_ms) {
+  std::map<int64_t, std::string> kept;
+  {
+    absl::MutexLock l(&mu_);
+    auto it = early_versions_.find(readout);
+    if (it == early_versions_.end()) return;
+    kept = std::move(it->second);
+    early_versions_.erase(it);
+  }
+  for (auto& [created, data] : kept) {
+    if (created != 0 && created != created_unix_ms) {
+      std::fprintf(stderr,
+                   "leapd: fleet: a kept version of '%s' of another incarnation "
+                   "(created %lld, this one %lld) dropped\n",
+                   readout.c_str(), static_cast<long long>(created),
+                   static_cast<long long>(created_unix_ms));
+      continue;
+    }
+    // (Both an unnamed and a named one: the higher number is served.)
+    InstallVersionMsg(readout, data);
+  }
 }
 
 void FleetMember::InstallVersionMsg(const std::string& readout,
@@ -557,6 +579,17 @@ void FleetMember::InstallVersionMsg(const std::string& readout,
   absl::StatusOr<std::shared_ptr<sidecar::LiveReadout>> r =
       core_->GetReadout(readout);
   if (!r.ok()) return;
+  if (v.created_unix_ms() != 0 && v.created_unix_ms() != (*r)->created_unix_ms()) {
+    // A version of another incarnation of the name (one deleted before this
+    // readout was created): never served by this one.
+    std::fprintf(stderr,
+                 "leapd: fleet: version %lld of '%s' belongs to another incarnation "
+                 "(created %lld, this one %lld); not installed\n",
+                 static_cast<long long>(v.version()), readout.c_str(),
+                 static_cast<long long>(v.created_unix_ms()),
+                 static_cast<long long>((*r)->created_unix_ms()));
+    return;
+  }
   absl::StatusOr<Eigen::VectorXd> theta = DecodeTheta(v.theta());
   absl::StatusOr<bool> installed = absl::InternalError("no theta");
   // (A trainer's refusal of an operation, cause "error...", carries the
@@ -658,16 +691,7 @@ void FleetMember::OnConfig(const KvEntry& e) {
                   static_cast<long long>(state->spec.dim));
       std::fflush(stdout);
     }
-    std::string early;
-    {
-      absl::MutexLock l(&mu_);
-      auto it = early_versions_.find(*name);
-      if (it != early_versions_.end()) {
-        early = std::move(it->second);
-        early_versions_.erase(it);
-      }
-    }
-    if (!early.empty()) InstallVersionMsg(*name, early);
+    InstallEarlyVersions(*name, cfg.created_unix_ms());
     NotifyReadouts();
   } else if (e.key.rfind(route_prefix, 0) == 0) {
     absl::StatusOr<std::string> pl =
@@ -780,6 +804,7 @@ absl::Status FleetMember::CreateReadout(const std::string& name,
   v.set_cause("create");
   v.set_trainer(options_.member);
   v.set_frozen(!state.p.has_value());
+  v.set_created_unix_ms(state.created_unix_ms);
   absl::StatusOr<PublishResult> pv =
       nats_->Publish(VersionSubject(options_.fleet, name), v.SerializeAsString());
   if (!pv.ok()) return pv.status();

@@ -197,6 +197,10 @@ class FleetMember : public sidecar::FleetLink {
   void PruneOutboxes();
   void OnVersion(const StreamMsg& m);
   void InstallVersionMsg(const std::string& readout, const std::string& data);
+  // Takes the kept early versions of `readout` out of early_versions_ and
+  // installs those of incarnation `created_unix_ms` (or of none named);
+  // those of other incarnations are dropped.
+  void InstallEarlyVersions(const std::string& readout, int64_t created_unix_ms);
   void OnConfig(const KvEntry& e);
   void OnConfigInitialDone();
   void OnLease(const KvEntry& e);
@@ -239,8 +243,12 @@ class FleetMember : public sidecar::FleetLink {
   // Per readout: highest local seq seen, and the last one pruned.
   std::map<std::string, uint64_t> max_local_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, uint64_t> pruned_ ABSL_GUARDED_BY(mu_);
-  // Versions that arrived before their readout's CONFIG entry.
-  std::map<std::string, std::string> early_versions_ ABSL_GUARDED_BY(mu_);
+  // Versions that arrived before their readout's CONFIG entry: per readout
+  // name, the newest one of each incarnation they name (FleetVersion
+  // created_unix_ms; 0 = not named). A readout's name outlives its
+  // incarnations: a version of a deleted one can arrive after the delete.
+  std::map<std::string, std::map<int64_t, std::string>> early_versions_
+      ABSL_GUARDED_BY(mu_);
   // op_id -> answer.
   std::map<std::string, OpResult> ops_ ABSL_GUARDED_BY(mu_);
   // CONFIG readouts as last seen (name -> entry).

@@ -549,6 +549,132 @@ TEST_F(FleetMemberTest, AVersionArrivingWhileItsReadoutIsCreatedIsInstalled) {
   EXPECT_EQ((*ro)->completions_learned(), 40);
 }
 
+// A readout deleted and created again under the same name shares its
+// versions subject with its predecessor, which is not purged. A late version
+// of the deleted incarnation (a trainer's last publish as it stops, read
+// after this member deleted the readout) is kept for the CONFIG watcher like
+// any early version; when the name is created again, the watcher must not
+// install it into the new incarnation (it would be served under its higher
+// number, and the new incarnation's versions ignored until they pass it).
+// The order is forced: the old version is known to be kept (a later version
+// of another readout, on the same versions thread, is installed first), and
+// the versions thread is held on the new incarnation's first version until
+// the watcher has created the readout (and looked for a kept version).
+TEST_F(FleetMemberTest, AVersionOfADeletedIncarnationIsNotInstalledIntoTheNewOne) {
+  absl::Notification held, created;
+  std::atomic<bool> armed{false};
+  std::atomic<int> early_calls{0};
+  auto b = StartMember("b", 10'000, 20'000, 10'000, 2000, [&](FleetMemberOptions* o) {
+    o->before_early_version = [&](const std::string& readout) {
+      if (readout != "chat" || !armed.load()) return;
+      // 1: the deleted incarnation's late version (passes); 2: the new
+      // incarnation's first version (held).
+      if (++early_calls != 2) return;
+      held.Notify();
+      created.WaitForNotificationWithTimeout(absl::Seconds(30));
+    };
+  });
+  absl::Mutex lmu;
+  std::map<std::string, int64_t> listed;  // name -> created_unix_ms
+  b->fleet->SetReadoutsListener([&](const std::vector<FleetReadoutEntry>& list) {
+    absl::MutexLock l(&lmu);
+    listed.clear();
+    for (const FleetReadoutEntry& e : list) listed[e.name] = e.created_unix_ms;
+  });
+  auto await_listed = [&](const std::string& name, bool present) {
+    absl::MutexLock l(&lmu);
+    auto cond = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(lmu) {
+      return listed.contains(name) == present;
+    };
+    return lmu.AwaitWithTimeout(absl::Condition(&cond), absl::Seconds(20));
+  };
+  auto version = [](const std::string& readout, int64_t number,
+                    const Eigen::VectorXd& theta, int64_t created_unix_ms) {
+    fpb::FleetVersion v;
+    v.set_readout(readout);
+    v.set_version(number);
+    v.set_theta(std::string(reinterpret_cast<const char*>(theta.data()),
+                            theta.size() * sizeof(double)));
+    v.set_completions_learned(10 * number);
+    v.set_fleet_seq(static_cast<uint64_t>(100 + number));
+    v.set_cause("rls");
+    v.set_trainer("trainer-x");
+    v.set_created_unix_ms(created_unix_ms);
+    return v.SerializeAsString();
+  };
+  auto a = StartMember("a");
+  const readout::ReadoutState old_st = RandomState(kDim, 20);
+  const readout::ReadoutState other_st = RandomState(kDim, 21);
+  ASSERT_TRUE(a->fleet->CreateReadout("chat", old_st).ok());
+  ASSERT_TRUE(a->fleet->CreateReadout("other", other_st).ok());
+  ASSERT_TRUE(await_listed("chat", true));
+  ASSERT_TRUE(await_listed("other", true));
+  auto old_ro = b->core->GetReadout("chat");
+  ASSERT_TRUE(old_ro.ok());
+  const int64_t old_created = (*old_ro)->created_unix_ms();
+  // The first incarnation learned: its trainer's version 5.
+  Eigen::VectorXd old_theta = old_st.theta;
+  for (int64_t i = 0; i <= kDim; ++i) old_theta[i] += 0.5;
+  ASSERT_TRUE(observer_->Publish(VersionSubject(kFleet, "chat"),
+                                 version("chat", 5, old_theta, old_created)).ok());
+  ASSERT_NE(b->recorder->Await(5), nullptr);
+  // Deleted; b deletes it.
+  ASSERT_TRUE(a->fleet->DeleteReadout("chat").ok());
+  ASSERT_TRUE(await_listed("chat", false));
+  ASSERT_FALSE(b->core->GetReadout("chat").ok());
+  armed.store(true);
+  // The old trainer's last version, read by b after the delete: kept.
+  ASSERT_TRUE(observer_->Publish(VersionSubject(kFleet, "chat"),
+                                 version("chat", 6, old_theta, old_created)).ok());
+  ASSERT_TRUE(observer_->Publish(VersionSubject(kFleet, "other"),
+                                 version("other", 3, other_st.theta, 0)).ok());
+  ASSERT_NE(b->recorder->Await(3), nullptr);
+  // Created again (a later creation time: a new incarnation).
+  const readout::ReadoutState new_st = RandomState(kDim, 22);
+  ASSERT_TRUE(a->fleet->CreateReadout("chat", new_st).ok());
+  ASSERT_TRUE(await_listed("chat", true));
+  int64_t new_created;
+  {
+    absl::MutexLock l(&lmu);
+    new_created = listed["chat"];
+  }
+  ASSERT_NE(new_created, old_created);
+  created.Notify();
+  auto ro = b->core->GetReadout("chat");
+  ASSERT_TRUE(ro.ok());
+  EXPECT_EQ((*ro)->created_unix_ms(), new_created);
+  // The new incarnation's trainer: version 2, installed and served.
+  Eigen::VectorXd new_theta = new_st.theta;
+  for (int64_t i = 0; i <= kDim; ++i) new_theta[i] -= 0.25;
+  ASSERT_TRUE(observer_->Publish(VersionSubject(kFleet, "chat"),
+                                 version("chat", 2, new_theta, new_created)).ok());
+  auto got = b->recorder->Await(2);
+  ASSERT_NE(got, nullptr) << "the new incarnation's version 2 was not installed on b "
+                          << "(serving version " << (*ro)->current()->version << ")";
+  EXPECT_EQ((*ro)->current()->version, 2);
+  EXPECT_EQ((*ro)->current()->fleet_seq, 102u);
+  std::mt19937_64 rng(9);
+  const std::vector<float> x = RandomFeatures(new_st, rng);
+  // Served with the new incarnation's weights: the score against FP64.
+  absl::StatusOr<double> score = (*ro)->current()->folded.Score(
+      readout::FeatureView::F32(x.data(), static_cast<int64_t>(x.size())));
+  ASSERT_TRUE(score.ok()) << score.status();
+  const std::vector<double> xd(x.begin(), x.end());
+  EXPECT_NEAR(*score, ReferenceScore(new_st.standardizer, new_theta, xd),
+              ScoreTolerance(new_st.standardizer, new_theta, xd));
+  // Every version b installed into the new incarnation is its own.
+  for (const sidecar::VersionRecord& v : (*ro)->Versions()) {
+    EXPECT_LE(v.version, 2) << "a version of the deleted incarnation was installed";
+  }
+  // A version of the deleted incarnation read now is not installed either.
+  ASSERT_TRUE(observer_->Publish(VersionSubject(kFleet, "chat"),
+                                 version("chat", 7, old_theta, old_created)).ok());
+  ASSERT_TRUE(observer_->Publish(VersionSubject(kFleet, "other"),
+                                 version("other", 4, other_st.theta, 0)).ok());
+  ASSERT_NE(b->recorder->Await(4), nullptr);
+  EXPECT_EQ((*ro)->current()->version, 2);
+}
+
 // A member restarted behind the fleet: its checkpoint (written when its
 // outbox was pruned) names version 3, older than the newest it installed and
 // stored (6) and newer than the created one (1); at start it catches up from

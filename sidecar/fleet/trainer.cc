@@ -569,6 +569,7 @@ class Trainer::Worker {
     ver_seq_ = natsMsg_GetSequence(m.get());
     last_version_ = v.version();
     last_published_seq_ = v.fleet_seq();
+    last_version_created_ = v.created_unix_ms();
     return absl::OkStatus();
   }
 
@@ -1289,6 +1290,7 @@ class Trainer::Worker {
         v.set_trainer(t_->options_.member);
         v.set_op_id(op_id);
         v.set_frozen(frozen_);
+        v.set_created_unix_ms(r_.created_unix_ms);
         expect = ver_seq_;
       }
       const std::string bytes = v.SerializeAsString();
@@ -1341,6 +1343,21 @@ class Trainer::Worker {
       }
       if (absl::Status s = RefreshLastVersion(); !s.ok()) {
         Log(absl::StrCat("re-reading the last version: ", s.message()));
+        return false;
+      }
+      // A version of another incarnation of the name was published since
+      // ours (the readout was deleted and created again): this worker's
+      // readout is no longer current, and nothing of it goes on top.
+      int64_t other = 0;
+      {
+        absl::MutexLock lock(&mu_);
+        other = last_version_created_;
+      }
+      if (other != 0 && other != r_.created_unix_ms) {
+        Log(absl::StrCat("version publish fenced: readout created again (",
+                         other, ", this worker's ", r_.created_unix_ms,
+                         "); stopping"));
+        stop_.store(true);
         return false;
       }
     }
@@ -1645,6 +1662,9 @@ class Trainer::Worker {
   std::vector<uint64_t> kept_seq_ ABSL_GUARDED_BY(mu_);
   int64_t last_version_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t ver_seq_ ABSL_GUARDED_BY(mu_) = 0;
+  // created_unix_ms of the last version read back from the subject (0: not
+  // named).
+  int64_t last_version_created_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t last_published_seq_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t published_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t fleet_checkpoint_seq_ ABSL_GUARDED_BY(mu_) = 0;
@@ -1843,7 +1863,11 @@ void Trainer::SetReadouts(std::vector<TrainerReadout> readouts) {
     auto w = want.find(it->first);
     if (w == want.end() ||
         w->second.created_unix_ms != it->second->readout().created_unix_ms) {
-      it->second->Stop(/*final_checkpoint=*/leader_.load());
+      // Deleted (or created again): this incarnation is not current any
+      // more, so no last version and no last checkpoint of it (a version
+      // would reach the members of a re-created readout, a STATE checkpoint
+      // its trainer's start).
+      it->second->Stop(/*final_checkpoint=*/false);
       it = workers_.erase(it);
     } else {
       ++it;

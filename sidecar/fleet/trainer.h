@@ -52,7 +52,9 @@ struct TrainerReadout {
   readout::ReadoutSpec spec;
   readout::Standardizer standardizer;
   // Identifies this incarnation of the name: a local checkpoint of another
-  // incarnation is never used.
+  // incarnation is never used; its versions carry it (FleetVersion
+  // created_unix_ms), and a worker whose fenced publish finds a version of
+  // another incarnation on the subject stops without publishing.
   int64_t created_unix_ms = 0;
 };
 

@@ -622,6 +622,87 @@ TEST_F(FleetTrainerTest, ADeposedTrainerCannotPublishOverItsSuccessor) {
   a->Abandon();
 }
 
+// A readout deleted and created again shares its versions subject with its
+// predecessor. The new incarnation's creation version goes on the subject
+// (unfenced, as a member creating it writes it) while the old incarnation's
+// worker still runs (its member has not read the CONFIG change yet); a
+// control operation then makes that worker publish at once. Its publish is
+// fenced (the subject moved on), and it must stop instead of publishing the
+// old weights on top of the new incarnation: every version after the new
+// creation names the new incarnation, and the operation is answered by the
+// new incarnation's worker, with its own state.
+TEST_F(FleetTrainerTest, AWorkerOfADeletedIncarnationNeverPublishesOverTheNewOne) {
+  Fixture f = MakeFixture(6);
+  CreateReadout(f, 1000);
+  std::unique_ptr<Trainer> a = *Trainer::Start(conn_->nc, Options("a", 1000));
+  a->SetReadouts({f.readout});
+  std::mt19937_64 rng(11);
+  std::vector<Row> rows;
+  uint64_t last = 0;
+  for (int i = 0; i < 20; ++i) {
+    rows.push_back(MakeRow(rng, f));
+    last = PublishCompletion(rows.back(), absl::StrCat("c", i));
+  }
+  FleetVersion v1 = WaitVersion([&](const FleetVersion& v) { return v.fleet_seq() >= last; });
+  EXPECT_EQ(v1.created_unix_ms(), f.readout.created_unix_ms);
+  // The name created again: creation state and version 1 of the new
+  // incarnation (another theta), starting after the stream's last message.
+  TrainerReadout again = f.readout;
+  again.created_unix_ms = f.readout.created_unix_ms + 1000;
+  FleetState s2;
+  s2.theta = f.theta0;
+  for (int64_t i = 0; i < kN; ++i) s2.theta[i] += 0.125 * static_cast<double>(i + 1);
+  s2.p = f.p0;
+  s2.version = 1;
+  s2.fleet_seq = last;
+  ASSERT_TRUE(PublishState(conn_->js, StateStream(fleet_), CheckpointSubject(fleet_, kReadout),
+                           kReadout, absl::StrCat("create-", again.created_unix_ms), s2)
+                  .ok());
+  FleetVersion c2;
+  c2.set_readout(kReadout);
+  c2.set_version(1);
+  c2.set_theta(std::string(reinterpret_cast<const char*>(s2.theta.data()), kN * 8));
+  c2.set_cause("create");
+  c2.set_fleet_seq(last);
+  c2.set_created_unix_ms(again.created_unix_ms);
+  const std::string c2_bytes = c2.SerializeAsString();
+  jsPubAck* ack = nullptr;
+  ASSERT_EQ(js_Publish(&ack, conn_->js, VersionSubject(fleet_, kReadout).c_str(),
+                       c2_bytes.data(), static_cast<int>(c2_bytes.size()), nullptr, nullptr),
+            NATS_OK);
+  jsPubAck_Destroy(ack);
+  WaitVersion([&](const FleetVersion& v) { return v.cause() == "create"; });
+  seen_.clear();
+  // The old worker reads a FREEZE and answers at once: fenced.
+  const int64_t published_before = a->Status(kReadout)->published;
+  const uint64_t freeze_seq = PublishControl(FleetControl::FREEZE, "", "f1");
+  ASSERT_GT(freeze_seq, last);
+  // Until the old worker has dealt with it: stopped (fenced by the new
+  // incarnation) or published something.
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  for (;;) {
+    std::optional<TrainerReadoutStatus> st = a->Status(kReadout);
+    ASSERT_TRUE(st.has_value());
+    if (!st->running || st->published > published_before) break;
+    ASSERT_LT(absl::Now(), deadline) << "the old worker never read the FREEZE";
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  // Its member reads the CONFIG change: the new incarnation's worker.
+  a->SetReadouts({again});
+  FleetVersion answer = WaitVersion([](const FleetVersion& v) { return v.op_id() == "f1"; });
+  EXPECT_EQ(answer.created_unix_ms(), again.created_unix_ms);
+  EXPECT_EQ(answer.cause(), "freeze");
+  EXPECT_EQ(answer.version(), 2);
+  EXPECT_EQ(answer.fleet_seq(), freeze_seq);
+  // The new incarnation's state, bit for bit (nothing learned in it).
+  EXPECT_EQ(Theta(answer), s2.theta);
+  for (const FleetVersion& v : seen_) {
+    EXPECT_EQ(v.created_unix_ms(), again.created_unix_ms)
+        << "version " << v.version() << " (" << v.cause() << ") of the deleted incarnation";
+  }
+  a->Abandon();
+}
+
 }  // namespace
 }  // namespace leap::fleet
 
