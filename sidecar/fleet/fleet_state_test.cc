@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -36,6 +37,28 @@ namespace leap::fleet {
 namespace {
 
 namespace fpb = ::leap::v1::fleet;
+
+// A one-node nats-server (-js, file storage in a temp dir) started by the
+// test, and a connected client.
+struct OneNodeNats {
+  ::leap::testing::ScopedTempDir tmp{"fleet_state_test"};
+  std::unique_ptr<::leap::testing::NatsCluster> cluster;
+  absl::StatusOr<std::unique_ptr<NatsClient>> client;
+
+  void Start() {
+    ::leap::testing::NatsClusterOptions no;
+    no.nodes = 1;
+    no.dir = (std::filesystem::path(tmp.path()) / "nats").string();
+    auto c = ::leap::testing::NatsCluster::Start(no);
+    ASSERT_TRUE(c.ok()) << c.status();
+    cluster = std::move(*c);
+    NatsClientOptions o;
+    o.servers = {cluster->url(0)};
+    client = NatsClient::Connect(o);
+    ASSERT_TRUE(client.ok()) << client.status();
+    ASSERT_TRUE((*client)->WaitConnected(20'000).ok());
+  }
+};
 
 // A random symmetric P (both triangles equal bit for bit, as CopySymmetric
 // leaves it) and theta of width n.
@@ -120,17 +143,9 @@ TEST(FleetStatePayload, TheFullLayoutOfOlderStatesIsStillRead) {
 }
 
 TEST(FleetStateQuality, AHugeSeriesCountDropsQualityNeverTheCheckpoint) {
-  ::leap::testing::ScopedTempDir tmp("fleet_state_test");
-  ::leap::testing::NatsClusterOptions no;
-  no.nodes = 1;
-  no.dir = (std::filesystem::path(tmp.path()) / "nats").string();
-  auto cluster = ::leap::testing::NatsCluster::Start(no);
-  ASSERT_TRUE(cluster.ok()) << cluster.status();
-  NatsClientOptions o;
-  o.servers = {(*cluster)->url(0)};
-  auto nats = NatsClient::Connect(o);
-  ASSERT_TRUE(nats.ok()) << nats.status();
-  ASSERT_TRUE((*nats)->WaitConnected(20'000).ok());
+  OneNodeNats one;
+  ASSERT_NO_FATAL_FAILURE(one.Start());
+  auto& nats = one.client;
   jsCtx* js = (*nats)->raw_jetstream();
   ASSERT_TRUE(EnsureFleetStreams(js, "q", 1, 2000).ok());
 
@@ -214,17 +229,9 @@ TEST(FleetStateQuality, AHugeSeriesCountDropsQualityNeverTheCheckpoint) {
 // deletion advisory says. A subscription that read nothing and a core NATS
 // subscription close too.
 TEST(CloseSubscription, LeavesAJetStreamConsumerForTheServerToRemove) {
-  ::leap::testing::ScopedTempDir tmp("fleet_state_test");
-  ::leap::testing::NatsClusterOptions no;
-  no.nodes = 1;
-  no.dir = (std::filesystem::path(tmp.path()) / "nats").string();
-  auto cluster = ::leap::testing::NatsCluster::Start(no);
-  ASSERT_TRUE(cluster.ok()) << cluster.status();
-  NatsClientOptions o;
-  o.servers = {(*cluster)->url(0)};
-  auto nats = NatsClient::Connect(o);
-  ASSERT_TRUE(nats.ok()) << nats.status();
-  ASSERT_TRUE((*nats)->WaitConnected(20'000).ok());
+  OneNodeNats one;
+  ASSERT_NO_FATAL_FAILURE(one.Start());
+  auto& nats = one.client;
   natsConnection* nc = (*nats)->raw_connection();
   jsCtx* js = (*nats)->raw_jetstream();
 
@@ -282,23 +289,43 @@ TEST(CloseSubscription, LeavesAJetStreamConsumerForTheServerToRemove) {
   }
 }
 
+// What a KvBucket::Watch delivered: "key=value" or "key deleted" per
+// entry, and how many entries had come when the initial values ended.
+struct WatchRecorder {
+  absl::Mutex mu;
+  std::vector<std::string> entries ABSL_GUARDED_BY(mu);
+  int done_at ABSL_GUARDED_BY(mu) = -1;
+
+  absl::StatusOr<std::unique_ptr<KvWatcher>> Watch(KvBucket& kv, const std::string& keys) {
+    return kv.Watch(
+        keys,
+        [this](const KvEntry& e) {
+          absl::MutexLock l(&mu);
+          entries.push_back(
+              absl::StrCat(e.key, e.deleted ? " deleted" : absl::StrCat("=", e.value)));
+        },
+        [this] {
+          absl::MutexLock l(&mu);
+          done_at = static_cast<int>(entries.size());
+        });
+  }
+  bool Done() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return done_at >= 0; }
+  bool FiveEntries() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return entries.size() >= 5; }
+  // With mu held: waits (20 s at most) until `ready`.
+  bool AwaitLocked(bool (WatchRecorder::*ready)() const) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    return mu.AwaitWithTimeout(absl::Condition(this, ready), absl::Seconds(20));
+  }
+};
+
 // KvBucket::Watch (an ordered consumer of its own on the bucket's stream):
 // the current value of each watched key first, then on_initial_done once,
 // then every change in order, deletes as markers; keys outside the filter
 // never; an empty selection is done at once. Checked against what was
 // written, entry by entry.
 TEST(KvWatch, CurrentValuesThenChangesInOrder) {
-  ::leap::testing::ScopedTempDir tmp("fleet_state_test");
-  ::leap::testing::NatsClusterOptions no;
-  no.nodes = 1;
-  no.dir = (std::filesystem::path(tmp.path()) / "nats").string();
-  auto cluster = ::leap::testing::NatsCluster::Start(no);
-  ASSERT_TRUE(cluster.ok()) << cluster.status();
-  NatsClientOptions o;
-  o.servers = {(*cluster)->url(0)};
-  auto nats = NatsClient::Connect(o);
-  ASSERT_TRUE(nats.ok()) << nats.status();
-  ASSERT_TRUE((*nats)->WaitConnected(20'000).ok());
+  OneNodeNats one;
+  ASSERT_NO_FATAL_FAILURE(one.Start());
+  auto& nats = one.client;
   KvSpec spec;
   spec.bucket = "watch";
   spec.history = 4;
@@ -309,32 +336,12 @@ TEST(KvWatch, CurrentValuesThenChangesInOrder) {
   ASSERT_TRUE((*kv)->Put("a.y", "3").ok());
   ASSERT_TRUE((*kv)->Put("b.z", "4").ok());  // outside "a.>"
 
-  struct Seen {
-    absl::Mutex mu;
-    std::vector<std::string> entries ABSL_GUARDED_BY(mu);
-    int done_at ABSL_GUARDED_BY(mu) = -1;  // entries seen when initial values ended
-  };
-  const auto describe = [](const KvEntry& e) {
-    return absl::StrCat(e.key, e.deleted ? " deleted" : absl::StrCat("=", e.value));
-  };
-  Seen seen;
-  auto w = (*kv)->Watch(
-      "a.>",
-      [&](const KvEntry& e) {
-        absl::MutexLock l(&seen.mu);
-        seen.entries.push_back(describe(e));
-      },
-      [&] {
-        absl::MutexLock l(&seen.mu);
-        seen.done_at = static_cast<int>(seen.entries.size());
-      });
+  WatchRecorder seen;
+  auto w = seen.Watch(**kv, "a.>");
   ASSERT_TRUE(w.ok()) << w.status();
   {
     absl::MutexLock l(&seen.mu);
-    ASSERT_TRUE(seen.mu.AwaitWithTimeout(
-        absl::Condition(
-            +[](Seen* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s->mu) { return s->done_at >= 0; }, &seen),
-        absl::Seconds(20)));
+    ASSERT_TRUE(seen.AwaitLocked(&WatchRecorder::Done));
     EXPECT_EQ(seen.done_at, 2);
   }
   ASSERT_TRUE((*kv)->Put("a.y", "5").ok());
@@ -343,34 +350,18 @@ TEST(KvWatch, CurrentValuesThenChangesInOrder) {
   ASSERT_TRUE((*kv)->Put("a.w", "7").ok());
   {
     absl::MutexLock l(&seen.mu);
-    ASSERT_TRUE(seen.mu.AwaitWithTimeout(
-        absl::Condition(
-            +[](Seen* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s->mu) { return s->entries.size() >= 5; },
-            &seen),
-        absl::Seconds(20)));
+    ASSERT_TRUE(seen.AwaitLocked(&WatchRecorder::FiveEntries));
     EXPECT_EQ(seen.entries,
               (std::vector<std::string>{"a.x=2", "a.y=3", "a.y=5", "a.x deleted", "a.w=7"}));
   }
   w->reset();  // stops, joins, frees
 
   // Nothing under "c.>": done at once, with no entry.
-  Seen empty;
-  auto w2 = (*kv)->Watch(
-      "c.>",
-      [&](const KvEntry& e) {
-        absl::MutexLock l(&empty.mu);
-        empty.entries.push_back(describe(e));
-      },
-      [&] {
-        absl::MutexLock l(&empty.mu);
-        empty.done_at = static_cast<int>(empty.entries.size());
-      });
+  WatchRecorder empty;
+  auto w2 = empty.Watch(**kv, "c.>");
   ASSERT_TRUE(w2.ok()) << w2.status();
   absl::MutexLock l(&empty.mu);
-  ASSERT_TRUE(empty.mu.AwaitWithTimeout(
-      absl::Condition(
-          +[](Seen* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s->mu) { return s->done_at >= 0; }, &empty),
-      absl::Seconds(20)));
+  ASSERT_TRUE(empty.AwaitLocked(&WatchRecorder::Done));
   EXPECT_EQ(empty.done_at, 0);
   EXPECT_TRUE(empty.entries.empty());
 }

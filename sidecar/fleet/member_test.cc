@@ -57,6 +57,23 @@ constexpr char kNatsServer[] = "/usr/sbin/nats-server";
 constexpr char kFleet[] = "t1";
 constexpr int64_t kDim = 16;
 
+// A trainer's "rls" version `number` of `readout` (theta in the
+// standardized space, FP64), from "trainer-x".
+fpb::FleetVersion TrainerVersion(const std::string& readout, int64_t number,
+                                 const Eigen::VectorXd& theta, int64_t learned,
+                                 uint64_t fleet_seq) {
+  fpb::FleetVersion v;
+  v.set_readout(readout);
+  v.set_version(number);
+  v.set_theta(std::string(reinterpret_cast<const char*>(theta.data()),
+                          theta.size() * sizeof(double)));
+  v.set_completions_learned(learned);
+  v.set_fleet_seq(fleet_seq);
+  v.set_cause("rls");
+  v.set_trainer("trainer-x");
+  return v;
+}
+
 int FreePort() {
   int fd = socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in a{};
@@ -453,15 +470,7 @@ TEST_F(FleetMemberTest, PublishedVersionIsInstalledAndServed) {
   // A trainer's version 5 (theta in the standardized space, FP64).
   Eigen::VectorXd theta = st.theta;
   for (int64_t i = 0; i <= kDim; ++i) theta[i] += 0.01 * static_cast<double>(i + 1);
-  fpb::FleetVersion v;
-  v.set_readout("chat");
-  v.set_version(5);
-  v.set_theta(std::string(reinterpret_cast<const char*>(theta.data()),
-                          theta.size() * sizeof(double)));
-  v.set_completions_learned(40);
-  v.set_fleet_seq(1234);
-  v.set_cause("rls");
-  v.set_trainer("trainer-x");
+  fpb::FleetVersion v = TrainerVersion("chat", 5, theta, 40, 1234);
   ASSERT_TRUE(observer_->Publish(VersionSubject(kFleet, "chat"), v.SerializeAsString()).ok());
   for (Member* m : {a.get(), b.get()}) {
     auto got = m->recorder->Await(5);
@@ -524,15 +533,7 @@ TEST_F(FleetMemberTest, AVersionArrivingWhileItsReadoutIsCreatedIsInstalled) {
   // A trainer's version 5 of "chat", before "chat" is in CONFIG.
   Eigen::VectorXd theta = st.theta;
   for (int64_t i = 0; i <= kDim; ++i) theta[i] += 0.01 * static_cast<double>(i + 1);
-  fpb::FleetVersion v;
-  v.set_readout("chat");
-  v.set_version(5);
-  v.set_theta(std::string(reinterpret_cast<const char*>(theta.data()),
-                          theta.size() * sizeof(double)));
-  v.set_completions_learned(40);
-  v.set_fleet_seq(1234);
-  v.set_cause("rls");
-  v.set_trainer("trainer-x");
+  const fpb::FleetVersion v = TrainerVersion("chat", 5, theta, 40, 1234);
   ASSERT_TRUE(observer_->Publish(VersionSubject(kFleet, "chat"), v.SerializeAsString()).ok());
   ASSERT_TRUE(held.WaitForNotificationWithTimeout(absl::Seconds(20)));
   // Created through another member: b's CONFIG watcher creates it while b's
@@ -590,15 +591,8 @@ TEST_F(FleetMemberTest, AVersionOfADeletedIncarnationIsNotInstalledIntoTheNewOne
   };
   auto version = [](const std::string& readout, int64_t number,
                     const Eigen::VectorXd& theta, int64_t created_unix_ms) {
-    fpb::FleetVersion v;
-    v.set_readout(readout);
-    v.set_version(number);
-    v.set_theta(std::string(reinterpret_cast<const char*>(theta.data()),
-                            theta.size() * sizeof(double)));
-    v.set_completions_learned(10 * number);
-    v.set_fleet_seq(static_cast<uint64_t>(100 + number));
-    v.set_cause("rls");
-    v.set_trainer("trainer-x");
+    fpb::FleetVersion v = TrainerVersion(readout, number, theta, 10 * number,
+                                         static_cast<uint64_t>(100 + number));
     v.set_created_unix_ms(created_unix_ms);
     return v.SerializeAsString();
   };
