@@ -26,6 +26,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "gtest/gtest.h"
 #include "leap/v1/fleet.pb.h"
 #include "sidecar/fleet/fleet_quality.h"
@@ -284,8 +286,17 @@ TEST(CloseSubscription, LeavesAJetStreamConsumerForTheServerToRemove) {
         << "the server kept consumer " << name;
     natsMsg_Destroy(advisory);
     CloseSubscription(nc, gone);  // a core NATS subscription
-    EXPECT_EQ(js_GetConsumerInfo(&ci, js, "close", name.c_str(), nullptr, nullptr),
-              NATS_NOT_FOUND);
+    // The server sends the advisory before it drops the consumer from the
+    // stream, so a lookup right after it may still find the consumer; each
+    // lookup is one request to the server (no sleep), for at most 10 s.
+    const absl::Time until = absl::Now() + absl::Seconds(10);
+    natsStatus st = NATS_OK;
+    do {
+      ci = nullptr;
+      st = js_GetConsumerInfo(&ci, js, "close", name.c_str(), nullptr, nullptr);
+      jsConsumerInfo_Destroy(ci);
+    } while (st == NATS_OK && absl::Now() < until);
+    EXPECT_EQ(st, NATS_NOT_FOUND) << "consumer " << name << " outlived its deletion advisory";
   }
 }
 
