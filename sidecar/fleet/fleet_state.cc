@@ -213,7 +213,8 @@ absl::StatusOr<FleetState> ReadNewestState(natsConnection* nc, jsCtx* js,
     natsMsg_Destroy(m);
   }
   // Walk the subject from its first message with an ordered consumer
-  // (flow-controlled, no server-side state left behind).
+  // (flow-controlled; ephemeral: the server removes it 5 s after the
+  // close below).
   jsSubOptions so;
   jsSubOptions_Init(&so);
   so.Stream = stream.c_str();

@@ -276,6 +276,10 @@ TEST(CloseSubscription, LeavesAJetStreamConsumerForTheServerToRemove) {
     ASSERT_EQ(natsConnection_FlushTimeout(nc, 5000), NATS_OK);
 
     CloseSubscription(nc, sub);
+    // One that handed out a message left the connection and was freed; one
+    // that handed out none is still in the connection's table (its UNSUB
+    // has a limit of one) and waits, parked, for the connection's close.
+    EXPECT_EQ(ParkedSubscriptions(nc), read_one ? 0 : 1);
     ci = nullptr;
     EXPECT_EQ(js_GetConsumerInfo(&ci, js, "close", name.c_str(), nullptr, nullptr), NATS_OK)
         << "the consumer was deleted by the close";
@@ -298,6 +302,9 @@ TEST(CloseSubscription, LeavesAJetStreamConsumerForTheServerToRemove) {
     } while (st == NATS_OK && absl::Now() < until);
     EXPECT_EQ(st, NATS_NOT_FOUND) << "consumer " << name << " outlived its deletion advisory";
   }
+  EXPECT_EQ(ParkedSubscriptions(nc), 1);
+  (*nats)->Close();  // frees the parked one (AddressSanitizer's leak check sees it)
+  EXPECT_EQ(ParkedSubscriptions(nc), 0);
 }
 
 // What a KvBucket::Watch delivered: "key=value" or "key deleted" per
@@ -306,6 +313,7 @@ struct WatchRecorder {
   absl::Mutex mu;
   std::vector<std::string> entries ABSL_GUARDED_BY(mu);
   int done_at ABSL_GUARDED_BY(mu) = -1;
+  int done_calls ABSL_GUARDED_BY(mu) = 0;
 
   absl::StatusOr<std::unique_ptr<KvWatcher>> Watch(KvBucket& kv, const std::string& keys) {
     return kv.Watch(
@@ -318,10 +326,12 @@ struct WatchRecorder {
         [this] {
           absl::MutexLock l(&mu);
           done_at = static_cast<int>(entries.size());
+          ++done_calls;
         });
   }
   bool Done() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return done_at >= 0; }
-  bool FiveEntries() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return entries.size() >= 5; }
+  bool SixEntries() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return entries.size() >= 6; }
+  bool OneEntry() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return !entries.empty(); }
   // With mu held: waits (20 s at most) until `ready`.
   bool AwaitLocked(bool (WatchRecorder::*ready)() const) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     return mu.AwaitWithTimeout(absl::Condition(this, ready), absl::Seconds(20));
@@ -346,6 +356,8 @@ TEST(KvWatch, CurrentValuesThenChangesInOrder) {
   ASSERT_TRUE((*kv)->Put("a.x", "2").ok());  // only the last value comes first
   ASSERT_TRUE((*kv)->Put("a.y", "3").ok());
   ASSERT_TRUE((*kv)->Put("b.z", "4").ok());  // outside "a.>"
+  ASSERT_TRUE((*kv)->Put("a.v", "0").ok());
+  ASSERT_TRUE((*kv)->Delete("a.v").ok());  // a delete marker is a current value too
 
   WatchRecorder seen;
   auto w = seen.Watch(**kv, "a.>");
@@ -353,7 +365,7 @@ TEST(KvWatch, CurrentValuesThenChangesInOrder) {
   {
     absl::MutexLock l(&seen.mu);
     ASSERT_TRUE(seen.AwaitLocked(&WatchRecorder::Done));
-    EXPECT_EQ(seen.done_at, 2);
+    EXPECT_EQ(seen.done_at, 3);
   }
   ASSERT_TRUE((*kv)->Put("a.y", "5").ok());
   ASSERT_TRUE((*kv)->Put("b.z", "6").ok());
@@ -361,9 +373,10 @@ TEST(KvWatch, CurrentValuesThenChangesInOrder) {
   ASSERT_TRUE((*kv)->Put("a.w", "7").ok());
   {
     absl::MutexLock l(&seen.mu);
-    ASSERT_TRUE(seen.AwaitLocked(&WatchRecorder::FiveEntries));
-    EXPECT_EQ(seen.entries,
-              (std::vector<std::string>{"a.x=2", "a.y=3", "a.y=5", "a.x deleted", "a.w=7"}));
+    ASSERT_TRUE(seen.AwaitLocked(&WatchRecorder::SixEntries));
+    EXPECT_EQ(seen.entries, (std::vector<std::string>{"a.x=2", "a.y=3", "a.v deleted", "a.y=5",
+                                                      "a.x deleted", "a.w=7"}));
+    EXPECT_EQ(seen.done_calls, 1);
   }
   w->reset();  // stops, joins, frees
 
@@ -371,10 +384,19 @@ TEST(KvWatch, CurrentValuesThenChangesInOrder) {
   WatchRecorder empty;
   auto w2 = empty.Watch(**kv, "c.>");
   ASSERT_TRUE(w2.ok()) << w2.status();
+  {
+    absl::MutexLock l(&empty.mu);
+    ASSERT_TRUE(empty.AwaitLocked(&WatchRecorder::Done));
+    EXPECT_EQ(empty.done_at, 0);
+    EXPECT_TRUE(empty.entries.empty());
+  }
+  // A value written afterwards comes as a change, and done is not called again.
+  ASSERT_TRUE((*kv)->Put("c.q", "8").ok());
   absl::MutexLock l(&empty.mu);
-  ASSERT_TRUE(empty.AwaitLocked(&WatchRecorder::Done));
+  ASSERT_TRUE(empty.AwaitLocked(&WatchRecorder::OneEntry));
+  EXPECT_EQ(empty.entries, std::vector<std::string>{"c.q=8"});
+  EXPECT_EQ(empty.done_calls, 1);
   EXPECT_EQ(empty.done_at, 0);
-  EXPECT_TRUE(empty.entries.empty());
 }
 
 }  // namespace

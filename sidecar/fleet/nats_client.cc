@@ -7,12 +7,14 @@
 #include <cstring>
 #include <unordered_map>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 
@@ -382,7 +384,10 @@ void NatsClient::Close() {
     callbacks_->owner = nullptr;
   }
   connected_.store(false);
-  if (nc_ != nullptr) natsConnection_Close(nc_);
+  if (nc_ != nullptr) {
+    natsConnection_Close(nc_);  // joins the reader thread
+    FreeParkedSubscriptions(nc_);
+  }
   if (callbacks_ != nullptr) {
     // Asynchronous publishes still in flight get UNAVAILABLE now; answers
     // being delivered are waited for (none reaches a caller after this).
@@ -853,7 +858,7 @@ void Subscription::Stop() {
 
 Subscription::~Subscription() {
   Stop();
-  if (state_->sub != nullptr) natsSubscription_Destroy(state_->sub);
+  DestroySubscription(state_->nc, state_->sub);
 }
 
 absl::StatusOr<std::unique_ptr<Subscription>> NatsClient::Subscribe(
@@ -1045,21 +1050,27 @@ absl::StatusOr<std::unique_ptr<KvWatcher>> KvBucket::Watch(
   }
   natsSubscription_SetPendingLimits(watcher->sub_, -1, -1);
   // The initial values: what the consumer had when it was made (delivered
-  // since or not). None: they are done at once.
-  bool initial = true;
-  {
+  // since or not). None: they are done at once. (NOT_FOUND: the library
+  // recreated the ordered consumer in between, e.g. after a gap; asked
+  // once more, of the new one.)
+  uint64_t initial_count = 0;
+  for (int attempt = 0;; ++attempt) {
     jsConsumerInfo* ci = nullptr;
     s = natsSubscription_GetConsumerInfo(&ci, watcher->sub_, nullptr, &jerr);
+    if (s == NATS_NOT_FOUND && attempt == 0) continue;
     if (s != NATS_OK) {
       return NatsError(s, jerr, absl::StrCat("watch ", name_, "/", keys));
     }
-    initial = ci->NumPending + ci->Delivered.Consumer > 0;
+    initial_count = ci->NumPending + ci->Delivered.Consumer;
     jsConsumerInfo_Destroy(ci);
+    break;
   }
   KvWatcher* raw = watcher.get();
-  watcher->thread_ = std::thread([raw, initial, key_at = prefix.size(),
+  watcher->thread_ = std::thread([raw, initial_count, key_at = prefix.size(),
                                   callback = std::move(callback),
                                   done = std::move(on_initial_done)]() mutable {
+    bool initial = initial_count > 0;
+    uint64_t received = 0;
     if (!initial && done) done();
     while (!raw->stop_.load()) {
       natsMsg* m = nullptr;
@@ -1069,8 +1080,12 @@ absl::StatusOr<std::unique_ptr<KvWatcher>> KvBucket::Watch(
       uint64_t pending = 0;
       const KvEntry k = MsgToKvEntry(m, key_at, &pending);
       natsMsg_Destroy(m);
+      if (raw->stop_.load()) break;  // nothing reaches the callback after Stop
       callback(k);
-      if (initial && pending == 0) {
+      // Done after the last of them: when nothing is left, or (values
+      // written meanwhile keep the pending count above zero) once as many
+      // as there were have come.
+      if (initial && (pending == 0 || ++received >= initial_count)) {
         initial = false;
         if (done) done();
       }
@@ -1089,7 +1104,7 @@ void KvWatcher::Stop() {
 KvWatcher::~KvWatcher() {
   Stop();
   if (thread_.joinable()) thread_.join();
-  if (sub_ != nullptr) natsSubscription_Destroy(sub_);
+  DestroySubscription(nc_, sub_);
 }
 
 namespace {
@@ -1124,16 +1139,66 @@ void UnsubscribeAndDrain(natsConnection* nc, natsSubscription* sub) {
     // name: a use after free when the delete answers "not found", which
     // AddressSanitizer caught in the fleet tests. The server removes an
     // ephemeral consumer without interest by itself (after 5 s).
+    // One that got none stays in the connection's table (libnats takes it
+    // out when it hands out the message that reaches the limit): freed by
+    // DestroySubscription only after the connection is closed.
     natsSubscription_AutoUnsubscribe(sub, 1);
   }
   // Checked again: a reconnect may have come in between.
   if (connected()) natsConnection_FlushTimeout(nc, 2000);
 }
 
+namespace {
+
+// Subscriptions still registered in their connection after
+// UnsubscribeAndDrain (a JetStream one that never handed out a message),
+// per connection, until NatsClient::Close has closed it.
+absl::Mutex parked_mu(absl::kConstInit);
+std::unordered_map<natsConnection*, std::vector<natsSubscription*>>& Parked()
+    ABSL_EXCLUSIVE_LOCKS_REQUIRED(parked_mu) {
+  static auto* parked =
+      new std::unordered_map<natsConnection*, std::vector<natsSubscription*>>();
+  return *parked;
+}
+
+}  // namespace
+
+void DestroySubscription(natsConnection* nc, natsSubscription* sub) {
+  if (sub == nullptr) return;
+  // Still valid = still in the connection's table of subscriptions: the
+  // reader thread may look it up for a message at any time (a heartbeat of
+  // its consumer, the one message its limit lets through), so it is freed
+  // only once the connection is closed and its reader joined.
+  if (nc != nullptr && natsSubscription_IsValid(sub) && !natsConnection_IsClosed(nc)) {
+    absl::MutexLock l(&parked_mu);
+    Parked()[nc].push_back(sub);
+    return;
+  }
+  natsSubscription_Destroy(sub);
+}
+
+void FreeParkedSubscriptions(natsConnection* nc) {
+  std::vector<natsSubscription*> subs;
+  {
+    absl::MutexLock l(&parked_mu);
+    auto it = Parked().find(nc);
+    if (it == Parked().end()) return;
+    subs = std::move(it->second);
+    Parked().erase(it);
+  }
+  for (natsSubscription* sub : subs) natsSubscription_Destroy(sub);
+}
+
+int ParkedSubscriptions(natsConnection* nc) {
+  absl::MutexLock l(&parked_mu);
+  auto it = Parked().find(nc);
+  return it == Parked().end() ? 0 : static_cast<int>(it->second.size());
+}
+
 void CloseSubscription(natsConnection* nc, natsSubscription* sub) {
   if (sub == nullptr) return;
   UnsubscribeAndDrain(nc, sub);
-  natsSubscription_Destroy(sub);
+  DestroySubscription(nc, sub);
 }
 
 }  // namespace leap::fleet

@@ -262,8 +262,9 @@ class KvBucket {
 // A bucket's watch on an ordered consumer of its own (not libnats's
 // kvWatcher, whose stop deletes the consumer: see UnsubscribeAndDrain). Stop
 // ends the subscription with UnsubscribeAndDrain; the destructor then joins
-// the thread and only then frees the subscription, so libnats 3.4.1's reader
-// thread cannot use it after it is freed.
+// the thread and only then frees the subscription (DestroySubscription), so
+// libnats 3.4.1's reader thread cannot use it after it is freed. The thread
+// passes nothing to the callback once it has seen the stop.
 class KvWatcher {
  public:
   ~KvWatcher();
@@ -388,13 +389,31 @@ StreamMsg ToStreamMsg(__natsMsg* msg);
 // connection's state: a reconnect can come at any time); then, when
 // connected, a flush (at most 2 s) returns once the reader has handled all
 // the server sent before its PONG, and after the UNSUB nothing more comes for
-// `sub`. A JetStream consumer the library created is never deleted here
+// `sub` — except for a JetStream subscription that never handed out a
+// message: its UNSUB carries a limit of one (below), so it stays in the
+// connection's table; DestroySubscription parks it. A JetStream consumer the library created is never deleted here
 // (libnats 3.4.1's delete races with its own ordered-consumer recreation, a
 // use after free; see the .cc): the server removes an ephemeral consumer
 // without interest by itself, 5 s after its subscriber left.
 void UnsubscribeAndDrain(__natsConnection* nc, __natsSubscription* sub);
 
-// UnsubscribeAndDrain, then natsSubscription_Destroy. Use it for every
+// Frees a subscription after UnsubscribeAndDrain: at once when it has left
+// the connection (it got any message, or the connection is closed); else (a
+// JetStream subscription that never handed out a message stays in the
+// connection's table with its limit of one) it is parked and freed when
+// NatsClient::Close has closed the connection, since the reader may still
+// look it up. A parked subscription holds at most the one message its limit
+// lets through. Null `sub`: nothing.
+void DestroySubscription(__natsConnection* nc, __natsSubscription* sub);
+
+// Frees the subscriptions parked for `nc`; call only after
+// natsConnection_Close(nc) (NatsClient::Close does).
+void FreeParkedSubscriptions(__natsConnection* nc);
+
+// How many subscriptions are parked for `nc` (tests).
+int ParkedSubscriptions(__natsConnection* nc);
+
+// UnsubscribeAndDrain, then DestroySubscription. Use it for every
 // subscription that may still receive messages. Null `sub`: nothing.
 void CloseSubscription(__natsConnection* nc, __natsSubscription* sub);
 

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <set>
 #include <thread>
 
 #include "absl/strings/numbers.h"
@@ -151,19 +152,21 @@ absl::Status NatsCluster::NodeReady(int i) const {
   if (!routez.ok()) return routez.status();
   int others = 0;
   for (int j = 0; j < size(); ++j) others += (j != i && running(j)) ? 1 : 0;
-  // At least one route to each (a node may briefly hold two to a peer that
-  // restarted, the old one not yet closed).
-  const std::string kKey = "\"num_routes\": ";
-  const size_t at = routez->find(kKey);
-  int routes = -1;
-  if (at == std::string::npos ||
-      !absl::SimpleAtoi(absl::string_view(*routez).substr(at + kKey.size(),
-                                                         routez->find_first_of(",\n}", at) -
-                                                             at - kKey.size()),
-                        &routes) ||
-      routes < others) {
+  // A route to each: the distinct peers' server ids among the routes (a
+  // node may briefly hold two routes to a peer that restarted, the old one
+  // not yet closed, so the route count alone could hide a missing peer).
+  const std::string kKey = "\"remote_id\": \"";
+  std::set<std::string> peers;
+  for (size_t at = routez->find(kKey); at != std::string::npos;
+       at = routez->find(kKey, at + 1)) {
+    const size_t from = at + kKey.size();
+    const size_t to = routez->find('"', from);
+    if (to == std::string::npos) break;
+    peers.insert(routez->substr(from, to - from));
+  }
+  if (static_cast<int>(peers.size()) < others) {
     return absl::UnavailableError(
-        absl::StrCat(name(i), ": ", routes, " routes, want ", others));
+        absl::StrCat(name(i), ": routes to ", peers.size(), " peers, want ", others));
   }
   return absl::OkStatus();
 }
