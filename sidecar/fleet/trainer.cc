@@ -163,8 +163,9 @@ struct Trainer::Families {
                       .Register(r)),
         fenced(prometheus::BuildCounter()
                    .Name("leap_fleet_trainer_publish_fenced_total")
-                   .Help("Version publishes refused by the lease or sequence "
-                         "fence, per readout")
+                   .Help("Version publishes and STATE checkpoints refused by the "
+                         "lease or sequence fence or left unwritten for a later "
+                         "incarnation of the readout, per readout")
                    .Register(r)),
         applied(prometheus::BuildCounter()
                     .Name("leap_fleet_trainer_completions_applied_total")
