@@ -1148,9 +1148,14 @@ class Trainer::Worker {
         }
         s.label = label;
         s.kept_seqs.clear();  // a snapshot is theta and P only
+        // The id names the incarnation: a worker of a deleted incarnation
+        // answering the same operation (its member has not applied the
+        // delete yet) must not take this one's id (JetStream would drop
+        // the current incarnation's chunks as duplicates); a replay within
+        // the incarnation writes the same ids.
         absl::StatusOr<int32_t> w = PublishState(
             t_->js_, StateStream(fleet()), SnapshotSubject(fleet(), r_.name, label),
-            r_.name, absl::StrCat("snap-", r_.name, "-", seq), s);
+            r_.name, absl::StrCat("snap-", r_.name, "-", r_.created_unix_ms, "-", seq), s);
         if (!w.ok()) {
           Log(absl::StrCat("snapshot '", label, "' not written: ", w.status().message()));
           Publish(absl::StrCat("error: snapshot ", label, ": ", w.status().message()),

@@ -828,6 +828,63 @@ TEST_F(FleetTrainerTest, AnOldIncarnationsCheckpointAfterTheNewCreationIsRefused
   a->Abandon();
 }
 
+// A SNAPSHOT after the name was created again is answered by both
+// incarnations' workers: the old one (its member has not applied the CONFIG
+// change yet) and the new one (replaying from its creation state). Both
+// snapshots are stored, under ids that name the incarnation, and the new
+// incarnation's ROLLBACK restores its own, bit for bit. Before the ids named
+// the incarnation JetStream dropped the new worker's chunks as duplicates of
+// the old one's, and the ROLLBACK found only the old incarnation's snapshot.
+TEST_F(FleetTrainerTest, EachIncarnationRollsBackToItsOwnSnapshot) {
+  Fixture f = MakeFixture(12);
+  CreateReadout(f, 1000);
+  std::unique_ptr<Trainer> a = *Trainer::Start(conn_->nc, Options("a", 1000));
+  a->SetReadouts({f.readout});
+  std::mt19937_64 rng(19);
+  uint64_t last = 0;
+  for (int i = 0; i < 20; ++i) {
+    last = PublishCompletion(MakeRow(rng, f), absl::StrCat("a", i));
+  }
+  WaitVersion([&](const FleetVersion& v) { return v.fleet_seq() >= last; });
+  TrainerReadout again = f.readout;
+  again.created_unix_ms = f.readout.created_unix_ms + 1000;
+  const Eigen::VectorXd theta_b = WriteNewIncarnation(conn_->js, fleet_, f, again, last);
+  natsSubscription* snaps = nullptr;
+  ASSERT_EQ(natsConnection_SubscribeSync(&snaps, conn_->nc,
+                                         SnapshotSubject(fleet_, kReadout, "s").c_str()),
+            NATS_OK);
+  PublishControl(FleetControl::SNAPSHOT, "s", "s1");
+  for (;;) {  // the old worker's snapshot
+    natsMsg* m = nullptr;
+    ASSERT_EQ(natsSubscription_NextMsg(&m, snaps, 20000), NATS_OK)
+        << "the old worker never wrote its snapshot";
+    FleetStateChunk c;
+    c.ParseFromArray(natsMsg_GetData(m), natsMsg_GetDataLength(m));
+    natsMsg_Destroy(m);
+    if (c.last() && c.created_unix_ms() == f.readout.created_unix_ms) break;
+  }
+  CloseSubscription(conn_->nc, snaps);
+  a->SetReadouts({again});
+  FleetVersion vs = WaitVersion([&](const FleetVersion& v) {
+    return v.created_unix_ms() == again.created_unix_ms && v.op_id() == "s1";
+  });
+  EXPECT_EQ(vs.cause(), "snapshot:s");
+  uint64_t last_b = 0;
+  for (int i = 0; i < 5; ++i) {
+    last_b = PublishCompletion(MakeRow(rng, f), absl::StrCat("b", i));
+  }
+  FleetVersion moved = WaitVersion([&](const FleetVersion& v) {
+    return v.created_unix_ms() == again.created_unix_ms && v.fleet_seq() >= last_b;
+  });
+  EXPECT_NE(Theta(moved), theta_b);
+  PublishControl(FleetControl::ROLLBACK, "s", "r1");
+  FleetVersion vr = WaitVersion([](const FleetVersion& v) { return v.op_id() == "r1"; });
+  EXPECT_EQ(vr.created_unix_ms(), again.created_unix_ms);
+  EXPECT_EQ(vr.cause(), "rollback:s");
+  EXPECT_EQ(Theta(vr), theta_b);  // the new incarnation's snapshot: its creation state
+  a->Abandon();
+}
+
 // A trainer whose term begins after the name was created again, with the
 // old incarnation still in its readout set (its member has not applied the
 // CONFIG change): nothing was stored on the checkpoint subject since it
