@@ -1601,8 +1601,8 @@ class Trainer::Worker {
     }
     absl::StatusOr<int32_t> chunks = absl::InternalError("not written");
     StateFence fence;
-    // The first sequence of the newest state before this one (what the
-    // purge keeps from); 0: estimated from its chunk count.
+    // The first sequence of the newest state before this one when this
+    // worker wrote it (what the purge keeps from); 0: not known.
     uint64_t prev_first = ckpt_prev_first_seq_;
     for (int attempt = 0; attempt < 2; ++attempt) {
       fence = StateFence{};
@@ -1651,26 +1651,43 @@ class Trainer::Worker {
       t_->families_->checkpoints.Add({{"readout", r_.name}, {"where", "fleet"}})
           .Increment();
     }
-    // Keep the last two (the newest may be unreadable, the one before not):
-    // everything on the subject below the first sequence of the state
-    // before this one goes. By sequence, not by count, so a state stored
-    // after this one (a new incarnation's creation state) is never purged.
-    // This write's chunks follow the state before directly (the fence), so
-    // that state's first sequence, when this worker did not write it, is
-    // its chunk count before this write's first one.
-    if (prev_first == 0 && fence.first_seq > 0) {
-      const uint64_t before =
-          static_cast<uint64_t>(std::max<int32_t>(checkpoint_chunks_, *chunks));
-      prev_first = fence.first_seq > before ? fence.first_seq - before : 0;
-    }
+    // Keep the last two (the newest may be unreadable, the one before not).
+    // When this worker wrote the one before (in this term), by sequence:
+    // everything on the subject below that state's first sequence goes, and
+    // a state stored after this one (a new incarnation's creation state) is
+    // never purged. Otherwise (the first checkpoint of a term, or one retried
+    // on top of another write) by count, as many messages kept as the two
+    // states have chunks, and only while this write is still the subject's
+    // last message (checked just before; nothing else stored since): the
+    // stream's sequences also number other subjects' messages, so the state
+    // before's first sequence is not known.
+    const uint64_t keep = static_cast<uint64_t>(
+        *chunks + std::max<int32_t>(checkpoint_chunks_, *chunks));
     checkpoint_chunks_ = *chunks;
     ckpt_prev_first_seq_ = fence.first_seq;
     ckpt_last_incarnation_ = s.created_unix_ms;
-    if (prev_first > 1) {
-      jsOptions jo;
-      jsOptions_Init(&jo);
-      jo.Stream.Purge.Subject = subject.c_str();
+    jsOptions jo;
+    jsOptions_Init(&jo);
+    jo.Stream.Purge.Subject = subject.c_str();
+    bool purge = false;
+    if (prev_first > 0) {
       jo.Stream.Purge.Sequence = prev_first;
+      purge = prev_first > 1;
+    } else {
+      natsMsg* raw = nullptr;
+      jsErrCode code = static_cast<jsErrCode>(0);
+      if (js_GetLastMsg(&raw, js, stream.c_str(), subject.c_str(), nullptr, &code) ==
+          NATS_OK) {
+        purge = natsMsg_GetSequence(raw) == fence.last_subject_seq;
+        natsMsg_Destroy(raw);
+      }
+      jo.Stream.Purge.Keep = keep;
+      if (!purge) {
+        Log(absl::StrCat("old checkpoints on ", subject,
+                         " not pruned: something was stored after this one"));
+      }
+    }
+    if (purge) {
       jsErrCode code = static_cast<jsErrCode>(0);
       natsStatus st = js_PurgeStream(js, stream.c_str(), &jo, &code);
       if (st != NATS_OK) {

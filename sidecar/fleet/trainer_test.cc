@@ -885,6 +885,75 @@ TEST_F(FleetTrainerTest, EachIncarnationRollsBackToItsOwnSnapshot) {
   a->Abandon();
 }
 
+// After each STATE checkpoint the subject keeps the last two states: the
+// first checkpoint of a term purges by count, the next ones by sequence
+// (below the first sequence of the worker's previous checkpoint). Snapshots
+// (another subject of the same stream) written in between leave gaps in the
+// stream sequences of the checkpoint subject's messages.
+TEST_F(FleetTrainerTest, CheckpointsKeepTheLastTwoStates) {
+  Fixture f = MakeFixture(14);
+  CreateReadout(f, 1000);
+  std::unique_ptr<Trainer> a = *Trainer::Start(conn_->nc, Options("a", 1000));
+  a->SetReadouts({f.readout});
+  natsSubscription* ckpt = nullptr;
+  ASSERT_EQ(natsConnection_SubscribeSync(&ckpt, conn_->nc,
+                                         CheckpointSubject(fleet_, kReadout).c_str()),
+            NATS_OK);
+  auto checkpoint = [&](uint64_t seq) {
+    a->RequestCheckpoint();
+    for (;;) {
+      natsMsg* m = nullptr;
+      ASSERT_EQ(natsSubscription_NextMsg(&m, ckpt, 20000), NATS_OK)
+          << "no checkpoint at " << seq;
+      FleetStateChunk c;
+      c.ParseFromArray(natsMsg_GetData(m), natsMsg_GetDataLength(m));
+      natsMsg_Destroy(m);
+      if (c.last() && c.fleet_seq() == seq) return;
+    }
+  };
+  const std::string stream = StateStream(fleet_);
+  const std::string subject = CheckpointSubject(fleet_, kReadout);
+  // Term 1: a snapshot, then the first checkpoint: the creation state stays.
+  PublishControl(FleetControl::SNAPSHOT, "x", "x0");
+  WaitVersion([&](const FleetVersion& v) { return v.op_id() == "x0"; });
+  std::mt19937_64 rng(23);
+  uint64_t s1 = 0;
+  for (int i = 0; i < 10; ++i) s1 = PublishCompletion(MakeRow(rng, f), absl::StrCat("a", i));
+  WaitVersion([&](const FleetVersion& v) { return v.fleet_seq() >= s1; });
+  ASSERT_NO_FATAL_FAILURE(checkpoint(s1));
+  a->SetReadouts({});  // its checkpoint thread is done (joined)
+  {
+    absl::StatusOr<FleetState> create =
+        ReadNewestState(conn_->nc, conn_->js, stream, subject, s1 - 1);
+    ASSERT_TRUE(create.ok()) << create.status();
+    EXPECT_EQ(create->state_id, "create");
+  }
+  // Term 2 (a new worker, from that checkpoint): a snapshot, a checkpoint,
+  // more completions, a checkpoint.
+  a->SetReadouts({f.readout});
+  const uint64_t s2 = PublishControl(FleetControl::SNAPSHOT, "x", "x1");
+  WaitVersion([&](const FleetVersion& v) { return v.op_id() == "x1"; });
+  ASSERT_NO_FATAL_FAILURE(checkpoint(s2));
+  uint64_t s3 = 0;
+  for (int i = 10; i < 13; ++i) s3 = PublishCompletion(MakeRow(rng, f), absl::StrCat("a", i));
+  WaitVersion([&](const FleetVersion& v) { return v.fleet_seq() >= s3; });
+  ASSERT_NO_FATAL_FAILURE(checkpoint(s3));
+  CloseSubscription(conn_->nc, ckpt);
+  a->SetReadouts({});
+  absl::StatusOr<FleetState> newest = ReadNewestState(conn_->nc, conn_->js, stream, subject);
+  ASSERT_TRUE(newest.ok()) << newest.status();
+  EXPECT_EQ(newest->fleet_seq, s3);
+  absl::StatusOr<FleetState> before =
+      ReadNewestState(conn_->nc, conn_->js, stream, subject, s3 - 1);
+  ASSERT_TRUE(before.ok()) << before.status();
+  EXPECT_EQ(before->fleet_seq, s2);
+  absl::StatusOr<FleetState> purged =
+      ReadNewestState(conn_->nc, conn_->js, stream, subject, s2 - 1);
+  EXPECT_TRUE(absl::IsNotFound(purged.status()))
+      << (purged.ok() ? purged->state_id : std::string());
+  a->Abandon();
+}
+
 // A trainer whose term begins after the name was created again, with the
 // old incarnation still in its readout set (its member has not applied the
 // CONFIG change): nothing was stored on the checkpoint subject since it
