@@ -1,5 +1,6 @@
 #include "sidecar/fleet/fleet_state.h"
 
+#include <cstdio>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -130,7 +131,8 @@ absl::StatusOr<int32_t> PublishState(jsCtx* js, const std::string& stream,
                                      const std::string& subject,
                                      const std::string& readout,
                                      const std::string& state_id,
-                                     const FleetState& s) {
+                                     const FleetState& s,
+                                     StateFence* fence) {
   const std::string data = EncodeStatePayload(s);
   const uint32_t crc = Crc32c(data.data(), data.size());
   // The quality rides on the last chunk, whose data shrinks to make room
@@ -150,12 +152,14 @@ absl::StatusOr<int32_t> PublishState(jsCtx* js, const std::string& stream,
                        kStateChunkBytes) {
     ++chunks;
   }
+  if (fence != nullptr) fence->first_seq = 0;
   std::string bytes;
   for (int32_t i = 0; i < chunks; ++i) {
     leap::v1::fleet::FleetStateChunk c;
     c.set_readout(readout);
     c.set_state_id(state_id);
     c.set_index(i);
+    c.set_created_unix_ms(s.created_unix_ms);
     const int64_t off = std::min<int64_t>(static_cast<int64_t>(i) * kStateChunkBytes, size);
     c.set_data(data.substr(static_cast<size_t>(off), kStateChunkBytes));
     if (i == chunks - 1) {
@@ -177,15 +181,30 @@ absl::StatusOr<int32_t> PublishState(jsCtx* js, const std::string& stream,
     const std::string id = absl::StrCat(state_id, "/", i);
     po.MsgId = id.c_str();
     po.ExpectStream = stream.c_str();
+    if (fence != nullptr) {
+      if (fence->last_subject_seq > 0) {
+        po.ExpectLastSubjectSeq = fence->last_subject_seq;
+      } else {
+        po.ExpectNoMessage = true;
+      }
+    }
     jsPubAck* ack = nullptr;
     jsErrCode code = static_cast<jsErrCode>(0);
     natsStatus st = js_Publish(&ack, js, subject.c_str(), bytes.data(),
                                static_cast<int>(bytes.size()), &po, &code);
+    if (st == NATS_OK && fence != nullptr && ack != nullptr) {
+      fence->last_subject_seq = ack->Sequence;
+      if (i == 0) fence->first_seq = ack->Sequence;
+    }
     if (ack != nullptr) jsPubAck_Destroy(ack);
     if (st != NATS_OK) {
-      return NatsFailure(absl::StrCat("publishing state ", state_id, " chunk ", i,
-                                    " on ", subject),
-                       st, code);
+      absl::Status failure = NatsFailure(
+          absl::StrCat("publishing state ", state_id, " chunk ", i, " on ", subject), st,
+          code);
+      if (fence != nullptr && code == JSStreamWrongLastSequenceErr) {
+        return absl::FailedPreconditionError(failure.message());
+      }
+      return failure;
     }
   }
   return chunks;
@@ -194,7 +213,8 @@ absl::StatusOr<int32_t> PublishState(jsCtx* js, const std::string& stream,
 absl::StatusOr<FleetState> ReadNewestState(natsConnection* nc, jsCtx* js,
                                            const std::string& stream,
                                            const std::string& subject,
-                                           std::optional<uint64_t> max_fleet_seq) {
+                                           std::optional<uint64_t> max_fleet_seq,
+                                           std::optional<int64_t> incarnation) {
   // The end: the subject's last message now (NotFound: nothing written).
   uint64_t last_seq = 0;
   {
@@ -255,15 +275,26 @@ absl::StatusOr<FleetState> ReadNewestState(natsConnection* nc, jsCtx* js,
           partial.erase(id);
           next_index.erase(id);
           FleetState s;
-          if (c.chunks() == c.index() + 1 &&
-              Crc32c(data.data(), data.size()) == c.crc32c() &&
-              DecodeStatePayload(data, &s).ok() &&
-              (!max_fleet_seq.has_value() || c.fleet_seq() <= *max_fleet_seq)) {
+          const bool other_incarnation = incarnation.has_value() &&
+                                         c.created_unix_ms() != 0 &&
+                                         c.created_unix_ms() != *incarnation;
+          if (other_incarnation) {
+            std::fprintf(stderr,
+                         "leapd: fleet state: %s: state %s (seq %llu) belongs to "
+                         "incarnation %lld of the readout, not %lld; skipped\n",
+                         subject.c_str(), id.c_str(), static_cast<unsigned long long>(seq),
+                         static_cast<long long>(c.created_unix_ms()),
+                         static_cast<long long>(*incarnation));
+          } else if (c.chunks() == c.index() + 1 &&
+                     Crc32c(data.data(), data.size()) == c.crc32c() &&
+                     DecodeStatePayload(data, &s).ok() &&
+                     (!max_fleet_seq.has_value() || c.fleet_seq() <= *max_fleet_seq)) {
             s.version = c.version();
             s.completions_learned = c.completions_learned();
             s.fleet_seq = c.fleet_seq();
             s.label = c.label();
             s.unix_ms = c.unix_ms();
+            s.created_unix_ms = c.created_unix_ms();
             s.state_id = id;
             s.chunks = c.chunks();
             s.kept_seqs.assign(c.kept_seqs().begin(), c.kept_seqs().end());

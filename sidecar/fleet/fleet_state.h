@@ -45,6 +45,9 @@ struct FleetState {
   // with pairs, FleetStateChunk.quality on the last chunk); "" when none.
   std::string quality;
   int64_t unix_ms = 0;
+  // The readout's incarnation (FleetReadoutConfig.created_unix_ms) the state
+  // belongs to; 0: not named (exports, states written before the field).
+  int64_t created_unix_ms = 0;
   std::string state_id;  // as read or written
   int32_t chunks = 0;    // as read or written
 };
@@ -65,21 +68,41 @@ std::string ExportSubject(absl::string_view fleet, absl::string_view readout,
 std::string EncodeStatePayload(const FleetState& s);
 absl::Status DecodeStatePayload(absl::string_view data, FleetState* s);
 
+// A write fenced on the subject's last sequence (PublishState).
+struct StateFence {
+  // In: the subject's last stream sequence the writer saw (0: the subject
+  // must be empty). Every chunk is published with JetStream's expected last
+  // subject sequence: the first on this one, each next one on the chunk
+  // before it. Out: the sequence of the last chunk stored.
+  uint64_t last_subject_seq = 0;
+  // Out: the sequence of the first chunk (0 when none was stored).
+  uint64_t first_seq = 0;
+};
+
 // Writes `s` on `subject` (stream `stream`) as chunks under `state_id`,
 // each publish acknowledged by JetStream (message id state_id/index, so a
-// resend is de-duplicated). Returns the number of chunks.
+// resend is de-duplicated). Returns the number of chunks. With `fence`,
+// a chunk refused because something else was stored on the subject since
+// (JetStream error 10071, wrong last sequence) ends the write with
+// FailedPrecondition (the chunks stored before it stay: an incomplete state
+// no reader takes).
 absl::StatusOr<int32_t> PublishState(jsCtx* js, const std::string& stream,
                                      const std::string& subject,
                                      const std::string& readout,
                                      const std::string& state_id,
-                                     const FleetState& s);
+                                     const FleetState& s,
+                                     StateFence* fence = nullptr);
 
-// The newest complete, CRC-valid state on `subject`; with `max_fleet_seq`,
-// the newest whose fleet_seq <= it. NotFound when there is none. `nc` is the
-// connection of `js` (the consumer is ended with CloseSubscription on it).
+// The newest complete, CRC-valid state on `subject` (in stream order); with
+// `max_fleet_seq`, the newest whose fleet_seq <= it; with `incarnation`,
+// the newest that names it or no incarnation (created_unix_ms 0): a state of
+// another incarnation of the readout is skipped (and logged). NotFound when
+// there is none. `nc` is the connection of `js` (the consumer is ended with
+// CloseSubscription on it).
 absl::StatusOr<FleetState> ReadNewestState(
     natsConnection* nc, jsCtx* js, const std::string& stream, const std::string& subject,
-    std::optional<uint64_t> max_fleet_seq = std::nullopt);
+    std::optional<uint64_t> max_fleet_seq = std::nullopt,
+    std::optional<int64_t> incarnation = std::nullopt);
 
 // Creates (or accepts as they are) the streams and the lease bucket of a
 // fleet, with `replicas` JetStream replicas and a lease TTL of `lease_ms`.

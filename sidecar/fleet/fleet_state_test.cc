@@ -17,6 +17,7 @@
 #include <cstring>
 #include <filesystem>
 #include <memory>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -142,6 +143,106 @@ TEST(FleetStatePayload, TheFullLayoutOfOlderStatesIsStillRead) {
   st = DecodeStatePayload(bad, &back);
   EXPECT_TRUE(absl::IsDataLoss(st)) << st;
   EXPECT_NE(st.message().find("expected"), std::string::npos) << st;
+}
+
+// The subject's last stream sequence now (0: empty).
+uint64_t LastSubjectSeq(jsCtx* js, const std::string& stream, const std::string& subject) {
+  natsMsg* m = nullptr;
+  if (js_GetLastMsg(&m, js, stream.c_str(), subject.c_str(), nullptr, nullptr) != NATS_OK) {
+    return 0;
+  }
+  const uint64_t seq = natsMsg_GetSequence(m);
+  natsMsg_Destroy(m);
+  return seq;
+}
+
+// A fenced PublishState carries the subject's expected last sequence on
+// every chunk: stored when nothing else was written since, refused
+// (FailedPrecondition, nothing stored) when something was, such as a new
+// incarnation's creation state. ReadNewestState with an incarnation skips
+// the states that name another one and takes those that name none.
+TEST(FleetStateFence, AStaleWriteIsRefusedAndReadersSkipOtherIncarnations) {
+  OneNodeNats one;
+  ASSERT_NO_FATAL_FAILURE(one.Start());
+  natsConnection* nc = (*one.client)->raw_connection();
+  jsCtx* js = (*one.client)->raw_jetstream();
+  ASSERT_TRUE(EnsureFleetStreams(js, "fence", 1, 2000).ok());
+  const std::string stream = StateStream("fence");
+  const std::string subject = CheckpointSubject("fence", "r");
+
+  // Incarnation 111's checkpoint, 3 chunks (P of n = 1000: 2 MB), on an
+  // empty subject.
+  FleetState a = RandomState(1000, 1);
+  a.created_unix_ms = 111;
+  a.fleet_seq = 5;
+  StateFence fa;
+  absl::StatusOr<int32_t> n = PublishState(js, stream, subject, "r", "a", a, &fa);
+  ASSERT_TRUE(n.ok()) << n.status();
+  EXPECT_EQ(*n, 3);
+  EXPECT_GT(fa.first_seq, 0u);
+  EXPECT_EQ(fa.last_subject_seq, fa.first_seq + 2);
+  EXPECT_EQ(LastSubjectSeq(js, stream, subject), fa.last_subject_seq);
+  // Fenced on "empty" now: refused.
+  StateFence empty;
+  EXPECT_TRUE(absl::IsFailedPrecondition(
+      PublishState(js, stream, subject, "r", "e", a, &empty).status()));
+
+  // Incarnation 222's creation state, unfenced (as a member writes it).
+  FleetState b = RandomState(8, 2);
+  b.created_unix_ms = 222;
+  b.fleet_seq = 6;
+  ASSERT_TRUE(PublishState(js, stream, subject, "r", "create-222", b).ok());
+  const uint64_t after_b = LastSubjectSeq(js, stream, subject);
+  ASSERT_EQ(after_b, fa.last_subject_seq + 1);
+
+  // Incarnation 111's next checkpoint, fenced on what it saw: refused at
+  // its first chunk; nothing of it is stored.
+  FleetState a2 = a;
+  a2.fleet_seq = 9;
+  StateFence stale = fa;
+  absl::StatusOr<int32_t> r = PublishState(js, stream, subject, "r", "a2", a2, &stale);
+  EXPECT_TRUE(absl::IsFailedPrecondition(r.status())) << r.status();
+  EXPECT_EQ(stale.first_seq, 0u);
+  EXPECT_EQ(LastSubjectSeq(js, stream, subject), after_b);
+
+  absl::StatusOr<FleetState> newest = ReadNewestState(nc, js, stream, subject);
+  ASSERT_TRUE(newest.ok()) << newest.status();
+  EXPECT_EQ(newest->state_id, "create-222");
+  EXPECT_EQ(newest->created_unix_ms, 222);
+  absl::StatusOr<FleetState> own =
+      ReadNewestState(nc, js, stream, subject, std::nullopt, int64_t{111});
+  ASSERT_TRUE(own.ok()) << own.status();
+  EXPECT_EQ(own->state_id, "a");
+  EXPECT_EQ(own->fleet_seq, 5u);
+  EXPECT_EQ(own->created_unix_ms, 111);
+  EXPECT_EQ(own->theta, a.theta);
+  absl::StatusOr<FleetState> other =
+      ReadNewestState(nc, js, stream, subject, std::nullopt, int64_t{333});
+  EXPECT_TRUE(absl::IsNotFound(other.status())) << other.status();
+
+  // Fenced on the sequence it now reads: stored, and newest for 111.
+  StateFence fresh;
+  fresh.last_subject_seq = after_b;
+  ASSERT_TRUE(PublishState(js, stream, subject, "r", "a3", a2, &fresh).ok());
+  EXPECT_EQ(fresh.first_seq, after_b + 1);
+  own = ReadNewestState(nc, js, stream, subject, std::nullopt, int64_t{111});
+  ASSERT_TRUE(own.ok()) << own.status();
+  EXPECT_EQ(own->state_id, "a3");
+  // ...and skipped by incarnation 222, whose newest is still its creation.
+  absl::StatusOr<FleetState> b_start =
+      ReadNewestState(nc, js, stream, subject, std::nullopt, int64_t{222});
+  ASSERT_TRUE(b_start.ok()) << b_start.status();
+  EXPECT_EQ(b_start->state_id, "create-222");
+
+  // A state naming no incarnation (written before the field) is taken by
+  // every reader.
+  FleetState old = RandomState(8, 3);
+  old.fleet_seq = 10;
+  ASSERT_TRUE(PublishState(js, stream, subject, "r", "old", old).ok());
+  b_start = ReadNewestState(nc, js, stream, subject, std::nullopt, int64_t{222});
+  ASSERT_TRUE(b_start.ok()) << b_start.status();
+  EXPECT_EQ(b_start->state_id, "old");
+  EXPECT_EQ(b_start->created_unix_ms, 0);
 }
 
 TEST(FleetStateQuality, AHugeSeriesCountDropsQualityNeverTheCheckpoint) {

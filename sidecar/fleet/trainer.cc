@@ -130,6 +130,7 @@ absl::Status WriteCreateState(jsCtx* js, const std::string& fleet,
   s.fleet_seq = fleet_seq;
   s.frozen = !state.p.has_value();
   s.unix_ms = UnixMs();
+  s.created_unix_ms = state.created_unix_ms;
   // One id per incarnation: a re-created name is never de-duplicated away.
   absl::StatusOr<int32_t> n =
       PublishState(js, StateStream(fleet), CheckpointSubject(fleet, readout), readout,
@@ -162,8 +163,9 @@ struct Trainer::Families {
                       .Register(r)),
         fenced(prometheus::BuildCounter()
                    .Name("leap_fleet_trainer_publish_fenced_total")
-                   .Help("Version publishes refused by the lease or sequence "
-                         "fence, per readout")
+                   .Help("Version publishes and STATE checkpoints refused by the "
+                         "lease or sequence fence or left unwritten for a later "
+                         "incarnation of the readout, per readout")
                    .Register(r)),
         applied(prometheus::BuildCounter()
                     .Name("leap_fleet_trainer_completions_applied_total")
@@ -308,6 +310,12 @@ class Trainer::Worker {
  private:
   const std::string& fleet() const { return t_->options_.fleet; }
 
+  // A state or version naming `created_unix_ms` belongs to this worker's
+  // incarnation of the readout (0: written before states named one).
+  bool OwnIncarnation(int64_t created_unix_ms) const {
+    return created_unix_ms == 0 || created_unix_ms == r_.created_unix_ms;
+  }
+
   void Log(const std::string& what) const {
     std::fprintf(stderr, "leapd: fleet trainer: readout '%s': %s\n",
                  r_.name.c_str(), what.c_str());
@@ -356,6 +364,7 @@ class Trainer::Worker {
     s.fleet_seq = fleet_seq_;
     s.frozen = frozen_;
     s.unix_ms = UnixMs();
+    s.created_unix_ms = r_.created_unix_ms;
     s.kept_seqs = kept_seq_;
     return s;
   }
@@ -423,14 +432,24 @@ class Trainer::Worker {
                                     subject.c_str(), nullptr, &code);
       if (st == NATS_OK) {
         MsgPtr m(raw);
+        // Where this term's first STATE checkpoint is fenced.
+        ckpt_subject_seq_ = natsMsg_GetSequence(m.get());
+        ckpt_prev_first_seq_ = 0;
         leap::v1::fleet::FleetStateChunk c;
         const bool parsed = c.ParseFromArray(natsMsg_GetData(m.get()),
                                              natsMsg_GetDataLength(m.get()));
-        if (parsed && c.last()) fleet_quality.emplace(c.quality(), c.fleet_seq());
-        if (best.has_value() && parsed && c.last() && c.fleet_seq() <= best->fleet_seq) {
+        ckpt_last_incarnation_ = parsed ? c.created_unix_ms() : 0;
+        // A state of another incarnation of the name is not this readout's
+        // (ReadNewestState skips it).
+        const bool ours = parsed && OwnIncarnation(c.created_unix_ms());
+        if (ours && c.last()) fleet_quality.emplace(c.quality(), c.fleet_seq());
+        if (best.has_value() && ours && c.last() && c.fleet_seq() <= best->fleet_seq) {
           read_fleet = false;
         }
       } else if (st == NATS_NOT_FOUND || code == JSNoMessageFoundErr) {
+        ckpt_subject_seq_ = 0;
+        ckpt_prev_first_seq_ = 0;
+        ckpt_last_incarnation_ = 0;
         read_fleet = false;
       } else {
         return NatsFailure("reading the last checkpoint chunk of " + subject, st,
@@ -438,8 +457,8 @@ class Trainer::Worker {
       }
     }
     if (read_fleet) {
-      absl::StatusOr<FleetState> f =
-          ReadNewestState(t_->nc_, t_->js_, StateStream(fleet()), subject);
+      absl::StatusOr<FleetState> f = ReadNewestState(
+          t_->nc_, t_->js_, StateStream(fleet()), subject, std::nullopt, r_.created_unix_ms);
       if (f.ok()) {
         checkpoint_chunks_ = f->chunks;
         fleet_quality.emplace(f->quality, f->fleet_seq);
@@ -465,9 +484,10 @@ class Trainer::Worker {
     if (from_memory) return absl::OkStatus();  // kept rows still in memory
     if (!fleet_quality.has_value()) {
       // The last message was not a complete state's last chunk (a write cut
-      // short): the newest complete one.
-      absl::StatusOr<FleetState> f =
-          ReadNewestState(t_->nc_, t_->js_, StateStream(fleet()), subject);
+      // short, or a state of another incarnation): the newest complete one
+      // of this incarnation.
+      absl::StatusOr<FleetState> f = ReadNewestState(
+          t_->nc_, t_->js_, StateStream(fleet()), subject, std::nullopt, r_.created_unix_ms);
       if (f.ok()) {
         fleet_quality.emplace(f->quality, f->fleet_seq);
       } else if (!absl::IsNotFound(f.status())) {
@@ -1128,9 +1148,14 @@ class Trainer::Worker {
         }
         s.label = label;
         s.kept_seqs.clear();  // a snapshot is theta and P only
+        // The id names the incarnation: a worker of a deleted incarnation
+        // answering the same operation (its member has not applied the
+        // delete yet) must not take this one's id (JetStream would drop
+        // the current incarnation's chunks as duplicates); a replay within
+        // the incarnation writes the same ids.
         absl::StatusOr<int32_t> w = PublishState(
             t_->js_, StateStream(fleet()), SnapshotSubject(fleet(), r_.name, label),
-            r_.name, absl::StrCat("snap-", r_.name, "-", seq), s);
+            r_.name, absl::StrCat("snap-", r_.name, "-", r_.created_unix_ms, "-", seq), s);
         if (!w.ok()) {
           Log(absl::StrCat("snapshot '", label, "' not written: ", w.status().message()));
           Publish(absl::StrCat("error: snapshot ", label, ": ", w.status().message()),
@@ -1142,10 +1167,12 @@ class Trainer::Worker {
       }
       case FleetControl::ROLLBACK: {
         // The newest snapshot of that label taken before this operation in
-        // stream order (a replay after a crash finds the same one).
+        // stream order (a replay after a crash finds the same one), never
+        // one that names another incarnation of the readout.
         absl::StatusOr<FleetState> snap =
             ReadNewestState(t_->nc_, t_->js_, StateStream(fleet()),
-                            SnapshotSubject(fleet(), r_.name, label), seq);
+                            SnapshotSubject(fleet(), r_.name, label), seq,
+                            r_.created_unix_ms);
         bool has_p;
         {
           absl::MutexLock lock(&mu_);
@@ -1532,6 +1559,20 @@ class Trainer::Worker {
   }
 
   // Checkpoint thread. True when written or not to be written (fenced).
+  //
+  // Fenced on the subject: every chunk carries the subject's expected last
+  // sequence (the last one this worker saw there: at its start or after its
+  // own previous checkpoint). When something else was stored since (a new
+  // incarnation's creation state, another trainer's checkpoint), JetStream
+  // refuses it; if the subject's newest message names another incarnation
+  // of the readout (deleted and created again, and this worker's member has
+  // not applied that yet), the worker stops and writes nothing more;
+  // otherwise, unless the lease is no longer its own (then it stops too),
+  // it reads the subject's last sequence and tries once more (a checkpoint
+  // of its own whose acknowledgement was lost). A worker whose term began
+  // when the subject's newest message already named a later incarnation
+  // (created_unix_ms above its own) stops at its first checkpoint without
+  // writing it.
   bool WriteFleet(const FleetState& s, bool stopping) {
     // A deposed trainer writes nothing more (its state is a valid prefix,
     // but its successor owns the subject now); with NATS down a stop
@@ -1543,11 +1584,61 @@ class Trainer::Worker {
       return true;
     }
     jsCtx* js = stopping ? t_->short_js_ : t_->js_;
-    const std::string state_id =
-        absl::StrCat(t_->options_.member, "-", s.fleet_seq, "-", s.unix_ms);
-    absl::StatusOr<int32_t> chunks =
-        PublishState(js, StateStream(fleet()), CheckpointSubject(fleet(), r_.name),
-                     r_.name, state_id, s);
+    const std::string subject = CheckpointSubject(fleet(), r_.name);
+    const std::string stream = StateStream(fleet());
+    if (ckpt_last_incarnation_ > r_.created_unix_ms) {
+      // The subject's newest message (when this term started) is of a later
+      // incarnation of the name: this worker's readout was deleted and
+      // created again before its term began. The fence would not refuse
+      // this write (nothing was stored since), but it is not this
+      // worker's subject any more.
+      Log(absl::StrCat("fleet checkpoint fenced: ", subject, " holds a later incarnation ",
+                       "of the readout (", ckpt_last_incarnation_, ", this worker's ",
+                       r_.created_unix_ms, "); not written, stopping"));
+      Fenced();
+      stop_.store(true);
+      return true;
+    }
+    absl::StatusOr<int32_t> chunks = absl::InternalError("not written");
+    StateFence fence;
+    // The first sequence of the newest state before this one when this
+    // worker wrote it (what the purge keeps from); 0: not known.
+    uint64_t prev_first = ckpt_prev_first_seq_;
+    for (int attempt = 0; attempt < 2; ++attempt) {
+      fence = StateFence{};
+      fence.last_subject_seq = ckpt_subject_seq_;
+      const std::string state_id =
+          absl::StrCat(t_->options_.member, "-", s.fleet_seq, "-", s.unix_ms,
+                       attempt > 0 ? "-r" : "");
+      chunks = PublishState(js, stream, subject, r_.name, state_id, s, &fence);
+      if (fence.last_subject_seq > ckpt_subject_seq_) {
+        ckpt_subject_seq_ = fence.last_subject_seq;
+      }
+      if (chunks.ok() || !absl::IsFailedPrecondition(chunks.status())) break;
+      // Refused: something was stored on the subject since.
+      Fenced();
+      const int64_t other = NewestStateIncarnation(js, stream, subject);
+      if (other < 0) break;  // the subject's last message could not be read
+      if (!OwnIncarnation(other)) {
+        Log(absl::StrCat("fleet checkpoint fenced: a state of another incarnation of "
+                         "the readout (", other, ", this worker's ", r_.created_unix_ms,
+                         ") is on ", subject, "; not written, stopping"));
+        stop_.store(true);
+        return true;
+      }
+      if (!t_->LeaseStillOurs()) {
+        Log(absl::StrCat("fleet checkpoint fenced: another trainer wrote on ", subject,
+                         "; not written, stopping"));
+        stop_.store(true);
+        return true;
+      }
+      if (attempt == 0) {
+        Log(absl::StrCat("fleet checkpoint fenced on ", subject,
+                         " (something else was stored there); retried on seq ",
+                         ckpt_subject_seq_));
+        prev_first = 0;  // the newest state is no longer known
+      }
+    }
     if (!chunks.ok()) {
       Log(absl::StrCat("fleet checkpoint not written: ", chunks.status().message()));
       return false;
@@ -1561,20 +1652,79 @@ class Trainer::Worker {
           .Increment();
     }
     // Keep the last two (the newest may be unreadable, the one before not).
-    const std::string subject = CheckpointSubject(fleet(), r_.name);
+    // When this worker wrote the one before (in this term), by sequence:
+    // everything on the subject below that state's first sequence goes, and
+    // a state stored after this one (a new incarnation's creation state) is
+    // never purged. Otherwise (the first checkpoint of a term, or one retried
+    // on top of another write) by count, as many messages kept as the two
+    // states have chunks, and only while this write is still the subject's
+    // last message (checked just before; nothing else stored since): the
+    // stream's sequences also number other subjects' messages, so the state
+    // before's first sequence is not known.
+    const uint64_t keep = static_cast<uint64_t>(
+        *chunks + std::max<int32_t>(checkpoint_chunks_, *chunks));
+    checkpoint_chunks_ = *chunks;
+    ckpt_prev_first_seq_ = fence.first_seq;
+    ckpt_last_incarnation_ = s.created_unix_ms;
     jsOptions jo;
     jsOptions_Init(&jo);
     jo.Stream.Purge.Subject = subject.c_str();
-    jo.Stream.Purge.Keep = static_cast<uint64_t>(
-        *chunks + std::max<int32_t>(checkpoint_chunks_, *chunks));
-    checkpoint_chunks_ = *chunks;
-    jsErrCode code = static_cast<jsErrCode>(0);
-    natsStatus st = js_PurgeStream(js, StateStream(fleet()).c_str(), &jo, &code);
-    if (st != NATS_OK) {
-      Log(absl::StrCat("pruning old checkpoints: ",
-                       NatsFailure("purge", st, code).message()));
+    bool purge = false;
+    if (prev_first > 0) {
+      jo.Stream.Purge.Sequence = prev_first;
+      purge = prev_first > 1;
+    } else {
+      natsMsg* raw = nullptr;
+      jsErrCode code = static_cast<jsErrCode>(0);
+      if (js_GetLastMsg(&raw, js, stream.c_str(), subject.c_str(), nullptr, &code) ==
+          NATS_OK) {
+        purge = natsMsg_GetSequence(raw) == fence.last_subject_seq;
+        natsMsg_Destroy(raw);
+      }
+      jo.Stream.Purge.Keep = keep;
+      if (!purge) {
+        Log(absl::StrCat("old checkpoints on ", subject,
+                         " not pruned: something was stored after this one"));
+      }
+    }
+    if (purge) {
+      jsErrCode code = static_cast<jsErrCode>(0);
+      natsStatus st = js_PurgeStream(js, stream.c_str(), &jo, &code);
+      if (st != NATS_OK) {
+        Log(absl::StrCat("pruning old checkpoints: ",
+                         NatsFailure("purge", st, code).message()));
+      }
     }
     return true;
+  }
+
+  // Checkpoint thread: the incarnation named by the newest message on the
+  // checkpoint subject (0: none named, or the subject is empty), also into
+  // ckpt_last_incarnation_, and its sequence into ckpt_subject_seq_; -1 when
+  // it cannot be read.
+  int64_t NewestStateIncarnation(jsCtx* js, const std::string& stream,
+                                 const std::string& subject) {
+    natsMsg* raw = nullptr;
+    jsErrCode code = static_cast<jsErrCode>(0);
+    natsStatus st = js_GetLastMsg(&raw, js, stream.c_str(), subject.c_str(), nullptr, &code);
+    if (st == NATS_NOT_FOUND || code == JSNoMessageFoundErr) {
+      ckpt_subject_seq_ = 0;
+      return 0;
+    }
+    if (st != NATS_OK) {
+      Log(absl::StrCat("reading the last message of ", subject, ": ",
+                       NatsFailure("get", st, code).message()));
+      return -1;
+    }
+    MsgPtr m(raw);
+    ckpt_subject_seq_ = natsMsg_GetSequence(m.get());
+    leap::v1::fleet::FleetStateChunk c;
+    ckpt_last_incarnation_ = 0;
+    if (!c.ParseFromArray(natsMsg_GetData(m.get()), natsMsg_GetDataLength(m.get()))) {
+      return 0;
+    }
+    ckpt_last_incarnation_ = c.created_unix_ms();
+    return c.created_unix_ms();
   }
 
   // Checkpoint thread (and the worker's start, before it runs).
@@ -1725,6 +1875,15 @@ class Trainer::Worker {
   int64_t apply_ns_at_local_capture_ = 0;
   // Checkpoint thread only (set by LoadState before it starts).
   int32_t checkpoint_chunks_ = 0;
+  // The checkpoint subject's last sequence this worker saw (at its start,
+  // after its own last checkpoint, or read back when fenced): what its next
+  // checkpoint is fenced on. Same threads as checkpoint_chunks_.
+  uint64_t ckpt_subject_seq_ = 0;
+  // The first sequence of this worker's last checkpoint (0: none this term).
+  uint64_t ckpt_prev_first_seq_ = 0;
+  // The incarnation the subject's newest message named when last seen (0:
+  // none named).
+  int64_t ckpt_last_incarnation_ = 0;
   std::optional<storage::ReadoutMeta> local_meta_;
   std::optional<storage::ReadoutMeta> stale_local_meta_;
   // Worker start and checkpoint thread (never at the same time).

@@ -52,9 +52,11 @@ struct TrainerReadout {
   readout::ReadoutSpec spec;
   readout::Standardizer standardizer;
   // Identifies this incarnation of the name: a local checkpoint of another
-  // incarnation is never used; its versions carry it (FleetVersion
-  // created_unix_ms), and a worker whose fenced publish finds a version of
-  // another incarnation on the subject stops without publishing.
+  // incarnation is never used, nor a STATE checkpoint or snapshot naming
+  // another one; its versions and states carry it (FleetVersion and
+  // FleetStateChunk created_unix_ms), and a worker whose fenced version
+  // publish or STATE checkpoint finds another incarnation on the subject
+  // stops without publishing or writing.
   int64_t created_unix_ms = 0;
 };
 

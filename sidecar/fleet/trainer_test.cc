@@ -656,7 +656,7 @@ TEST_F(FleetTrainerTest, AWorkerOfADeletedIncarnationNeverPublishesOverTheNewOne
   s2.version = 1;
   s2.fleet_seq = last;
   ASSERT_TRUE(PublishState(conn_->js, StateStream(fleet_), CheckpointSubject(fleet_, kReadout),
-                           kReadout, absl::StrCat("create-", again.created_unix_ms), s2)
+                           kReadout, absl::StrCat("create-", kReadout, "-", again.created_unix_ms), s2)
                   .ok());
   FleetVersion c2;
   c2.set_readout(kReadout);
@@ -701,6 +701,307 @@ TEST_F(FleetTrainerTest, AWorkerOfADeletedIncarnationNeverPublishesOverTheNewOne
         << "version " << v.version() << " (" << v.cause() << ") of the deleted incarnation";
   }
   a->Abandon();
+}
+
+// The creation state of `r` (created again: another incarnation, theta
+// shifted from the fixture's) as FleetMember::CreateReadout writes it, at
+// FEEDBACK position `fleet_seq`; returns that theta.
+Eigen::VectorXd WriteNewIncarnation(jsCtx* js, const std::string& fleet, const Fixture& f,
+                                    const TrainerReadout& r, uint64_t fleet_seq) {
+  readout::ReadoutState st;
+  st.spec = r.spec;
+  st.standardizer = r.standardizer;
+  st.theta = f.theta0;
+  for (int64_t i = 0; i < kN; ++i) st.theta[i] -= 0.25 * static_cast<double>(i + 1);
+  st.p = f.p0;
+  st.version = 1;
+  st.created_unix_ms = r.created_unix_ms;
+  EXPECT_TRUE(WriteCreateState(js, fleet, kReadout, st, fleet_seq).ok());
+  return st.theta;
+}
+
+// A readout deleted and created again shares its STATE checkpoint subject
+// with its predecessor. The old incarnation's worker (its member has not
+// applied the CONFIG change yet) learns the new incarnation's completions
+// and is asked for a checkpoint after the new creation state was written:
+// the write is fenced on the subject's last sequence the worker saw, so
+// JetStream refuses it, and the worker stops. The creation state stays the
+// newest state on the subject (before: the old worker's checkpoint, the
+// newest by stream order and fleet_seq), the new incarnation's worker
+// starts from it (theta = the FP64 closed form from the creation state over
+// the new completions only; before, it started from the old incarnation's
+// theta and P and published nothing), and its own checkpoint is written,
+// with the creation state kept as the one before it.
+TEST_F(FleetTrainerTest, AnOldIncarnationsCheckpointAfterTheNewCreationIsRefused) {
+  Fixture f = MakeFixture(8);
+  CreateReadout(f, 1000);
+  std::unique_ptr<Trainer> a = *Trainer::Start(conn_->nc, Options("a", 1000));
+  a->SetReadouts({f.readout});
+  std::mt19937_64 rng(13);
+  uint64_t last = 0;
+  for (int i = 0; i < 20; ++i) {
+    last = PublishCompletion(MakeRow(rng, f), absl::StrCat("a", i));
+  }
+  WaitVersion([&](const FleetVersion& v) { return v.fleet_seq() >= last; });
+  TrainerReadout again = f.readout;
+  again.created_unix_ms = f.readout.created_unix_ms + 1000;
+  const Eigen::VectorXd theta_b = WriteNewIncarnation(conn_->js, fleet_, f, again, last);
+  // The new incarnation's completions: the old worker learns them too.
+  std::vector<Row> rows_b;
+  uint64_t last_b = 0;
+  for (int i = 0; i < 30; ++i) {
+    rows_b.push_back(MakeRow(rng, f));
+    last_b = PublishCompletion(rows_b.back(), absl::StrCat("b", i));
+  }
+  WaitVersion([&](const FleetVersion& v) {
+    return v.created_unix_ms() == f.readout.created_unix_ms && v.fleet_seq() >= last_b;
+  });
+  // Its checkpoint attempt, seen by a plain subscriber (which also sees
+  // publishes the stream refuses).
+  natsSubscription* ckpt = nullptr;
+  ASSERT_EQ(natsConnection_SubscribeSync(&ckpt, conn_->nc,
+                                         CheckpointSubject(fleet_, kReadout).c_str()),
+            NATS_OK);
+  a->RequestCheckpoint();
+  for (;;) {
+    natsMsg* m = nullptr;
+    ASSERT_EQ(natsSubscription_NextMsg(&m, ckpt, 20000), NATS_OK)
+        << "the old worker never tried its checkpoint";
+    FleetStateChunk c;
+    c.ParseFromArray(natsMsg_GetData(m), natsMsg_GetDataLength(m));
+    natsMsg_Destroy(m);
+    if (c.last() && c.fleet_seq() == last_b) break;
+  }
+  // Its member applies the CONFIG change: the old worker (and its
+  // checkpoint thread, done with that write) stops, the new one starts.
+  a->SetReadouts({again});
+  {
+    // Nothing of the old worker stored after the creation state.
+    absl::StatusOr<FleetState> newest =
+        ReadNewestState(conn_->nc, conn_->js, StateStream(fleet_),
+                        CheckpointSubject(fleet_, kReadout));
+    ASSERT_TRUE(newest.ok()) << newest.status();
+    EXPECT_EQ(newest->state_id, absl::StrCat("create-", kReadout, "-", again.created_unix_ms));
+    EXPECT_EQ(newest->created_unix_ms, again.created_unix_ms);
+    EXPECT_EQ(newest->fleet_seq, last);
+  }
+  FleetVersion vb = WaitVersion([&](const FleetVersion& v) {
+    return v.created_unix_ms() == again.created_unix_ms && v.fleet_seq() >= last_b;
+  });
+  EXPECT_EQ(vb.fleet_seq(), last_b);
+  EXPECT_EQ(vb.completions_learned(), 30);
+  const double err = RelErr(Theta(vb), ClosedForm(f, theta_b, f.p0.ToDouble(), rows_b));
+  std::printf("fleet trainer: new incarnation after a refused old checkpoint, theta vs "
+              "FP64 closed form from its creation state: %.3g relative\n",
+              err);
+  EXPECT_LT(err, 5e-6);
+  // The new worker's own checkpoint is not fenced away; then it stops
+  // (the readout deleted: no last checkpoint), so everything is written.
+  a->RequestCheckpoint();
+  for (;;) {
+    natsMsg* m = nullptr;
+    ASSERT_EQ(natsSubscription_NextMsg(&m, ckpt, 20000), NATS_OK)
+        << "the new worker never wrote its checkpoint";
+    FleetStateChunk c;
+    c.ParseFromArray(natsMsg_GetData(m), natsMsg_GetDataLength(m));
+    natsMsg_Destroy(m);
+    if (c.last() && c.created_unix_ms() == again.created_unix_ms &&
+        c.fleet_seq() == last_b) {
+      break;
+    }
+  }
+  CloseSubscription(conn_->nc, ckpt);
+  a->SetReadouts({});
+  EXPECT_EQ(a->Status(kReadout), std::nullopt);
+  absl::StatusOr<FleetState> own =
+      ReadNewestState(conn_->nc, conn_->js, StateStream(fleet_),
+                      CheckpointSubject(fleet_, kReadout), std::nullopt, again.created_unix_ms);
+  ASSERT_TRUE(own.ok()) << own.status();
+  EXPECT_EQ(own->fleet_seq, last_b);
+  EXPECT_EQ(own->theta, Theta(vb));
+  absl::StatusOr<FleetState> before =
+      ReadNewestState(conn_->nc, conn_->js, StateStream(fleet_),
+                      CheckpointSubject(fleet_, kReadout), last, again.created_unix_ms);
+  ASSERT_TRUE(before.ok()) << before.status();
+  EXPECT_EQ(before->state_id, absl::StrCat("create-", kReadout, "-", again.created_unix_ms));
+  EXPECT_EQ(before->theta, theta_b);
+  a->Abandon();
+}
+
+// A SNAPSHOT after the name was created again is answered by both
+// incarnations' workers: the old one (its member has not applied the CONFIG
+// change yet) and the new one (replaying from its creation state). Both
+// snapshots are stored, under ids that name the incarnation, and the new
+// incarnation's ROLLBACK restores its own, bit for bit. Before the ids named
+// the incarnation JetStream dropped the new worker's chunks as duplicates of
+// the old one's, and the ROLLBACK found only the old incarnation's snapshot.
+TEST_F(FleetTrainerTest, EachIncarnationRollsBackToItsOwnSnapshot) {
+  Fixture f = MakeFixture(12);
+  CreateReadout(f, 1000);
+  std::unique_ptr<Trainer> a = *Trainer::Start(conn_->nc, Options("a", 1000));
+  a->SetReadouts({f.readout});
+  std::mt19937_64 rng(19);
+  uint64_t last = 0;
+  for (int i = 0; i < 20; ++i) {
+    last = PublishCompletion(MakeRow(rng, f), absl::StrCat("a", i));
+  }
+  WaitVersion([&](const FleetVersion& v) { return v.fleet_seq() >= last; });
+  TrainerReadout again = f.readout;
+  again.created_unix_ms = f.readout.created_unix_ms + 1000;
+  const Eigen::VectorXd theta_b = WriteNewIncarnation(conn_->js, fleet_, f, again, last);
+  natsSubscription* snaps = nullptr;
+  ASSERT_EQ(natsConnection_SubscribeSync(&snaps, conn_->nc,
+                                         SnapshotSubject(fleet_, kReadout, "s").c_str()),
+            NATS_OK);
+  PublishControl(FleetControl::SNAPSHOT, "s", "s1");
+  for (;;) {  // the old worker's snapshot
+    natsMsg* m = nullptr;
+    ASSERT_EQ(natsSubscription_NextMsg(&m, snaps, 20000), NATS_OK)
+        << "the old worker never wrote its snapshot";
+    FleetStateChunk c;
+    c.ParseFromArray(natsMsg_GetData(m), natsMsg_GetDataLength(m));
+    natsMsg_Destroy(m);
+    if (c.last() && c.created_unix_ms() == f.readout.created_unix_ms) break;
+  }
+  CloseSubscription(conn_->nc, snaps);
+  a->SetReadouts({again});
+  FleetVersion vs = WaitVersion([&](const FleetVersion& v) {
+    return v.created_unix_ms() == again.created_unix_ms && v.op_id() == "s1";
+  });
+  EXPECT_EQ(vs.cause(), "snapshot:s");
+  uint64_t last_b = 0;
+  for (int i = 0; i < 5; ++i) {
+    last_b = PublishCompletion(MakeRow(rng, f), absl::StrCat("b", i));
+  }
+  FleetVersion moved = WaitVersion([&](const FleetVersion& v) {
+    return v.created_unix_ms() == again.created_unix_ms && v.fleet_seq() >= last_b;
+  });
+  EXPECT_NE(Theta(moved), theta_b);
+  PublishControl(FleetControl::ROLLBACK, "s", "r1");
+  FleetVersion vr = WaitVersion([](const FleetVersion& v) { return v.op_id() == "r1"; });
+  EXPECT_EQ(vr.created_unix_ms(), again.created_unix_ms);
+  EXPECT_EQ(vr.cause(), "rollback:s");
+  EXPECT_EQ(Theta(vr), theta_b);  // the new incarnation's snapshot: its creation state
+  a->Abandon();
+}
+
+// After each STATE checkpoint the subject keeps the last two states: the
+// first checkpoint of a term purges by count, the next ones by sequence
+// (below the first sequence of the worker's previous checkpoint). Snapshots
+// (another subject of the same stream) written in between leave gaps in the
+// stream sequences of the checkpoint subject's messages.
+TEST_F(FleetTrainerTest, CheckpointsKeepTheLastTwoStates) {
+  Fixture f = MakeFixture(14);
+  CreateReadout(f, 1000);
+  std::unique_ptr<Trainer> a = *Trainer::Start(conn_->nc, Options("a", 1000));
+  a->SetReadouts({f.readout});
+  natsSubscription* ckpt = nullptr;
+  ASSERT_EQ(natsConnection_SubscribeSync(&ckpt, conn_->nc,
+                                         CheckpointSubject(fleet_, kReadout).c_str()),
+            NATS_OK);
+  auto checkpoint = [&](uint64_t seq) {
+    a->RequestCheckpoint();
+    for (;;) {
+      natsMsg* m = nullptr;
+      ASSERT_EQ(natsSubscription_NextMsg(&m, ckpt, 20000), NATS_OK)
+          << "no checkpoint at " << seq;
+      FleetStateChunk c;
+      c.ParseFromArray(natsMsg_GetData(m), natsMsg_GetDataLength(m));
+      natsMsg_Destroy(m);
+      if (c.last() && c.fleet_seq() == seq) return;
+    }
+  };
+  const std::string stream = StateStream(fleet_);
+  const std::string subject = CheckpointSubject(fleet_, kReadout);
+  // Term 1: a snapshot, then the first checkpoint: the creation state stays.
+  PublishControl(FleetControl::SNAPSHOT, "x", "x0");
+  WaitVersion([&](const FleetVersion& v) { return v.op_id() == "x0"; });
+  std::mt19937_64 rng(23);
+  uint64_t s1 = 0;
+  for (int i = 0; i < 10; ++i) s1 = PublishCompletion(MakeRow(rng, f), absl::StrCat("a", i));
+  WaitVersion([&](const FleetVersion& v) { return v.fleet_seq() >= s1; });
+  ASSERT_NO_FATAL_FAILURE(checkpoint(s1));
+  a->SetReadouts({});  // its checkpoint thread is done (joined)
+  {
+    absl::StatusOr<FleetState> create =
+        ReadNewestState(conn_->nc, conn_->js, stream, subject, s1 - 1);
+    ASSERT_TRUE(create.ok()) << create.status();
+    EXPECT_EQ(create->state_id, "create");
+  }
+  // Term 2 (a new worker, from that checkpoint): a snapshot, a checkpoint,
+  // more completions, a checkpoint.
+  a->SetReadouts({f.readout});
+  const uint64_t s2 = PublishControl(FleetControl::SNAPSHOT, "x", "x1");
+  WaitVersion([&](const FleetVersion& v) { return v.op_id() == "x1"; });
+  ASSERT_NO_FATAL_FAILURE(checkpoint(s2));
+  uint64_t s3 = 0;
+  for (int i = 10; i < 13; ++i) s3 = PublishCompletion(MakeRow(rng, f), absl::StrCat("a", i));
+  WaitVersion([&](const FleetVersion& v) { return v.fleet_seq() >= s3; });
+  ASSERT_NO_FATAL_FAILURE(checkpoint(s3));
+  CloseSubscription(conn_->nc, ckpt);
+  a->SetReadouts({});
+  absl::StatusOr<FleetState> newest = ReadNewestState(conn_->nc, conn_->js, stream, subject);
+  ASSERT_TRUE(newest.ok()) << newest.status();
+  EXPECT_EQ(newest->fleet_seq, s3);
+  absl::StatusOr<FleetState> before =
+      ReadNewestState(conn_->nc, conn_->js, stream, subject, s3 - 1);
+  ASSERT_TRUE(before.ok()) << before.status();
+  EXPECT_EQ(before->fleet_seq, s2);
+  absl::StatusOr<FleetState> purged =
+      ReadNewestState(conn_->nc, conn_->js, stream, subject, s2 - 1);
+  EXPECT_TRUE(absl::IsNotFound(purged.status()))
+      << (purged.ok() ? purged->state_id : std::string());
+  a->Abandon();
+}
+
+// A trainer whose term begins after the name was created again, with the
+// old incarnation still in its readout set (its member has not applied the
+// CONFIG change): nothing was stored on the checkpoint subject since it
+// read it, so the sequence fence alone would let it write, but the
+// subject's newest message names a later incarnation, and its checkpoint
+// (here the final one of a clean stop) is not written. The new
+// incarnation's trainer then starts from the creation state (before: from
+// the old worker's final checkpoint, publishing nothing).
+TEST_F(FleetTrainerTest, ATermBegunAfterTheNameWasCreatedAgainWritesNoCheckpoint) {
+  Fixture f = MakeFixture(10);
+  CreateReadout(f, 1000);
+  std::mt19937_64 rng(17);
+  uint64_t last = 0;
+  for (int i = 0; i < 20; ++i) {
+    last = PublishCompletion(MakeRow(rng, f), absl::StrCat("a", i));
+  }
+  TrainerReadout again = f.readout;
+  again.created_unix_ms = f.readout.created_unix_ms + 1000;
+  const Eigen::VectorXd theta_b = WriteNewIncarnation(conn_->js, fleet_, f, again, last);
+  std::vector<Row> rows_b;
+  uint64_t last_b = 0;
+  for (int i = 0; i < 10; ++i) {
+    rows_b.push_back(MakeRow(rng, f));
+    last_b = PublishCompletion(rows_b.back(), absl::StrCat("b", i));
+  }
+  {
+    std::unique_ptr<Trainer> c = *Trainer::Start(conn_->nc, Options("c", 1000));
+    c->SetReadouts({f.readout});
+    FleetVersion va = WaitVersion([&](const FleetVersion& v) {
+      return v.created_unix_ms() == f.readout.created_unix_ms && v.fleet_seq() >= last_b;
+    });
+    // From its own incarnation's creation state (the new one's is skipped;
+    // before, it started from that one): both sets of completions.
+    EXPECT_EQ(va.completions_learned(), 30);
+  }  // clean stop: the final checkpoint is refused
+  absl::StatusOr<FleetState> newest =
+      ReadNewestState(conn_->nc, conn_->js, StateStream(fleet_),
+                      CheckpointSubject(fleet_, kReadout));
+  ASSERT_TRUE(newest.ok()) << newest.status();
+  EXPECT_EQ(newest->state_id, absl::StrCat("create-", kReadout, "-", again.created_unix_ms));
+  std::unique_ptr<Trainer> d = *Trainer::Start(conn_->nc, Options("d", 1000));
+  d->SetReadouts({again});
+  FleetVersion vb = WaitVersion([&](const FleetVersion& v) {
+    return v.created_unix_ms() == again.created_unix_ms && v.fleet_seq() >= last_b;
+  });
+  EXPECT_EQ(vb.completions_learned(), 10);
+  EXPECT_LT(RelErr(Theta(vb), ClosedForm(f, theta_b, f.p0.ToDouble(), rows_b)), 5e-6);
+  d->Abandon();
 }
 
 }  // namespace
