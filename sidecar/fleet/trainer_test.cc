@@ -622,6 +622,23 @@ TEST_F(FleetTrainerTest, ADeposedTrainerCannotPublishOverItsSuccessor) {
   a->Abandon();
 }
 
+// The creation state of `r` (created again: another incarnation, theta
+// shifted from the fixture's) as FleetMember::CreateReadout writes it, at
+// FEEDBACK position `fleet_seq`; returns that theta.
+Eigen::VectorXd WriteNewIncarnation(jsCtx* js, const std::string& fleet, const Fixture& f,
+                                    const TrainerReadout& r, uint64_t fleet_seq) {
+  readout::ReadoutState st;
+  st.spec = r.spec;
+  st.standardizer = r.standardizer;
+  st.theta = f.theta0;
+  for (int64_t i = 0; i < kN; ++i) st.theta[i] -= 0.25 * static_cast<double>(i + 1);
+  st.p = f.p0;
+  st.version = 1;
+  st.created_unix_ms = r.created_unix_ms;
+  EXPECT_TRUE(WriteCreateState(js, fleet, kReadout, st, fleet_seq).ok());
+  return st.theta;
+}
+
 // A readout deleted and created again shares its versions subject with its
 // predecessor. The new incarnation's creation version goes on the subject
 // (unfenced, as a member creating it writes it) while the old incarnation's
@@ -649,19 +666,11 @@ TEST_F(FleetTrainerTest, AWorkerOfADeletedIncarnationNeverPublishesOverTheNewOne
   // incarnation (another theta), starting after the stream's last message.
   TrainerReadout again = f.readout;
   again.created_unix_ms = f.readout.created_unix_ms + 1000;
-  FleetState s2;
-  s2.theta = f.theta0;
-  for (int64_t i = 0; i < kN; ++i) s2.theta[i] += 0.125 * static_cast<double>(i + 1);
-  s2.p = f.p0;
-  s2.version = 1;
-  s2.fleet_seq = last;
-  ASSERT_TRUE(PublishState(conn_->js, StateStream(fleet_), CheckpointSubject(fleet_, kReadout),
-                           kReadout, absl::StrCat("create-", kReadout, "-", again.created_unix_ms), s2)
-                  .ok());
+  const Eigen::VectorXd theta2 = WriteNewIncarnation(conn_->js, fleet_, f, again, last);
   FleetVersion c2;
   c2.set_readout(kReadout);
   c2.set_version(1);
-  c2.set_theta(std::string(reinterpret_cast<const char*>(s2.theta.data()), kN * 8));
+  c2.set_theta(std::string(reinterpret_cast<const char*>(theta2.data()), kN * 8));
   c2.set_cause("create");
   c2.set_fleet_seq(last);
   c2.set_created_unix_ms(again.created_unix_ms);
@@ -695,29 +704,12 @@ TEST_F(FleetTrainerTest, AWorkerOfADeletedIncarnationNeverPublishesOverTheNewOne
   EXPECT_EQ(answer.version(), 2);
   EXPECT_EQ(answer.fleet_seq(), freeze_seq);
   // The new incarnation's state, bit for bit (nothing learned in it).
-  EXPECT_EQ(Theta(answer), s2.theta);
+  EXPECT_EQ(Theta(answer), theta2);
   for (const FleetVersion& v : seen_) {
     EXPECT_EQ(v.created_unix_ms(), again.created_unix_ms)
         << "version " << v.version() << " (" << v.cause() << ") of the deleted incarnation";
   }
   a->Abandon();
-}
-
-// The creation state of `r` (created again: another incarnation, theta
-// shifted from the fixture's) as FleetMember::CreateReadout writes it, at
-// FEEDBACK position `fleet_seq`; returns that theta.
-Eigen::VectorXd WriteNewIncarnation(jsCtx* js, const std::string& fleet, const Fixture& f,
-                                    const TrainerReadout& r, uint64_t fleet_seq) {
-  readout::ReadoutState st;
-  st.spec = r.spec;
-  st.standardizer = r.standardizer;
-  st.theta = f.theta0;
-  for (int64_t i = 0; i < kN; ++i) st.theta[i] -= 0.25 * static_cast<double>(i + 1);
-  st.p = f.p0;
-  st.version = 1;
-  st.created_unix_ms = r.created_unix_ms;
-  EXPECT_TRUE(WriteCreateState(js, fleet, kReadout, st, fleet_seq).ok());
-  return st.theta;
 }
 
 // A readout deleted and created again shares its STATE checkpoint subject
