@@ -682,20 +682,26 @@ TEST_F(FleetTrainerTest, AWorkerOfADeletedIncarnationNeverPublishesOverTheNewOne
   jsPubAck_Destroy(ack);
   WaitVersion([&](const FleetVersion& v) { return v.cause() == "create"; });
   seen_.clear();
-  // The old worker reads a FREEZE and answers at once: fenced.
-  const int64_t published_before = a->Status(kReadout)->published;
+  // The old worker reads a FREEZE and answers at once: fenced. Its answer
+  // is seen by a plain subscriber of the versions subject (which also sees
+  // publishes the stream refuses): then the old worker has dealt with it.
+  natsSubscription* attempts = nullptr;
+  ASSERT_EQ(natsConnection_SubscribeSync(&attempts, conn_->nc,
+                                         VersionSubject(fleet_, kReadout).c_str()),
+            NATS_OK);
+  ASSERT_EQ(natsConnection_FlushTimeout(conn_->nc, 5000), NATS_OK);
   const uint64_t freeze_seq = PublishControl(FleetControl::FREEZE, "", "f1");
   ASSERT_GT(freeze_seq, last);
-  // Until the old worker has dealt with it: stopped (fenced by the new
-  // incarnation) or published something.
-  const absl::Time deadline = absl::Now() + absl::Seconds(20);
   for (;;) {
-    std::optional<TrainerReadoutStatus> st = a->Status(kReadout);
-    ASSERT_TRUE(st.has_value());
-    if (!st->running || st->published > published_before) break;
-    ASSERT_LT(absl::Now(), deadline) << "the old worker never read the FREEZE";
-    absl::SleepFor(absl::Milliseconds(5));
+    natsMsg* m = nullptr;
+    ASSERT_EQ(natsSubscription_NextMsg(&m, attempts, 20'000), NATS_OK)
+        << "the old worker never answered the FREEZE";
+    FleetVersion v;
+    v.ParseFromArray(natsMsg_GetData(m), natsMsg_GetDataLength(m));
+    natsMsg_Destroy(m);
+    if (v.op_id() == "f1" && v.created_unix_ms() == f.readout.created_unix_ms) break;
   }
+  CloseSubscription(conn_->nc, attempts);
   // Its member reads the CONFIG change: the new incarnation's worker.
   a->SetReadouts({again});
   FleetVersion answer = WaitVersion([](const FleetVersion& v) { return v.op_id() == "f1"; });
