@@ -10,6 +10,7 @@
 #include <unordered_set>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "common/clock.h"
 #include "leap/v1/fleet.pb.h"
@@ -37,6 +38,8 @@ constexpr int64_t kExportMaxAgeMs = 60'000;
 // An EXPORT answer finished more than this after the asker's deadline is
 // purged by the trainer (the asker purged before it was written).
 constexpr int64_t kExportLatePurgeMs = 2'000;
+// How long a SNAPSHOT's write is retried while JetStream is unavailable.
+constexpr int64_t kSnapshotRetryMs = 8'000;
 // The fleet-wide quality goes to CONFIG at most this often, even when
 // versions go out on every pass (--fleet_version_interval_ms=0).
 constexpr int64_t kQualityPutMinIntervalMs = 1000;
@@ -1153,9 +1156,26 @@ class Trainer::Worker {
         // delete yet) must not take this one's id (JetStream would drop
         // the current incarnation's chunks as duplicates); a replay within
         // the incarnation writes the same ids.
+        // Unavailable (no stream leader: a NATS node lost, its streams
+        // electing one, measured 4.5-6.2 s) is retried for up to
+        // kSnapshotRetryMs under the same id (chunks already stored are
+        // de-duplicated), within the 10 s an admin call waits for the answer.
+        const std::string snap_id =
+            absl::StrCat("snap-", r_.name, "-", r_.created_unix_ms, "-", seq);
+        const int64_t give_up = SteadyMs() + kSnapshotRetryMs;
+        int64_t pause_ms = 100;
         absl::StatusOr<int32_t> w = PublishState(
             t_->js_, StateStream(fleet()), SnapshotSubject(fleet(), r_.name, label),
-            r_.name, absl::StrCat("snap-", r_.name, "-", r_.created_unix_ms, "-", seq), s);
+            r_.name, snap_id, s);
+        while (!w.ok() && absl::IsUnavailable(w.status()) && !stop_.load() &&
+               SteadyMs() + pause_ms < give_up) {
+          Log(absl::StrCat("snapshot '", label, "' not written yet (retried in ", pause_ms,
+                           " ms): ", w.status().message()));
+          absl::SleepFor(absl::Milliseconds(pause_ms));
+          pause_ms = std::min<int64_t>(pause_ms * 2, 1000);
+          w = PublishState(t_->js_, StateStream(fleet()),
+                           SnapshotSubject(fleet(), r_.name, label), r_.name, snap_id, s);
+        }
         if (!w.ok()) {
           Log(absl::StrCat("snapshot '", label, "' not written: ", w.status().message()));
           Publish(absl::StrCat("error: snapshot ", label, ": ", w.status().message()),
