@@ -219,9 +219,8 @@ RlsState::RlsState(Eigen::VectorXd theta, SymMatrix p, RlsOptions options)
 }
 
 bool PrepareOpenBlasForRls() {
-  if (!internal::OpenBlasPreferredFor(internal::BestKernels().name)) return false;
   internal::OpenBlasSingleThreaded();
-  return true;
+  return internal::OpenBlasPreferredFor(internal::BestKernels().name);
 }
 
 const char* RlsState::kernel_name() const { return kernels_->name; }
@@ -557,12 +556,31 @@ void RlsState::Flush() {
       }
     });
   } else {
+    // W packed once for every row block (each reads columns from its
+    // diagonal on; kSymBlock is a multiple of the panel width), the panels
+    // split across the threads.
+    static_assert(kRows % 32 == 0, "row blocks start on panel boundaries");
+    if (w_packed_ == nullptr) {
+      w_packed_ = {AllocFloats(int64_t{options_.fold_columns} * ld), FreeFloats};
+    }
+    float* wp = w_packed_.get();
+    const int64_t nr = kern.panel_floats;
+    const int64_t panels = (ld + nr - 1) / nr;
+    const int pparts = static_cast<int>(std::min<int64_t>(threads_, panels));
+    RunParts(pparts, [&](int t) {
+      const int64_t c0 = panels * t / pparts * nr;
+      const int64_t c1 = std::min(ld, panels * (t + 1) / pparts * nr);
+      if (c1 > c0) {
+        internal::PackPanels(kern, w + c0, ld, pending, c1 - c0,
+                             wp + c0 * pending);
+      }
+    });
     RunParts(parts, [&](int t) {
       for (int64_t b = first[t]; b < first[t + 1]; ++b) {
         const int64_t i0 = b * kRows, i1 = std::min(n, i0 + kRows);
         const int64_t j0 = i0 & ~int64_t{15};
-        kern.gemm_acc(i1 - i0, ld - j0, pending, -1.0f, w + i0, 1, ld, w + j0,
-                      ld, p + i0 * ld + j0, ld);
+        kern.gemm_acc_packed(i1 - i0, ld - j0, pending, -1.0f, w + i0, 1, ld,
+                             wp, ld, j0, p + i0 * ld + j0, ld);
       }
     });
   }

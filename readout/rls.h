@@ -130,13 +130,18 @@ struct RlsPhaseSeconds {
   }
 };
 
-// Call once at process start, before any thread runs: where RlsState's
-// default sends wide batches to OpenBLAS on this host (its AVX-512
-// kernels), sets OpenBLAS to one thread for the whole process now, instead
-// of lazily from an RLS thread while another thread may be inside an
-// OpenBLAS call (the RLS threads run OpenBLAS in fixed pieces of their
-// own). Other OpenBLAS users in the process (the bootstrap ridge fit) then
-// run on one thread. Returns whether it did.
+// Call once at process start, before any thread runs: sets OpenBLAS to one
+// thread for the whole process now (instead of lazily from an RLS thread
+// while another thread may be inside an OpenBLAS call). Every batch's k x k
+// Cholesky (LAPACK dpotrf, dtrtri) would otherwise run on OpenBLAS's own
+// thread pool, whose workers keep spinning (sched_yield) after each call on
+// the cores the RLS threads and the server need: at d = 4096, batches of
+// 256 on 2 RLS threads, 4,393-4,553 completions/s with OpenBLAS's default
+// threads vs 5,268-5,432 with one (AMD EPYC, 2 cores). Where RlsState's
+// default sends wide batches to OpenBLAS (its AVX-512 kernels), the RLS
+// threads run its calls in fixed pieces of their own. Other OpenBLAS users
+// in the process (the bootstrap ridge fit) then run on one thread too.
+// Returns whether RlsState's default sends wide batches to OpenBLAS here.
 bool PrepareOpenBlasForRls();
 
 // The RLS state of one readout: theta (FP64) and P (FP32).
@@ -234,6 +239,10 @@ class RlsState {
   std::unique_ptr<float[], void (*)(float*)> sweep_u_;
   std::unique_ptr<float[], void (*)(float*)> sweep_d_;
   std::unique_ptr<float[], void (*)(float*)> sweep_t_;
+  // The pending columns packed for the blocked fold (fold_columns x ld
+  // floats, allocated on the first blocked fold): packed once per fold
+  // instead of once per row block.
+  std::unique_ptr<float[], void (*)(float*)> w_packed_{nullptr, nullptr};
 };
 
 }  // namespace leap::readout

@@ -4,8 +4,11 @@
 // the code under test.
 #include "readout/rls.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <memory>
 #include <random>
 #include <vector>
 
@@ -549,7 +552,7 @@ TEST_P(KernelVariant, GemmAccSymReadsUpperBlocksOnlyAndMatchesGemmAcc) {
   std::mt19937_64 rng(23);
   std::uniform_real_distribution<float> unif(-1, 1);
   constexpr int64_t kB = internal::kSymBlock;
-  for (int64_t K : {5, 97, 300}) {
+  for (int64_t K : {5, 97, 300, 600}) {
     const int64_t ld = (K + 15) / 16 * 16;
     std::vector<float> full(K * ld, 0.0f);
     for (int64_t i = 0; i < K; ++i) {
@@ -576,6 +579,51 @@ TEST_P(KernelVariant, GemmAccSymReadsUpperBlocksOnlyAndMatchesGemmAcc) {
         }
         ASSERT_EQ(got, want) << kern.name << " K=" << K << " m=" << m
                              << " step=" << step;
+      }
+    }
+  }
+}
+
+// gemm_acc_packed on a matrix packed once by PackPanels gives gemm_acc's
+// result on the unpacked matrix bit for bit, for every column range that
+// starts on a panel (to the end, or a whole number of panels).
+TEST_P(KernelVariant, GemmAccPackedMatchesGemmAccBitForBit) {
+  LEAP_REQUIRE_VARIANT();
+  const internal::Kernels& kern = *Kern();
+  const int64_t nr = kern.panel_floats;
+  ASSERT_TRUE(nr == 16 || nr == 32) << kern.name << " panel " << nr;
+  std::mt19937_64 rng(29);
+  std::uniform_real_distribution<float> unif(-1, 1);
+  for (int64_t K : {1, 9, 256, 300}) {
+    for (int64_t n : {16, 48, 304, 1040}) {
+      const int64_t ldb = n + 32;
+      std::vector<float> b(K * ldb);
+      for (auto& x : b) x = unif(rng);
+      // 64-byte aligned, as PackPanels requires.
+      std::unique_ptr<float[], void (*)(void*)> packed(
+          static_cast<float*>(std::aligned_alloc(64, sizeof(float) * K * n)),
+          std::free);
+      std::fill(packed.get(), packed.get() + K * n, std::nanf(""));
+      internal::PackPanels(kern, b.data(), ldb, K, n, packed.get());
+      for (int64_t m : {1, 13, 96}) {
+        // A = W' as the fold passes it (a_rs = 1, a_cs = its row stride).
+        const int64_t lda = m + 5;
+        std::vector<float> a(K * lda), c(m * (n + 8));
+        for (auto& x : a) x = unif(rng);
+        for (auto& x : c) x = unif(rng);
+        for (int64_t j0 = 0; j0 < n; j0 += nr) {
+          for (int64_t N : {n - j0, nr}) {
+            if (j0 + N > n) continue;
+            std::vector<float> want = c, got = c;
+            kern.gemm_acc(m, N, K, -1.0f, a.data(), 1, lda, b.data() + j0, ldb,
+                          want.data(), n + 8);
+            kern.gemm_acc_packed(m, N, K, -1.0f, a.data(), 1, lda,
+                                 packed.get(), n, j0, got.data(), n + 8);
+            ASSERT_EQ(got, want) << kern.name << " K=" << K << " n=" << n
+                                 << " m=" << m << " j0=" << j0 << " N=" << N;
+          }
+          if (j0 > 3 * nr) j0 += 5 * nr;  // a sample of the later columns
+        }
       }
     }
   }

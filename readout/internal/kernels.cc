@@ -5,6 +5,7 @@
 #include <cstring>
 #include <vector>
 
+#include "common/check.h"
 #include "common/half.h"
 #include "readout/internal/simd.h"
 
@@ -85,11 +86,32 @@ using MicroFn = void (*)(int rows, int width, int64_t kc, const float* a,
                          int64_t a_rs, int64_t a_cs, const float* bp,
                          float alpha, float* c, int64_t ldc);
 
+// dst[c * ldd + r] = src[r * lds + c] for r < rows, c < cols (a copy of
+// values: the same bits whichever variant runs).
+using TransposeFn = void (*)(const float* src, int64_t lds, int64_t rows,
+                             int64_t cols, float* dst, int64_t ldd);
+
 struct MicroSet {
   int mr;  // rows per tile
   int nr;  // floats per packed panel (a multiple of 16)
   MicroFn micro;
+  // Packs the part of a symmetric P's panel that is read from its
+  // transpose; nullptr: element by element.
+  TransposeFn transpose = nullptr;
+  // dst[r * w + x] = src[r * lds + x], r < rows, x < w (w a multiple of
+  // 16); nullptr: memcpy row by row (a call per panel row costs as much as
+  // the copy of its 64-128 bytes).
+  void (*copy_rows)(const float* src, int64_t lds, int64_t rows, int64_t w,
+                    float* dst) = nullptr;
 };
+
+inline void CopyRows(const MicroSet& ms, const float* src, int64_t lds,
+                     int64_t rows, int64_t w, float* dst) {
+  if (ms.copy_rows != nullptr) return ms.copy_rows(src, lds, rows, w, dst);
+  for (int64_t r = 0; r < rows; ++r) {
+    std::memcpy(dst + r * w, src + r * lds, sizeof(float) * w);
+  }
+}
 
 // Columns of B packed per pass (kGemmKc x kNc floats = 256 KiB: stays in L2
 // while every row tile of A runs over it).
@@ -108,7 +130,8 @@ float* PackBuffer() {
   return buf.p;
 }
 
-// pack_b(dst, pc, kc, j, w) writes B[pc.., j..] as kc rows of w floats.
+// pack_b(dst, pc, kc, j, w) returns B[pc.., j..] as kc rows of w floats:
+// written to dst, or where they already lie packed.
 template <typename PackB>
 void GemmDriverT(const MicroSet& ms, int64_t m, int64_t N, int64_t K,
                  float alpha, const float* A, int64_t a_rs, int64_t a_cs,
@@ -148,9 +171,10 @@ void GemmDriverT(const MicroSet& ms, int64_t m, int64_t N, int64_t K,
       const int64_t kc = std::min(kGemmKc, K - pc);
       const float* blk = apack.data() + (pc / kGemmKc) * ablock;
       // Pack B[pc.., jc..] panel by panel: kc rows of `w` floats each.
+      const float* panel[kNc / 16];
       for (int64_t jr = 0; jr < nc; jr += ms.nr) {
         const int64_t w = std::min<int64_t>(ms.nr, nc - jr);
-        pack_b(buf + jr * kc, pc, kc, jc + jr, w);
+        panel[jr / ms.nr] = pack_b(buf + jr * kc, pc, kc, jc + jr, w);
       }
       // BLIS order: a B micro-panel stays in L1 while the A tiles stream
       // from L2 past it.
@@ -170,7 +194,7 @@ void GemmDriverT(const MicroSet& ms, int64_t m, int64_t N, int64_t K,
             }
           }
           ms.micro(rows, w, kc, blk + t * ms.mr * kc, 1, ms.mr,
-                   buf + jr * kc, alpha, C + ir * ldc + jc + jr, ldc);
+                   panel[jr / ms.nr], alpha, C + ir * ldc + jc + jr, ldc);
         }
       }
     }
@@ -182,11 +206,28 @@ void GemmDriver(const MicroSet& ms, int64_t m, int64_t N, int64_t K,
                 const float* B, int64_t ldb, float* C, int64_t ldc) {
   GemmDriverT(
       ms, m, N, K, alpha, A, a_rs, a_cs,
-      [B, ldb](float* dst, int64_t pc, int64_t kc, int64_t j, int64_t w) {
-        const float* src = B + pc * ldb + j;
-        for (int64_t p = 0; p < kc; ++p) {
-          std::memcpy(dst + p * w, src + p * ldb, sizeof(float) * w);
-        }
+      [&ms, B, ldb](float* dst, int64_t pc, int64_t kc, int64_t j, int64_t w) {
+        CopyRows(ms, B + pc * ldb + j, ldb, kc, w, dst);
+        return static_cast<const float*>(dst);
+      },
+      C, ldc);
+}
+
+// Panel q of a matrix packed by PackPanels: its K rows of min(nr, N - q nr)
+// floats start at q * nr * K; rows pc.. at pc times the panel's width.
+void GemmPackedDriver(const MicroSet& ms, int64_t m, int64_t N, int64_t K,
+                      float alpha, const float* A, int64_t a_rs, int64_t a_cs,
+                      const float* Bp, int64_t n_packed, int64_t j0, float* C,
+                      int64_t ldc) {
+  LEAP_CHECK_EQ(j0 % ms.nr, 0) << "packed panels start at multiples of " << ms.nr;
+  LEAP_CHECK_EQ(reinterpret_cast<uintptr_t>(Bp) % 64, 0u) << "packed B not 64-byte aligned";
+  LEAP_CHECK(j0 + N == n_packed || (N % ms.nr == 0 && j0 + N <= n_packed))
+      << "columns [" << j0 << ", " << j0 + N << ") of " << n_packed
+      << " packed in panels of " << ms.nr;
+  GemmDriverT(
+      ms, m, N, K, alpha, A, a_rs, a_cs,
+      [Bp, j0, K](float*, int64_t pc, int64_t, int64_t jrel, int64_t w) {
+        return Bp + (j0 + jrel) * K + pc * w;
       },
       C, ldc);
 }
@@ -202,18 +243,24 @@ void GemmSymDriver(const MicroSet& ms, int64_t m, int64_t N, int64_t K,
                    int64_t ldc) {
   GemmDriverT(
       ms, m, N, K, alpha, A, a_rs, a_cs,
-      [P, ldp, j0, K](float* dst, int64_t pc, int64_t kc, int64_t jrel,
-                      int64_t w) {
+      [&ms, P, ldp, j0, K](float* dst, int64_t pc, int64_t kc, int64_t jrel,
+                           int64_t w) {
         const int64_t j = j0 + jrel;
         // Rows below `e` are read directly; panels never straddle a block
         // boundary when kSymBlock is a multiple of the panel width, but each
         // column is checked anyway.
         const int64_t e_first = (j / kSymBlock + 1) * kSymBlock;
         const int64_t direct_end = std::clamp<int64_t>(e_first, pc, pc + kc);
-        for (int64_t p = pc; p < direct_end; ++p) {
-          std::memcpy(dst + (p - pc) * w, P + p * ldp + j, sizeof(float) * w);
+        CopyRows(ms, P + pc * ldp + j, ldp, direct_end - pc, w, dst);
+        if (direct_end == pc + kc) return static_cast<const float*>(dst);
+        // A panel within one block column and within P: every row from
+        // direct_end on is the transpose of the panel's own rows of P.
+        if (ms.transpose != nullptr && j + w <= K &&
+            (j + w - 1) / kSymBlock == j / kSymBlock) {
+          ms.transpose(P + j * ldp + direct_end, ldp, w, pc + kc - direct_end,
+                       dst + (direct_end - pc) * w, w);
+          return static_cast<const float*>(dst);
         }
-        if (direct_end == pc + kc) return;
         for (int64_t x = 0; x < w; ++x) {
           const int64_t jj = j + x;
           const int64_t e = (jj / kSymBlock + 1) * kSymBlock;
@@ -227,6 +274,7 @@ void GemmSymDriver(const MicroSet& ms, int64_t m, int64_t N, int64_t K,
             d[(p - pc) * w] = p < e ? P[p * ldp + jj] : row[p];
           }
         }
+        return static_cast<const float*>(dst);
       },
       C, ldc);
 }
@@ -253,6 +301,14 @@ void GemmAccPortable(int64_t m, int64_t N, int64_t K, float alpha,
                      const float* B, int64_t ldb, float* C, int64_t ldc) {
   GemmDriver({4, 16, MicroPortable}, m, N, K, alpha, A, a_rs, a_cs, B, ldb, C,
              ldc);
+}
+
+void GemmAccPackedPortable(int64_t m, int64_t N, int64_t K, float alpha,
+                           const float* A, int64_t a_rs, int64_t a_cs,
+                           const float* Bp, int64_t n_packed, int64_t j0,
+                           float* C, int64_t ldc) {
+  GemmPackedDriver({4, 16, MicroPortable}, m, N, K, alpha, A, a_rs, a_cs, Bp,
+                   n_packed, j0, C, ldc);
 }
 
 void DotF64BlockPortable(const float* X, int64_t ldx, const float* Y,
@@ -294,7 +350,8 @@ constexpr Kernels kPortable = {"portable",         DotF32Portable,
                                DotBf16Portable,    DotF16Portable,
                                DotRowsF32Portable, DotRowsBf16Portable,
                                portable_sweep::SymSweep, GemmAccPortable,
-                               DotF64BlockPortable, GemmAccSymPortable};
+                               DotF64BlockPortable, GemmAccSymPortable,
+                               16, GemmAccPackedPortable};
 
 #if defined(__x86_64__)
 // ---------------------------------------------------------------- AVX2+FMA
@@ -495,18 +552,79 @@ LEAP_AVX2 void MicroAvx2(int rows, int /*width = 16*/, int64_t kc,
   }
 }
 
+// An 8 x 8 block: rows of src (stride lds) become columns of dst (stride
+// ldd), in three rounds of shuffles (pairs, quads, 128-bit halves).
+LEAP_AVX2 inline void Transpose8x8Avx2(const float* src, int64_t lds,
+                                       float* dst, int64_t ldd) {
+  __m256 r[8], t[8], q[8];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * lds);
+#pragma GCC unroll 4
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+#pragma GCC unroll 2
+  for (int i = 0; i < 8; i += 4) {
+    q[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+    q[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+    q[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    q[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i) {
+    _mm256_storeu_ps(dst + i * ldd, _mm256_permute2f128_ps(q[i], q[i + 4], 0x20));
+    _mm256_storeu_ps(dst + (i + 4) * ldd,
+                     _mm256_permute2f128_ps(q[i], q[i + 4], 0x31));
+  }
+}
+
+LEAP_AVX2 void TransposeAvx2(const float* src, int64_t lds, int64_t rows,
+                             int64_t cols, float* dst, int64_t ldd) {
+  const int64_t c8 = cols / 8 * 8, r8 = rows / 8 * 8;
+  for (int64_t r = 0; r < r8; r += 8) {
+    for (int64_t c = 0; c < c8; c += 8) {
+      Transpose8x8Avx2(src + r * lds + c, lds, dst + c * ldd + r, ldd);
+    }
+  }
+  // The ragged edges element by element.
+  for (int64_t c = c8; c < cols; ++c) {
+    for (int64_t i = 0; i < r8; ++i) dst[c * ldd + i] = src[i * lds + c];
+  }
+  for (int64_t i = r8; i < rows; ++i) {
+    for (int64_t c = 0; c < cols; ++c) dst[c * ldd + i] = src[i * lds + c];
+  }
+}
+
+LEAP_AVX2 void CopyRowsAvx2(const float* src, int64_t lds, int64_t rows,
+                            int64_t w, float* dst) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t x = 0; x < w; x += 8) {
+      _mm256_storeu_ps(dst + r * w + x, _mm256_loadu_ps(src + r * lds + x));
+    }
+  }
+}
+
 void GemmAccAvx2(int64_t m, int64_t N, int64_t K, float alpha, const float* A,
                  int64_t a_rs, int64_t a_cs, const float* B, int64_t ldb,
                  float* C, int64_t ldc) {
-  GemmDriver({kMrAvx2, 16, MicroAvx2}, m, N, K, alpha, A, a_rs, a_cs, B, ldb, C,
+  GemmDriver({kMrAvx2, 16, MicroAvx2, nullptr, CopyRowsAvx2}, m, N, K, alpha, A, a_rs, a_cs, B, ldb, C,
              ldc);
 }
 
 void GemmAccSymAvx2(int64_t m, int64_t N, int64_t K, float alpha,
                     const float* A, int64_t a_rs, int64_t a_cs, const float* P,
                     int64_t ldp, int64_t j0, float* C, int64_t ldc) {
-  GemmSymDriver({kMrAvx2, 16, MicroAvx2}, m, N, K, alpha, A, a_rs, a_cs, P, ldp, j0,
+  GemmSymDriver({kMrAvx2, 16, MicroAvx2, TransposeAvx2, CopyRowsAvx2}, m, N, K, alpha, A, a_rs, a_cs, P, ldp, j0,
                 C, ldc);
+}
+
+void GemmAccPackedAvx2(int64_t m, int64_t N, int64_t K, float alpha,
+                       const float* A, int64_t a_rs, int64_t a_cs,
+                       const float* Bp, int64_t n_packed, int64_t j0, float* C,
+                       int64_t ldc) {
+  GemmPackedDriver({kMrAvx2, 16, MicroAvx2, nullptr, CopyRowsAvx2}, m, N, K,
+                   alpha, A, a_rs, a_cs, Bp, n_packed, j0, C, ldc);
 }
 
 // FP64 dot products of float rows: RA rows of X against RB rows of Y.
@@ -570,7 +688,7 @@ using Vec = simd::Avx2;
 constexpr Kernels kAvx2 = {"avx2",         DotF32Avx2,      DotBf16Avx2,
                            DotF16Avx2,     DotRowsF32Avx2,  DotRowsBf16Avx2,
                            avx2_sweep::SymSweep, GemmAccAvx2, DotF64BlockAvx2,
-                           GemmAccSymAvx2};
+                           GemmAccSymAvx2,  16,              GemmAccPackedAvx2};
 
 bool CpuHasAvx2Fma() {
   __builtin_cpu_init();
@@ -730,10 +848,19 @@ LEAP_AVX512 void MicroAvx512(int rows, int width, int64_t kc, const float* a,
   return MicroAvx512W<1>(rows, kc, a, a_rs, a_cs, bp, alpha, c, ldc);
 }
 
+LEAP_AVX512 void CopyRowsAvx512(const float* src, int64_t lds, int64_t rows,
+                                int64_t w, float* dst) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t x = 0; x < w; x += 16) {
+      _mm512_storeu_ps(dst + r * w + x, _mm512_loadu_ps(src + r * lds + x));
+    }
+  }
+}
+
 void GemmAccAvx512(int64_t m, int64_t N, int64_t K, float alpha,
                    const float* A, int64_t a_rs, int64_t a_cs, const float* B,
                    int64_t ldb, float* C, int64_t ldc) {
-  GemmDriver({kMrAvx512, 32, MicroAvx512}, m, N, K, alpha, A, a_rs, a_cs, B, ldb, C,
+  GemmDriver({kMrAvx512, 32, MicroAvx512, nullptr, CopyRowsAvx512}, m, N, K, alpha, A, a_rs, a_cs, B, ldb, C,
              ldc);
 }
 
@@ -741,8 +868,16 @@ void GemmAccSymAvx512(int64_t m, int64_t N, int64_t K, float alpha,
                       const float* A, int64_t a_rs, int64_t a_cs,
                       const float* P, int64_t ldp, int64_t j0, float* C,
                       int64_t ldc) {
-  GemmSymDriver({kMrAvx512, 32, MicroAvx512}, m, N, K, alpha, A, a_rs, a_cs, P, ldp,
+  GemmSymDriver({kMrAvx512, 32, MicroAvx512, TransposeAvx2, CopyRowsAvx512}, m, N, K, alpha, A, a_rs, a_cs, P, ldp,
                 j0, C, ldc);
+}
+
+void GemmAccPackedAvx512(int64_t m, int64_t N, int64_t K, float alpha,
+                         const float* A, int64_t a_rs, int64_t a_cs,
+                         const float* Bp, int64_t n_packed, int64_t j0,
+                         float* C, int64_t ldc) {
+  GemmPackedDriver({kMrAvx512, 32, MicroAvx512, nullptr, CopyRowsAvx512}, m, N,
+                   K, alpha, A, a_rs, a_cs, Bp, n_packed, j0, C, ldc);
 }
 
 // RA x RB dots of rows already converted to FP64 (stride ld, n a multiple
@@ -856,7 +991,7 @@ using Vec = simd::Avx512;
 constexpr Kernels kAvx512 = {"avx512",        DotF32Avx512,      DotBf16Avx512,
                              DotF16Avx512,    DotRowsF32Avx2,    DotRowsBf16Avx2,
                              avx512_sweep::SymSweep, GemmAccAvx512, DotF64BlockAvx512,
-                             GemmAccSymAvx512};
+                             GemmAccSymAvx512, 32,              GemmAccPackedAvx512};
 
 bool CpuHasAvx512() {
   if (!CpuHasAvx2Fma()) return false;
@@ -873,6 +1008,18 @@ bool CpuHasAvx512() {
 #endif
 
 }  // namespace
+
+void PackPanels(const Kernels& kernels, const float* B, int64_t ldb, int64_t K,
+                int64_t N, float* out) {
+  const int64_t nr = kernels.panel_floats;
+  for (int64_t j = 0; j < N; j += nr) {
+    const int64_t w = std::min(nr, N - j);
+    float* dst = out + j * K;
+    for (int64_t p = 0; p < K; ++p) {
+      std::memcpy(dst + p * w, B + p * ldb + j, sizeof(float) * w);
+    }
+  }
+}
 
 void PermuteForBf16(const float* w, int64_t n, float* out) {
   int64_t i = 0;

@@ -89,7 +89,25 @@ struct Kernels {
                        const float* A, int64_t a_rs, int64_t a_cs,
                        const float* P, int64_t ldp, int64_t j0, float* C,
                        int64_t ldc);
+  // Width of the panels gemm_acc packs B into (PackPanels' layout).
+  int64_t panel_floats;
+  // gemm_acc with B already packed by PackPanels (K rows, n_packed
+  // columns), columns j0 .. j0 + N of it: j0 a multiple of panel_floats,
+  // and the columns end at n_packed or at a multiple of panel_floats. Same
+  // values, same order: bit for bit gemm_acc on the unpacked B. B is packed
+  // once for many calls instead of once per call.
+  void (*gemm_acc_packed)(int64_t m, int64_t N, int64_t K, float alpha,
+                          const float* A, int64_t a_rs, int64_t a_cs,
+                          const float* Bp, int64_t n_packed, int64_t j0,
+                          float* C, int64_t ldc);
 };
+
+// Packs the K x N matrix B (row stride ldb, N a multiple of 16) for
+// kernels.gemm_acc_packed into out (K * N floats, 64-byte aligned): panel q (columns q nr ..,
+// nr = kernels.panel_floats) at out + q nr K, its K rows of min(nr, N - q nr)
+// floats one after another.
+void PackPanels(const Kernels& kernels, const float* B, int64_t ldb, int64_t K,
+                int64_t N, float* out);
 
 // Reorders w for dot_bf16: every full block of 16 becomes its 8 even-index
 // entries then its 8 odd-index entries; the tail (n % 16) keeps its order.
