@@ -90,6 +90,38 @@ std::string ThetaBytes(const Eigen::VectorXd& theta) {
                      theta.size() * sizeof(double));
 }
 
+// The newest message on a STATE checkpoint subject: its stream sequence,
+// and the chunk it carries (parsed = false when it is not a chunk).
+struct LastStateChunk {
+  uint64_t seq = 0;
+  bool parsed = false;
+  leap::v1::fleet::FleetStateChunk chunk;
+};
+
+// nullopt when the subject holds no message; an error when it cannot be
+// read. The one read of a checkpoint subject's last message that the start
+// (LoadState), the fence's retry and the purge after a checkpoint share.
+absl::StatusOr<std::optional<LastStateChunk>> ReadLastStateChunk(
+    jsCtx* js, const std::string& stream, const std::string& subject) {
+  natsMsg* raw = nullptr;
+  jsErrCode code = static_cast<jsErrCode>(0);
+  natsStatus st = js_GetLastMsg(&raw, js, stream.c_str(), subject.c_str(), nullptr, &code);
+  if (st == NATS_NOT_FOUND || code == JSNoMessageFoundErr) {
+    if (raw != nullptr) natsMsg_Destroy(raw);
+    return std::nullopt;
+  }
+  if (st != NATS_OK) {
+    if (raw != nullptr) natsMsg_Destroy(raw);
+    return NatsFailure("reading the last message of " + subject, st, code);
+  }
+  MsgPtr m(raw);
+  LastStateChunk last;
+  last.seq = natsMsg_GetSequence(m.get());
+  last.parsed = last.chunk.ParseFromArray(natsMsg_GetData(m.get()),
+                                          natsMsg_GetDataLength(m.get()));
+  return last;
+}
+
 bool FiniteRow(const float* u, int64_t n, double y) {
   if (!std::isfinite(y)) return false;
   for (int64_t j = 0; j < n; ++j) {
@@ -429,34 +461,27 @@ class Trainer::Worker {
     // from memory.
     std::optional<std::pair<std::string, uint64_t>> fleet_quality;
     {
-      natsMsg* raw = nullptr;
-      jsErrCode code = static_cast<jsErrCode>(0);
-      natsStatus st = js_GetLastMsg(&raw, t_->js_, StateStream(fleet()).c_str(),
-                                    subject.c_str(), nullptr, &code);
-      if (st == NATS_OK) {
-        MsgPtr m(raw);
+      absl::StatusOr<std::optional<LastStateChunk>> last =
+          ReadLastStateChunk(t_->js_, StateStream(fleet()), subject);
+      if (!last.ok()) return last.status();
+      ckpt_prev_first_seq_ = 0;
+      if (last->has_value()) {
+        const LastStateChunk& l = **last;
+        const leap::v1::fleet::FleetStateChunk& c = l.chunk;
         // Where this term's first STATE checkpoint is fenced.
-        ckpt_subject_seq_ = natsMsg_GetSequence(m.get());
-        ckpt_prev_first_seq_ = 0;
-        leap::v1::fleet::FleetStateChunk c;
-        const bool parsed = c.ParseFromArray(natsMsg_GetData(m.get()),
-                                             natsMsg_GetDataLength(m.get()));
-        ckpt_last_incarnation_ = parsed ? c.created_unix_ms() : 0;
+        ckpt_subject_seq_ = l.seq;
+        ckpt_last_incarnation_ = l.parsed ? c.created_unix_ms() : 0;
         // A state of another incarnation of the name is not this readout's
         // (ReadNewestState skips it).
-        const bool ours = parsed && OwnIncarnation(c.created_unix_ms());
+        const bool ours = l.parsed && OwnIncarnation(c.created_unix_ms());
         if (ours && c.last()) fleet_quality.emplace(c.quality(), c.fleet_seq());
         if (best.has_value() && ours && c.last() && c.fleet_seq() <= best->fleet_seq) {
           read_fleet = false;
         }
-      } else if (st == NATS_NOT_FOUND || code == JSNoMessageFoundErr) {
+      } else {
         ckpt_subject_seq_ = 0;
-        ckpt_prev_first_seq_ = 0;
         ckpt_last_incarnation_ = 0;
         read_fleet = false;
-      } else {
-        return NatsFailure("reading the last checkpoint chunk of " + subject, st,
-                         code);
       }
     }
     if (read_fleet) {
@@ -1694,13 +1719,10 @@ class Trainer::Worker {
       jo.Stream.Purge.Sequence = prev_first;
       purge = prev_first > 1;
     } else {
-      natsMsg* raw = nullptr;
-      jsErrCode code = static_cast<jsErrCode>(0);
-      if (js_GetLastMsg(&raw, js, stream.c_str(), subject.c_str(), nullptr, &code) ==
-          NATS_OK) {
-        purge = natsMsg_GetSequence(raw) == fence.last_subject_seq;
-        natsMsg_Destroy(raw);
-      }
+      absl::StatusOr<std::optional<LastStateChunk>> last =
+          ReadLastStateChunk(js, stream, subject);
+      purge = last.ok() && last->has_value() &&
+              (*last)->seq == fence.last_subject_seq;
       jo.Stream.Purge.Keep = keep;
       if (!purge) {
         Log(absl::StrCat("old checkpoints on ", subject,
@@ -1724,27 +1746,19 @@ class Trainer::Worker {
   // it cannot be read.
   int64_t NewestStateIncarnation(jsCtx* js, const std::string& stream,
                                  const std::string& subject) {
-    natsMsg* raw = nullptr;
-    jsErrCode code = static_cast<jsErrCode>(0);
-    natsStatus st = js_GetLastMsg(&raw, js, stream.c_str(), subject.c_str(), nullptr, &code);
-    if (st == NATS_NOT_FOUND || code == JSNoMessageFoundErr) {
+    absl::StatusOr<std::optional<LastStateChunk>> last =
+        ReadLastStateChunk(js, stream, subject);
+    if (!last.ok()) {
+      Log(std::string(last.status().message()));
+      return -1;
+    }
+    if (!last->has_value()) {
       ckpt_subject_seq_ = 0;
       return 0;
     }
-    if (st != NATS_OK) {
-      Log(absl::StrCat("reading the last message of ", subject, ": ",
-                       NatsFailure("get", st, code).message()));
-      return -1;
-    }
-    MsgPtr m(raw);
-    ckpt_subject_seq_ = natsMsg_GetSequence(m.get());
-    leap::v1::fleet::FleetStateChunk c;
-    ckpt_last_incarnation_ = 0;
-    if (!c.ParseFromArray(natsMsg_GetData(m.get()), natsMsg_GetDataLength(m.get()))) {
-      return 0;
-    }
-    ckpt_last_incarnation_ = c.created_unix_ms();
-    return c.created_unix_ms();
+    ckpt_subject_seq_ = (*last)->seq;
+    ckpt_last_incarnation_ = (*last)->parsed ? (*last)->chunk.created_unix_ms() : 0;
+    return ckpt_last_incarnation_;
   }
 
   // Checkpoint thread (and the worker's start, before it runs).
