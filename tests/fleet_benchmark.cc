@@ -376,6 +376,9 @@ std::string ServingNow(const std::string& address, const std::string& name) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // As leapd does at its start: OpenBLAS on one thread, so the in-process
+  // RlsState figure below is the one the trainer gets.
+  leap::readout::PrepareOpenBlasForRls();
   const int64_t dim = IntFlag(argc, argv, "dim", 4096);
   const int64_t seconds = IntFlag(argc, argv, "seconds", 10);
   const std::string rates_flag = StrFlag(argc, argv, "rates", "100,200,500");
