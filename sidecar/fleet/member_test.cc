@@ -25,6 +25,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <functional>
 #include <random>
 #include <string>
 #include <thread>
@@ -39,6 +40,7 @@
 #include "tests/support/scoped_temp_dir.h"
 #include "leap/v1/fleet.pb.h"
 #include "storage/rocksdb_store.h"
+#include "tests/support/checkpoint_watch_store.h"
 #include "tests/support/readout_fixtures.h"
 
 namespace leap::fleet {
@@ -48,6 +50,7 @@ namespace fpb = ::leap::v1::fleet;
 using sidecar::Core;
 using sidecar::CoreOptions;
 using sidecar::ScoreRequest;
+using ::leap::testing::CheckpointWatchStore;
 using ::leap::testing::RandomFeatures;
 using ::leap::testing::RandomState;
 using ::leap::testing::ReferenceScore;
@@ -93,17 +96,6 @@ int64_t EnvOr(const char* name, int64_t def) {
   return v != nullptr && *v != '\0' ? std::atoll(v) : def;
 }
 
-// Waits for `cond` (checked every millisecond) until `timeout`.
-template <typename F>
-bool WaitFor(F cond, absl::Duration timeout = absl::Seconds(20)) {
-  const absl::Time end = absl::Now() + timeout;
-  while (!cond()) {
-    if (absl::Now() > end) return false;
-    absl::SleepFor(absl::Milliseconds(1));
-  }
-  return true;
-}
-
 class Recorder : public sidecar::PublishListener {
  public:
   void OnPublish(const std::string& readout,
@@ -111,18 +103,24 @@ class Recorder : public sidecar::PublishListener {
     absl::MutexLock l(&mu_);
     seen_.push_back(v);
   }
-  // Waits for a publish of `version`.
-  std::shared_ptr<const sidecar::PublishedVersion> Await(int64_t version) {
+  // Waits (up to 20 s) for a publish that satisfies `pred` (the last such
+  // one; null at the timeout).
+  std::shared_ptr<const sidecar::PublishedVersion> Await(
+      const std::function<bool(const sidecar::PublishedVersion&)>& pred) {
     absl::MutexLock l(&mu_);
     std::shared_ptr<const sidecar::PublishedVersion> found;
     auto cond = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
       for (const auto& v : seen_) {
-        if (v->version == version) found = v;
+        if (pred(*v)) found = v;
       }
       return found != nullptr;
     };
     mu_.AwaitWithTimeout(absl::Condition(&cond), absl::Seconds(20));
     return found;
+  }
+  // Waits for a publish of `version`.
+  std::shared_ptr<const sidecar::PublishedVersion> Await(int64_t version) {
+    return Await([version](const sidecar::PublishedVersion& v) { return v.version == version; });
   }
 
  private:
@@ -133,7 +131,7 @@ class Recorder : public sidecar::PublishListener {
 
 // One member: a Core over its own RocksDB store and a FleetMember.
 struct Member {
-  std::unique_ptr<storage::StateStore> store;
+  std::unique_ptr<CheckpointWatchStore> store;
   sidecar::Metrics metrics;
   std::unique_ptr<Core> core;
   std::unique_ptr<FleetMember> fleet;
@@ -218,7 +216,7 @@ class FleetMemberTest : public ::testing::Test {
     storage::RocksStoreOptions so;
     auto st = storage::OpenRocksStore((dir_ / id).string(), so);
     EXPECT_TRUE(st.ok()) << st.status();
-    m->store = std::move(*st);
+    m->store = std::make_unique<CheckpointWatchStore>(std::move(*st));
     auto loaded = m->store->Load();
     EXPECT_TRUE(loaded.ok());
     CoreOptions co;
@@ -410,10 +408,12 @@ TEST_F(FleetMemberTest, NatsDownRefusesCompletionsKeepsPredictingThenPublishesOn
   EXPECT_EQ(a->fleet->Status().unconfirmed, 1);
 
   StartNats();
-  // Reconnected: the outbox record is republished, degraded clears.
+  // Reconnected: the outbox record is republished, degraded clears. The
+  // maintainer clears it only after every outbox record it republished was
+  // acknowledged by JetStream: once cleared, nothing is unconfirmed.
   ASSERT_TRUE(a->AwaitDegraded(false));
   ASSERT_TRUE(observer_->WaitConnected(20000).ok());
-  ASSERT_TRUE(WaitFor([&] { return a->fleet->Status().unconfirmed == 0; }));
+  EXPECT_EQ(a->fleet->Status().unconfirmed, 0);
   EXPECT_EQ(LastFeedbackSeq(), before + 1);
   auto acked = a->core->Complete("q1", 64, readout::FinishReason::kStop);
   ASSERT_TRUE(acked.ok()) << acked.status();
@@ -503,7 +503,8 @@ TEST_F(FleetMemberTest, PublishedVersionIsInstalledAndServed) {
   auto c = StartMember("c");
   auto ro = c->core->GetReadout("chat");
   ASSERT_TRUE(ro.ok());
-  ASSERT_TRUE(WaitFor([&] { return (*ro)->current()->version == 6; }));
+  ASSERT_NE(c->recorder->Await(6), nullptr) << "the new member never installed version 6";
+  EXPECT_EQ((*ro)->current()->version, 6);
 }
 
 // A version that arrives while its readout is being created here: the
@@ -711,7 +712,9 @@ TEST_F(FleetMemberTest, RestartedMemberListsEveryVersionOnce) {
     ASSERT_TRUE(a->core->Complete("w1", 64, readout::FinishReason::kStop).ok());
     auto ro = a->core->GetReadout("chat");
     ASSERT_TRUE(ro.ok());
-    ASSERT_TRUE(WaitFor([&] { return (*ro)->metrics().checkpoint_bytes->Value() > 0; }));
+    ASSERT_TRUE(a->store->AwaitCheckpoint("chat", [](const storage::ReadoutCheckpoint& c) {
+      return c.version == 3 && c.last_seq >= 1;
+    })) << "the member never checkpointed version 3 after its outbox record was confirmed";
     for (int64_t v = 4; v <= 6; ++v) publish(v);
     ASSERT_NE(a->recorder->Await(6), nullptr);
     EXPECT_EQ(listed(*a), want);
@@ -721,7 +724,12 @@ TEST_F(FleetMemberTest, RestartedMemberListsEveryVersionOnce) {
   ASSERT_TRUE(ro.ok());
   // The catch-up from the fleet's newest version (6) is done once version 6
   // is served with the fleet sequence it was published with.
-  ASSERT_TRUE(WaitFor([&] { return (*ro)->current()->fleet_seq == 106u; }));
+  ASSERT_NE(a->recorder->Await([](const sidecar::PublishedVersion& v) {
+              return v.version == 6 && v.fleet_seq == 106u;
+            }),
+            nullptr)
+      << "the restarted member never installed version 6 from the fleet";
+  EXPECT_EQ((*ro)->current()->fleet_seq, 106u);
   EXPECT_EQ((*ro)->current()->version, 6);
   EXPECT_EQ(listed(*a), want);
   publish(7);
@@ -776,7 +784,8 @@ TEST_F(FleetMemberTest, PipelinedCompletionsAreAckedOnlyAfterTheStream) {
                                                   features, std::sqrt(10.0 + i)));
   }
   EXPECT_EQ(LastFeedbackSeq(), before + kBatch);
-  EXPECT_TRUE(WaitFor([&] { return a->fleet->Status().unconfirmed == 0; }));
+  // Each ack is set after its record was confirmed: none is left.
+  EXPECT_EQ(a->fleet->Status().unconfirmed, 0);
   EXPECT_EQ(a->fleet->nats().async_in_flight(), 0);
 
   // NATS down: the pending ack is an error, nothing is acknowledged.
@@ -907,7 +916,9 @@ TEST_F(FleetMemberTest, AResendDoesNotWaitForNats) {
   ASSERT_TRUE(late.ok()) << late.status();
   EXPECT_EQ(late->fleet_ack, nullptr);
   EXPECT_EQ(late->fleet_seq, before + 1);
-  EXPECT_TRUE(WaitFor([&] { return a->fleet->Status().unconfirmed == 0; }));
+  // The ack that carried the sequence was set after the record was
+  // confirmed: none is left.
+  EXPECT_EQ(a->fleet->Status().unconfirmed, 0);
 }
 
 // nats.c registers an asynchronous publish before it writes the message,
@@ -953,17 +964,29 @@ TEST_F(FleetMemberTest, AnAnswerWhileItsMessageIsStillBeingWrittenIsSafe) {
       published.fetch_add(1);
     }
   });
-  const bool seen = WaitFor(
-      [&] { return client.async_answered_while_publishing() > 0; });
+  // The client counts such an answer before it calls the publish's
+  // callback, which takes `mu`: each answer wakes this wait.
+  bool seen;
+  {
+    absl::MutexLock l(&mu);
+    auto blocked = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+      return client.async_answered_while_publishing() > 0;
+    };
+    seen = mu.AwaitWithTimeout(absl::Condition(&blocked), absl::Seconds(20));
+  }
   stop.store(true);
   nats_->Signal(SIGCONT);
   publisher.join();
   ASSERT_TRUE(seen) << "no publish blocked long enough for its timeout ("
                     << published.load() << " published)";
-  EXPECT_TRUE(WaitFor([&] {
+  {
     absl::MutexLock l(&mu);
-    return answers == published.load();
-  })) << answers << " answers to " << published.load() << " publishes";
+    auto all_answered = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+      return answers == published.load();
+    };
+    EXPECT_TRUE(mu.AwaitWithTimeout(absl::Condition(&all_answered), absl::Seconds(20)))
+        << answers << " answers to " << published.load() << " publishes";
+  }
   {
     absl::MutexLock l(&mu);
     EXPECT_GE(unavailable, 1);
