@@ -245,11 +245,15 @@ TEST_F(FleetIntegration, EveryMemberReportsTheFleetWideQualityPerVersionAndArm) 
   const std::string& url = url_;
   // Two members as leapd --fleet builds them, each with its Admin service
   // on a real gRPC port.
+  // Each member's publishes (its readout created, the versions it
+  // installs) are awaited through a Recorder on its Core.
+  auto r1 = std::make_shared<Recorder>();
+  auto r2 = std::make_shared<Recorder>();
   Member m1, m2;
-  ASSERT_NO_FATAL_FAILURE(
-      m1.Start(dir, {.url = url, .fleet = "fq", .member = "m1", .admin = true}));
-  ASSERT_NO_FATAL_FAILURE(
-      m2.Start(dir, {.url = url, .fleet = "fq", .member = "m2", .admin = true}));
+  ASSERT_NO_FATAL_FAILURE(m1.Start(
+      dir, {.url = url, .fleet = "fq", .member = "m1", .listener = r1, .admin = true}));
+  ASSERT_NO_FATAL_FAILURE(m2.Start(
+      dir, {.url = url, .fleet = "fq", .member = "m2", .listener = r2, .admin = true}));
 
   TrainerOptions to;
   to.fleet = "fq";
@@ -265,16 +269,22 @@ TEST_F(FleetIntegration, EveryMemberReportsTheFleetWideQualityPerVersionAndArm) 
   sidecar::Route route;
   route.product_line = "";
   route.arms = {{"a", "chat", 50, false}, {"b", "chat", 50, false}};
-  // Both members apply the readout and the route from CONFIG.
-  const absl::Time deadline = absl::Now() + absl::Seconds(20);
-  while (!m1.core->GetReadout("chat").ok() || !m2.core->GetReadout("chat").ok()) {
-    ASSERT_LT(absl::Now(), deadline) << "the readout never reached both members";
-    absl::SleepFor(absl::Milliseconds(5));
+  // Both members apply the readout and the route from CONFIG. A Core
+  // publishes a readout's first version once it serves the readout.
+  for (Recorder* r : {r1.get(), r2.get()}) {
+    ASSERT_NE(r->Await([](const sidecar::PublishedVersion&) { return true; }), nullptr)
+        << "the readout never reached " << (r == r1.get() ? "m1" : "m2");
   }
+  ASSERT_TRUE(m1.core->GetReadout("chat").ok());
+  ASSERT_TRUE(m2.core->GetReadout("chat").ok());
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
   ASSERT_TRUE(f1->SetRoute(route).ok());
+  // m1 installed the route in SetRoute; m2's CONFIG watcher installs it with
+  // no callback, no publish and no NATS message after it (FleetMember has no
+  // hook for an applied route): polled.
   while (m2.core->ListRoutes().empty() || m1.core->ListRoutes().empty()) {
     ASSERT_LT(absl::Now(), deadline) << "the route never reached both members";
-    absl::SleepFor(absl::Milliseconds(5));
+    absl::SleepFor(absl::Milliseconds(5));  // poll period (no event, see above)
   }
 
   // 240 requests, alternately on m1 and m2.
@@ -316,20 +326,27 @@ TEST_F(FleetIntegration, EveryMemberReportsTheFleetWideQualityPerVersionAndArm) 
       // Both members serve a newer version before the next 80: pairs of
       // several versions.
       for (Member* mm : {&m1, &m2}) {
-        while ((*mm->core->GetReadout("chat"))->current()->fleet_seq < last) {
-          ASSERT_LT(absl::Now(), deadline + absl::Seconds(20)) << "no new version";
-          absl::SleepFor(absl::Milliseconds(5));
-        }
+        Recorder* r = mm == &m1 ? r1.get() : r2.get();
+        ASSERT_NE(r->Await([&](const sidecar::PublishedVersion& v) {
+                    return v.fleet_seq >= last;
+                  }),
+                  nullptr)
+            << "no new version on " << (mm == &m1 ? "m1" : "m2");
+        ASSERT_GE((*mm->core->GetReadout("chat"))->current()->fleet_seq, last);
       }
     }
   }
-  // Each member's view of the quality reaches the last completion.
+  // Each member's view of the quality reaches the last completion. The
+  // member's CONFIG watcher takes the trainer's quality.<readout> entry in
+  // with no callback and nothing published after it (FleetMember has no
+  // hook for it; a watch of our own on CONFIG would see the entry before
+  // the member took it in): polled.
   for (Member* m : {&m1, &m2}) {
     for (;;) {
       std::optional<sidecar::FleetQualityView> q = m->fleet->Quality("chat");
       if (q.has_value() && q->fleet_seq >= last) break;
       ASSERT_LT(absl::Now(), deadline + absl::Seconds(20)) << "quality never published";
-      absl::SleepFor(absl::Milliseconds(5));
+      absl::SleepFor(absl::Milliseconds(5));  // poll period (no event, see above)
     }
   }
 
