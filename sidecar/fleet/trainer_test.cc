@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <random>
 #include <string>
@@ -24,6 +25,7 @@
 #include "absl/synchronization/notification.h"
 #include "client/process.h"
 #include "gtest/gtest.h"
+#include "tests/support/checkpoint_watch_store.h"
 #include "tests/support/scoped_temp_dir.h"
 #include "tests/support/spearman_ref.h"
 #include "leap/v1/fleet.pb.h"
@@ -34,6 +36,7 @@
 namespace leap::fleet {
 namespace {
 
+using ::leap::testing::CheckpointWatchStore;
 using leap::v1::fleet::FleetCompletion;
 using leap::v1::fleet::FleetControl;
 using leap::v1::fleet::FleetQuality;
@@ -302,6 +305,51 @@ class FleetTrainerTest : public ::testing::Test {
       natsMsg_Destroy(m);
       seen_.push_back(v);
       if (pred(v)) return v;
+    }
+  }
+
+  // A plain subscriber of a STATE subject (by default the readout's fleet
+  // checkpoints): it sees every chunk a trainer writes there.
+  natsSubscription* SubscribeState(const std::string& subject = "") {
+    natsSubscription* sub = nullptr;
+    EXPECT_EQ(natsConnection_SubscribeSync(
+                  &sub, conn_->nc,
+                  (subject.empty() ? CheckpointSubject(fleet_, kReadout) : subject).c_str()),
+              NATS_OK);
+    if (sub != nullptr) natsSubscription_SetPendingLimits(sub, -1, -1);
+    EXPECT_EQ(natsConnection_FlushTimeout(conn_->nc, 5000), NATS_OK);
+    return sub;
+  }
+  // Waits until the newest complete state on the subject of `sub` (from
+  // SubscribeState with the same `subject`) satisfies `pred`: it is read
+  // back from STATE at first and after each write `sub` sees there;
+  // DEADLINE_EXCEEDED when none comes within `timeout`.
+  absl::StatusOr<FleetState> AwaitState(natsSubscription* sub,
+                                        const std::function<bool(const FleetState&)>& pred,
+                                        const std::string& subject = "",
+                                        absl::Duration timeout = absl::Seconds(20)) {
+    const absl::Time deadline = absl::Now() + timeout;
+    for (;;) {
+      absl::StatusOr<FleetState> s = ReadNewestState(
+          conn_->nc, conn_->js, StateStream(fleet_),
+          subject.empty() ? CheckpointSubject(fleet_, kReadout) : subject);
+      if (s.ok() && pred(*s)) return s;
+      const int64_t left = absl::ToInt64Milliseconds(deadline - absl::Now());
+      natsMsg* m = nullptr;
+      const natsStatus st = natsSubscription_NextMsg(&m, sub, std::max<int64_t>(left, 1));
+      if (st != NATS_OK) {
+        return absl::DeadlineExceededError(absl::StrCat(
+            "no such state on ", subject.empty() ? "the checkpoint subject" : subject,
+            " within ", absl::FormatDuration(timeout), " (newest: ",
+            s.ok() ? absl::StrCat("fleet_seq ", s->fleet_seq) : s.status().ToString(), ")"));
+      }
+      natsMsg_Destroy(m);
+      // The other chunks already here are read back with it.
+      uint64_t queued = 0;
+      while (natsSubscription_QueuedMsgs(sub, &queued) == NATS_OK && queued > 0 &&
+             natsSubscription_NextMsg(&m, sub, 1) == NATS_OK) {
+        natsMsg_Destroy(m);
+      }
     }
   }
 
@@ -1060,18 +1108,33 @@ TEST_F(FleetTrainerTest, ARejectedBatchIsKeptAcrossARestartAndLearnedOnResume) {
     seqs.push_back(PublishCompletion(rows.back(), absl::StrCat("c", i)));
   }
   // Which rows the rejected batch(es) held: the batch that failed, and
-  // nothing after it (the trainer may have split the first three).
-  absl::StatusOr<FleetState> held;
-  const absl::Time deadline = absl::Now() + absl::Seconds(20);
-  for (;;) {
-    held = a->ExportState(kReadout);
-    ASSERT_TRUE(held.ok()) << held.status();
-    std::optional<TrainerReadoutStatus> st = a->Status(kReadout);
-    if (st->fleet_seq >= seqs.back()) break;
-    ASSERT_LT(absl::Now(), deadline) << "trainer never reached seq " << seqs.back();
-    absl::SleepFor(absl::Milliseconds(5));
+  // nothing after it (the trainer may have split the first three). Once
+  // the trainer answered an EXPORT published after the last completion (it
+  // reads completions and operations in stream order; a frozen trainer
+  // publishes no version), it has dealt with every one of them.
+  const std::string answer = ExportSubject(fleet_, kReadout, "x-frozen");
+  natsSubscription* exported = SubscribeState(answer);
+  ASSERT_NE(exported, nullptr);
+  const uint64_t export_seq = PublishControl(FleetControl::EXPORT, "", "x-frozen");
+  ASSERT_GT(export_seq, seqs.back());
+  absl::StatusOr<FleetState> answered =
+      AwaitState(exported, [](const FleetState&) { return true; }, answer);
+  CloseSubscription(conn_->nc, exported);
+  ASSERT_TRUE(answered.ok()) << "trainer never answered the EXPORT after seq " << seqs.back()
+                             << ": " << answered.status();
+  EXPECT_EQ(answered->fleet_seq, export_seq);
+  {
+    // The answer is removed once read, as a member does.
+    jsOptions jo;
+    jsOptions_Init(&jo);
+    jo.Stream.Purge.Subject = answer.c_str();
+    ASSERT_EQ(js_PurgeStream(conn_->js, StateStream(fleet_).c_str(), &jo, nullptr), NATS_OK);
   }
+  absl::StatusOr<FleetState> held = a->ExportState(kReadout);
+  ASSERT_TRUE(held.ok()) << held.status();
   std::optional<TrainerReadoutStatus> st = a->Status(kReadout);
+  ASSERT_TRUE(st.has_value());
+  ASSERT_GE(st->fleet_seq, seqs.back());
   ASSERT_FALSE(held->kept_seqs.empty());
   EXPECT_EQ(held->kept_seqs.front(), seqs.front());
   EXPECT_EQ(st->kept, static_cast<int64_t>(held->kept_seqs.size()));
@@ -1084,12 +1147,14 @@ TEST_F(FleetTrainerTest, ARejectedBatchIsKeptAcrossARestartAndLearnedOnResume) {
   for (uint64_t k : held->kept_seqs) EXPECT_LE(k, seqs[2]);
 
   // The fleet checkpoint carries them; a dies; b restarts from it.
+  natsSubscription* ckpts = SubscribeState();
+  ASSERT_NE(ckpts, nullptr);
   a->RequestCheckpoint();
-  const absl::Time ck_deadline = absl::Now() + absl::Seconds(20);
-  while (a->Status(kReadout)->fleet_checkpoint_seq < seqs.back()) {
-    ASSERT_LT(absl::Now(), ck_deadline) << "no fleet checkpoint";
-    absl::SleepFor(absl::Milliseconds(5));
-  }
+  absl::StatusOr<FleetState> ck = AwaitState(
+      ckpts, [&](const FleetState& s) { return s.fleet_seq >= seqs.back(); });
+  CloseSubscription(conn_->nc, ckpts);
+  ASSERT_TRUE(ck.ok()) << "no fleet checkpoint: " << ck.status();
+  EXPECT_EQ(ck->kept_seqs, held->kept_seqs);
   a->Abandon();
   std::unique_ptr<Conn> conn_b = Connect(server_.url());
   std::unique_ptr<Trainer> b = *Trainer::Start(conn_b->nc, Options("b", 600));
@@ -1162,12 +1227,16 @@ TEST_F(FleetTrainerTest, TheDuplicateIndexSurvivesARestart) {
     jsStreamInfo_Destroy(si);
   }
   TempDir store_dir;
-  auto store = storage::OpenRocksStore(store_dir.path());
-  ASSERT_TRUE(store.ok()) << store.status();
+  auto opened = storage::OpenRocksStore(store_dir.path());
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  // Every local checkpoint written into it is seen.
+  CheckpointWatchStore store(std::move(*opened));
   TrainerOptions oa = Options("a", 600);
   oa.checkpoint_every_ms = 0;
   oa.local_checkpoint_every_ms = 0;
-  oa.local_store = store->get();
+  oa.local_store = &store;
+  natsSubscription* ckpts = SubscribeState();
+  ASSERT_NE(ckpts, nullptr);
   std::unique_ptr<Trainer> a = *Trainer::Start(conn_->nc, oa);
   a->SetReadouts({f.readout});
   std::mt19937_64 rng(31);
@@ -1180,14 +1249,15 @@ TEST_F(FleetTrainerTest, TheDuplicateIndexSurvivesARestart) {
   WaitVersion([&](const FleetVersion& v) { return v.fleet_seq() >= last; });
   // The periodic checkpoints (written by the checkpoint thread while the
   // worker went on) reach the end; then a dies without a final one.
-  std::optional<TrainerReadoutStatus> sa;
-  const absl::Time ck_deadline = absl::Now() + absl::Seconds(20);
-  for (;;) {
-    sa = a->Status(kReadout);
-    if (sa->fleet_checkpoint_seq >= last && sa->local_checkpoint_seq >= last) break;
-    ASSERT_LT(absl::Now(), ck_deadline) << "checkpoints never reached " << last;
-    absl::SleepFor(absl::Milliseconds(5));
-  }
+  // (A local checkpoint's last_seq is the fleet_seq it holds.)
+  absl::StatusOr<FleetState> fleet_ck =
+      AwaitState(ckpts, [&](const FleetState& s) { return s.fleet_seq >= last; });
+  CloseSubscription(conn_->nc, ckpts);
+  ASSERT_TRUE(fleet_ck.ok()) << "the fleet checkpoints never reached " << last << ": "
+                             << fleet_ck.status();
+  ASSERT_TRUE(store.AwaitCheckpoint(
+      kReadout, [&](const storage::ReadoutCheckpoint& c) { return c.last_seq >= last; }))
+      << "the local checkpoints never reached " << last;
   a->Abandon();
   // c7 again, after the window: stored a second time.
   bool dup = true;
@@ -1195,6 +1265,8 @@ TEST_F(FleetTrainerTest, TheDuplicateIndexSurvivesARestart) {
   const absl::Time deadline = absl::Now() + absl::Seconds(20);
   while (dup) {
     ASSERT_LT(absl::Now(), deadline) << "the stream kept de-duplicating";
+    // Paces the resends while the stream's duplicate window runs out (a
+    // time window, no event announces its end).
     absl::SleepFor(absl::Milliseconds(100));
     resent = PublishCompletion(rows[7], "c7", &dup);
   }
@@ -1203,7 +1275,7 @@ TEST_F(FleetTrainerTest, TheDuplicateIndexSurvivesARestart) {
   auto registry = std::make_shared<prometheus::Registry>();
   TrainerOptions ob = Options("b", 600);
   ob.registry = registry;
-  ob.local_store = store->get();
+  ob.local_store = &store;
   std::unique_ptr<Conn> conn_b = Connect(server_.url());
   std::unique_ptr<Trainer> b = *Trainer::Start(conn_b->nc, ob);
   b->SetReadouts({f.readout});
@@ -1285,18 +1357,21 @@ TEST_F(FleetTrainerTest, ACheckpointTakenWhileRowsWaitRestartsExactlyOnce) {
   TrainerOptions oa = Options("a", 600);
   oa.version_interval_ms = int64_t{1} << 50;  // never due: rows wait for 64
   oa.checkpoint_every_ms = 0;  // a fleet checkpoint whenever fleet_seq moved
+  natsSubscription* ckpts = SubscribeState();
+  ASSERT_NE(ckpts, nullptr);
   std::unique_ptr<Trainer> a = *Trainer::Start(conn_->nc, oa);
   a->SetReadouts({f.readout});
   // a applies the waiting rows once the stream is idle, and checkpoints.
-  const absl::Time deadline = absl::Now() + absl::Seconds(20);
-  for (;;) {
+  absl::StatusOr<FleetState> ck = AwaitState(ckpts, [&](const FleetState& s) {
+    return s.completions_learned == 30 && s.fleet_seq >= last;
+  });
+  CloseSubscription(conn_->nc, ckpts);
+  ASSERT_TRUE(ck.ok()) << "trainer a never checkpointed seq " << last << ": " << ck.status();
+  {
     std::optional<TrainerReadoutStatus> st = a->Status(kReadout);
-    if (st.has_value() && st->completions_learned == 30 &&
-        st->fleet_checkpoint_seq >= last) {
-      break;
-    }
-    ASSERT_LT(absl::Now(), deadline) << "trainer a never checkpointed seq " << last;
-    absl::SleepFor(absl::Milliseconds(5));
+    ASSERT_TRUE(st.has_value());
+    EXPECT_EQ(st->completions_learned, 30);
+    EXPECT_GE(st->fleet_seq, last);
   }
   a->Abandon();
   // The checkpoint captured at the EXPORT: the 10 rows before it learned,
@@ -1371,11 +1446,13 @@ TEST_F(FleetTrainerTest, FleetWideQualityCountsEveryMembersPairsOnce) {
     kvStore_Destroy(kv);
   }
   TempDir store_dir;
-  auto store = storage::OpenRocksStore(store_dir.path());
-  ASSERT_TRUE(store.ok()) << store.status();
+  auto opened = storage::OpenRocksStore(store_dir.path());
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  // Every local checkpoint written into it is seen.
+  CheckpointWatchStore store(std::move(*opened));
   constexpr int64_t kWindow = 64;  // small: the windows roll
   TrainerOptions oa = Options("a", lease_ms);
-  oa.local_store = store->get();
+  oa.local_store = &store;
   oa.local_checkpoint_every_ms = 0;  // local checkpoints follow the stream
   oa.quality_window = kWindow;
   std::unique_ptr<Trainer> a = *Trainer::Start(conn_->nc, oa);
@@ -1456,14 +1533,28 @@ TEST_F(FleetTrainerTest, FleetWideQualityCountsEveryMembersPairsOnce) {
     ASSERT_EQ(q.arms_size(), static_cast<int>(by_arm.size()));
     for (const auto& a : q.arms()) expect_series(a, by_arm[{a.product_line(), a.arm()}]);
   };
-  auto wait_status = [&](Trainer& t, const std::function<bool(const TrainerReadoutStatus&)>& p) {
-    const absl::Time deadline = absl::Now() + absl::Seconds(20);
-    for (;;) {
-      std::optional<TrainerReadoutStatus> st = t.Status(kReadout);
-      if (st.has_value() && st->running && p(*st)) return;
-      ASSERT_LT(absl::Now(), deadline) << "trainer never reached the state";
-      absl::SleepFor(absl::Milliseconds(5));
-    }
+  // What a trainer reached is awaited on what it writes. A version: it is
+  // published after the completions up to its fleet_seq were applied and
+  // counted in the quality (one pass over the stream).
+  auto await_version = [&](Trainer& t, const std::string& trainer, uint64_t seq) {
+    const FleetVersion v = WaitVersion(
+        [&](const FleetVersion& v) { return v.trainer() == trainer && v.fleet_seq() >= seq; });
+    ASSERT_GE(v.fleet_seq(), seq) << "trainer " << trainer << " never reached seq " << seq;
+    std::optional<TrainerReadoutStatus> st = t.Status(kReadout);
+    ASSERT_TRUE(st.has_value());
+    EXPECT_TRUE(st->running);
+    EXPECT_GE(st->fleet_seq, seq);
+    EXPECT_GE(st->quality_seq, seq);
+  };
+  // A fleet checkpoint (STATE), asked for now.
+  auto checkpoint = [&](Trainer& t, uint64_t seq) {
+    natsSubscription* ckpts = SubscribeState();
+    ASSERT_NE(ckpts, nullptr);
+    t.RequestCheckpoint();
+    absl::StatusOr<FleetState> ck =
+        AwaitState(ckpts, [&](const FleetState& s) { return s.fleet_seq >= seq; });
+    CloseSubscription(conn_->nc, ckpts);
+    ASSERT_TRUE(ck.ok()) << "no fleet checkpoint reached seq " << seq << ": " << ck.status();
   };
 
   // 1. 150 completions (20 of them while learning is frozen: still counted),
@@ -1473,15 +1564,16 @@ TEST_F(FleetTrainerTest, FleetWideQualityCountsEveryMembersPairsOnce) {
   publish(20);
   PublishControl(FleetControl::RESUME, "", "op-resume");
   last = publish(30);
-  wait_status(*a, [&](const TrainerReadoutStatus& s) { return s.fleet_seq >= last; });
-  a->RequestCheckpoint();
-  wait_status(*a, [&](const TrainerReadoutStatus& s) { return s.fleet_checkpoint_seq >= last; });
+  ASSERT_NO_FATAL_FAILURE(await_version(*a, "a", last));
+  ASSERT_NO_FATAL_FAILURE(checkpoint(*a, last));
   check(*a->Quality(kReadout), "first trainer");
   // 2. 100 more, in the local checkpoints only; then a crash.
   last = publish(100);
-  wait_status(*a, [&](const TrainerReadoutStatus& s) {
-    return s.local_checkpoint_seq >= last && s.quality_seq >= last;
-  });
+  ASSERT_NO_FATAL_FAILURE(await_version(*a, "a", last));
+  // (A local checkpoint's last_seq is the fleet_seq it holds.)
+  ASSERT_TRUE(store.AwaitCheckpoint(
+      kReadout, [&](const storage::ReadoutCheckpoint& c) { return c.last_seq >= last; }))
+      << "no local checkpoint reached seq " << last;
   check(*a->Quality(kReadout), "first trainer, more");
   a->Abandon();
   a.reset();
@@ -1491,14 +1583,13 @@ TEST_F(FleetTrainerTest, FleetWideQualityCountsEveryMembersPairsOnce) {
   std::unique_ptr<Trainer> a2 = *Trainer::Start(conn_a2->nc, oa);
   a2->SetReadouts({f.readout});
   last = publish(30);
-  wait_status(*a2, [&](const TrainerReadoutStatus& s) { return s.quality_seq >= last; });
+  ASSERT_NO_FATAL_FAILURE(await_version(*a2, "a", last));
   EXPECT_EQ(a2->Status(kReadout)->completions_learned, 280 - 20);
   check(*a2->Quality(kReadout), "restarted from the local checkpoint");
-  a2->RequestCheckpoint();
-  wait_status(*a2, [&](const TrainerReadoutStatus& s) { return s.fleet_checkpoint_seq >= last; });
+  ASSERT_NO_FATAL_FAILURE(checkpoint(*a2, last));
   // 4. Another member takes over from the fleet checkpoint after a crash.
   last = publish(20);
-  wait_status(*a2, [&](const TrainerReadoutStatus& s) { return s.quality_seq >= last; });
+  ASSERT_NO_FATAL_FAILURE(await_version(*a2, "a", last));
   a2->Abandon();
   a2.reset();
   std::unique_ptr<Conn> conn_b = Connect(server_.url());
@@ -1506,7 +1597,7 @@ TEST_F(FleetTrainerTest, FleetWideQualityCountsEveryMembersPairsOnce) {
   ob.quality_window = kWindow;
   std::unique_ptr<Trainer> b = *Trainer::Start(conn_b->nc, ob);
   b->SetReadouts({f.readout});
-  wait_status(*b, [&](const TrainerReadoutStatus& s) { return s.quality_seq >= last; });
+  ASSERT_NO_FATAL_FAILURE(await_version(*b, "b", last));
   const FleetQuality qb = *b->Quality(kReadout);
   check(qb, "taken over from the fleet checkpoint");
   EXPECT_EQ(qb.overall().completions(), 300);
