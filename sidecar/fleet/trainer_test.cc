@@ -353,6 +353,15 @@ class FleetTrainerTest : public ::testing::Test {
     }
   }
 
+  // After t.Abandon() (which joins its threads, so a checkpoint seen
+  // written has been recorded): what its Status says was checkpointed.
+  static void ExpectCheckpointed(Trainer& t, uint64_t fleet_seq, uint64_t local_seq = 0) {
+    std::optional<TrainerReadoutStatus> st = t.Status(kReadout);
+    ASSERT_TRUE(st.has_value());
+    EXPECT_GE(st->fleet_checkpoint_seq, fleet_seq);
+    EXPECT_GE(st->local_checkpoint_seq, local_seq);
+  }
+
   TrainerOptions Options(const std::string& member, int64_t lease_ms) {
     TrainerOptions o;
     o.fleet = fleet_;
@@ -1156,6 +1165,7 @@ TEST_F(FleetTrainerTest, ARejectedBatchIsKeptAcrossARestartAndLearnedOnResume) {
   ASSERT_TRUE(ck.ok()) << "no fleet checkpoint: " << ck.status();
   EXPECT_EQ(ck->kept_seqs, held->kept_seqs);
   a->Abandon();
+  ExpectCheckpointed(*a, seqs.back());
   std::unique_ptr<Conn> conn_b = Connect(server_.url());
   std::unique_ptr<Trainer> b = *Trainer::Start(conn_b->nc, Options("b", 600));
   b->SetReadouts({f.readout});
@@ -1259,6 +1269,7 @@ TEST_F(FleetTrainerTest, TheDuplicateIndexSurvivesARestart) {
       kReadout, [&](const storage::ReadoutCheckpoint& c) { return c.last_seq >= last; }))
       << "the local checkpoints never reached " << last;
   a->Abandon();
+  ExpectCheckpointed(*a, last, last);
   // c7 again, after the window: stored a second time.
   bool dup = true;
   uint64_t resent = 0;
@@ -1374,6 +1385,7 @@ TEST_F(FleetTrainerTest, ACheckpointTakenWhileRowsWaitRestartsExactlyOnce) {
     EXPECT_GE(st->fleet_seq, last);
   }
   a->Abandon();
+  ExpectCheckpointed(*a, last);
   // The checkpoint captured at the EXPORT: the 10 rows before it learned,
   // the 20 after it taken (counted in the quality) and not applied.
   absl::StatusOr<FleetState> mid =
@@ -1566,6 +1578,7 @@ TEST_F(FleetTrainerTest, FleetWideQualityCountsEveryMembersPairsOnce) {
   last = publish(30);
   ASSERT_NO_FATAL_FAILURE(await_version(*a, "a", last));
   ASSERT_NO_FATAL_FAILURE(checkpoint(*a, last));
+  const uint64_t fleet_checkpointed = last;
   check(*a->Quality(kReadout), "first trainer");
   // 2. 100 more, in the local checkpoints only; then a crash.
   last = publish(100);
@@ -1576,6 +1589,7 @@ TEST_F(FleetTrainerTest, FleetWideQualityCountsEveryMembersPairsOnce) {
       << "no local checkpoint reached seq " << last;
   check(*a->Quality(kReadout), "first trainer, more");
   a->Abandon();
+  ExpectCheckpointed(*a, fleet_checkpointed, last);
   a.reset();
   // 3. Restarted: theta and P from the local checkpoint (newer), the
   // quality from the fleet checkpoint, counted on from there.
@@ -1587,10 +1601,12 @@ TEST_F(FleetTrainerTest, FleetWideQualityCountsEveryMembersPairsOnce) {
   EXPECT_EQ(a2->Status(kReadout)->completions_learned, 280 - 20);
   check(*a2->Quality(kReadout), "restarted from the local checkpoint");
   ASSERT_NO_FATAL_FAILURE(checkpoint(*a2, last));
+  const uint64_t fleet_checkpointed2 = last;
   // 4. Another member takes over from the fleet checkpoint after a crash.
   last = publish(20);
   ASSERT_NO_FATAL_FAILURE(await_version(*a2, "a", last));
   a2->Abandon();
+  ExpectCheckpointed(*a2, fleet_checkpointed2);
   a2.reset();
   std::unique_ptr<Conn> conn_b = Connect(server_.url());
   TrainerOptions ob = Options("b", lease_ms);
