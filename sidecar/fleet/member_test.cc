@@ -718,6 +718,10 @@ TEST_F(FleetMemberTest, RestartedMemberListsEveryVersionOnce) {
     for (int64_t v = 4; v <= 6; ++v) publish(v);
     ASSERT_NE(a->recorder->Await(6), nullptr);
     EXPECT_EQ(listed(*a), want);
+    // Once the maintainer thread is joined, the checkpoint it wrote shows
+    // in the metrics too.
+    a->fleet->Stop();
+    EXPECT_GT((*ro)->metrics().checkpoint_bytes->Value(), 0);
   }
   auto a = StartMember("a", 10'000, 20'000, /*versions_kept=*/6);
   auto ro = a->core->GetReadout("chat");
