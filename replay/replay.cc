@@ -142,6 +142,12 @@ absl::StatusOr<std::vector<PolicySpec>> ParsePolicies(absl::string_view list) {
         (key == "rho" || key == "cost" || key == "shift_rho") &&
         !tokens.empty() && absl::StartsWith(tokens.back(), "learned:")) {
       absl::StrAppend(&tokens.back(), ",", t);
+    } else if (key == "aging" && !tokens.empty() &&
+               absl::StrContains(tokens.back(), "+bounded") &&
+               !absl::StrContains(tokens.back(), ",aging=") &&
+               !absl::EndsWith(tokens.back(), "+prior")) {
+      // "+bounded=S,aging=A": the bound's own linear aging continues it.
+      absl::StrAppend(&tokens.back(), ",", t);
     } else {
       tokens.push_back(std::string(t));
     }
@@ -184,6 +190,17 @@ absl::StatusOr<std::vector<PolicySpec>> ParsePolicies(absl::string_view list) {
     }
     PolicySpec p;
     p.name = t;
+    if (const size_t c = disc.find(",aging="); c != std::string::npos) {
+      const std::string a = disc.substr(c + 7);
+      double v = 0;
+      if (!absl::SimpleAtod(a, &v) || !std::isfinite(v) || v < 0) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "policy '", token, "': the bound's aging rate must be >= 0, got '",
+            a, "'"));
+      }
+      p.bounded_aging = v;
+      disc.resize(c);
+    }
     if (!disc.empty() || token.find('+') != std::string::npos) {
       if (t == "fcfs" || t == "baselines") {
         return absl::InvalidArgumentError(absl::StrCat(
@@ -221,8 +238,14 @@ absl::StatusOr<std::vector<PolicySpec>> ParsePolicies(absl::string_view list) {
       } else {
         return absl::InvalidArgumentError(absl::StrCat(
             "policy '", token, "': unknown discipline '", disc,
-            "' (bounded[=S], bounded-ratio[=S], aging[=A], hrrn, "
-            "countdown)"));
+            "' (bounded[=S][,aging=A], bounded-ratio[=S][,aging=A], "
+            "aging[=A], hrrn, countdown)"));
+      }
+      if (p.bounded_aging.has_value() &&
+          p.discipline != shim::SchedulingPolicy::kBounded) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "policy '", token, "': ',aging=A' follows only +bounded[=S] or "
+            "+bounded-ratio[=S]"));
       }
     }
     if (t == "fcfs") {
@@ -299,6 +322,7 @@ absl::StatusOr<std::vector<PolicySpec>> ParsePolicies(absl::string_view list) {
       q.discipline = p.discipline;
       q.knob = p.knob;
       q.ratio_calibration = p.ratio_calibration;
+      q.bounded_aging = p.bounded_aging;
       p = std::move(q);
     }
     p.predictor = p.name;
@@ -311,6 +335,9 @@ absl::StatusOr<std::vector<PolicySpec>> ParsePolicies(absl::string_view list) {
       if (p.discipline == shim::SchedulingPolicy::kBounded ||
           p.discipline == shim::SchedulingPolicy::kLinearAging) {
         absl::StrAppendFormat(&p.name, "=%g", p.knob);
+      }
+      if (p.bounded_aging.has_value()) {
+        absl::StrAppendFormat(&p.name, ",aging=%g", *p.bounded_aging);
       }
     }
     if (prior_admission) {
@@ -659,7 +686,8 @@ absl::StatusOr<ReplayReport> RunReplay(const ReplayOptions& o,
         so.scheduler.policy = spec.discipline;
         if (spec.discipline == shim::SchedulingPolicy::kBounded) {
           so.scheduler.max_slowdown = spec.knob;
-          so.scheduler.bounded_linear_aging = o.bounded_aging;
+          so.scheduler.bounded_linear_aging =
+              spec.bounded_aging.value_or(o.bounded_aging);
           so.scheduler.calibration_window =
               static_cast<int>(o.bound_calibration);
           so.scheduler.calibration = spec.ratio_calibration
@@ -1213,7 +1241,13 @@ absl::StatusOr<std::string> WriteTradeoffPlot(const ReplayReport& r,
     double knob = 0;
     if (spec != r.policies.end() && spec->has_discipline) {
       const size_t eq = p.policy.rfind('=');
-      if (eq != std::string::npos && eq > p.policy.rfind('+')) {
+      if (spec->bounded_aging.has_value()) {
+        // "leap+bounded=S,aging=A": one series per A, points in S order.
+        series = absl::StrFormat(
+            "%s+bounded%s,aging=%g%s", spec->predictor,
+            spec->ratio_calibration ? "-ratio" : "", *spec->bounded_aging,
+            spec->prior_admission ? "+prior" : "");
+      } else if (eq != std::string::npos && eq > p.policy.rfind('+')) {
         series = p.policy.substr(0, eq);
       }
       knob = spec->knob;

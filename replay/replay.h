@@ -51,6 +51,10 @@ struct PolicySpec {
   // bound's estimates corrected by a ratio per octave of the estimate
   // instead of the mean error).
   bool ratio_calibration = false;
+  // "+bounded[=S],aging=A" (also after "+bounded-ratio"): this policy's
+  // SchedulerOptions::bounded_linear_aging (the ranked tier ordered by
+  // remaining - A * steps waited); unset = --bounded-aging.
+  std::optional<double> bounded_aging;
   // "+prior" at the end of the name: length-aware admission, the waiting
   // requests ordered by a prior learned online from completions (prompt
   // length per product line, sidecar/core/length_prior.h).

@@ -616,6 +616,41 @@ TEST(ReplayPolicyTest, ParsesNamesPresetsAndLearnedSpecs) {
   EXPECT_EQ((*ratio)[1].name, "oracle+bounded-ratio=2.5");
   EXPECT_FALSE((*d)[0].ratio_calibration);
   EXPECT_FALSE(ParsePolicies("leap+bounded-ratio=0.5").ok());
+  EXPECT_FALSE((*d)[0].bounded_aging.has_value());
+  // The bound with its own linear aging: ",aging=A" continues the policy.
+  absl::StatusOr<std::vector<PolicySpec>> hybrid = ParsePolicies(
+      "leap+bounded=2,aging=0.03,leap+bounded=2,oracle+bounded,aging=0.1+prior,"
+      "leap+bounded-ratio=1.5,aging=0,ltr+bounded=4,aging=1e-2,leap+aging=0.03");
+  ASSERT_TRUE(hybrid.ok()) << hybrid.status();
+  ASSERT_EQ(hybrid->size(), 6u);
+  EXPECT_EQ((*hybrid)[0].name, "leap+bounded=2,aging=0.03");
+  EXPECT_EQ((*hybrid)[0].discipline, shim::SchedulingPolicy::kBounded);
+  EXPECT_DOUBLE_EQ((*hybrid)[0].knob, 2);
+  ASSERT_TRUE((*hybrid)[0].bounded_aging.has_value());
+  EXPECT_DOUBLE_EQ(*(*hybrid)[0].bounded_aging, 0.03);
+  EXPECT_EQ((*hybrid)[0].predictor, "leap");
+  EXPECT_EQ((*hybrid)[1].name, "leap+bounded=2");
+  EXPECT_FALSE((*hybrid)[1].bounded_aging.has_value());
+  EXPECT_EQ((*hybrid)[2].name, "oracle+bounded=2.5,aging=0.1+prior");
+  EXPECT_TRUE((*hybrid)[2].prior_admission);
+  EXPECT_DOUBLE_EQ(*(*hybrid)[2].bounded_aging, 0.1);
+  EXPECT_EQ((*hybrid)[3].name, "leap+bounded-ratio=1.5,aging=0");
+  EXPECT_TRUE((*hybrid)[3].ratio_calibration);
+  ASSERT_TRUE((*hybrid)[3].bounded_aging.has_value());
+  EXPECT_DOUBLE_EQ(*(*hybrid)[3].bounded_aging, 0);
+  EXPECT_EQ((*hybrid)[4].name, "ltr+bounded=4,aging=0.01");
+  EXPECT_EQ((*hybrid)[4].kind, PolicySpec::Kind::kLearned);
+  EXPECT_DOUBLE_EQ(*(*hybrid)[4].bounded_aging, 0.01);
+  EXPECT_EQ((*hybrid)[5].name, "leap+aging=0.03");
+  EXPECT_EQ((*hybrid)[5].discipline, shim::SchedulingPolicy::kLinearAging);
+  EXPECT_FALSE((*hybrid)[5].bounded_aging.has_value());
+  // ",aging=A" follows only a bound, once, before +prior, with A >= 0.
+  EXPECT_FALSE(ParsePolicies("leap+hrrn,aging=0.03").ok());
+  EXPECT_FALSE(ParsePolicies("leap,aging=0.03").ok());
+  EXPECT_FALSE(ParsePolicies("leap+bounded=2,aging=-0.1").ok());
+  EXPECT_FALSE(ParsePolicies("leap+bounded=2,aging=x").ok());
+  EXPECT_FALSE(ParsePolicies("leap+bounded=2,aging=0.1,aging=0.2").ok());
+  EXPECT_FALSE(ParsePolicies("leap+bounded=2+prior,aging=0.1").ok());
 }
 
 // ---- trace parsers

@@ -61,6 +61,9 @@ constexpr char kDescription[] =
     "                octave of the estimate (true / estimated length of\n"
     "                the last --bound-calibration completions) instead of\n"
     "                their mean error\n"
+    "  +bounded[=S],aging=A  (also after +bounded-ratio) the same, the\n"
+    "                requests whose deadline is not at risk ordered by\n"
+    "                remaining - A x steps waited (overrides --bounded-aging)\n"
     "  +hrrn         highest response ratio next (baseline)\n"
     "  +aging[=A]    remaining - A x steps waited (linear aging baseline)\n"
     "  +countdown    the plain countdown (the default)\n"
@@ -235,7 +238,8 @@ int ReplayCommand(const std::vector<std::string>& args, std::ostream& out,
   flags.Double("bounded-aging", &o.bounded_aging, "A",
                "Every +bounded policy orders requests whose deadline is not "
                "at risk by remaining - A * steps waited (linear aging) "
-               "instead of the countdown; 0 = the countdown.");
+               "instead of the countdown; 0 = the countdown. A policy's own "
+               "',aging=A' (leap+bounded=2,aging=0.03) overrides it.");
   flags.Int64("bound-calibration", &o.bound_calibration, "N",
               "Every +bounded policy adds to its estimates the mean error "
               "(true - estimated length) of the last N completions, so the "
