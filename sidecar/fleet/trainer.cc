@@ -106,15 +106,11 @@ absl::StatusOr<std::optional<LastStateChunk>> ReadLastStateChunk(
   natsMsg* raw = nullptr;
   jsErrCode code = static_cast<jsErrCode>(0);
   natsStatus st = js_GetLastMsg(&raw, js, stream.c_str(), subject.c_str(), nullptr, &code);
-  if (st == NATS_NOT_FOUND || code == JSNoMessageFoundErr) {
-    if (raw != nullptr) natsMsg_Destroy(raw);
-    return std::nullopt;
-  }
+  MsgPtr m(raw);
+  if (st == NATS_NOT_FOUND || code == JSNoMessageFoundErr) return std::nullopt;
   if (st != NATS_OK) {
-    if (raw != nullptr) natsMsg_Destroy(raw);
     return NatsFailure("reading the last message of " + subject, st, code);
   }
-  MsgPtr m(raw);
   LastStateChunk last;
   last.seq = natsMsg_GetSequence(m.get());
   last.parsed = last.chunk.ParseFromArray(natsMsg_GetData(m.get()),
@@ -1187,19 +1183,20 @@ class Trainer::Worker {
         // de-duplicated), within the 10 s an admin call waits for the answer.
         const std::string snap_id =
             absl::StrCat("snap-", r_.name, "-", r_.created_unix_ms, "-", seq);
+        const auto write = [&] {
+          return PublishState(t_->js_, StateStream(fleet()),
+                              SnapshotSubject(fleet(), r_.name, label), r_.name, snap_id, s);
+        };
         const int64_t give_up = SteadyMs() + kSnapshotRetryMs;
         int64_t pause_ms = 100;
-        absl::StatusOr<int32_t> w = PublishState(
-            t_->js_, StateStream(fleet()), SnapshotSubject(fleet(), r_.name, label),
-            r_.name, snap_id, s);
+        absl::StatusOr<int32_t> w = write();
         while (!w.ok() && absl::IsUnavailable(w.status()) && !stop_.load() &&
                SteadyMs() + pause_ms < give_up) {
           Log(absl::StrCat("snapshot '", label, "' not written yet (retried in ", pause_ms,
                            " ms): ", w.status().message()));
           absl::SleepFor(absl::Milliseconds(pause_ms));
           pause_ms = std::min<int64_t>(pause_ms * 2, 1000);
-          w = PublishState(t_->js_, StateStream(fleet()),
-                           SnapshotSubject(fleet(), r_.name, label), r_.name, snap_id, s);
+          w = write();
         }
         if (!w.ok()) {
           Log(absl::StrCat("snapshot '", label, "' not written: ", w.status().message()));
