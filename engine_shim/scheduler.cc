@@ -74,6 +74,19 @@ absl::Status SchedulerOptions::Validate() const {
     return absl::InvalidArgumentError(absl::StrCat(
         "max_slowdown must be finite and >= 1, got ", max_slowdown));
   }
+  if (!std::isfinite(latency_target_s) || latency_target_s < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "latency_target_s must be finite and >= 0, got ", latency_target_s));
+  }
+  if (!(tail_budget >= 0 && tail_budget <= 0.5)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tail_budget must be in [0, 0.5], got ", tail_budget));
+  }
+  if (tail_budget_window < 1 || tail_budget_window > (1 << 24)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "tail_budget_window must be in [1, 16777216], got ",
+        tail_budget_window));
+  }
   if (tail_window < 0 || tail_window > (1 << 20)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "tail_window must be in [0, 1048576], got ", tail_window));
@@ -147,7 +160,7 @@ absl::Status CountdownScheduler::Add(absl::string_view request_id) {
   r.id = std::string(request_id);
   r.arrival = next_arrival_++;
   r.added_step = counters_.steps;
-  r.origin = static_cast<double>(r.added_step);
+  r.origin = Now();
   ++counters_.added;
   return absl::OkStatus();
 }
@@ -170,8 +183,14 @@ absl::Status CountdownScheduler::Add(absl::string_view request_id,
   if (absl::Status s = Add(request_id); !s.ok()) return s;
   if (options_.policy != SchedulingPolicy::kBounded) return absl::OkStatus();
   Request& r = live_.back();
-  const double now = static_cast<double>(counters_.steps);
+  const double now = Now();
   r.origin = now - carried.age;
+  r.was_urgent = carried.was_urgent;
+  r.gave_up = carried.gave_up;
+  if (Targeted()) {
+    r.deadline = r.origin + options_.latency_target_s;
+    return absl::OkStatus();
+  }
   r.virtual_finish = now + carried.virtual_left;
   r.virtual_estimate = carried.virtual_estimate;
   r.tail_reference = carried.tail_reference;
@@ -192,12 +211,14 @@ absl::StatusOr<CarriedDeadline> CountdownScheduler::Carry(
     return absl::FailedPreconditionError(
         absl::StrCat("request ", request_id, " has no deadline"));
   }
-  const double now = static_cast<double>(counters_.steps);
+  const double now = Now();
   CarriedDeadline c;
   c.age = now - r.origin;
   c.virtual_left = r.virtual_finish - now;
   c.virtual_estimate = r.virtual_estimate;
   c.tail_reference = r.tail_reference;
+  c.was_urgent = r.was_urgent;
+  c.gave_up = r.gave_up;
   return c;
 }
 
@@ -227,7 +248,8 @@ absl::Status CountdownScheduler::SetPredictionImpl(absl::string_view request_id,
         absl::StrCat("request ", request_id, " already has a prediction (",
                      *r.predicted_tokens, "); use Rescore for a new one"));
   }
-  if (!r.predicted_tokens.has_value() && r.deadline.has_value()) {
+  if (!r.predicted_tokens.has_value() && r.deadline.has_value() &&
+      !Targeted()) {
     // Its virtual FCFS finish was placed with the unpredicted estimate: the
     // first prediction corrects it (for this request only).
     Calibrate();
@@ -313,6 +335,11 @@ void CountdownScheduler::Calibrate() {
   correction_stale_ = false;
   // Oldest first, so the sums do not depend on where the ring starts.
   const size_t m = samples_.size();
+  double actual_total = 0;
+  for (size_t j = 0; j < m; ++j) {
+    actual_total += samples_[(samples_next_ + j) % m].second;
+  }
+  mean_actual_ = m > 0 ? actual_total / static_cast<double>(m) : 0;
   if (options_.calibration == BoundCalibration::kAdditive) {
     double sum = 0;
     for (size_t j = 0; j < m; ++j) {
@@ -422,6 +449,7 @@ absl::StatusOr<RequestStats> CountdownScheduler::GetRequest(
   stats.waited_total = r.waited_total;
   stats.deadline = r.deadline;
   stats.deadline_origin = r.origin;
+  stats.gave_up = r.gave_up;
   return stats;
 }
 
@@ -470,6 +498,20 @@ int64_t CountdownScheduler::CountAgingPromotions(size_t k) {
   return moved;
 }
 
+bool CountdownScheduler::BudgetLeft() {
+  // Deadlines given up while the last tail_budget_window requests were
+  // added (an event at arrival count N counts while fewer than
+  // tail_budget_window requests have been added since).
+  const uint64_t window = static_cast<uint64_t>(options_.tail_budget_window);
+  while (!gave_up_.empty() && gave_up_.front() + window <= next_arrival_) {
+    gave_up_.pop_front();
+  }
+  const double added = static_cast<double>(
+      std::min<uint64_t>(window, next_arrival_));
+  return static_cast<double>(gave_up_.size() + 1) <=
+         std::floor(options_.tail_budget * added);
+}
+
 void CountdownScheduler::AssignDeadlines(double unpredicted_remaining) {
   // New requests enter the virtual FCFS system in arrival order.
   new_requests_.clear();
@@ -477,6 +519,13 @@ void CountdownScheduler::AssignDeadlines(double unpredicted_remaining) {
     if (!live_[i].deadline.has_value()) new_requests_.push_back(i);
   }
   if (new_requests_.empty()) return;
+  if (Targeted()) {
+    // One target for everybody: no virtual FCFS system.
+    for (size_t i : new_requests_) {
+      live_[i].deadline = live_[i].origin + options_.latency_target_s;
+    }
+    return;
+  }
   std::sort(new_requests_.begin(), new_requests_.end(),
             [&](size_t a, size_t b) {
               return live_[a].arrival < live_[b].arrival;
@@ -538,21 +587,54 @@ void CountdownScheduler::Rank(size_t k) {
   }
   const int64_t cap = options_.waiting_cap;
   const double rate = options_.aging_rate;
-  const double now = static_cast<double>(counters_.steps);
+  const double now = Now();
+  const double step = StepTime();
+  // kBounded: the work left the bound sees, and the urgency test.
+  const auto work_left = [&](const Request& r) {
+    return std::max(
+        0.0, BoundWork(Estimate(r), r.generated, unpredicted_remaining));
+  };
+  const auto at_risk = [&](const Request& r) {
+    return now + step * work_left(r) > *r.deadline - step;
+  };
+  if (policy == SchedulingPolicy::kBounded && Targeted() &&
+      options_.tail_budget > 0 && mean_actual_ > 0) {
+    // tail_budget: requests turning urgent for the first time with enough
+    // work left give up their deadline, in arrival order, while the budget
+    // lasts (so the choice does not depend on the order of live_).
+    giving_up_.clear();
+    for (size_t i = 0; i < n; ++i) {
+      const Request& r = live_[i];
+      if (!r.gave_up && !r.was_urgent && at_risk(r) &&
+          work_left(r) >= kTailBudgetMinWork * mean_actual_) {
+        giving_up_.push_back(i);
+      }
+    }
+    std::sort(giving_up_.begin(), giving_up_.end(), [&](size_t a, size_t b) {
+      return live_[a].arrival < live_[b].arrival;
+    });
+    for (size_t i : giving_up_) {
+      if (!BudgetLeft()) break;
+      live_[i].gave_up = true;
+      // When (in arrivals) it gave up: the budget is a rate per arrivals.
+      gave_up_.push_back(next_arrival_);
+      ++counters_.deadlines_given_up;
+    }
+  }
 
   candidates_.clear();
   for (size_t i = 0; i < n; ++i) {
-    const Request& r = live_[i];
+    Request& r = live_[i];
     Candidate c;
     c.arrival = r.arrival;
     c.index = static_cast<uint32_t>(i);
     const bool estimated = Estimate(r).has_value();
     const double remaining =
         estimated ? Remaining(r) : unpredicted_remaining;
-    if (policy == SchedulingPolicy::kBounded &&
-        now + std::max(0.0, BoundWork(Estimate(r), r.generated,
-                                      unpredicted_remaining)) >
-            *r.deadline - 1) {
+    const bool urgent =
+        policy == SchedulingPolicy::kBounded && !r.gave_up && at_risk(r);
+    r.was_urgent |= urgent;
+    if (urgent) {
       c.tier = kTierUrgent;
       c.priority = *r.deadline;
     } else if (cap > 0 && r.steps_waited >= cap) {
@@ -679,6 +761,19 @@ absl::StatusOr<std::vector<std::string>> CountdownScheduler::OrderAmong(
 absl::Status CountdownScheduler::Commit(const std::vector<std::string>& ran) {
   if (absl::Status s = MarkSelected(ran); !s.ok()) return s;
   CommitSelected();
+  return absl::OkStatus();
+}
+
+absl::Status CountdownScheduler::SetTime(double now_s, double step_s) {
+  if (!std::isfinite(now_s) || !std::isfinite(step_s) || step_s < 0 ||
+      now_s < time_now_) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "SetTime needs finite values, step_s >= 0 and a clock that does not "
+        "go back (it reads ",
+        time_now_, "); got now_s ", now_s, ", step_s ", step_s));
+  }
+  time_now_ = now_s;
+  time_step_ = step_s;
   return absl::OkStatus();
 }
 

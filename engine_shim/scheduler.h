@@ -25,6 +25,14 @@
 //      max(0, remaining + delta); delta = 0 until a completion is reported.
 //      With BoundCalibration::kRatio the correction is a factor per octave
 //      of the estimate instead (see BoundCalibration and BoundWork).
+//      With a latency target (latency_target_s > 0) the clock is the
+//      engine's, in seconds (SetTime): every deadline is the clock at Add
+//      plus the target (no virtual FCFS system), a request is urgent when
+//      now + step_s x work left > deadline - step_s, and up to tail_budget
+//      of the requests (per tail_budget_window added) give up their
+//      deadline when they first turn urgent with at least
+//      kTailBudgetMinWork x the mean completed length left (in arrival
+//      order); a request that gave up is never urgent again.
 //   1. Promoted requests: steps_waited >= waiting_cap (when the cap is on).
 //      Most steps waited first; ties by arrival (FCFS).
 //   2. Everybody else by effective priority, smallest first; ties by arrival:
@@ -63,6 +71,7 @@
 #define LEAP_ENGINE_SHIM_SCHEDULER_H_
 
 #include <cstdint>
+#include <deque>
 #include <optional>
 #include <string>
 #include <utility>
@@ -193,6 +202,38 @@ struct SchedulerOptions {
   int tail_window = 1000;
   double tail_quantile = 0.99;
 
+  // kBounded: a latency target in seconds of the engine's clock (SetTime).
+  // When > 0, every request's deadline is its origin (the clock at Add; for
+  // a request added with a CarriedDeadline, the first stage's) plus
+  // latency_target_s, the same for every request, instead of S x its
+  // virtual FCFS latency (max_slowdown, tail_window and tail_quantile are
+  // then unused), and the urgency test is in seconds: now + work left x
+  // step_s > deadline - step_s (now and step_s from the latest SetTime).
+  // Urgent requests, all with the same target, are then served in arrival
+  // order. 0 = the slowdown bound, in steps. Finite, >= 0.
+  // Default: 0
+  double latency_target_s = 0;
+
+  // kBounded with latency_target_s > 0: the share of requests that may give
+  // up their deadline (docs/SCHEDULING.md, "The latency target"). A request
+  // that turns urgent for the first time gives it up, and is ranked as if
+  // it had no deadline from then on, when its work left is at least
+  // kTailBudgetMinWork times the mean length of the completions in the
+  // calibration window and fewer than floor(tail_budget x
+  // min(tail_budget_window, requests added)) deadlines were given up while
+  // the last tail_budget_window requests were added (a rate). A P99 target
+  // tolerates 1% of requests beyond it; giving up the rescue of a few long
+  // ones keeps it from pushing many shorter requests past the target.
+  // In [0, 0.5]; 0 = nobody gives up.
+  // Default: 0.005
+  double tail_budget = 0.005;
+
+  // The window of tail_budget, in requests added: the period over which an
+  // operator's P99 is judged (a short window spreads the budget thin across
+  // a burst; an endless one would let a long quiet period bank it). In
+  // [1, 1 << 24]. Default: 10000
+  int tail_budget_window = 10000;
+
   // kBounded: the ranked tier (requests whose deadline is not at risk) is
   // ordered by remaining - bounded_linear_aging * waited (linear aging)
   // instead of the countdown; 0 = the countdown. Finite, >= 0.
@@ -250,20 +291,28 @@ struct RequestStats {
   int64_t predictions = 0;
   // Steps (Select/Commit calls) before the request was added.
   int64_t added_step = 0;
-  // kBounded: the step its deadline counts from: added_step, or earlier for
-  // a request added with a CarriedDeadline (coming step - age).
+  // kBounded: the point its deadline counts from: added_step, or earlier for
+  // a request added with a CarriedDeadline (coming step - age); with
+  // latency_target_s > 0 the clock (SetTime) at Add, in seconds.
   double deadline_origin = 0;
   // All steps without a slot since Add.
   int64_t waited_total = 0;
   // kBounded: the deadline in steps (absent before the request's first
   // step, and under other policies).
   std::optional<double> deadline;
+  // tail_budget: it gave up its deadline (it is never urgent again).
+  bool gave_up = false;
 };
+
+// tail_budget: a request gives up its deadline only if its work left is at
+// least this many times the mean length of the recent completions.
+inline constexpr double kTailBudgetMinWork = 2;
 
 // kBounded: where a live request stands against its deadline, relative to the
 // scheduler's coming step, so that a second scheduler (the next stage of the
 // same engine: admission, then decode) keeps one deadline from the request's
 // first step in the first stage (CountdownScheduler::Carry and Add).
+// With latency_target_s > 0 only `age` is used, in seconds of SetTime's clock.
 struct CarriedDeadline {
   // Steps from its first step in the first stage to the coming step.
   double age = 0;
@@ -273,6 +322,10 @@ struct CarriedDeadline {
   // reference Q it entered with.
   double virtual_estimate = 0;
   double tail_reference = 0;
+  // Whether it has been urgent, and whether it gave up its deadline
+  // (tail_budget), in the first stage.
+  bool was_urgent = false;
+  bool gave_up = false;
 };
 
 // Monotonic counters since creation (for metrics).
@@ -290,6 +343,8 @@ struct SchedulerCounters {
   int64_t max_steps_waited = 0;
   // kBounded: selections of urgent requests (Select only).
   int64_t urgent_selections = 0;
+  // kBounded: requests that gave up their deadline (tail_budget).
+  int64_t deadlines_given_up = 0;
   // Add calls that succeeded / Remove calls that succeeded.
   int64_t added = 0;
   int64_t removed = 0;
@@ -403,6 +458,16 @@ class CountdownScheduler {
   // committed then), kInvalidArgument for a repeated id.
   absl::Status Commit(const std::vector<std::string>& ran);
 
+  // kBounded with latency_target_s > 0: the engine's clock before the coming
+  // step, in seconds (any origin, monotonic), and how long a decode step
+  // takes now (the engine's own estimate, e.g. a moving average of its last
+  // steps), for the urgency test. Call it before every Select, Order,
+  // OrderAmong or Commit; until the first call the clock reads 0 and a step
+  // takes 0 s. Under every other configuration the values are kept and
+  // unused. kInvalidArgument for a non-finite value, step_s < 0, or now_s
+  // below the previous now_s (nothing changes then).
+  absl::Status SetTime(double now_s, double step_s);
+
   // Commits `steps` empty steps at once while no request is live: exactly
   // what `steps` calls of Commit({}) would do then (the step count moves,
   // nothing else: the virtual FCFS system's free times are absolute, so it
@@ -446,6 +511,8 @@ class CountdownScheduler {
     double virtual_estimate = 0;
     double virtual_finish = 0;
     double tail_reference = 0;
+    bool was_urgent = false;
+    bool gave_up = false;
   };
   // Sort key of one live request for one step; compared lexicographically
   // on (tier, priority, arrival).
@@ -462,6 +529,13 @@ class CountdownScheduler {
   absl::Status SetPredictionImpl(absl::string_view request_id, double value,
                                  bool first_only);
   double Remaining(const Request& r) const;
+  // kBounded's clock: seconds (SetTime) under a latency target, else steps;
+  // and the clock time of one decode step (seconds, or 1 step).
+  bool Targeted() const { return options_.latency_target_s > 0; }
+  double Now() const {
+    return Targeted() ? time_now_ : static_cast<double>(counters_.steps);
+  }
+  double StepTime() const { return Targeted() ? time_step_ : 1.0; }
   // Prediction, else prior: the L̂ the request is ranked by, if any.
   static std::optional<double> Estimate(const Request& r) {
     return r.predicted_tokens.has_value() ? r.predicted_tokens
@@ -478,6 +552,10 @@ class CountdownScheduler {
   // The state change of one step; selected_[i] marks live_[i] as chosen.
   void CommitSelected();
   void AssignDeadlines(double unpredicted_remaining);
+  // tail_budget: whether one more request may give up its deadline now
+  // (fewer than floor(tail_budget x min(tail_window, added)) deadlines were
+  // given up while the last tail_window requests were added).
+  bool BudgetLeft();
   // Recomputes the correction from the window when a report came since.
   void Calibrate();
   // The bound's work left (before its clamp) of a request ranked by
@@ -505,6 +583,15 @@ class CountdownScheduler {
   // kBounded: free times of the busy servers of the virtual FCFS system
   // (min-heap, at most `slots` entries).
   std::vector<double> virtual_free_;
+  // SetTime: the engine's clock and step duration, in seconds.
+  double time_now_ = 0;
+  double time_step_ = 0;
+  // tail_budget: the arrival count (next_arrival_) at each deadline given
+  // up within the last tail_window arrivals, oldest first; the mean completed length of the calibration
+  // window (0 without completions).
+  std::deque<uint64_t> gave_up_;
+  std::vector<size_t> giving_up_;  // scratch
+  double mean_actual_ = 0;
   std::vector<size_t> new_requests_;
   // Virtual FCFS latencies of the last tail_window requests (a ring).
   std::vector<double> recent_latency_;

@@ -38,17 +38,33 @@ class ReferenceScheduler {
 
   void Add(const std::string& id) {
     reqs_[id] = Req{std::nullopt, 0, 0, next_arrival_++, steps_, 0,
-                    std::nullopt, 0, 0, 0, std::nullopt,
-                    static_cast<double>(steps_)};
+                    std::nullopt, 0, 0, 0, std::nullopt, Clock()};
   }
+  // The engine's clock (scheduler.h, SetTime): with a latency target the
+  // deadlines' clock is in seconds.
+  void SetTime(double now_s, double step_s) {
+    now_s_ = now_s;
+    step_s_ = step_s;
+  }
+  bool Targeted() const { return o_.latency_target_s > 0; }
+  double Clock() const {
+    return Targeted() ? now_s_ : static_cast<double>(steps_);
+  }
+  double StepTime() const { return Targeted() ? step_s_ : 1.0; }
   // A request from another stage: its deadline is fixed now from the carried
   // state and it does not enter the virtual FCFS system (scheduler.h, Add).
   void AddCarried(const std::string& id, const CarriedDeadline& c) {
     Add(id);
     if (o_.policy != SchedulingPolicy::kBounded) return;
     Req& r = reqs_.at(id);
-    const double now = static_cast<double>(steps_);
+    const double now = Clock();
     r.origin = now - c.age;
+    r.was_urgent = c.was_urgent;
+    r.gave_up = c.gave_up;
+    if (Targeted()) {
+      r.deadline = r.origin + o_.latency_target_s;
+      return;
+    }
     r.vfinish = now + c.virtual_left;
     r.vest = c.virtual_estimate;
     r.qref = c.tail_reference;
@@ -57,7 +73,7 @@ class ReferenceScheduler {
   }
   // Carry() of every live request, against this reference's own state.
   void ExpectCarryMatch(const CountdownScheduler& s) const {
-    const double now = static_cast<double>(steps_);
+    const double now = Clock();
     for (const auto& [id, r] : reqs_) {
       absl::StatusOr<CarriedDeadline> c = s.Carry(id);
       if (!r.deadline) {
@@ -69,6 +85,8 @@ class ReferenceScheduler {
       EXPECT_EQ(c->virtual_left, r.vfinish - now) << id;
       EXPECT_EQ(c->virtual_estimate, r.vest) << id;
       EXPECT_EQ(c->tail_reference, r.qref) << id;
+      EXPECT_EQ(c->was_urgent, r.was_urgent) << id;
+      EXPECT_EQ(c->gave_up, r.gave_up) << id;
     }
   }
   bool Has(const std::string& id) const { return reqs_.count(id) > 0; }
@@ -187,7 +205,7 @@ class ReferenceScheduler {
   }
   void Predict(const std::string& id, double v) {
     Req& r = reqs_.at(id);
-    if (!r.pred && r.deadline) {
+    if (!r.pred && r.deadline && !Targeted()) {
       const double est = std::max(1.0, Work(v, r.generated, 0));
       r.vfinish += est - r.vest;
       r.vest = est;
@@ -235,6 +253,10 @@ class ReferenceScheduler {
       const double now = static_cast<double>(steps_);
       for (const auto& [arrival, id] : fresh) {
         Req& r = reqs_.at(id);
+        if (Targeted()) {
+          r.deadline = r.origin + o_.latency_target_s;
+          continue;
+        }
         const double est =
             std::max(1.0, Work(Total(r), r.generated, unpredicted));
         double start = now;
@@ -266,14 +288,52 @@ class ReferenceScheduler {
                                  std::max({start + est - added, r.qref, 1.0});
       }
     }
+    const auto work_left = [&](const Req& r) {
+      return std::max(0.0, Work(Total(r), r.generated, unpredicted));
+    };
+    const auto at_risk = [&](const Req& r) {
+      return Clock() + StepTime() * work_left(r) > *r.deadline - StepTime();
+    };
+    if (bounded && Targeted() && o_.tail_budget > 0 && !samples_.empty()) {
+      // tail_budget: first-time urgent requests with at least
+      // kTailBudgetMinWork x the window's mean completed length left give
+      // up their deadline, in arrival order, while fewer than
+      // floor(b x min(tail_budget_window, added)) deadlines were given up
+      // while the last tail_budget_window requests were added (events stamped with the count
+      // of requests added so far).
+      double sum = 0;
+      for (const auto& [e, a] : samples_) sum += a;
+      const double mean = sum / static_cast<double>(samples_.size());
+      std::vector<std::pair<uint64_t, std::string>> candidates;
+      for (const auto& [id, r] : reqs_) {
+        if (!r.gave_up && !r.was_urgent && at_risk(r) &&
+            work_left(r) >= kTailBudgetMinWork * mean) {
+          candidates.emplace_back(r.arrival, id);
+        }
+      }
+      std::sort(candidates.begin(), candidates.end());
+      if (mean <= 0) candidates.clear();
+      for (const auto& candidate : candidates) {
+        const std::string& id = candidate.second;
+        const uint64_t w = static_cast<uint64_t>(o_.tail_budget_window);
+        int64_t recent = 0;
+        for (uint64_t a : gave_up_arrivals_) recent += a + w > next_arrival_;
+        const double allowed = std::floor(
+            o_.tail_budget *
+            static_cast<double>(std::min<uint64_t>(w, next_arrival_)));
+        if (static_cast<double>(recent + 1) > allowed) break;
+        reqs_.at(id).gave_up = true;
+        gave_up_arrivals_.push_back(next_arrival_);
+        ++given_up;
+      }
+    }
     std::vector<Entry> all;
-    for (const auto& [id, r] : reqs_) {
+    for (auto& [id, r] : reqs_) {
       Entry e{{}, 0, id};
       const double rem = Ranked(r) ? Remaining(r) : unpredicted;
-      if (bounded &&
-          static_cast<double>(steps_) +
-                  std::max(0.0, Work(Total(r), r.generated, unpredicted)) >
-              *r.deadline - 1) {
+      const bool urgent = bounded && !r.gave_up && at_risk(r);
+      r.was_urgent = r.was_urgent || urgent;
+      if (urgent) {
         e.key = {-1, *r.deadline, r.arrival};
       } else if (o_.waiting_cap > 0 && r.waited >= o_.waiting_cap) {
         e.key = {0, -static_cast<double>(r.waited), r.arrival};
@@ -361,6 +421,7 @@ class ReferenceScheduler {
       EXPECT_EQ(st->added_step, r.added_step) << id;
       EXPECT_EQ(st->waited_total, r.waited_total) << id;
       EXPECT_EQ(st->deadline, r.deadline) << id;
+      EXPECT_EQ(st->gave_up, r.gave_up) << id;
       if (r.deadline) {
         EXPECT_EQ(st->deadline_origin, r.origin) << id;
       }
@@ -372,6 +433,7 @@ class ReferenceScheduler {
   int64_t aging_promotions = 0;
   int64_t urgent_selections = 0;
   int64_t max_waited = 0;
+  int64_t given_up = 0;
 
  private:
   struct Req {
@@ -384,7 +446,8 @@ class ReferenceScheduler {
     std::optional<double> deadline;
     double vest = 0, vfinish = 0, qref = 0;
     std::optional<double> prior;
-    double origin = 0;  // the step the deadline counts from
+    double origin = 0;  // the step (or second) the deadline counts from
+    bool was_urgent = false, gave_up = false;
   };
   // Ranked by a prediction, or else by a prior.
   static bool Ranked(const Req& r) { return r.pred || r.prior; }
@@ -403,6 +466,9 @@ class ReferenceScheduler {
   int64_t steps_ = 0;
   std::vector<double> servers_;  // virtual FCFS: busy servers' free times
   std::deque<double> recent_;    // last tail_window virtual latencies
+  double now_s_ = 0, step_s_ = 0;  // SetTime
+  // tail_budget: the count of requests added at each deadline given up.
+  std::vector<uint64_t> gave_up_arrivals_;
   // (estimate, actual) of the last calibration_window reported completions.
   std::deque<std::pair<double, double>> samples_;
   // kRatio: the ratio per octave, filled from samples_ when empty.
@@ -468,6 +534,12 @@ void RunAgainstReference(const SchedulerOptions& options,
   std::uniform_real_distribution<double> u(0, 1);
   CountdownScheduler sched = MakeScheduler(options);
   ReferenceScheduler ref(options);
+  // A latency target: the engine's clock, steps of 10-60 ms (with spikes)
+  // and a moving average of them, from a generator of its own.
+  const bool targeted = options.latency_target_s > 0;
+  std::mt19937_64 clock_rng(seed ^ 0x5eedc10c);
+  std::uniform_real_distribution<double> clock_u(0, 1);
+  double now_s = 0, step_avg_s = 0.03;
 
   std::map<std::string, int64_t> true_len;
   std::map<std::string, int64_t> generated;
@@ -512,6 +584,13 @@ void RunAgainstReference(const SchedulerOptions& options,
       c.virtual_left = std::floor(u(rng) * 400) - 80;
       c.virtual_estimate = 1 + std::floor(u(rng) * 300);
       c.tail_reference = u(rng) < 0.5 ? 0 : std::floor(u(rng) * 500);
+      if (targeted) {
+        // A latency target reads age in seconds, and the first stage's
+        // flags (own generator: the other configs' traffic is unchanged).
+        c.age = clock_u(clock_rng) * 20;
+        c.was_urgent = clock_u(clock_rng) < 0.2;
+        c.gave_up = clock_u(clock_rng) < 0.1;
+      }
       ASSERT_TRUE(sched.Add(id, c).ok());
       ref.AddCarried(id, c);
     } else {
@@ -538,6 +617,15 @@ void RunAgainstReference(const SchedulerOptions& options,
 
   int64_t cap_seen = 0;
   for (int step = 0; step < steps; ++step) {
+    if (targeted) {
+      const double took = clock_u(clock_rng) < 0.05
+                              ? 0.2 + clock_u(clock_rng)
+                              : 0.01 + 0.05 * clock_u(clock_rng);
+      now_s += took;
+      step_avg_s += (took - step_avg_s) / 16;
+      ASSERT_TRUE(sched.SetTime(now_s, step_avg_s).ok());
+      ref.SetTime(now_s, step_avg_s);
+    }
     // Arrivals.
     int n =
         static_cast<int>(ref.size()) < traffic.target_live
@@ -591,6 +679,7 @@ void RunAgainstReference(const SchedulerOptions& options,
     ASSERT_EQ(sched.counters().cap_promotions, ref.cap_promotions);
     ASSERT_EQ(sched.counters().aging_promotions, ref.aging_promotions);
     ASSERT_EQ(sched.counters().urgent_selections, ref.urgent_selections);
+    ASSERT_EQ(sched.counters().deadlines_given_up, ref.given_up);
     ASSERT_EQ(sched.counters().max_steps_waited, ref.max_waited);
     if (step % 97 == 0) {
       ref.ExpectStatsMatch(sched);
@@ -609,6 +698,9 @@ void RunAgainstReference(const SchedulerOptions& options,
   }
   if (options.policy == SchedulingPolicy::kBounded) {
     EXPECT_GT(sched.counters().urgent_selections, 0);
+    if (targeted && options.tail_budget > 0 && traffic.observe_prob > 0) {
+      EXPECT_GT(sched.counters().deadlines_given_up, 0);
+    }
     if (traffic.observe_prob > 0 && options.calibration_window > 0) {
       if (options.calibration == BoundCalibration::kAdditive) {
         EXPECT_NE(sched.service_correction(), 0);
@@ -858,6 +950,180 @@ TEST(CountdownSchedulerTest, CalibratedBoundMatchesBruteForceReference) {
   ASSERT_TRUE(plain.ObserveCompletion(1, 1000).ok());
   EXPECT_EQ(plain.service_correction(), 0);
   EXPECT_EQ(plain.service_ratio(1), 1);
+}
+
+// A latency target (latency_target_s, SetTime): deadlines are the clock at
+// Add plus the target, the urgency test is in seconds with the engine's step
+// duration, no virtual FCFS system; the tail budget gives up the deadlines
+// of first-time urgent long requests in arrival order within its window.
+// Against the brute-force reference with a clock that moves 10-60 ms a step
+// (with spikes), priors, carried requests (age in seconds, the first
+// stage's flags), completions reported for the correction and the mean.
+TEST(CountdownSchedulerTest, LatencyTargetMatchesBruteForceReference) {
+  struct Config {
+    int slots, cap;
+    double target_s, budget;
+    int window;
+    BoundCalibration calibration;
+  };
+  constexpr BoundCalibration kAdd = BoundCalibration::kAdditive;
+  constexpr BoundCalibration kRatio = BoundCalibration::kRatio;
+  const Config configs[] = {
+      {64, 128, 20, 0.005, 1000, kRatio},
+      {8, 0, 5, 0, 1000, kAdd},
+      {16, 0, 60, 0.05, 37, kRatio},
+      {3, 4, 30, 0.5, 2, kAdd},
+      {16, 0, 10, 0.5, 200, kRatio},
+  };
+  uint64_t seed = 300;
+  for (const Config& c : configs) {
+    auto [o, t] = OverloadedRun(SchedulingPolicy::kBounded, c.slots, c.cap);
+    o.latency_target_s = c.target_s;
+    o.tail_budget = c.budget;
+    o.tail_budget_window = c.window;
+    o.calibration = c.calibration;
+    t.carried_prob = 0.3;
+    t.prior_prob = 0.3;
+    t.observe_prob = 0.7;
+    t.observe_low = 0.5;
+    t.observe_high = 1.5;
+    RunAgainstReference(o, t, 1500, seed++);
+    if (HasFatalFailure()) return;
+  }
+}
+
+TEST(CountdownSchedulerTest, LatencyTargetByHand) {
+  SchedulerOptions o;
+  o.policy = SchedulingPolicy::kBounded;
+  o.slots = 1;
+  o.waiting_cap = 0;
+  o.latency_target_s = 10;
+  o.tail_budget = 0;
+  CountdownScheduler s = MakeScheduler(o);
+  // The clock never goes back; values must be finite, step_s >= 0.
+  ASSERT_TRUE(s.SetTime(100, 0.5).ok());
+  EXPECT_EQ(s.SetTime(99, 0.5).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(s.SetTime(101, -1).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(s.SetTime(std::nan(""), 1).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(s.SetTime(HUGE_VAL, 1).code(), StatusCode::kInvalidArgument);
+  // "long" (40 tokens = 20 s of steps) arrives first, "short" (2 tokens)
+  // at 101 s: the deadlines are the clock at Add plus 10 s.
+  ASSERT_TRUE(s.Add("long").ok());
+  ASSERT_TRUE(s.SetPrediction("long", 40).ok());
+  ASSERT_TRUE(s.SetTime(101, 0.5).ok());
+  ASSERT_TRUE(s.Add("short").ok());
+  ASSERT_TRUE(s.SetPrediction("short", 2).ok());
+  // 40 tokens no longer fit before 110 s: "long" is urgent and goes first,
+  // though "short" is shorter.
+  EXPECT_EQ(s.Select(), std::vector<std::string>{"long"});
+  EXPECT_EQ(s.GetRequest("long")->deadline, 110);
+  EXPECT_EQ(s.GetRequest("short")->deadline, 111);
+  EXPECT_EQ(s.GetRequest("short")->deadline_origin, 101);
+  EXPECT_EQ(s.counters().urgent_selections, 1);
+  // Carry hands on the age in seconds, and the flags.
+  ASSERT_TRUE(s.SetTime(103.5, 0.5).ok());
+  absl::StatusOr<CarriedDeadline> c = s.Carry("short");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->age, 2.5);
+  EXPECT_FALSE(c->gave_up);
+  CountdownScheduler next = MakeScheduler(o);
+  ASSERT_TRUE(next.SetTime(7, 0.5).ok());
+  ASSERT_TRUE(next.Add("short", *c).ok());
+  EXPECT_EQ(next.GetRequest("short")->deadline, 7 - 2.5 + 10);
+  // Without a target the clock is the step count and SetTime is ignored.
+  SchedulerOptions steps = o;
+  steps.latency_target_s = 0;
+  steps.tail_window = 0;
+  steps.max_slowdown = 2;
+  CountdownScheduler b = MakeScheduler(steps);
+  ASSERT_TRUE(b.SetTime(50, 1).ok());
+  ASSERT_TRUE(b.Add("a").ok());
+  ASSERT_TRUE(b.SetPrediction("a", 4).ok());
+  b.Select(0);
+  EXPECT_EQ(b.GetRequest("a")->deadline, 8);
+  // Options out of range.
+  for (double bad : {-1.0, std::nan(""), HUGE_VAL}) {
+    SchedulerOptions x = o;
+    x.latency_target_s = bad;
+    EXPECT_EQ(x.Validate().code(), StatusCode::kInvalidArgument) << bad;
+  }
+  for (double bad : {-0.1, 0.6, std::nan("")}) {
+    SchedulerOptions x = o;
+    x.tail_budget = bad;
+    EXPECT_EQ(x.Validate().code(), StatusCode::kInvalidArgument) << bad;
+  }
+  for (int bad : {0, -1, (1 << 24) + 1}) {
+    SchedulerOptions x = o;
+    x.tail_budget_window = bad;
+    EXPECT_EQ(x.Validate().code(), StatusCode::kInvalidArgument) << bad;
+  }
+}
+
+// The tail budget by hand: with the mean completed length at 10, a request
+// that first turns urgent with >= 2 x 10 tokens left gives up its deadline
+// while fewer than floor(b x min(tail_budget_window, added)) deadlines were
+// given up during the last tail_budget_window arrivals; a short one never does; one that
+// gave up is never urgent again.
+TEST(CountdownSchedulerTest, TailBudgetByHand) {
+  SchedulerOptions o;
+  o.policy = SchedulingPolicy::kBounded;
+  o.slots = 1;
+  o.waiting_cap = 0;
+  o.latency_target_s = 10;
+  o.tail_budget = 0.5;
+  o.tail_budget_window = 4;
+  o.calibration_window = 10;
+  CountdownScheduler s = MakeScheduler(o);
+  ASSERT_TRUE(s.ObserveCompletion(10, 10).ok());  // mean 10, no correction
+  ASSERT_TRUE(s.SetTime(0, 1).ok());
+  // floor(0.5 x 2) = 1 may give up among these two; "a" turns urgent
+  // first (arrival order), so "a" gives up and "b" stays urgent.
+  for (const char* id : {"a", "b"}) {
+    ASSERT_TRUE(s.Add(id).ok());
+    ASSERT_TRUE(s.SetPrediction(id, 30).ok());  // 30 s of work > 10 s
+  }
+  EXPECT_EQ(s.Select(), std::vector<std::string>{"b"});
+  EXPECT_TRUE(s.GetRequest("a")->gave_up);
+  EXPECT_FALSE(s.GetRequest("b")->gave_up);
+  EXPECT_EQ(s.counters().deadlines_given_up, 1);
+  EXPECT_EQ(s.counters().urgent_selections, 1);
+  // A short request (5 < 2 x 10 tokens) turning urgent never gives up.
+  ASSERT_TRUE(s.SetTime(1, 1).ok());
+  ASSERT_TRUE(s.Add("c").ok());
+  ASSERT_TRUE(s.SetPrediction("c", 5).ok());
+  ASSERT_TRUE(s.SetTime(7, 1).ok());  // 7 + 5 > 11 - 1: urgent
+  EXPECT_EQ(s.Select(), std::vector<std::string>{"b"});  // earlier deadline
+  EXPECT_FALSE(s.GetRequest("c")->gave_up);
+  EXPECT_TRUE(s.GetRequest("c")->deadline.has_value());
+  // Three more long requests: 6 added, window 4 -> floor(0.5 x 4) = 2
+  // allowed; "a" gave up when 2 had been added, 4 arrivals ago, so it is out
+  // of the window: "d" gives up, then "e", and "f" would be a third.
+  for (const char* id : {"d", "e", "f"}) {
+    ASSERT_TRUE(s.Add(id).ok());
+    ASSERT_TRUE(s.SetPrediction(id, 30).ok());
+  }
+  s.Select();
+  EXPECT_TRUE(s.GetRequest("d")->gave_up);
+  EXPECT_TRUE(s.GetRequest("e")->gave_up);
+  EXPECT_FALSE(s.GetRequest("f")->gave_up);
+  EXPECT_EQ(s.counters().deadlines_given_up, 3);
+  // A request that gave up is never urgent again, whatever the clock: with
+  // only "a", "d" and "e" left, long past their deadlines, nobody is.
+  ASSERT_TRUE(s.SetTime(1000, 1).ok());
+  ASSERT_TRUE(s.Remove("b").ok());
+  ASSERT_TRUE(s.Remove("c").ok());
+  ASSERT_TRUE(s.Remove("f").ok());
+  const int64_t urgent = s.counters().urgent_selections;
+  s.Select();
+  EXPECT_EQ(s.counters().urgent_selections, urgent);
+  // Without completions (no mean) nobody gives up.
+  CountdownScheduler fresh = MakeScheduler(o);
+  ASSERT_TRUE(fresh.SetTime(0, 1).ok());
+  ASSERT_TRUE(fresh.Add("x").ok());
+  ASSERT_TRUE(fresh.SetPrediction("x", 300).ok());
+  fresh.Select();
+  EXPECT_FALSE(fresh.GetRequest("x")->gave_up);
+  EXPECT_EQ(fresh.counters().urgent_selections, 1);
 }
 
 // The ratio correction (BoundCalibration::kRatio) by hand: one ratio per

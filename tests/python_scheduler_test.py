@@ -291,6 +291,60 @@ class BoundedLinearAgingTest(unittest.TestCase):
         self.assertEqual(s.counters["urgent_selections"], 0)
 
 
+class LatencyTargetTest(unittest.TestCase):
+    """latency_target_s: deadline = the clock at add() + the target, urgency
+    in seconds with set_time()'s step duration; urgent requests in arrival
+    order; the tail budget gives up a long request's deadline."""
+
+    def test_deadlines_in_seconds_and_urgent_in_arrival_order(self):
+        s = leap_shim.Scheduler(policy="bounded", slots=1, waiting_cap=0,
+                                latency_target_s=10.0, tail_budget=0.0)
+        s.set_time(100.0, 0.5)
+        s.add("long")
+        s.set_prediction("long", 40.0)
+        s.set_time(101.0, 0.5)
+        s.add("short")
+        s.set_prediction("short", 2.0)
+        # 40 tokens x 0.5 s no longer fit before 110 s: "long" goes first.
+        self.assertEqual(s.select(), ["long"])
+        self.assertEqual(s.request("long")["deadline"], 110.0)
+        self.assertEqual(s.request("short")["deadline"], 111.0)
+        s.set_time(103.5, 0.5)
+        carried = s.carry("short")
+        self.assertEqual(carried["age"], 2.5)
+        d = leap_shim.Scheduler(policy="bounded", latency_target_s=10.0)
+        d.set_time(7.0, 0.5)
+        d.add("short", carried=carried)
+        self.assertEqual(d.request("short")["deadline"], 14.5)
+        with self.assertRaises(ValueError):
+            s.set_time(50.0, 0.5)  # the clock went back
+        with self.assertRaises(ValueError):
+            s.set_time(200.0, -1.0)
+        with self.assertRaises(ValueError):
+            leap_shim.Scheduler(latency_target_s=-1.0)
+        with self.assertRaises(ValueError):
+            leap_shim.Scheduler(tail_budget=0.9)
+        with self.assertRaises(ValueError):
+            leap_shim.Scheduler(tail_budget_window=0)
+
+    def test_tail_budget_gives_up_a_long_deadline(self):
+        s = leap_shim.Scheduler(policy="bounded", slots=1, waiting_cap=0,
+                                latency_target_s=10.0, tail_budget=0.5,
+                                tail_budget_window=4, calibration_window=10)
+        s.observe_completion(10.0, 10.0)  # mean completed length 10
+        s.set_time(0.0, 1.0)
+        for rid in ("a", "b"):
+            s.add(rid)
+            s.set_prediction(rid, 30.0)
+        # floor(0.5 x 2) = 1 deadline may be given up: "a" (first in
+        # arrival order) gives it up, "b" stays urgent and runs.
+        self.assertEqual(s.select(), ["b"])
+        self.assertTrue(s.request("a")["gave_up"])
+        self.assertFalse(s.request("b")["gave_up"])
+        self.assertEqual(s.counters["deadlines_given_up"], 1)
+        self.assertTrue(s.carry("a")["gave_up"])
+
+
 class BadInputTest(unittest.TestCase):
 
     def test_errors(self):
@@ -317,7 +371,11 @@ class BadInputTest(unittest.TestCase):
         # Its deadline is fixed at once: origin = coming step - age.
         self.assertEqual(s.request("a")["deadline_origin"], -3.0)
         self.assertEqual(s.request("a")["deadline"], -3.0 + 2.5 * 8.0)
-        self.assertEqual(s.carry("a"), good)
+        self.assertEqual(s.carry("a"),
+                         dict(good, was_urgent=False, gave_up=False))
+        for bad_flag in (dict(good, gave_up=1.0), dict(good, was_urgent="x")):
+            with self.assertRaises(ValueError):
+                s.add("c", carried=bad_flag)
         s.add("b")
         with self.assertRaises(RuntimeError):
             s.carry("b")  # no deadline before its first step

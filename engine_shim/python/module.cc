@@ -366,8 +366,13 @@ Not thread-safe: call it from the engine's step loop only.)doc")
                        double max_slowdown, double linear_aging,
                        int tail_window, double tail_quantile,
                        double bounded_linear_aging, int calibration_window,
-                       const std::string& calibration) {
+                       const std::string& calibration,
+                       double latency_target_s, double tail_budget,
+                       int tail_budget_window) {
              leap::shim::SchedulerOptions o;
+             o.latency_target_s = latency_target_s;
+             o.tail_budget = tail_budget;
+             o.tail_budget_window = tail_budget_window;
              o.bounded_linear_aging = bounded_linear_aging;
              o.calibration_window = calibration_window;
              if (calibration == "additive") {
@@ -405,6 +410,8 @@ Not thread-safe: call it from the engine's step loop only.)doc")
            py::arg("bounded_linear_aging") = 0.0,
            py::arg("calibration_window") = 1000,
            py::arg("calibration") = "additive",
+           py::arg("latency_target_s") = 0.0, py::arg("tail_budget") = 0.005,
+           py::arg("tail_budget_window") = 10000,
            R"doc(Args:
   slots: decode slots per step taken by select() (>= 1).
   waiting_cap: steps without a slot after which a request is promoted
@@ -436,6 +443,15 @@ Not thread-safe: call it from the engine's step loop only.)doc")
   calibration: the form of that correction: "additive" (the mean error,
     one number for all) or "ratio" (sum actual / sum estimate per group of
     octaves of the estimate, for errors that grow with the length).
+  latency_target_s: "bounded" with a latency target in seconds of the
+    engine's clock (set_time() before every step): every request's
+    deadline is its arrival plus this, and the urgent ones are served in
+    arrival order; 0 = the slowdown bound above.
+  tail_budget, tail_budget_window: with a latency target, at most
+    floor(tail_budget x tail_budget_window) deadlines are given up per
+    tail_budget_window requests added, each by a request turning urgent
+    for the first time with at least twice the mean completed length left
+    (tail_budget 0 = none).
 
 Raises:
   ValueError: an option out of range.)doc")
@@ -447,7 +463,7 @@ before capturing it, so its prediction finds it.
 Args:
   carried: None, or the dict carry() of an earlier stage's "bounded"
     scheduler returned for it (age, virtual_left, virtual_estimate,
-    tail_reference): the request keeps the deadline it got at arrival
+    tail_reference, and optionally was_urgent and gave_up): the request keeps the deadline it got at arrival
     there (one deadline from arrival across admission and decode; both
     schedulers must count the same steps). Ignored by other policies.
 
@@ -459,13 +475,24 @@ Raises:
            R"doc(The deadline state of a live request of a "bounded" scheduler,
 for add(id, carried=...) on the next stage's scheduler: dict with age
 (steps since its first step here, or in the stage before), virtual_left
-(its virtual FCFS finish minus the coming step), virtual_estimate and
-tail_reference.
+(its virtual FCFS finish minus the coming step), virtual_estimate,
+tail_reference, was_urgent and gave_up (with a latency target only age and
+the two flags matter, age in seconds).
 
 Raises:
   KeyError: unknown id.
   RuntimeError: it has no deadline yet (not "bounded", or before its first
     step).)doc")
+      .def("set_time", &PyScheduler::SetTime, py::arg("now_s"),
+           py::arg("step_s"),
+           R"doc(The engine's clock before the coming step (seconds, monotonic)
+and its current decode step duration (seconds), for a "bounded" scheduler
+with latency_target_s > 0; call it before every select(), order() or
+commit(). Kept and unused otherwise.
+
+Raises:
+  ValueError: a value not finite, step_s < 0, or now_s below the previous
+    now_s.)doc")
       .def("observe_completion", &PyScheduler::ObserveCompletion,
            py::arg("estimate_tokens"), py::arg("actual_tokens"),
            R"doc(Reports a finished request's estimate (the prediction or prior

@@ -42,11 +42,24 @@ void PyScheduler::Add(const std::string& id, const py::object& carried) {
                                            name, "' is not a number"));
       }
     }
-    if (d.size() != std::size(fields)) {
+    // Optional (absent in dicts from before they existed): the flags.
+    size_t flags = 0;
+    const std::pair<const char*, bool*> flag_fields[] = {
+        {"was_urgent", &c.was_urgent}, {"gave_up", &c.gave_up}};
+    for (const auto& [name, field] : flag_fields) {
+      if (!d.contains(name)) continue;
+      ++flags;
+      if (!py::isinstance<py::bool_>(d[name])) {
+        throw py::value_error(absl::StrCat("carried deadline of ", id, ": '",
+                                           name, "' is not a bool"));
+      }
+      *field = d[name].cast<bool>();
+    }
+    if (d.size() != std::size(fields) + flags) {
       throw py::value_error(absl::StrCat(
           "carried deadline of ", id,
-          " takes exactly age, virtual_left, virtual_estimate and "
-          "tail_reference, got ",
+          " takes age, virtual_left, virtual_estimate, tail_reference and "
+          "optionally was_urgent and gave_up, got ",
           d.size(), " keys"));
     }
     Check(s_.Add(id, c));
@@ -62,7 +75,13 @@ py::dict PyScheduler::Carry(const std::string& id) const {
   d["virtual_left"] = c->virtual_left;
   d["virtual_estimate"] = c->virtual_estimate;
   d["tail_reference"] = c->tail_reference;
+  d["was_urgent"] = c->was_urgent;
+  d["gave_up"] = c->gave_up;
   return d;
+}
+
+void PyScheduler::SetTime(double now_s, double step_s) {
+  Check(s_.SetTime(now_s, step_s));
 }
 
 void PyScheduler::ObserveCompletion(double estimate_tokens,
@@ -143,6 +162,7 @@ py::dict PyScheduler::Request(const std::string& id) const {
                       ? py::object(py::float_(*r->deadline))
                       : py::object(py::none());
   d["deadline_origin"] = r->deadline_origin;
+  d["gave_up"] = r->gave_up;
   return d;
 }
 
@@ -155,6 +175,7 @@ py::dict PyScheduler::Counters() const {
   d["aging_promotions"] = c.aging_promotions;
   d["max_steps_waited"] = c.max_steps_waited;
   d["urgent_selections"] = c.urgent_selections;
+  d["deadlines_given_up"] = c.deadlines_given_up;
   d["added"] = c.added;
   d["removed"] = c.removed;
   return d;

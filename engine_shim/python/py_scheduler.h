@@ -30,6 +30,7 @@ class PyScheduler {
   // virtual_estimate, tail_reference) of another stage's scheduler.
   void Add(const std::string& id, const pybind11::object& carried);
   pybind11::dict Carry(const std::string& id) const;
+  void SetTime(double now_s, double step_s);
   void ObserveCompletion(double estimate_tokens, double actual_tokens);
   double ServiceCorrection() { return s_.service_correction(); }
   double ServiceRatio(double estimate_tokens) {
