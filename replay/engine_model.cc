@@ -257,7 +257,7 @@ absl::Status ApplyPredictions(Predictor& predictor, double now_s,
 // step it counts from, the deadline, and the steps committed so far (its
 // last token's step is the last one committed).
 absl::Status RecordDeadline(const shim::CountdownScheduler& sched, int64_t id,
-                            SimResult& result) {
+                            double completion_s, SimResult& result) {
   absl::StatusOr<shim::RequestStats> st = sched.GetRequest(std::to_string(id));
   if (!st.ok()) return absl::InternalError(st.status().message());
   RequestResult& o = result.requests[static_cast<size_t>(id)];
@@ -265,7 +265,27 @@ absl::Status RecordDeadline(const shim::CountdownScheduler& sched, int64_t id,
     o.deadline_origin_step = st->deadline_origin;
     o.deadline_step = *st->deadline;
   }
-  o.completion_step = static_cast<double>(sched.counters().steps);
+  o.completion_step = sched.options().latency_target_s > 0
+                          ? completion_s
+                          : static_cast<double>(sched.counters().steps);
+  return absl::OkStatus();
+}
+
+// The engine's clock for the schedulers (CountdownScheduler::SetTime): the
+// simulated time and a moving average of the step duration over about the
+// last kStepAverage steps (seconds).
+constexpr double kStepAverage = 100;
+struct StepClock {
+  double step_s;
+  explicit StepClock(const EngineOptions& e)
+      : step_s((e.step_base_ms + e.step_per_seq_ms * e.slots) / 1000.0) {}
+  void Took(double seconds) { step_s += (seconds - step_s) / kStepAverage; }
+};
+
+absl::Status SetTime(shim::CountdownScheduler& sched, double now_s,
+                     const StepClock& clock) {
+  absl::Status s = sched.SetTime(now_s, clock.step_s);
+  if (!s.ok()) return absl::InternalError(s.message());
   return absl::OkStatus();
 }
 
@@ -354,7 +374,7 @@ absl::StatusOr<SimResult> Simulate(std::span<const SimRequest> requests,
     ++finished;
     if (in_sched[static_cast<size_t>(id)]) {
       if (bounded) {
-        RETURN_IF_ERROR(RecordDeadline(sched, id, result));
+        RETURN_IF_ERROR(RecordDeadline(sched, id, at, result));
       }
       absl::Status s = sched.Remove(std::to_string(id));
       if (!s.ok()) return absl::InternalError(s.message());
@@ -393,12 +413,15 @@ absl::StatusOr<SimResult> Simulate(std::span<const SimRequest> requests,
     return predictor.Finished(*by_id[static_cast<size_t>(id)]);
   };
 
+  StepClock clock(e);
   while (finished < n) {
     while (next < n && order[next]->arrival_s <= t) {
       const SimRequest& r = *order[next++];
       if (!admit.has_value()) {
         queue.push_back(r.id);
       } else {
+        // A latency target's deadline counts from the arrival itself.
+        RETURN_IF_ERROR(SetTime(*admit, r.arrival_s, clock));
         const std::string key = std::to_string(r.id);
         absl::Status s = admit->Add(key);
         std::optional<double> v;
@@ -432,6 +455,10 @@ absl::StatusOr<SimResult> Simulate(std::span<const SimRequest> requests,
       continue;
     }
 
+    if (bounded) {
+      RETURN_IF_ERROR(SetTime(sched, t, clock));
+      RETURN_IF_ERROR(SetTime(*admit, t, clock));
+    }
     // Predictions known at the start of this step.
     RETURN_IF_ERROR(ApplyPredictions(predictor, t, in_sched, predicted,
                                      joined_last, sched, updates, result));
@@ -511,6 +538,7 @@ absl::StatusOr<SimResult> Simulate(std::span<const SimRequest> requests,
         prefill_ms +
         predictor.GpuMsPerPrediction() * static_cast<double>(admitted.size());
     const double end = t + step_ms / 1000.0;
+    clock.Took(step_ms / 1000.0);
     const double capture =
         end - (1.0 - e.capture_fraction) * prefill_ms / 1000.0;
 
@@ -595,10 +623,13 @@ absl::StatusOr<SimResult> SimulateVllm(std::span<const SimRequest> requests,
     if (it != v.end()) v.erase(it);
   };
 
+  StepClock clock(e);
+  const bool bounded = so.policy == shim::SchedulingPolicy::kBounded;
   while (finished < n) {
     while (next < n && order[next]->arrival_s <= t) {
       const SimRequest& r = *order[next++];
       const int64_t id = r.id;
+      if (bounded) RETURN_IF_ERROR(SetTime(sched, r.arrival_s, clock));
       absl::Status s = sched.Add(std::to_string(id));
       if (s.ok() && options.prior != nullptr) {
         if (std::optional<double> v = options.prior->At(r); v.has_value()) {
@@ -620,6 +651,7 @@ absl::StatusOr<SimResult> SimulateVllm(std::span<const SimRequest> requests,
       t = order[next]->arrival_s;
       continue;
     }
+    if (bounded) RETURN_IF_ERROR(SetTime(sched, t, clock));
     RETURN_IF_ERROR(ApplyPredictions(predictor, t, live, predicted,
                                      joined_last, sched, updates, result));
 
@@ -752,6 +784,7 @@ absl::StatusOr<SimResult> SimulateVllm(std::span<const SimRequest> requests,
                            e.step_per_seq_ms * static_cast<double>(decoding) +
                            prefill_ms;
     const double end = t + step_ms / 1000.0;
+    clock.Took(step_ms / 1000.0);
     const double capture =
         end - (1.0 - e.capture_fraction) * prefill_ms / 1000.0;
     committed.clear();
@@ -791,7 +824,7 @@ absl::StatusOr<SimResult> SimulateVllm(std::span<const SimRequest> requests,
       live[i] = 0;
       remove_from(running, id);
       if (so.policy == shim::SchedulingPolicy::kBounded) {
-        RETURN_IF_ERROR(RecordDeadline(sched, id, result));
+        RETURN_IF_ERROR(RecordDeadline(sched, id, end, result));
       }
       absl::Status s = sched.Remove(std::to_string(id));
       // The bound learns the error of the prediction, which placed its

@@ -224,6 +224,21 @@ absl::StatusOr<std::vector<PolicySpec>> ParsePolicies(absl::string_view list) {
           return absl::InvalidArgumentError(absl::StrCat(
               "policy '", token, "': the slowdown S must be >= 1"));
         }
+      } else if (kv.first == "target") {
+        p.discipline = shim::SchedulingPolicy::kBounded;
+        p.latency_target = true;
+        p.knob = has_value ? v : kDefaultTarget;
+        if (!(p.knob > 0)) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "policy '", token,
+              "': the target (a multiple of FCFS's P99) must be > 0"));
+        }
+        if (!seen.contains("fcfs")) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "policy '", token,
+              "': +target=X needs fcfs listed before it (its latency target "
+              "is X times FCFS's P99 latency at each load)"));
+        }
       } else if (kv.first == "aging") {
         p.discipline = shim::SchedulingPolicy::kLinearAging;
         p.knob = has_value ? v : kDefaultLinearAging;
@@ -239,10 +254,11 @@ absl::StatusOr<std::vector<PolicySpec>> ParsePolicies(absl::string_view list) {
         return absl::InvalidArgumentError(absl::StrCat(
             "policy '", token, "': unknown discipline '", disc,
             "' (bounded[=S][,aging=A], bounded-ratio[=S][,aging=A], "
-            "aging[=A], hrrn, countdown)"));
+            "target[=X], aging[=A], hrrn, countdown)"));
       }
       if (p.bounded_aging.has_value() &&
-          p.discipline != shim::SchedulingPolicy::kBounded) {
+          (p.discipline != shim::SchedulingPolicy::kBounded ||
+           p.latency_target)) {
         return absl::InvalidArgumentError(absl::StrCat(
             "policy '", token, "': ',aging=A' follows only +bounded[=S] or "
             "+bounded-ratio[=S]"));
@@ -323,12 +339,14 @@ absl::StatusOr<std::vector<PolicySpec>> ParsePolicies(absl::string_view list) {
       q.knob = p.knob;
       q.ratio_calibration = p.ratio_calibration;
       q.bounded_aging = p.bounded_aging;
+      q.latency_target = p.latency_target;
       p = std::move(q);
     }
     p.predictor = p.name;
     if (p.has_discipline) {
       absl::StrAppend(&p.name, "+",
-                      p.discipline == shim::SchedulingPolicy::kLinearAging
+                      p.latency_target ? "target"
+                      : p.discipline == shim::SchedulingPolicy::kLinearAging
                           ? "aging"
                           : shim::SchedulingPolicyName(p.discipline));
       if (p.ratio_calibration) absl::StrAppend(&p.name, "-ratio");
@@ -384,6 +402,9 @@ absl::Status ReplayOptions::Validate() const {
   if (bound_calibration < 0 || bound_calibration > (int64_t{1} << 20)) {
     return bad("--bound-calibration must be in [0, 1048576], got ",
                bound_calibration);
+  }
+  if (!(tail_budget >= 0 && tail_budget <= 0.5)) {
+    return bad("--tail-budget must be in [0, 0.5], got ", tail_budget);
   }
   if (!(aging_rate >= 0 && std::isfinite(aging_rate))) {
     return bad("--aging-rate must be >= 0, got ", aging_rate);
@@ -693,6 +714,25 @@ absl::StatusOr<ReplayReport> RunReplay(const ReplayOptions& o,
           so.scheduler.calibration = spec.ratio_calibration
                                          ? shim::BoundCalibration::kRatio
                                          : shim::BoundCalibration::kAdditive;
+          if (spec.latency_target) {
+            // X times FCFS's P99 at this load (fcfs ran before it).
+            auto fcfs = std::find_if(
+                rep.rows.begin(), rep.rows.end(), [&](const ReplayRow& r) {
+                  return r.policy == "fcfs" && r.load == load;
+                });
+            if (fcfs == rep.rows.end() ||
+                !(fcfs->metrics.p99_latency > 0)) {
+              return absl::FailedPreconditionError(absl::StrCat(
+                  spec.name, ": no FCFS P99 latency at load ", load));
+            }
+            so.scheduler.latency_target_s =
+                spec.knob * fcfs->metrics.p99_latency;
+            // Work left corrected per octave of the estimate: the
+            // additive correction lets truncated outputs predicted at half
+            // their length miss the target (docs/SCHEDULING.md).
+            so.scheduler.calibration = shim::BoundCalibration::kRatio;
+            so.scheduler.tail_budget = o.tail_budget;
+          }
         } else if (spec.discipline == shim::SchedulingPolicy::kLinearAging) {
           so.scheduler.linear_aging = spec.knob;
         }
@@ -776,6 +816,7 @@ absl::StatusOr<ReplayReport> RunReplay(const ReplayOptions& o,
       row.preemptions = sim.preemptions;
       row.recomputed_tokens = sim.recomputed_tokens;
       row.urgent_selections = sim.counters.urgent_selections;
+      row.deadlines_given_up = sim.counters.deadlines_given_up;
       if (leap != nullptr) {
         const std::vector<double> lat = leap->latencies();
         if (!lat.empty()) {
@@ -926,6 +967,10 @@ std::string FormatReplayTable(const ReplayReport& r) {
     if (row.urgent_selections > 0) {
       absl::StrAppendFormat(&s, " %d urgent selections;",
                             row.urgent_selections);
+    }
+    if (row.deadlines_given_up > 0) {
+      absl::StrAppendFormat(&s, " %d deadlines given up;",
+                            row.deadlines_given_up);
     }
     s += "\n";
   }

@@ -55,6 +55,10 @@ struct PolicySpec {
   // SchedulerOptions::bounded_linear_aging (the ranked tier ordered by
   // remaining - A * steps waited); unset = --bounded-aging.
   std::optional<double> bounded_aging;
+  // "+target=X": kBounded with a latency target
+  // (SchedulerOptions::latency_target_s) of X times FCFS's P99 latency at
+  // the same load (fcfs must be listed before it); `knob` is X.
+  bool latency_target = false;
   // "+prior" at the end of the name: length-aware admission, the waiting
   // requests ordered by a prior learned online from completions (prompt
   // length per product line, sidecar/core/length_prior.h).
@@ -65,6 +69,8 @@ struct PolicySpec {
 
 // Default knob of "+bounded" (S) and "+aging" (tokens per step waited).
 inline constexpr double kDefaultSlowdown = 2.5;
+// Default knob of "+target" (X: the latency target over FCFS's P99).
+inline constexpr double kDefaultTarget = 1.2;
 inline constexpr double kDefaultLinearAging = 1;
 
 // A named learned-predictor baseline resembling one of the paper's
@@ -156,6 +162,8 @@ struct ReplayOptions {
   // mean error of its estimates (SchedulerOptions::calibration_window);
   // 0 = the estimates as ranked. Default: 1000
   int64_t bound_calibration = 1000;
+  // Every +target policy's SchedulerOptions::tail_budget. Default: 0.005
+  double tail_budget = 0.005;
 
   // leapd: this binary (default: FindLeapd()) started for the run, or a
   // running one at `server`.
@@ -200,6 +208,8 @@ struct ReplayRow {
   int64_t preemptions = 0;
   int64_t recomputed_tokens = 0;
   int64_t urgent_selections = 0;
+  // Deadlines given up (SchedulerOptions::tail_budget), decode stage.
+  int64_t deadlines_given_up = 0;
   double seconds = 0;
 };
 

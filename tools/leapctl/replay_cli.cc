@@ -64,6 +64,12 @@ constexpr char kDescription[] =
     "  +bounded[=S],aging=A  (also after +bounded-ratio) the same, the\n"
     "                requests whose deadline is not at risk ordered by\n"
     "                remaining - A x steps waited (overrides --bounded-aging)\n"
+    "  +target[=X]   a latency target of X x FCFS's P99 latency at the\n"
+    "                same load (fcfs listed before it): every request's\n"
+    "                deadline is its arrival + the target (seconds), the\n"
+    "                urgent ones served in arrival order, estimates\n"
+    "                corrected per octave, --tail-budget of the deadlines\n"
+    "                given up by long requests; default X = 1.2\n"
     "  +hrrn         highest response ratio next (baseline)\n"
     "  +aging[=A]    remaining - A x steps waited (linear aging baseline)\n"
     "  +countdown    the plain countdown (the default)\n"
@@ -245,6 +251,11 @@ int ReplayCommand(const std::vector<std::string>& args, std::ostream& out,
               "(true - estimated length) of the last N completions, so the "
               "deadlines are placed with estimates unbiased for the mean; "
               "0 = the estimates as ranked.");
+  flags.Double("tail-budget", &o.tail_budget, "B",
+               "Every +target policy lets this share of the requests (of the "
+               "last 1,000) give up their deadline when they first turn "
+               "urgent with at least twice the mean completed length left; "
+               "0 = none.");
   flags.String("unpredicted", &o.unpredicted, "median|fixed|first|last",
                "Where the scheduler puts a request whose prediction is not "
                "known yet.");
