@@ -185,10 +185,13 @@ absl::Status CountdownScheduler::Add(absl::string_view request_id,
   Request& r = live_.back();
   const double now = Now();
   r.origin = now - carried.age;
-  r.was_urgent = carried.was_urgent;
-  r.gave_up = carried.gave_up;
   if (Targeted()) {
     r.deadline = r.origin + options_.latency_target_s;
+    r.was_urgent = carried.was_urgent;
+    r.gave_up = carried.gave_up;
+    // A deadline given up in an earlier stage counts against this one's
+    // budget too.
+    if (r.gave_up) gave_up_.push_back(next_arrival_);
     return absl::OkStatus();
   }
   r.virtual_finish = now + carried.virtual_left;
@@ -214,11 +217,14 @@ absl::StatusOr<CarriedDeadline> CountdownScheduler::Carry(
   const double now = Now();
   CarriedDeadline c;
   c.age = now - r.origin;
+  if (Targeted()) {
+    c.was_urgent = r.was_urgent;
+    c.gave_up = r.gave_up;
+    return c;
+  }
   c.virtual_left = r.virtual_finish - now;
   c.virtual_estimate = r.virtual_estimate;
   c.tail_reference = r.tail_reference;
-  c.was_urgent = r.was_urgent;
-  c.gave_up = r.gave_up;
   return c;
 }
 
@@ -508,8 +514,9 @@ bool CountdownScheduler::BudgetLeft() {
   }
   const double added = static_cast<double>(
       std::min<uint64_t>(window, next_arrival_));
+  // (The epsilon keeps a product such as 0.29 x 100 = 28.999... at 29.)
   return static_cast<double>(gave_up_.size() + 1) <=
-         std::floor(options_.tail_budget * added);
+         std::floor(options_.tail_budget * added + 1e-9);
 }
 
 void CountdownScheduler::AssignDeadlines(double unpredicted_remaining) {
@@ -766,7 +773,7 @@ absl::Status CountdownScheduler::Commit(const std::vector<std::string>& ran) {
 
 absl::Status CountdownScheduler::SetTime(double now_s, double step_s) {
   if (!std::isfinite(now_s) || !std::isfinite(step_s) || step_s < 0 ||
-      now_s < time_now_) {
+      (has_time_ && now_s < time_now_)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "SetTime needs finite values, step_s >= 0 and a clock that does not "
         "go back (it reads ",
@@ -774,6 +781,7 @@ absl::Status CountdownScheduler::SetTime(double now_s, double step_s) {
   }
   time_now_ = now_s;
   time_step_ = step_s;
+  has_time_ = true;
   return absl::OkStatus();
 }
 

@@ -210,7 +210,8 @@ struct SchedulerOptions {
   // then unused), and the urgency test is in seconds: now + work left x
   // step_s > deadline - step_s (now and step_s from the latest SetTime).
   // Urgent requests, all with the same target, are then served in arrival
-  // order. 0 = the slowdown bound, in steps. Finite, >= 0.
+  // order. 0 = the slowdown bound, in steps. Unused by other policies.
+  // Finite, >= 0.
   // Default: 0
   double latency_target_s = 0;
 
@@ -223,8 +224,12 @@ struct SchedulerOptions {
   // min(tail_budget_window, requests added)) deadlines were given up while
   // the last tail_budget_window requests were added (a rate). A P99 target
   // tolerates 1% of requests beyond it; giving up the rescue of a few long
-  // ones keeps it from pushing many shorter requests past the target.
-  // In [0, 0.5]; 0 = nobody gives up.
+  // ones keeps it from pushing many shorter requests past the target. A
+  // request that gave up is bounded only by the waiting cap (and aging), if
+  // any. Needs reported completions (ObserveCompletion, calibration_window
+  // > 0) for the mean; without them nobody gives up. With two stages each
+  // has this budget, and a request carried in given up counts against the
+  // receiving stage's. In [0, 0.5]; 0 = nobody gives up.
   // Default: 0.005
   double tail_budget = 0.005;
 
@@ -297,8 +302,9 @@ struct RequestStats {
   double deadline_origin = 0;
   // All steps without a slot since Add.
   int64_t waited_total = 0;
-  // kBounded: the deadline in steps (absent before the request's first
-  // step, and under other policies).
+  // kBounded: the deadline in steps, or in seconds of SetTime's clock with
+  // a latency target (absent before the request's first step, and under
+  // other policies).
   std::optional<double> deadline;
   // tail_budget: it gave up its deadline (it is never urgent again).
   bool gave_up = false;
@@ -312,9 +318,11 @@ inline constexpr double kTailBudgetMinWork = 2;
 // scheduler's coming step, so that a second scheduler (the next stage of the
 // same engine: admission, then decode) keeps one deadline from the request's
 // first step in the first stage (CountdownScheduler::Carry and Add).
-// With latency_target_s > 0 only `age` is used, in seconds of SetTime's clock.
+// With latency_target_s > 0 only `age` (in seconds of SetTime's clock) and
+// the two flags are used, and Carry returns the virtual fields as 0.
 struct CarriedDeadline {
-  // Steps from its first step in the first stage to the coming step.
+  // Steps (seconds with a latency target) from its first step in the first
+  // stage to the coming step.
   double age = 0;
   // Its virtual FCFS finish minus the coming step (may be negative).
   double virtual_left = 0;
@@ -443,11 +451,16 @@ class CountdownScheduler {
   // For engines that do not hand out slots (every admitted request decodes
   // each step, as in vLLM): the first `k` live requests of the coming step in
   // the order Select would use (all when k >= size()), without committing
-  // anything. Deadlines of new requests are fixed here as in Select.
+  // the step. Like Select it decides for every live request what a step
+  // decides once: deadlines of new requests are fixed here, and with a
+  // latency target a request at risk is marked urgent or gives up its
+  // deadline (tail_budget); a second Order, OrderAmong or Select at the same
+  // clock decides nothing new.
   std::vector<std::string> Order(size_t k);
 
   // The live requests `ids` in the coming step's order (the relative order
-  // Order would give them), without committing anything: O(n + m log m).
+  // Order would give them), without committing the step (the decisions of
+  // Order above are taken for every live request): O(n + m log m).
   // kNotFound for an id that is not live, kInvalidArgument for a repeat.
   absl::StatusOr<std::vector<std::string>> OrderAmong(
       const std::vector<std::string>& ids);
@@ -458,14 +471,16 @@ class CountdownScheduler {
   // committed then), kInvalidArgument for a repeated id.
   absl::Status Commit(const std::vector<std::string>& ran);
 
-  // kBounded with latency_target_s > 0: the engine's clock before the coming
-  // step, in seconds (any origin, monotonic), and how long a decode step
-  // takes now (the engine's own estimate, e.g. a moving average of its last
-  // steps), for the urgency test. Call it before every Select, Order,
-  // OrderAmong or Commit; until the first call the clock reads 0 and a step
-  // takes 0 s. Under every other configuration the values are kept and
-  // unused. kInvalidArgument for a non-finite value, step_s < 0, or now_s
-  // below the previous now_s (nothing changes then).
+  // kBounded with latency_target_s > 0: the engine's clock, in seconds (any
+  // origin, monotonic; the same clock for every stage), and how long a
+  // decode step takes now (the engine's own estimate, e.g. a moving average
+  // of its last steps), for the urgency test. Call it before every Select,
+  // Order or OrderAmong, and before Add at a request's arrival (its deadline
+  // counts from the clock at Add); until the first call the clock reads 0
+  // and a step takes 0 s, so nobody turns urgent. Under every other
+  // configuration the values are kept and unused. kInvalidArgument for a
+  // non-finite value, step_s < 0, or now_s below the previous call's
+  // (nothing changes then).
   absl::Status SetTime(double now_s, double step_s);
 
   // Commits `steps` empty steps at once while no request is live: exactly
@@ -552,9 +567,10 @@ class CountdownScheduler {
   // The state change of one step; selected_[i] marks live_[i] as chosen.
   void CommitSelected();
   void AssignDeadlines(double unpredicted_remaining);
-  // tail_budget: whether one more request may give up its deadline now
-  // (fewer than floor(tail_budget x min(tail_window, added)) deadlines were
-  // given up while the last tail_window requests were added).
+  // tail_budget: drops the window's expired events, then whether one more
+  // deadline may be given up now (fewer than floor(tail_budget x
+  // min(tail_budget_window, added)) were given up, here or in an earlier
+  // stage, while the last tail_budget_window requests were added).
   bool BudgetLeft();
   // Recomputes the correction from the window when a report came since.
   void Calibrate();
@@ -583,14 +599,18 @@ class CountdownScheduler {
   // kBounded: free times of the busy servers of the virtual FCFS system
   // (min-heap, at most `slots` entries).
   std::vector<double> virtual_free_;
-  // SetTime: the engine's clock and step duration, in seconds.
+  // SetTime: the engine's clock and step duration, in seconds, and whether
+  // it was called (the first call may set any finite clock).
   double time_now_ = 0;
   double time_step_ = 0;
-  // tail_budget: the arrival count (next_arrival_) at each deadline given
-  // up within the last tail_window arrivals, oldest first; the mean completed length of the calibration
-  // window (0 without completions).
+  bool has_time_ = false;
+  // tail_budget: the arrival count (next_arrival_) at each deadline given up
+  // (or carried in given up) within the last tail_budget_window arrivals,
+  // oldest first.
   std::deque<uint64_t> gave_up_;
   std::vector<size_t> giving_up_;  // scratch
+  // The mean actual length of the calibration window's completions (0
+  // without any: the tail budget then gives nothing up).
   double mean_actual_ = 0;
   std::vector<size_t> new_requests_;
   // Virtual FCFS latencies of the last tail_window requests (a ring).

@@ -443,8 +443,9 @@ absl::StatusOr<SimResult> Simulate(std::span<const SimRequest> requests,
     if (resident == 0 && queue.empty() &&
         (!admit.has_value() || admit->size() == 0)) {
       if (bounded) {
-        // The deadlines' clock is the step count: an idle engine passes the
-        // gap in empty steps, so the virtual FCFS system drains meanwhile.
+        // The slowdown bound's clock is the step count: an idle engine passes
+        // the gap in empty steps, so the virtual FCFS system drains
+        // meanwhile (a latency target reads the time, SetTime).
         // Both schedulers are empty: the gap is committed in O(1).
         const int64_t idle = IdleSteps(order[next]->arrival_s - t, e);
         absl::Status s = sched.CommitIdle(idle);
@@ -576,6 +577,9 @@ absl::StatusOr<SimResult> Simulate(std::span<const SimRequest> requests,
   }
   result.end_s = t;
   result.counters = sched.counters();
+  if (admit.has_value()) {
+    result.queue_deadlines_given_up = admit->counters().deadlines_given_up;
+  }
   return std::move(run.result);
 }
 

@@ -205,10 +205,11 @@ struct RequestResult {
   int64_t max_wait_steps = 0;
   // Tail bound (kBounded) only, else NaN, and NaN for a request that never
   // reached the decode scheduler (done at prefill): on the deadlines' clock
-  // (engine steps, idle gaps included), the step its deadline counts from,
-  // its deadline as it stood at completion, and the steps committed up to
-  // and including the one that produced its last token. (StartRun sets all
-  // three to NaN first.)
+  // (engine steps, idle gaps included; with a latency target, seconds of
+  // simulated time), the point its deadline counts from, its deadline as it
+  // stood at completion, and the steps committed up to and including the
+  // one that produced its last token (with a target: its completion time).
+  // (StartRun sets all three to NaN first.)
   double deadline_origin_step = 0;
   double deadline_step = 0;
   double completion_step = 0;
@@ -245,6 +246,9 @@ struct SimResult {
   int64_t preemptions = 0;
   int64_t recomputed_tokens = 0;
   shim::SchedulerCounters counters;
+  // Slots engine with an admission scheduler: deadlines it gave up
+  // (tail_budget) before admission (`counters` are the decode stage's).
+  int64_t queue_deadlines_given_up = 0;
   // Per step: ids decoded, in the scheduler's order (record_order only).
   std::vector<std::vector<int64_t>> decode_order;
 };

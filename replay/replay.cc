@@ -706,7 +706,7 @@ absl::StatusOr<ReplayReport> RunReplay(const ReplayOptions& o,
       if (spec.has_discipline) {
         so.scheduler.policy = spec.discipline;
         if (spec.discipline == shim::SchedulingPolicy::kBounded) {
-          so.scheduler.max_slowdown = spec.knob;
+          if (!spec.latency_target) so.scheduler.max_slowdown = spec.knob;
           so.scheduler.bounded_linear_aging =
               spec.bounded_aging.value_or(o.bounded_aging);
           so.scheduler.calibration_window =
@@ -817,6 +817,7 @@ absl::StatusOr<ReplayReport> RunReplay(const ReplayOptions& o,
       row.recomputed_tokens = sim.recomputed_tokens;
       row.urgent_selections = sim.counters.urgent_selections;
       row.deadlines_given_up = sim.counters.deadlines_given_up;
+      row.queue_deadlines_given_up = sim.queue_deadlines_given_up;
       if (leap != nullptr) {
         const std::vector<double> lat = leap->latencies();
         if (!lat.empty()) {
@@ -955,6 +956,7 @@ std::string FormatReplayTable(const ReplayReport& r) {
   }
   for (const ReplayRow& row : r.rows) {
     if (row.preemptions == 0 && row.urgent_selections == 0 &&
+        row.deadlines_given_up == 0 && row.queue_deadlines_given_up == 0 &&
         !row.reused_predictions) {
       continue;
     }
@@ -968,9 +970,12 @@ std::string FormatReplayTable(const ReplayReport& r) {
       absl::StrAppendFormat(&s, " %d urgent selections;",
                             row.urgent_selections);
     }
-    if (row.deadlines_given_up > 0) {
-      absl::StrAppendFormat(&s, " %d deadlines given up;",
-                            row.deadlines_given_up);
+    if (row.deadlines_given_up + row.queue_deadlines_given_up > 0) {
+      absl::StrAppendFormat(&s,
+                            " %d deadlines given up in decode, %d in the "
+                            "admission queue;",
+                            row.deadlines_given_up,
+                            row.queue_deadlines_given_up);
     }
     s += "\n";
   }

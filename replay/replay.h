@@ -208,8 +208,10 @@ struct ReplayRow {
   int64_t preemptions = 0;
   int64_t recomputed_tokens = 0;
   int64_t urgent_selections = 0;
-  // Deadlines given up (SchedulerOptions::tail_budget), decode stage.
+  // Deadlines given up (SchedulerOptions::tail_budget): in decode, and in
+  // the admission queue (slots engine).
   int64_t deadlines_given_up = 0;
+  int64_t queue_deadlines_given_up = 0;
   double seconds = 0;
 };
 

@@ -484,13 +484,14 @@ TEST(ReplaySimTest, BoundedAdmissionHoldsTheDeadlineFromArrival) {
 // The latency target end to end through the slots engine: the same bursts,
 // exact priors and predictions, admission ordered by a bounded scheduler
 // that carries each deadline (arrival + T seconds, T = 1.3 x FCFS's P99 on
-// this traffic) into decode, both stages on the engine's clock (SetTime).
-// Every request finishes within a few percent of its deadline, in seconds
-// from its arrival (or of its own service time, for the two 1,500-token
-// requests, whose 15 s of decode exceed the target), where the countdown lets its worst request wait far
-// longer; the gain over FCFS's mean PTL stays. With the default tail budget
-// (0.5% per 10,000 requests) at most floor(0.005 x 360) = 1 deadline is
-// given up.
+// this traffic) into decode, both stages on the engine's clock
+// (SetTime). Every request finishes within a few percent of its deadline,
+// in seconds from its arrival (or of its own service time, for the two
+// 1,500-token requests, whose 15 s of decode exceed the target), where the
+// countdown lets its worst request wait far longer; the gain over FCFS's
+// mean PTL stays. A tail budget of 5% gives up some deadlines of long
+// requests, at most floor(0.05 x 360) = 18 in both stages together (decode
+// counts the ones carried in given up).
 TEST(ReplaySimTest, LatencyTargetHoldsInSecondsFromArrival) {
   const std::vector<SimRequest> reqs = Bursts(12, 21);
   const std::vector<double> truth = Lengths(reqs);
@@ -523,7 +524,7 @@ TEST(ReplaySimTest, LatencyTargetHoldsInSecondsFromArrival) {
   const SimResult held =
       run(shim::SchedulingPolicy::kBounded, false, target, 0);
   const SimResult budget =
-      run(shim::SchedulingPolicy::kBounded, false, target, 0.005);
+      run(shim::SchedulingPolicy::kBounded, false, target, 0.05);
   double worst_ratio = 0, countdown_worst = 0, held_worst = 0;
   int checked = 0;
   for (size_t i = 0; i < reqs.size(); ++i) {
@@ -557,14 +558,20 @@ TEST(ReplaySimTest, LatencyTargetHoldsInSecondsFromArrival) {
       target, worst_ratio, countdown_worst, held_worst, fm.mean_ptl,
       cm.mean_ptl, hm.mean_ptl,
       static_cast<long long>(held.counters.urgent_selections),
-      static_cast<long long>(budget.counters.deadlines_given_up));
+      static_cast<long long>(budget.counters.deadlines_given_up +
+                             budget.queue_deadlines_given_up));
   EXPECT_GT(checked, 300);
   EXPECT_GT(held.counters.urgent_selections, 0);
   EXPECT_LE(worst_ratio, 1.05);
   EXPECT_GT(countdown_worst, 1.2 * target);
   EXPECT_LT(hm.mean_ptl, fm.mean_ptl);
-  EXPECT_EQ(held.counters.deadlines_given_up, 0);
-  EXPECT_LE(budget.counters.deadlines_given_up, 1);
+  EXPECT_EQ(held.counters.deadlines_given_up +
+                held.queue_deadlines_given_up,
+            0);
+  const int64_t given_up =
+      budget.counters.deadlines_given_up + budget.queue_deadlines_given_up;
+  EXPECT_GT(given_up, 0);
+  EXPECT_LE(given_up, 18);
 }
 
 // vLLM-shaped engine: a hand-computed request, then invariants under KV
@@ -754,6 +761,7 @@ TEST(ReplayPolicyTest, ParsesNamesPresetsAndLearnedSpecs) {
   EXPECT_FALSE(ParsePolicies("fcfs,leap+target=0").ok());
   EXPECT_FALSE(ParsePolicies("fcfs,leap+target=-1").ok());
   EXPECT_FALSE(ParsePolicies("fcfs,leap+target=1.2,aging=0.1").ok());
+  EXPECT_TRUE(ParsePolicies("fcfs,leap+target=0.9").ok());
 }
 
 // ---- trace parsers
@@ -1146,7 +1154,7 @@ TEST(ReplayCliTest, VllmEngineDisciplinesAndTradeoff) {
   const int rc = RunLeapctl(
       {"replay", "--requests", "500", "--policies",
        "fcfs,oracle,oracle+bounded=1.5,oracle+bounded=3,oracle+hrrn,"
-       "oracle+aging=0.5",
+       "oracle+aging=0.5,oracle+target=0.9,oracle+target=1.3",
        "--sweep", "1.2", "--engine", "vllm", "--max-num-seqs", "16",
        "--max-num-batched-tokens", "1024", "--kv-blocks", "800",
        "--tradeoff-plot", plot},
@@ -1157,6 +1165,9 @@ TEST(ReplayCliTest, VllmEngineDisciplinesAndTradeoff) {
   EXPECT_NE(o.find("trade-off:"), std::string::npos) << o;
   EXPECT_NE(o.find("oracle+bounded=1.5"), std::string::npos) << o;
   EXPECT_NE(o.find("oracle+aging=0.5"), std::string::npos) << o;
+  // A target below FCFS's P99 (X < 1) runs too (S is not its knob).
+  EXPECT_NE(o.find("oracle+target=0.9"), std::string::npos) << o;
+  EXPECT_NE(o.find("oracle+target=1.3"), std::string::npos) << o;
   EXPECT_NE(o.find("preemptions"), std::string::npos) << o;
   EXPECT_NE(o.find("trade-off plot: " + plot), std::string::npos) << o;
   std::ifstream svg(plot);

@@ -449,9 +449,10 @@ Not thread-safe: call it from the engine's step loop only.)doc")
     arrival order; 0 = the slowdown bound above.
   tail_budget, tail_budget_window: with a latency target, at most
     floor(tail_budget x tail_budget_window) deadlines are given up per
-    tail_budget_window requests added, each by a request turning urgent
-    for the first time with at least twice the mean completed length left
-    (tail_budget 0 = none).
+    tail_budget_window requests added (one carried in given up counts),
+    each by a request turning urgent for the first time with at least
+    twice the mean completed length left; needs completions reported to
+    observe_completion() (tail_budget 0 = none).
 
 Raises:
   ValueError: an option out of range.)doc")
@@ -463,9 +464,11 @@ before capturing it, so its prediction finds it.
 Args:
   carried: None, or the dict carry() of an earlier stage's "bounded"
     scheduler returned for it (age, virtual_left, virtual_estimate,
-    tail_reference, and optionally was_urgent and gave_up): the request keeps the deadline it got at arrival
-    there (one deadline from arrival across admission and decode; both
-    schedulers must count the same steps). Ignored by other policies.
+    tail_reference, and optionally was_urgent and gave_up): the request
+    keeps the deadline it got at arrival there (one deadline from arrival
+    across admission and decode; both schedulers must count the same
+    steps, or with a latency target read the same clock, set_time()).
+    Ignored by other policies.
 
 Raises:
   ValueError: the id is live already, or a carried field is missing,
@@ -487,8 +490,10 @@ Raises:
            py::arg("step_s"),
            R"doc(The engine's clock before the coming step (seconds, monotonic)
 and its current decode step duration (seconds), for a "bounded" scheduler
-with latency_target_s > 0; call it before every select(), order() or
-commit(). Kept and unused otherwise.
+with latency_target_s > 0; call it before every select() or order(), and
+before add() at a request's arrival (its deadline counts from the clock
+then). Until the first call the clock reads 0 and nobody turns urgent. Kept
+and unused otherwise.
 
 Raises:
   ValueError: a value not finite, step_s < 0, or now_s below the previous

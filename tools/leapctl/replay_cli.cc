@@ -252,10 +252,11 @@ int ReplayCommand(const std::vector<std::string>& args, std::ostream& out,
               "deadlines are placed with estimates unbiased for the mean; "
               "0 = the estimates as ranked.");
   flags.Double("tail-budget", &o.tail_budget, "B",
-               "Every +target policy lets this share of the requests (of the "
-               "last 1,000) give up their deadline when they first turn "
-               "urgent with at least twice the mean completed length left; "
-               "0 = none.");
+               "Every +target policy lets up to this share of the requests "
+               "(per 10,000 added, in each stage) give up their deadline when "
+               "they first turn urgent with at least twice the mean "
+               "completed length left (needs --bound-calibration > 0); 0 = "
+               "none.");
   flags.String("unpredicted", &o.unpredicted, "median|fixed|first|last",
                "Where the scheduler puts a request whose prediction is not "
                "known yet.");
