@@ -190,8 +190,12 @@ absl::Status CountdownScheduler::Add(absl::string_view request_id,
     r.was_urgent = carried.was_urgent;
     r.gave_up = carried.gave_up;
     // A deadline given up in an earlier stage counts against this one's
-    // budget too.
-    if (r.gave_up) gave_up_.push_back(next_arrival_);
+    // budget too (pruned here as well, so the window stays bounded even if
+    // this stage never gives one up itself).
+    if (r.gave_up && options_.tail_budget > 0) {
+      PruneBudgetWindow();
+      gave_up_.push_back(next_arrival_);
+    }
     return absl::OkStatus();
   }
   r.virtual_finish = now + carried.virtual_left;
@@ -504,7 +508,7 @@ int64_t CountdownScheduler::CountAgingPromotions(size_t k) {
   return moved;
 }
 
-bool CountdownScheduler::BudgetLeft() {
+void CountdownScheduler::PruneBudgetWindow() {
   // Deadlines given up while the last tail_budget_window requests were
   // added (an event at arrival count N counts while fewer than
   // tail_budget_window requests have been added since).
@@ -512,6 +516,11 @@ bool CountdownScheduler::BudgetLeft() {
   while (!gave_up_.empty() && gave_up_.front() + window <= next_arrival_) {
     gave_up_.pop_front();
   }
+}
+
+bool CountdownScheduler::BudgetLeft() {
+  PruneBudgetWindow();
+  const uint64_t window = static_cast<uint64_t>(options_.tail_budget_window);
   const double added = static_cast<double>(
       std::min<uint64_t>(window, next_arrival_));
   // (The epsilon keeps a product such as 0.29 x 100 = 28.999... at 29.)

@@ -572,6 +572,8 @@ class CountdownScheduler {
   // min(tail_budget_window, added)) were given up, here or in an earlier
   // stage, while the last tail_budget_window requests were added).
   bool BudgetLeft();
+  // tail_budget: drops the events older than the window.
+  void PruneBudgetWindow();
   // Recomputes the correction from the window when a report came since.
   void Calibrate();
   // The bound's work left (before its clamp) of a request ranked by

@@ -64,7 +64,9 @@ class ReferenceScheduler {
       r.was_urgent = c.was_urgent;
       r.gave_up = c.gave_up;
       // Counts against this stage's budget, stamped at its Add.
-      if (r.gave_up) gave_up_arrivals_.push_back(next_arrival_);
+      if (r.gave_up && o_.tail_budget > 0) {
+        gave_up_arrivals_.push_back(next_arrival_);
+      }
       return;
     }
     r.vfinish = now + c.virtual_left;
