@@ -605,14 +605,18 @@ void CountdownScheduler::Rank(size_t k) {
   const double rate = options_.aging_rate;
   const double now = Now();
   const double step = StepTime();
-  // kBounded: the work left the bound sees, and the urgency test.
-  const auto work_left = [&](const Request& r) {
-    return std::max(
-        0.0, BoundWork(Estimate(r), r.generated, unpredicted_remaining));
-  };
-  const auto at_risk = [&](const Request& r) {
-    return now + step * work_left(r) > *r.deadline - step;
-  };
+  // kBounded: the work left the bound sees, and the urgency test, once per
+  // request and step.
+  work_left_.clear();
+  at_risk_.clear();
+  if (policy == SchedulingPolicy::kBounded) {
+    for (const Request& r : live_) {
+      const double work = std::max(
+          0.0, BoundWork(Estimate(r), r.generated, unpredicted_remaining));
+      work_left_.push_back(work);
+      at_risk_.push_back(now + step * work > *r.deadline - step);
+    }
+  }
   if (policy == SchedulingPolicy::kBounded && Targeted() &&
       options_.tail_budget > 0 && mean_actual_ > 0) {
     // tail_budget: requests turning urgent for the first time with enough
@@ -621,8 +625,8 @@ void CountdownScheduler::Rank(size_t k) {
     giving_up_.clear();
     for (size_t i = 0; i < n; ++i) {
       const Request& r = live_[i];
-      if (!r.gave_up && !r.was_urgent && at_risk(r) &&
-          work_left(r) >= kTailBudgetMinWork * mean_actual_) {
+      if (!r.gave_up && !r.was_urgent && at_risk_[i] &&
+          work_left_[i] >= kTailBudgetMinWork * mean_actual_) {
         giving_up_.push_back(i);
       }
     }
@@ -648,7 +652,7 @@ void CountdownScheduler::Rank(size_t k) {
     const double remaining =
         estimated ? Remaining(r) : unpredicted_remaining;
     const bool urgent =
-        policy == SchedulingPolicy::kBounded && !r.gave_up && at_risk(r);
+        policy == SchedulingPolicy::kBounded && !r.gave_up && at_risk_[i];
     r.was_urgent |= urgent;
     if (urgent) {
       c.tier = kTierUrgent;

@@ -611,6 +611,9 @@ class CountdownScheduler {
   // oldest first.
   std::deque<uint64_t> gave_up_;
   std::vector<size_t> giving_up_;  // scratch
+  // Rank (kBounded): each live request's work left and urgency test.
+  std::vector<double> work_left_;
+  std::vector<char> at_risk_;
   // The mean actual length of the calibration window's completions (0
   // without any: the tail budget then gives nothing up).
   double mean_actual_ = 0;
