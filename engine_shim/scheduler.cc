@@ -78,6 +78,10 @@ absl::Status SchedulerOptions::Validate() const {
     return absl::InvalidArgumentError(absl::StrCat(
         "latency_target_s must be finite and >= 0, got ", latency_target_s));
   }
+  if (!(target_quantile >= 0 && target_quantile < 1)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "target_quantile must be in [0, 1), got ", target_quantile));
+  }
   if (!(tail_budget >= 0 && tail_budget <= 0.5)) {
     return absl::InvalidArgumentError(
         absl::StrCat("tail_budget must be in [0, 0.5], got ", tail_budget));
@@ -459,6 +463,7 @@ absl::StatusOr<RequestStats> CountdownScheduler::GetRequest(
   stats.waited_total = r.waited_total;
   stats.deadline = r.deadline;
   stats.deadline_origin = r.origin;
+  stats.was_urgent = r.was_urgent;
   stats.gave_up = r.gave_up;
   return stats;
 }
@@ -614,7 +619,7 @@ void CountdownScheduler::Rank(size_t k) {
       const double work = std::max(
           0.0, BoundWork(Estimate(r), r.generated, unpredicted_remaining));
       work_left_.push_back(work);
-      at_risk_.push_back(now + step * work > *r.deadline - step);
+      at_risk_.push_back(now + step * work > EffectiveDeadline(r) - step);
     }
   }
   if (policy == SchedulingPolicy::kBounded && Targeted() &&
@@ -656,7 +661,7 @@ void CountdownScheduler::Rank(size_t k) {
     r.was_urgent |= urgent;
     if (urgent) {
       c.tier = kTierUrgent;
-      c.priority = *r.deadline;
+      c.priority = EffectiveDeadline(r);
     } else if (cap > 0 && r.steps_waited >= cap) {
       c.tier = kTierPromoted;
       c.priority = -static_cast<double>(r.steps_waited);
@@ -781,6 +786,28 @@ absl::StatusOr<std::vector<std::string>> CountdownScheduler::OrderAmong(
 absl::Status CountdownScheduler::Commit(const std::vector<std::string>& ran) {
   if (absl::Status s = MarkSelected(ran); !s.ok()) return s;
   CommitSelected();
+  return absl::OkStatus();
+}
+
+absl::Status CountdownScheduler::ObserveLatency(double latency_s) {
+  if (absl::Status s = CheckTokens("latency_s", latency_s); !s.ok()) return s;
+  const double q = options_.target_quantile;
+  if (options_.policy != SchedulingPolicy::kBounded || !Targeted() || q <= 0) {
+    return absl::OkStatus();
+  }
+  // Credits: 1 - q earned per report, at most (1 - q) x tail_budget_window
+  // banked, one spent per latency beyond the target. In debt the urgency
+  // test tightens exponentially with the debt (an integral controller:
+  // the debt stops moving exactly when 1 - q of the reports are beyond the
+  // target), the debt kept where the scale reaches its floor.
+  const double bank =
+      (1 - q) * static_cast<double>(options_.tail_budget_window);
+  target_credits_ = std::min(bank, target_credits_ + (1 - q));
+  if (latency_s > options_.latency_target_s) target_credits_ -= 1;
+  target_credits_ =
+      std::max(target_credits_, std::log(kTargetMinScale) / kTargetGain);
+  target_scale_ = std::max(
+      kTargetMinScale, std::exp(kTargetGain * std::min(0.0, target_credits_)));
   return absl::OkStatus();
 }
 

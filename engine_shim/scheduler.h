@@ -32,7 +32,11 @@
 //      of the requests (per tail_budget_window added) give up their
 //      deadline when they first turn urgent with at least
 //      kTailBudgetMinWork x the mean completed length left (in arrival
-//      order); a request that gave up is never urgent again.
+//      order); a request that gave up is never urgent again. With
+//      target_quantile q > 0 the urgency test reads the deadline as origin
+//      + s x the target, s in [kTargetMinScale, 1] steered by the reported
+//      latencies (ObserveLatency) so that a share q of them stays within
+//      the target (credits earned per report, spent per latency beyond).
 //   1. Promoted requests: steps_waited >= waiting_cap (when the cap is on).
 //      Most steps waited first; ties by arrival (FCFS).
 //   2. Everybody else by effective priority, smallest first; ties by arrival:
@@ -233,6 +237,18 @@ struct SchedulerOptions {
   // Default: 0.005
   double tail_budget = 0.005;
 
+  // kBounded with latency_target_s > 0: q, the share of requests the
+  // controller keeps within the target (ObserveLatency): when more than
+  // 1 - q of the reported latencies exceed latency_target_s, beyond what
+  // the last tail_budget_window requests' allowance banked, the urgency
+  // test tightens (deadline origin + s x latency_target_s, s down to
+  // kTargetMinScale); when fewer do, s returns to 1. The deadlines never
+  // move past the target itself. Requests that gave up their deadline
+  // (tail_budget) count like any other. In [0, 1); 0 = no controller
+  // (s = 1).
+  // Default: 0.99
+  double target_quantile = 0.99;
+
   // The window of tail_budget, in requests added: the period over which an
   // operator's P99 is judged (a short window spreads the budget thin across
   // a burst; an endless one would let a long quiet period bank it). In
@@ -306,13 +322,21 @@ struct RequestStats {
   // a latency target (absent before the request's first step, and under
   // other policies).
   std::optional<double> deadline;
+  // kBounded: it has been urgent (here, or with a latency target in an
+  // earlier stage it was carried from).
+  bool was_urgent = false;
   // tail_budget: it gave up its deadline (it is never urgent again).
   bool gave_up = false;
 };
 
 // tail_budget: a request gives up its deadline only if its work left is at
 // least this many times the mean length of the recent completions.
-inline constexpr double kTailBudgetMinWork = 2;
+inline constexpr double kTailBudgetMinWork = 1;
+
+// target_quantile's controller: the log of the scale per credit of debt,
+// and the scale's floor.
+inline constexpr double kTargetGain = 0.02;
+inline constexpr double kTargetMinScale = 0.25;
 
 // kBounded: where a live request stands against its deadline, relative to the
 // scheduler's coming step, so that a second scheduler (the next stage of the
@@ -483,6 +507,26 @@ class CountdownScheduler {
   // (nothing changes then).
   absl::Status SetTime(double now_s, double step_s);
 
+  // kBounded with latency_target_s > 0 and target_quantile q > 0: a
+  // finished request's latency from arrival (seconds of SetTime's clock),
+  // for the target's controller (docs/SCHEDULING.md, "Holding the target"):
+  // each report earns 1 - q credits (at most (1 - q) x tail_budget_window
+  // banked) and one beyond latency_target_s costs 1; while the credits c
+  // are negative the urgency test reads the deadline as origin + s x
+  // latency_target_s, s = exp(kTargetGain x c) >= kTargetMinScale (c is
+  // kept >= log(kTargetMinScale) / kTargetGain), else s = 1. In a steady
+  // overload the debt stops moving exactly when a share 1 - q of the
+  // requests ends beyond the target; a burst first spends the banked
+  // credits. Report natural completions only, once each (each stage that
+  // is told keeps its own credits). Ignored under other configurations.
+  // kInvalidArgument for a non-finite or negative value.
+  absl::Status ObserveLatency(double latency_s);
+
+  // The controller's factor s on latency_target_s in the urgency test (1
+  // while the credits are not negative), and its credits (0 at creation).
+  double target_scale() const { return target_scale_; }
+  double target_credits() const { return target_credits_; }
+
   // Commits `steps` empty steps at once while no request is live: exactly
   // what `steps` calls of Commit({}) would do then (the step count moves,
   // nothing else: the virtual FCFS system's free times are absolute, so it
@@ -551,6 +595,12 @@ class CountdownScheduler {
     return Targeted() ? time_now_ : static_cast<double>(counters_.steps);
   }
   double StepTime() const { return Targeted() ? time_step_ : 1.0; }
+  // The deadline of the urgency test (after AssignDeadlines): with a
+  // latency target origin + target_scale_ x the target, else the deadline.
+  double EffectiveDeadline(const Request& r) const {
+    return Targeted() ? r.origin + target_scale_ * options_.latency_target_s
+                      : *r.deadline;
+  }
   // Prediction, else prior: the L̂ the request is ranked by, if any.
   static std::optional<double> Estimate(const Request& r) {
     return r.predicted_tokens.has_value() ? r.predicted_tokens
@@ -606,6 +656,10 @@ class CountdownScheduler {
   double time_now_ = 0;
   double time_step_ = 0;
   bool has_time_ = false;
+  // ObserveLatency: the credits and the factor on latency_target_s in the
+  // urgency test.
+  double target_credits_ = 0;
+  double target_scale_ = 1;
   // tail_budget: the arrival count (next_arrival_) at each deadline given up
   // (or carried in given up) within the last tail_budget_window arrivals,
   // oldest first.
@@ -629,6 +683,9 @@ class CountdownScheduler {
   size_t samples_next_ = 0;
   double correction_ = 0;
   std::vector<double> octave_ratio_;
+  std::vector<int> octave_group_;
+  std::vector<std::vector<double>> group_ratios_;
+  std::vector<std::vector<double>> group_suffix_;
   bool correction_stale_ = false;
 };
 

@@ -103,6 +103,27 @@ class ReferenceScheduler {
     }
   }
   bool Has(const std::string& id) const { return reqs_.count(id) > 0; }
+  // The point the request's deadline counts from (its latency's origin).
+  double Origin(const std::string& id) const { return reqs_.at(id).origin; }
+  // A reported latency (scheduler.h, ObserveLatency): 1 - q credits
+  // earned (bank (1 - q) x tail_budget_window), 1 spent beyond the target,
+  // debt floored where the scale is kTargetMinScale; the scale is
+  // exp(kTargetGain x credits) in debt, else 1.
+  void ObserveLatency(double latency_s) {
+    const double q = o_.target_quantile;
+    if (o_.policy != SchedulingPolicy::kBounded || !Targeted() || q <= 0) {
+      return;
+    }
+    credits_ += 1 - q;
+    credits_ = std::min(credits_, (1 - q) * o_.tail_budget_window);
+    if (latency_s > o_.latency_target_s) credits_ -= 1;
+    const double floor_credits = std::log(kTargetMinScale) / kTargetGain;
+    if (credits_ < floor_credits) credits_ = floor_credits;
+    scale_ = credits_ < 0
+                 ? std::max(kTargetMinScale, std::exp(kTargetGain * credits_))
+                 : 1.0;
+  }
+  double scale() const { return scale_; }
   bool Predicted(const std::string& id) const {
     return reqs_.at(id).pred.has_value();
   }
@@ -304,8 +325,15 @@ class ReferenceScheduler {
     const auto work_left = [&](const Req& r) {
       return std::max(0.0, Work(Total(r), r.generated, unpredicted));
     };
+    // With a latency target the urgency test reads origin + scale x the
+    // target (ObserveLatency).
+    const auto test_deadline = [&](const Req& r) {
+      return Targeted() ? r.origin + scale_ * o_.latency_target_s
+                        : *r.deadline;
+    };
     const auto at_risk = [&](const Req& r) {
-      return Clock() + StepTime() * work_left(r) > *r.deadline - StepTime();
+      return Clock() + StepTime() * work_left(r) >
+             test_deadline(r) - StepTime();
     };
     if (bounded && Targeted() && o_.tail_budget > 0 && !samples_.empty()) {
       // tail_budget: first-time urgent requests with at least
@@ -348,7 +376,7 @@ class ReferenceScheduler {
       const bool urgent = bounded && !r.gave_up && at_risk(r);
       r.was_urgent = r.was_urgent || urgent;
       if (urgent) {
-        e.key = {-1, *r.deadline, r.arrival};
+        e.key = {-1, test_deadline(r), r.arrival};
       } else if (o_.waiting_cap > 0 && r.waited >= o_.waiting_cap) {
         e.key = {0, -static_cast<double>(r.waited), r.arrival};
       } else if (!Ranked(r) && o_.unpredicted == UnpredictedPolicy::kFirst) {
@@ -436,6 +464,7 @@ class ReferenceScheduler {
       EXPECT_EQ(st->waited_total, r.waited_total) << id;
       EXPECT_EQ(st->deadline, r.deadline) << id;
       EXPECT_EQ(st->gave_up, r.gave_up) << id;
+      EXPECT_EQ(st->was_urgent, r.was_urgent) << id;
       if (r.deadline) {
         EXPECT_EQ(st->deadline_origin, r.origin) << id;
       }
@@ -450,6 +479,7 @@ class ReferenceScheduler {
   int64_t given_up = 0;
 
  private:
+  double scale_ = 1, credits_ = 0;
   struct Req {
     std::optional<double> pred;
     int64_t generated;
@@ -680,6 +710,14 @@ void RunAgainstReference(const SchedulerOptions& options,
     ASSERT_EQ(got, want) << "step " << step << " slots " << slots;
     for (const std::string& id : got) {
       if (++generated[id] < true_len[id]) continue;
+      if (targeted) {
+        // Its latency from the deadline's origin (the clock at Add, or
+        // the first stage's for a carried request).
+        const double latency = now_s - ref.Origin(id);
+        ASSERT_TRUE(sched.ObserveLatency(latency).ok());
+        ref.ObserveLatency(latency);
+        ASSERT_EQ(sched.target_scale(), ref.scale()) << "step " << step;
+      }
       if (traffic.observe_prob > 0 && u(rng) < traffic.observe_prob) {
         const double actual = static_cast<double>(true_len[id]);
         const double est =
@@ -979,15 +1017,17 @@ TEST(CountdownSchedulerTest, LatencyTargetMatchesBruteForceReference) {
     double target_s, budget;
     int window;
     BoundCalibration calibration;
+    double quantile;  // target_quantile (0: no controller)
   };
   constexpr BoundCalibration kAdd = BoundCalibration::kAdditive;
   constexpr BoundCalibration kRatio = BoundCalibration::kRatio;
   const Config configs[] = {
-      {64, 128, 20, 0.02, 1000, kRatio},
-      {8, 0, 5, 0, 1000, kAdd},
-      {16, 0, 60, 0.05, 37, kRatio},
-      {3, 4, 30, 0.5, 2, kAdd},
-      {16, 0, 10, 0.5, 200, kRatio},
+      {64, 128, 20, 0.02, 1000, kRatio, 0.99},
+      {8, 0, 5, 0, 1000, kAdd, 0.99},
+      {16, 0, 60, 0.05, 37, kRatio, 0},
+      {3, 4, 30, 0.5, 2, kAdd, 0.5},
+      {16, 0, 10, 0.5, 200, kRatio, 0.9},
+      {16, 0, 3, 0.01, 500, kRatio, 0.999},
   };
   uint64_t seed = 300;
   for (const Config& c : configs) {
@@ -996,6 +1036,7 @@ TEST(CountdownSchedulerTest, LatencyTargetMatchesBruteForceReference) {
     o.tail_budget = c.budget;
     o.tail_budget_window = c.window;
     o.calibration = c.calibration;
+    o.target_quantile = c.quantile;
     t.carried_prob = 0.3;
     t.prior_prob = 0.3;
     t.observe_prob = 0.7;
@@ -1078,6 +1119,130 @@ TEST(CountdownSchedulerTest, LatencyTargetByHand) {
 // while fewer than floor(b x min(tail_budget_window, added)) deadlines were
 // given up during the last tail_budget_window arrivals; a short one never
 // does; one that gave up is never urgent again.
+// target_quantile's controller (ObserveLatency): each report earns 1 - q
+// credits (banked up to (1 - q) x tail_budget_window), each latency beyond
+// the target costs 1; in debt c < 0 the urgency test reads origin +
+// exp(kTargetGain x c) x target (>= kTargetMinScale); the deadline
+// reported stays the target's.
+TEST(CountdownSchedulerTest, TargetControllerByHand) {
+  SchedulerOptions o;
+  o.policy = SchedulingPolicy::kBounded;
+  o.slots = 1;
+  o.waiting_cap = 0;
+  o.latency_target_s = 10;
+  o.tail_budget = 0;
+  o.tail_budget_window = 100;  // bank: 0.1 x 100 = 10 credits
+  o.target_quantile = 0.9;
+  const auto two_requests = [&](CountdownScheduler& s) {
+    ASSERT_TRUE(s.SetTime(0, 1).ok());
+    ASSERT_TRUE(s.Add("long").ok());
+    ASSERT_TRUE(s.SetPrediction("long", 5).ok());  // 0 + 5 <= 10 - 1
+    ASSERT_TRUE(s.Add("short").ok());
+    ASSERT_TRUE(s.SetPrediction("short", 1).ok());
+  };
+  CountdownScheduler calm = MakeScheduler(o);
+  ASSERT_TRUE(calm.ObserveLatency(5).ok());  // within: +0.1
+  EXPECT_DOUBLE_EQ(calm.target_credits(), 0.1);
+  EXPECT_EQ(calm.target_scale(), 1);
+  two_requests(calm);
+  EXPECT_EQ(calm.Select(), std::vector<std::string>{"short"});
+  EXPECT_EQ(calm.counters().urgent_selections, 0);
+
+  CountdownScheduler tight = MakeScheduler(o);
+  ASSERT_TRUE(tight.ObserveLatency(11).ok());  // beyond: +0.1 - 1
+  EXPECT_DOUBLE_EQ(tight.target_credits(), -0.9);
+  EXPECT_DOUBLE_EQ(tight.target_scale(), std::exp(0.02 * -0.9));
+  for (int i = 0; i < 200; ++i) ASSERT_TRUE(tight.ObserveLatency(20).ok());
+  // -0.9 - 200 x 0.9 is below the floor log(0.25) / 0.02 = -69.3.
+  EXPECT_DOUBLE_EQ(tight.target_credits(), std::log(0.25) / 0.02);
+  EXPECT_NEAR(tight.target_scale(), kTargetMinScale, 1e-12);
+  // Deadline read as 0 + 0.25 x 10 = 2.5: "long" (0 + 5 > 2.5 - 1) is
+  // urgent and goes first; "short" (0 + 1 <= 1.5) is not.
+  two_requests(tight);
+  EXPECT_EQ(tight.Select(), std::vector<std::string>{"long"});
+  EXPECT_EQ(tight.counters().urgent_selections, 1);
+  EXPECT_EQ(tight.GetRequest("long")->deadline, 10.0);
+  // Paying back: +0.1 a report within the target.
+  for (int i = 0; i < 100; ++i) ASSERT_TRUE(tight.ObserveLatency(10).ok());
+  EXPECT_NEAR(tight.target_scale(), 0.25 * std::exp(0.02 * 10), 1e-9);
+  // Bad input changes nothing.
+  const double before = tight.target_scale();
+  for (double bad : {-1.0, std::nan(""), HUGE_VAL}) {
+    EXPECT_EQ(tight.ObserveLatency(bad).code(), StatusCode::kInvalidArgument)
+        << bad;
+  }
+  EXPECT_EQ(tight.target_scale(), before);
+
+  // The bank: a quiet period banks at most 10 credits, which a burst of
+  // misses spends before the test tightens (each miss nets -0.9).
+  CountdownScheduler banked = MakeScheduler(o);
+  for (int i = 0; i < 1000; ++i) ASSERT_TRUE(banked.ObserveLatency(1).ok());
+  EXPECT_DOUBLE_EQ(banked.target_credits(), 10);
+  // 11 misses: 10 - 1 (the bank is full: nothing earned) - 10 x 0.9 = 0.
+  for (int i = 0; i < 11; ++i) ASSERT_TRUE(banked.ObserveLatency(50).ok());
+  EXPECT_NEAR(banked.target_credits(), 0, 1e-9);
+  EXPECT_NEAR(banked.target_scale(), 1, 1e-12);  // (sums of 0.1 round)
+  ASSERT_TRUE(banked.ObserveLatency(50).ok());
+  EXPECT_NEAR(banked.target_credits(), -0.9, 1e-9);
+  EXPECT_NEAR(banked.target_scale(), std::exp(0.02 * -0.9), 1e-9);
+
+  // Ignored without a controller, without a target, or under other
+  // policies.
+  for (int variant = 0; variant < 3; ++variant) {
+    SchedulerOptions v = o;
+    if (variant == 0) v.target_quantile = 0;
+    if (variant == 1) v.latency_target_s = 0;
+    if (variant == 2) v.policy = SchedulingPolicy::kCountdown;
+    CountdownScheduler s = MakeScheduler(v);
+    for (int i = 0; i < 50; ++i) ASSERT_TRUE(s.ObserveLatency(100).ok());
+    EXPECT_EQ(s.target_scale(), 1) << variant;
+    EXPECT_EQ(s.target_credits(), 0) << variant;
+  }
+  for (double bad : {-0.1, 1.0, std::nan("")}) {
+    SchedulerOptions v = o;
+    v.target_quantile = bad;
+    EXPECT_EQ(CountdownScheduler::Create(v).status().code(),
+              StatusCode::kInvalidArgument)
+        << bad;
+  }
+}
+
+// The controller's guarantee, demonstrated: fed by a system in which a
+// request misses the target with probability 0.1 x s (tighter deadlines,
+// fewer misses), the share of misses settles at 1 - q = 5% and s at 0.5,
+// the scale where P(miss) = 1 - q; with a system that misses less than
+// 1 - q even at s = 1, s stays 1.
+TEST(CountdownSchedulerTest, TargetControllerSettlesAtTheQuantile) {
+  SchedulerOptions o;
+  o.policy = SchedulingPolicy::kBounded;
+  o.latency_target_s = 10;
+  o.target_quantile = 0.95;
+  for (const double miss_at_one : {0.1, 0.04}) {
+    CountdownScheduler s = MakeScheduler(o);
+    std::mt19937_64 rng(7);
+    std::uniform_real_distribution<double> u(0, 1);
+    constexpr int kWarmup = 100000, kMeasured = 400000;
+    int64_t misses = 0;
+    double scale_sum = 0;
+    for (int i = 0; i < kWarmup + kMeasured; ++i) {
+      const bool miss = u(rng) < miss_at_one * s.target_scale();
+      if (i >= kWarmup) {
+        misses += miss;
+        scale_sum += s.target_scale();
+      }
+      ASSERT_TRUE(s.ObserveLatency(miss ? 12 : 8).ok());
+    }
+    const double share = static_cast<double>(misses) / kMeasured;
+    if (miss_at_one > 0.05) {
+      EXPECT_NEAR(share, 0.05, 0.002);
+      EXPECT_NEAR(scale_sum / kMeasured, 0.5, 0.02);
+    } else {
+      EXPECT_NEAR(share, 0.04, 0.002);
+      EXPECT_GT(scale_sum / kMeasured, 0.99);
+    }
+  }
+}
+
 TEST(CountdownSchedulerTest, TailBudgetByHand) {
   SchedulerOptions o;
   o.policy = SchedulingPolicy::kBounded;
@@ -1101,7 +1266,8 @@ TEST(CountdownSchedulerTest, TailBudgetByHand) {
   EXPECT_FALSE(s.GetRequest("b")->gave_up);
   EXPECT_EQ(s.counters().deadlines_given_up, 1);
   EXPECT_EQ(s.counters().urgent_selections, 1);
-  // A short request (5 < 2 x 10 tokens) turning urgent never gives up.
+  // A short request (5 < kTailBudgetMinWork x 10 tokens) turning urgent
+  // never gives up.
   ASSERT_TRUE(s.SetTime(1, 1).ok());
   ASSERT_TRUE(s.Add("c").ok());
   ASSERT_TRUE(s.SetPrediction("c", 5).ok());

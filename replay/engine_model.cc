@@ -265,6 +265,8 @@ absl::Status RecordDeadline(const shim::CountdownScheduler& sched, int64_t id,
     o.deadline_origin_step = st->deadline_origin;
     o.deadline_step = *st->deadline;
   }
+  o.was_urgent = st->was_urgent;
+  o.gave_up = st->gave_up;
   o.completion_step = sched.options().latency_target_s > 0
                           ? completion_s
                           : static_cast<double>(sched.counters().steps);
@@ -395,8 +397,14 @@ absl::StatusOr<SimResult> Simulate(std::span<const SimRequest> requests,
       const double queued = queue_estimate[static_cast<size_t>(id)];
       const double predicted_tokens =
           result.requests[static_cast<size_t>(id)].predicted_tokens;
-      absl::Status s = absl::OkStatus();
-      if (!std::isnan(queued)) s = admit->ObserveCompletion(queued, len);
+      // Both stages steer their urgency test by the latency from arrival
+      // (target_quantile).
+      const double latency = at - by_id[static_cast<size_t>(id)]->arrival_s;
+      absl::Status s = sched.ObserveLatency(latency);
+      if (s.ok() && admit.has_value()) s = admit->ObserveLatency(latency);
+      if (s.ok() && !std::isnan(queued)) {
+        s = admit->ObserveCompletion(queued, len);
+      }
       if (s.ok() && !std::isnan(predicted_tokens)) {
         s = sched.ObserveCompletion(predicted_tokens, len);
       }
@@ -831,6 +839,7 @@ absl::StatusOr<SimResult> SimulateVllm(std::span<const SimRequest> requests,
         RETURN_IF_ERROR(RecordDeadline(sched, id, end, result));
       }
       absl::Status s = sched.Remove(std::to_string(id));
+      if (s.ok()) s = sched.ObserveLatency(end - by_id[i]->arrival_s);
       // The bound learns the error of the prediction, which placed its
       // virtual job (a prior's placement is replaced by the first
       // prediction).

@@ -213,6 +213,11 @@ struct RequestResult {
   double deadline_origin_step = 0;
   double deadline_step = 0;
   double completion_step = 0;
+  // kBounded: it was urgent in the decode scheduler (or, with a latency
+  // target, in the admission queue it was carried from), and it gave up its
+  // deadline (tail_budget).
+  bool was_urgent = false;
+  bool gave_up = false;
 };
 
 struct SimOptions {

@@ -403,6 +403,9 @@ absl::Status ReplayOptions::Validate() const {
     return bad("--bound-calibration must be in [0, 1048576], got ",
                bound_calibration);
   }
+  if (!(target_quantile >= 0 && target_quantile < 1)) {
+    return bad("--target-quantile must be in [0, 1), got ", target_quantile);
+  }
   if (!(tail_budget >= 0 && tail_budget <= 0.5)) {
     return bad("--tail-budget must be in [0, 0.5], got ", tail_budget);
   }
@@ -667,6 +670,8 @@ absl::StatusOr<ReplayReport> RunReplay(const ReplayOptions& o,
   const std::string run_id = client::RandomRunId("replay");
   std::vector<double> recorded_values, recorded_latency;
   int run_no = 0;
+  std::string requests_csv;
+  if (!o.requests_csv_path.empty()) requests_csv = FormatRequestsCsvHeader();
   const int64_t metrics_first =
       static_cast<int64_t>(std::ceil(o.metrics_from * static_cast<double>(n)));
   for (size_t li = 0; li < loads.size(); ++li) {
@@ -732,6 +737,7 @@ absl::StatusOr<ReplayReport> RunReplay(const ReplayOptions& o,
             // their length miss the target (docs/SCHEDULING.md).
             so.scheduler.calibration = shim::BoundCalibration::kRatio;
             so.scheduler.tail_budget = o.tail_budget;
+            so.scheduler.target_quantile = o.target_quantile;
           }
         } else if (spec.discipline == shim::SchedulingPolicy::kLinearAging) {
           so.scheduler.linear_aging = spec.knob;
@@ -804,6 +810,9 @@ absl::StatusOr<ReplayReport> RunReplay(const ReplayOptions& o,
         }
       }
       ASSIGN_OR_RETURN(SimResult sim, Simulate(reqs, so, *predictor));
+      if (!o.requests_csv_path.empty()) {
+        AppendRequestsCsv(spec.name, load, reqs, sim, &requests_csv);
+      }
       row.metrics = ComputeMetrics(sim.requests, [&](const RequestResult& r) {
         return r.id >= metrics_first;
       });
@@ -860,6 +869,9 @@ absl::StatusOr<ReplayReport> RunReplay(const ReplayOptions& o,
   if (!o.json_path.empty()) {
     RETURN_IF_ERROR(WriteFileAtomically(o.json_path, FormatReplayJson(rep)));
   }
+  if (!o.requests_csv_path.empty()) {
+    RETURN_IF_ERROR(WriteFileAtomically(o.requests_csv_path, requests_csv));
+  }
   if (!o.plot_path.empty()) {
     ASSIGN_OR_RETURN(rep.plot_written, WriteReplayPlot(rep, o.plot_path));
   }
@@ -875,6 +887,40 @@ absl::StatusOr<ReplayReport> RunReplay(const ReplayOptions& o,
 }
 
 // ---- output ----------------------------------------------------------------
+
+std::string FormatRequestsCsvHeader() {
+  return "policy,load,id,segment,arrival_s,prompt_tokens,output_tokens,"
+         "predicted_tokens,first_token_s,completion_s,latency_s,"
+         "max_wait_steps,deadline_origin,deadline,completion,urgent,gave_up\n";
+}
+
+void AppendRequestsCsv(const std::string& policy, double load,
+                       std::span<const SimRequest> requests,
+                       const SimResult& sim, std::string* out) {
+  // Empty for NaN (no prediction, no deadline); %.17g keeps every double.
+  const auto num = [](double v) {
+    return std::isfinite(v) ? absl::StrFormat("%.17g", v) : std::string();
+  };
+  std::vector<const SimRequest*> by_id(sim.requests.size(), nullptr);
+  for (const SimRequest& q : requests) {
+    if (q.id >= 0 && static_cast<size_t>(q.id) < by_id.size()) {
+      by_id[static_cast<size_t>(q.id)] = &q;
+    }
+  }
+  for (const RequestResult& r : sim.requests) {
+    const SimRequest* q = by_id[static_cast<size_t>(r.id)];
+    absl::StrAppend(
+        out, policy, ",", absl::StrFormat("%g", load), ",", r.id, ",",
+        r.segment, ",", num(r.arrival_s), ",",
+        q != nullptr ? absl::StrCat(q->prompt_tokens) : std::string(), ",",
+        r.output_tokens, ",", num(r.predicted_tokens), ",",
+        num(r.first_token_s), ",", num(r.completion_s), ",",
+        num(r.completion_s - r.arrival_s), ",", r.max_wait_steps, ",",
+        num(r.deadline_origin_step), ",", num(r.deadline_step), ",",
+        num(r.completion_step), ",", r.was_urgent ? 1 : 0, ",",
+        r.gave_up ? 1 : 0, "\n");
+  }
+}
 
 std::string FormatReplayTable(const ReplayReport& r) {
   std::string s = absl::StrCat("trace: ", r.trace, "\n");

@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <optional>
 #include <ostream>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -70,7 +71,7 @@ struct PolicySpec {
 // Default knob of "+bounded" (S) and "+aging" (tokens per step waited).
 inline constexpr double kDefaultSlowdown = 2.5;
 // Default knob of "+target" (X: the latency target over FCFS's P99).
-inline constexpr double kDefaultTarget = 1.2;
+inline constexpr double kDefaultTarget = 1.45;
 inline constexpr double kDefaultLinearAging = 1;
 
 // A named learned-predictor baseline resembling one of the paper's
@@ -164,6 +165,9 @@ struct ReplayOptions {
   int64_t bound_calibration = 1000;
   // Every +target policy's SchedulerOptions::tail_budget. Default: 0.005
   double tail_budget = 0.005;
+  // Every +target policy's SchedulerOptions::target_quantile (the engines
+  // report each completion's latency, ObserveLatency). Default: 0.99
+  double target_quantile = 0.99;
 
   // leapd: this binary (default: FindLeapd()) started for the run, or a
   // running one at `server`.
@@ -180,6 +184,9 @@ struct ReplayOptions {
   double metrics_from = 0;
   std::string json_path;
   std::string plot_path;
+  // Per-request results of every run as CSV (FormatRequestsCsvHeader and
+  // AppendRequestsCsv), "" = none.
+  std::string requests_csv_path;
 
   // InvalidArgument (a usage error) for values out of range.
   absl::Status Validate() const;
@@ -275,6 +282,20 @@ absl::StatusOr<std::string> WriteTradeoffPlot(const ReplayReport& report,
 // mean_ttft (s), throughput (output tokens/s), long_p95_latency (s; null
 // without requests over 1,024 tokens). NaN is null.
 std::string FormatReplayJson(const ReplayReport& report);
+// The per-request CSV (--requests-csv): a header line, then one line per
+// request of every run, in run order then request id: policy, load, id,
+// segment, arrival_s, prompt_tokens, output_tokens (as replayed, after the
+// cut to max_tokens), predicted_tokens (the scheduler's first prediction;
+// empty when none), first_token_s, completion_s, latency_s (completion -
+// arrival), max_wait_steps, and, for +bounded and +target policies only
+// (else empty), deadline_origin, deadline and completion on the deadlines'
+// clock (steps, or seconds with a latency target; empty for a request done
+// at prefill), urgent and gave_up (1 or 0: it turned urgent, it gave up its
+// deadline under the tail budget; 0 under other policies).
+std::string FormatRequestsCsvHeader();
+void AppendRequestsCsv(const std::string& policy, double load,
+                       std::span<const SimRequest> requests,
+                       const SimResult& sim, std::string* out);
 // Writes the plot of mean PTL vs load (one line per policy): PNG through
 // gnuplot when `path` ends in .png and gnuplot runs, else SVG written
 // directly (a .png path then becomes .svg). Returns the path written.

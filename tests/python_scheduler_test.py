@@ -327,6 +327,38 @@ class LatencyTargetTest(unittest.TestCase):
         with self.assertRaises(ValueError):
             leap_shim.Scheduler(tail_budget_window=0)
 
+    def test_controller_tightens_the_urgency_test(self):
+        def two(q):
+            s = leap_shim.Scheduler(policy="bounded", slots=1, waiting_cap=0,
+                                    latency_target_s=10.0, tail_budget=0.0,
+                                    target_quantile=q)
+            for _ in range(200):
+                s.observe_latency(20.0)  # every one beyond the target
+            s.set_time(0.0, 1.0)
+            s.add("long")
+            s.set_prediction("long", 5.0)
+            s.add("short")
+            s.set_prediction("short", 1.0)
+            return s
+        off = two(0.0)
+        self.assertEqual(off.target_scale, 1.0)
+        self.assertEqual(off.select(), ["short"])
+        on = two(0.9)
+        # 200 misses net -0.9 credits each: the debt stops at
+        # log(0.25) / 0.02, the scale at its floor; deadline read 2.5 s.
+        self.assertAlmostEqual(on.target_credits, math.log(0.25) / 0.02,
+                               places=9)
+        self.assertAlmostEqual(on.target_scale, 0.25, places=12)
+        self.assertEqual(on.select(), ["long"])
+        self.assertEqual(on.request("long")["deadline"], 10.0)
+        on.observe_latency(1.0)  # within: +0.1 credit
+        self.assertAlmostEqual(on.target_scale, 0.25 * math.exp(0.002),
+                               places=12)
+        with self.assertRaises(ValueError):
+            on.observe_latency(-1.0)
+        with self.assertRaises(ValueError):
+            leap_shim.Scheduler(target_quantile=1.0)
+
     def test_tail_budget_gives_up_a_long_deadline(self):
         s = leap_shim.Scheduler(policy="bounded", slots=1, waiting_cap=0,
                                 latency_target_s=10.0, tail_budget=0.5,

@@ -14,11 +14,13 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <map>
 #include <optional>
 #include <random>
 #include <sstream>
 #include <tuple>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "gtest/gtest.h"
@@ -753,7 +755,7 @@ TEST(ReplayPolicyTest, ParsesNamesPresetsAndLearnedSpecs) {
   EXPECT_EQ((*target)[1].discipline, shim::SchedulingPolicy::kBounded);
   EXPECT_TRUE((*target)[1].latency_target);
   EXPECT_DOUBLE_EQ((*target)[1].knob, 1.3);
-  EXPECT_EQ((*target)[2].name, "oracle+target=1.2");
+  EXPECT_EQ((*target)[2].name, "oracle+target=1.45");  // kDefaultTarget
   EXPECT_EQ((*target)[3].name, "leap+target=1.2+prior");
   EXPECT_TRUE((*target)[3].prior_admission);
   EXPECT_FALSE((*hybrid)[1].latency_target);
@@ -1150,6 +1152,7 @@ TEST_F(ReplayLeapdTest, SmallReplayThroughTheCli) {
 
 TEST(ReplayCliTest, VllmEngineDisciplinesAndTradeoff) {
   const std::string plot = TempPath("tradeoff.svg");
+  const std::string csv = TempPath("requests.csv");
   std::ostringstream out, err;
   const int rc = RunLeapctl(
       {"replay", "--requests", "500", "--policies",
@@ -1157,9 +1160,51 @@ TEST(ReplayCliTest, VllmEngineDisciplinesAndTradeoff) {
        "oracle+aging=0.5,oracle+target=0.9,oracle+target=1.3",
        "--sweep", "1.2", "--engine", "vllm", "--max-num-seqs", "16",
        "--max-num-batched-tokens", "1024", "--kv-blocks", "800",
-       "--tradeoff-plot", plot},
+       "--tradeoff-plot", plot, "--requests-csv", csv},
       out, err);
   ASSERT_EQ(rc, 0) << err.str();
+  // The per-request CSV: every request of every run, its columns
+  // consistent (latency = completion - arrival; the oracle's predictions
+  // are the true lengths; deadlines only under the bound and the target).
+  {
+    std::ifstream in(csv);
+    std::string line;
+    ASSERT_TRUE(std::getline(in, line));
+    EXPECT_EQ(line,
+              "policy,load,id,segment,arrival_s,prompt_tokens,output_tokens,"
+              "predicted_tokens,first_token_s,completion_s,latency_s,"
+              "max_wait_steps,deadline_origin,deadline,completion,urgent,"
+              "gave_up");
+    std::map<std::string, int> rows, with_deadline;
+    int urgent = 0;
+    while (std::getline(in, line)) {
+      const std::vector<std::string> f = absl::StrSplit(line, ',');
+      ASSERT_EQ(f.size(), 17u) << line;
+      ++rows[f[0]];
+      EXPECT_EQ(f[1], "1.2") << line;
+      double arrival = 0, completion = 0, latency = 0;
+      ASSERT_TRUE(absl::SimpleAtod(f[4], &arrival)) << line;
+      ASSERT_TRUE(absl::SimpleAtod(f[9], &completion)) << line;
+      ASSERT_TRUE(absl::SimpleAtod(f[10], &latency)) << line;
+      EXPECT_NEAR(latency, completion - arrival, 1e-9) << line;
+      if (f[0] == "oracle") {
+        EXPECT_EQ(f[7], f[6]) << line;
+      }
+      if (f[0] == "fcfs") {
+        EXPECT_EQ(f[7], "") << line;
+      }
+      if (!f[13].empty()) ++with_deadline[f[0]];
+      EXPECT_TRUE(f[15] == "0" || f[15] == "1") << line;
+      urgent += f[15] == "1";
+    }
+    EXPECT_EQ(rows.size(), 8u);
+    for (const auto& [policy, n] : rows) EXPECT_EQ(n, 500) << policy;
+    EXPECT_EQ(with_deadline["fcfs"], 0);
+    EXPECT_EQ(with_deadline["oracle+hrrn"], 0);
+    EXPECT_GT(with_deadline["oracle+target=1.3"], 400);
+    EXPECT_GT(with_deadline["oracle+bounded=1.5"], 400);
+    EXPECT_GT(urgent, 0);
+  }
   const std::string o = out.str();
   EXPECT_NE(o.find("engine: vllm"), std::string::npos) << o;
   EXPECT_NE(o.find("trade-off:"), std::string::npos) << o;
@@ -1248,6 +1293,10 @@ TEST(ReplayCliTest, UsageErrors) {
   EXPECT_EQ(RunLeapctl({"replay", "--shift-at", "1.5"}, out, err), kExitUsage);
   EXPECT_EQ(RunLeapctl({"replay", "--plot", "x.pdf"}, out, err), kExitUsage);
   EXPECT_EQ(RunLeapctl({"replay", "--format", "csv"}, out, err), kExitUsage);
+  EXPECT_EQ(RunLeapctl({"replay", "--target-quantile", "1"}, out, err),
+            kExitUsage);
+  EXPECT_NE(err.str().find("--target-quantile must be in [0, 1)"),
+            std::string::npos);
   // A missing trace file is a failure, not a usage error.
   EXPECT_EQ(RunLeapctl({"replay", "--trace", "/nonexistent/t.csv", "--policies",
                         "fcfs"},

@@ -368,9 +368,10 @@ Not thread-safe: call it from the engine's step loop only.)doc")
                        double bounded_linear_aging, int calibration_window,
                        const std::string& calibration,
                        double latency_target_s, double tail_budget,
-                       int tail_budget_window) {
+                       int tail_budget_window, double target_quantile) {
              leap::shim::SchedulerOptions o;
              o.latency_target_s = latency_target_s;
+             o.target_quantile = target_quantile;
              o.tail_budget = tail_budget;
              o.tail_budget_window = tail_budget_window;
              o.bounded_linear_aging = bounded_linear_aging;
@@ -412,6 +413,7 @@ Not thread-safe: call it from the engine's step loop only.)doc")
            py::arg("calibration") = "additive",
            py::arg("latency_target_s") = 0.0, py::arg("tail_budget") = 0.005,
            py::arg("tail_budget_window") = 10000,
+           py::arg("target_quantile") = 0.99,
            R"doc(Args:
   slots: decode slots per step taken by select() (>= 1).
   waiting_cap: steps without a slot after which a request is promoted
@@ -451,8 +453,15 @@ Not thread-safe: call it from the engine's step loop only.)doc")
     floor(tail_budget x tail_budget_window) deadlines are given up per
     tail_budget_window requests added (one carried in given up counts),
     each by a request turning urgent for the first time with at least
-    twice the mean completed length left; needs completions reported to
+    the mean completed length left; needs completions reported to
     observe_completion() (tail_budget 0 = none).
+  target_quantile: with a latency target, the share q of requests kept
+    within it: each latency reported to observe_latency() earns 1 - q
+    credits (at most (1 - q) x tail_budget_window banked) and one beyond
+    the target costs 1; in debt the urgency test reads the deadline as
+    arrival + s x latency_target_s, s = max(0.25, exp(0.02 x credits)),
+    so that under a steady overload a share q finishes within the target
+    (0 = s stays 1).
 
 Raises:
   ValueError: an option out of range.)doc")
@@ -507,6 +516,25 @@ reports. Report natural completions only. Ignored by other policies.
 
 Raises:
   ValueError: a negative or non-finite value.)doc")
+      .def("observe_latency", &PyScheduler::ObserveLatency,
+           py::arg("latency_s"),
+           R"doc(Reports a finished request's latency from arrival (seconds of
+set_time()'s clock) to a "bounded" scheduler with a latency target, for its
+controller (target_quantile). Report natural completions only, once each.
+Ignored otherwise.
+
+Raises:
+  ValueError: a negative or non-finite value.)doc")
+      .def_property_readonly(
+          "target_scale", &PyScheduler::TargetScale,
+          "The controller's factor s on latency_target_s in the urgency "
+          "test (1 while its credits are not negative).")
+      .def_property_readonly(
+          "target_credits", &PyScheduler::TargetCredits,
+          "The controller's credits: 1 - target_quantile earned per "
+          "observe_latency() (at most (1 - q) x tail_budget_window banked), "
+          "1 spent per latency beyond the target; in debt s = "
+          "max(0.25, exp(0.02 x credits)).")
       .def_property_readonly(
           "service_correction", &PyScheduler::ServiceCorrection,
           "The bound's current additive correction in tokens (0 before any "

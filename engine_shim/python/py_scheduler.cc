@@ -89,6 +89,10 @@ void PyScheduler::ObserveCompletion(double estimate_tokens,
   Check(s_.ObserveCompletion(estimate_tokens, actual_tokens));
 }
 
+void PyScheduler::ObserveLatency(double latency_s) {
+  Check(s_.ObserveLatency(latency_s));
+}
+
 void PyScheduler::Commit(const std::vector<std::string>& ran) {
   Check(s_.Commit(ran));
 }

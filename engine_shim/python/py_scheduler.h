@@ -33,6 +33,9 @@ class PyScheduler {
   pybind11::dict Carry(const std::string& id) const;
   void SetTime(double now_s, double step_s);
   void ObserveCompletion(double estimate_tokens, double actual_tokens);
+  void ObserveLatency(double latency_s);
+  double TargetScale() const { return s_.target_scale(); }
+  double TargetCredits() const { return s_.target_credits(); }
   double ServiceCorrection() { return s_.service_correction(); }
   double ServiceRatio(double estimate_tokens) {
     return s_.service_ratio(estimate_tokens);

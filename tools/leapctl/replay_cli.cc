@@ -69,7 +69,9 @@ constexpr char kDescription[] =
     "                deadline is its arrival + the target (seconds), the\n"
     "                urgent ones served in arrival order, estimates\n"
     "                corrected per octave, --tail-budget of the deadlines\n"
-    "                given up by long requests; default X = 1.2\n"
+    "                given up by long requests, the deadlines steered\n"
+    "                to keep --target-quantile of the requests within the\n"
+    "                target; default X = 1.45\n"
     "  +hrrn         highest response ratio next (baseline)\n"
     "  +aging[=A]    remaining - A x steps waited (linear aging baseline)\n"
     "  +countdown    the plain countdown (the default)\n"
@@ -257,6 +259,12 @@ int ReplayCommand(const std::vector<std::string>& args, std::ostream& out,
                "they first turn urgent with at least twice the mean "
                "completed length left (needs --bound-calibration > 0); 0 = "
                "none.");
+  flags.Double("target-quantile", &o.target_quantile, "Q",
+               "Every +target policy steers its urgency test so that this "
+               "share of the requests finishes within the target (each "
+               "completion's latency tightens or relaxes the deadlines "
+               "used, never past the target); 0 = deadlines at the target "
+               "itself.");
   flags.String("unpredicted", &o.unpredicted, "median|fixed|first|last",
                "Where the scheduler puts a request whose prediction is not "
                "known yet.");
@@ -279,6 +287,14 @@ int ReplayCommand(const std::vector<std::string>& args, std::ostream& out,
   flags.String("json", &o.json_path, "OUT",
                "Write the results as a JSON array (one object per policy and "
                "load).");
+  flags.String("requests-csv", &o.requests_csv_path, "OUT.csv",
+               "Write every request of every run as one CSV line (policy, "
+               "load, id, segment, arrival_s, prompt_tokens, output_tokens, "
+               "predicted_tokens, first_token_s, completion_s, latency_s, "
+               "max_wait_steps, and the deadline's origin, deadline and "
+               "completion on its clock, whether it turned urgent and whether it "
+               "gave up its deadline for +bounded and +target policies), "
+               "for analysis beyond the table.");
   flags.String("plot", &o.plot_path, "OUT",
                "Write mean PTL vs load: .png (gnuplot; SVG instead when "
                "gnuplot is missing) or .svg.");
