@@ -32,11 +32,13 @@
 //      of the requests (per tail_budget_window added) give up their
 //      deadline when they first turn urgent with at least
 //      kTailBudgetMinWork x the mean completed length left (in arrival
-//      order); a request that gave up is never urgent again. With
+//      order; "urgent" against the target itself, whatever the controller
+//      below reads); a request that gave up is never urgent again. With
 //      target_quantile q > 0 the urgency test reads the deadline as origin
 //      + s x the target, s in [kTargetMinScale, 1] steered by the reported
 //      latencies (ObserveLatency) so that a share q of them stays within
-//      the target (credits earned per report, spent per latency beyond).
+//      the target (credits earned per report, spent per latency beyond),
+//      as far as tightening can: at the floor nothing tightens further.
 //   1. Promoted requests: steps_waited >= waiting_cap (when the cap is on).
 //      Most steps waited first; ties by arrival (FCFS).
 //   2. Everybody else by effective priority, smallest first; ties by arrival:
@@ -212,16 +214,18 @@ struct SchedulerOptions {
   // latency_target_s, the same for every request, instead of S x its
   // virtual FCFS latency (max_slowdown, tail_window and tail_quantile are
   // then unused), and the urgency test is in seconds: now + work left x
-  // step_s > deadline - step_s (now and step_s from the latest SetTime).
-  // Urgent requests, all with the same target, are then served in arrival
-  // order. 0 = the slowdown bound, in steps. Unused by other policies.
+  // step_s > origin + s x latency_target_s - step_s (now and step_s from the
+  // latest SetTime; s = target_scale(), 1 unless target_quantile's
+  // controller is in debt). Urgent requests, all with the same target, are
+  // then served in arrival order. 0 = the slowdown bound, in steps. Unused by other policies.
   // Finite, >= 0.
   // Default: 0
   double latency_target_s = 0;
 
   // kBounded with latency_target_s > 0: the share of requests that may give
   // up their deadline (docs/SCHEDULING.md, "The latency target"). A request
-  // that turns urgent for the first time gives it up, and is ranked as if
+  // whose work left first stops fitting before origin + latency_target_s
+  // (urgent, were the target read as itself) gives it up, and is ranked as if
   // it had no deadline from then on, when its work left is at least
   // kTailBudgetMinWork times the mean length of the completions in the
   // calibration window and fewer than floor(tail_budget x
@@ -251,8 +255,9 @@ struct SchedulerOptions {
 
   // The window of tail_budget, in requests added: the period over which an
   // operator's P99 is judged (a short window spreads the budget thin across
-  // a burst; an endless one would let a long quiet period bank it). In
-  // [1, 1 << 24]. Default: 10000
+  // a burst; an endless one would let a long quiet period bank it). Also
+  // sets target_quantile's bank: at most (1 - q) x tail_budget_window
+  // credits. In [1, 1 << 24]. Default: 10000
   int tail_budget_window = 10000;
 
   // kBounded: the ranked tier (requests whose deadline is not at risk) is
@@ -320,7 +325,8 @@ struct RequestStats {
   int64_t waited_total = 0;
   // kBounded: the deadline in steps, or in seconds of SetTime's clock with
   // a latency target (absent before the request's first step, and under
-  // other policies).
+  // other policies). With a latency target this is origin + the target;
+  // the urgency test reads origin + target_scale() x the target.
   std::optional<double> deadline;
   // kBounded: it has been urgent (here, or with a latency target in an
   // earlier stage it was carried from).
@@ -354,8 +360,11 @@ struct CarriedDeadline {
   // reference Q it entered with.
   double virtual_estimate = 0;
   double tail_reference = 0;
-  // Whether it has been urgent, and whether it gave up its deadline
-  // (tail_budget), in the first stage.
+  // Whether its deadline has been at risk (now + step_s x work left >
+  // origin + latency_target_s - step_s: only the first time may it give it
+  // up), and whether it gave up its deadline (tail_budget), in the first
+  // stage. Without target_quantile's controller in debt this is whether
+  // it has been urgent.
   bool was_urgent = false;
   bool gave_up = false;
 };
@@ -377,6 +386,10 @@ struct SchedulerCounters {
   int64_t urgent_selections = 0;
   // kBounded: requests that gave up their deadline (tail_budget).
   int64_t deadlines_given_up = 0;
+  // kBounded with a latency target and target_quantile > 0: latencies
+  // reported (ObserveLatency), and those beyond the target.
+  int64_t latencies_observed = 0;
+  int64_t latencies_beyond_target = 0;
   // Add calls that succeeded / Remove calls that succeeded.
   int64_t added = 0;
   int64_t removed = 0;
@@ -516,8 +529,11 @@ class CountdownScheduler {
   // latency_target_s, s = exp(kTargetGain x c) >= kTargetMinScale (c is
   // kept >= log(kTargetMinScale) / kTargetGain), else s = 1. In a steady
   // overload the debt stops moving exactly when a share 1 - q of the
-  // requests ends beyond the target; a burst first spends the banked
-  // credits. Report natural completions only, once each (each stage that
+  // requests ends beyond the target, unless s reaches its floor first (an
+  // overload no urgency test can absorb); a burst first spends the banked
+  // credits. From the floor s is back at 1 after about
+  // -log(kTargetMinScale) / kTargetGain / (1 - q) reports within the target
+  // (6,900 at q = 0.99). Report natural completions only, once each (each stage that
   // is told keeps its own credits). Ignored under other configurations.
   // kInvalidArgument for a non-finite or negative value.
   absl::Status ObserveLatency(double latency_s);
@@ -571,6 +587,9 @@ class CountdownScheduler {
     double virtual_finish = 0;
     double tail_reference = 0;
     bool was_urgent = false;
+    // Latency target: its work left has no longer fit before origin +
+    // latency_target_s (the tail budget's "first time").
+    bool risked_target = false;
     bool gave_up = false;
   };
   // Sort key of one live request for one step; compared lexicographically
@@ -668,6 +687,9 @@ class CountdownScheduler {
   // Rank (kBounded): each live request's work left and urgency test.
   std::vector<double> work_left_;
   std::vector<char> at_risk_;
+  // With a latency target: the same test against origin + the target
+  // itself (the tail budget's).
+  std::vector<char> misses_target_;
   // The mean actual length of the calibration window's completions (0
   // without any: the tail budget then gives nothing up).
   double mean_actual_ = 0;
@@ -683,9 +705,6 @@ class CountdownScheduler {
   size_t samples_next_ = 0;
   double correction_ = 0;
   std::vector<double> octave_ratio_;
-  std::vector<int> octave_group_;
-  std::vector<std::vector<double>> group_ratios_;
-  std::vector<std::vector<double>> group_suffix_;
   bool correction_stale_ = false;
 };
 

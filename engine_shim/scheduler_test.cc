@@ -62,6 +62,7 @@ class ReferenceScheduler {
     if (Targeted()) {
       r.deadline = r.origin + o_.latency_target_s;
       r.was_urgent = c.was_urgent;
+      r.risked = c.was_urgent;
       r.gave_up = c.gave_up;
       // Counts against this stage's budget, stamped at its Add.
       if (r.gave_up && o_.tail_budget > 0) {
@@ -91,7 +92,7 @@ class ReferenceScheduler {
         EXPECT_EQ(c->virtual_left, 0) << id;
         EXPECT_EQ(c->virtual_estimate, 0) << id;
         EXPECT_EQ(c->tail_reference, 0) << id;
-        EXPECT_EQ(c->was_urgent, r.was_urgent) << id;
+        EXPECT_EQ(c->was_urgent, r.risked) << id;
         EXPECT_EQ(c->gave_up, r.gave_up) << id;
         continue;
       }
@@ -335,6 +336,11 @@ class ReferenceScheduler {
       return Clock() + StepTime() * work_left(r) >
              test_deadline(r) - StepTime();
     };
+    // The tail budget's test: against the target itself.
+    const auto misses_target = [&](const Req& r) {
+      return Clock() + StepTime() * work_left(r) >
+             r.origin + o_.latency_target_s - StepTime();
+    };
     if (bounded && Targeted() && o_.tail_budget > 0 && !samples_.empty()) {
       // tail_budget: first-time urgent requests with at least
       // kTailBudgetMinWork x the window's mean completed length left give
@@ -347,7 +353,7 @@ class ReferenceScheduler {
       const double mean = sum / static_cast<double>(samples_.size());
       std::vector<std::pair<uint64_t, std::string>> candidates;
       for (const auto& [id, r] : reqs_) {
-        if (!r.gave_up && !r.was_urgent && at_risk(r) &&
+        if (!r.gave_up && !r.risked && misses_target(r) &&
             work_left(r) >= kTailBudgetMinWork * mean) {
           candidates.emplace_back(r.arrival, id);
         }
@@ -375,6 +381,7 @@ class ReferenceScheduler {
       const double rem = Ranked(r) ? Remaining(r) : unpredicted;
       const bool urgent = bounded && !r.gave_up && at_risk(r);
       r.was_urgent = r.was_urgent || urgent;
+      if (bounded && Targeted()) r.risked = r.risked || misses_target(r);
       if (urgent) {
         e.key = {-1, test_deadline(r), r.arrival};
       } else if (o_.waiting_cap > 0 && r.waited >= o_.waiting_cap) {
@@ -492,6 +499,7 @@ class ReferenceScheduler {
     std::optional<double> prior;
     double origin = 0;  // the step (or second) the deadline counts from
     bool was_urgent = false, gave_up = false;
+    bool risked = false;  // at risk of origin + target (the budget's test)
   };
   // Ranked by a prediction, or else by a prior.
   static bool Ranked(const Req& r) { return r.pred || r.prior; }
@@ -1114,11 +1122,6 @@ TEST(CountdownSchedulerTest, LatencyTargetByHand) {
   }
 }
 
-// The tail budget by hand: with the mean completed length at 10, a request
-// that first turns urgent with >= 2 x 10 tokens left gives up its deadline
-// while fewer than floor(b x min(tail_budget_window, added)) deadlines were
-// given up during the last tail_budget_window arrivals; a short one never
-// does; one that gave up is never urgent again.
 // target_quantile's controller (ObserveLatency): each report earns 1 - q
 // credits (banked up to (1 - q) x tail_budget_window), each latency beyond
 // the target costs 1; in debt c < 0 the urgency test reads origin +
@@ -1155,6 +1158,8 @@ TEST(CountdownSchedulerTest, TargetControllerByHand) {
   for (int i = 0; i < 200; ++i) ASSERT_TRUE(tight.ObserveLatency(20).ok());
   // -0.9 - 200 x 0.9 is below the floor log(0.25) / 0.02 = -69.3.
   EXPECT_DOUBLE_EQ(tight.target_credits(), std::log(0.25) / 0.02);
+  EXPECT_EQ(tight.counters().latencies_observed, 201);
+  EXPECT_EQ(tight.counters().latencies_beyond_target, 201);
   EXPECT_NEAR(tight.target_scale(), kTargetMinScale, 1e-12);
   // Deadline read as 0 + 0.25 x 10 = 2.5: "long" (0 + 5 > 2.5 - 1) is
   // urgent and goes first; "short" (0 + 1 <= 1.5) is not.
@@ -1186,6 +1191,30 @@ TEST(CountdownSchedulerTest, TargetControllerByHand) {
   EXPECT_NEAR(banked.target_credits(), -0.9, 1e-9);
   EXPECT_NEAR(banked.target_scale(), std::exp(0.02 * -0.9), 1e-9);
 
+  // The tail budget judges the target itself: "x", urgent at once under
+  // the tightened reading (0 + 8 > 2.5 - 1) but within T (8 <= 10 - 1),
+  // gives its deadline up when it first misses T (3 + 7 > 9), not before.
+  SchedulerOptions b = o;
+  b.tail_budget = 0.5;
+  b.tail_budget_window = 4;
+  b.calibration_window = 10;
+  CountdownScheduler early = MakeScheduler(b);
+  for (int i = 0; i < 200; ++i) ASSERT_TRUE(early.ObserveLatency(20).ok());
+  ASSERT_NEAR(early.target_scale(), 0.25, 1e-12);
+  ASSERT_TRUE(early.ObserveCompletion(5, 5).ok());  // mean 5
+  ASSERT_TRUE(early.SetTime(0, 1).ok());
+  ASSERT_TRUE(early.Add("y").ok());
+  ASSERT_TRUE(early.SetPrediction("y", 1).ok());
+  ASSERT_TRUE(early.Add("x").ok());
+  ASSERT_TRUE(early.SetPrediction("x", 8).ok());
+  EXPECT_EQ(early.Select(), std::vector<std::string>{"x"});
+  EXPECT_TRUE(early.GetRequest("x")->was_urgent);
+  EXPECT_FALSE(early.GetRequest("x")->gave_up);
+  ASSERT_TRUE(early.SetTime(3, 1).ok());
+  EXPECT_EQ(early.Select(), std::vector<std::string>{"y"});  // urgent now
+  EXPECT_TRUE(early.GetRequest("x")->gave_up);
+  EXPECT_EQ(early.counters().deadlines_given_up, 1);
+
   // Ignored without a controller, without a target, or under other
   // policies.
   for (int variant = 0; variant < 3; ++variant) {
@@ -1197,6 +1226,7 @@ TEST(CountdownSchedulerTest, TargetControllerByHand) {
     for (int i = 0; i < 50; ++i) ASSERT_TRUE(s.ObserveLatency(100).ok());
     EXPECT_EQ(s.target_scale(), 1) << variant;
     EXPECT_EQ(s.target_credits(), 0) << variant;
+    EXPECT_EQ(s.counters().latencies_observed, 0) << variant;
   }
   for (double bad : {-0.1, 1.0, std::nan("")}) {
     SchedulerOptions v = o;
@@ -1243,6 +1273,11 @@ TEST(CountdownSchedulerTest, TargetControllerSettlesAtTheQuantile) {
   }
 }
 
+// The tail budget by hand: with the mean completed length at 10, a request
+// that first turns urgent with >= kTailBudgetMinWork (1) x 10 tokens left
+// gives up its deadline while fewer than floor(b x min(tail_budget_window,
+// added)) deadlines were given up during the last tail_budget_window
+// arrivals; a short one never does; one that gave up is never urgent again.
 TEST(CountdownSchedulerTest, TailBudgetByHand) {
   SchedulerOptions o;
   o.policy = SchedulingPolicy::kBounded;
@@ -1296,6 +1331,19 @@ TEST(CountdownSchedulerTest, TailBudgetByHand) {
   const int64_t urgent = s.counters().urgent_selections;
   s.Select();
   EXPECT_EQ(s.counters().urgent_selections, urgent);
+  // The threshold is 1 x the mean (10): 12 tokens left gives up, 9 not.
+  CountdownScheduler edge = MakeScheduler(o);
+  ASSERT_TRUE(edge.ObserveCompletion(10, 10).ok());
+  ASSERT_TRUE(edge.SetTime(0, 1).ok());
+  ASSERT_TRUE(edge.Add("twelve").ok());
+  ASSERT_TRUE(edge.SetPrediction("twelve", 12).ok());  // 12 > 10 - 1
+  ASSERT_TRUE(edge.Add("nine").ok());
+  ASSERT_TRUE(edge.SetPrediction("nine", 9).ok());
+  ASSERT_TRUE(edge.SetTime(1, 1).ok());  // nine: 1 + 9 > 10 - 1
+  edge.Select();
+  EXPECT_TRUE(edge.GetRequest("twelve")->gave_up);
+  EXPECT_FALSE(edge.GetRequest("nine")->gave_up);
+  EXPECT_TRUE(edge.GetRequest("nine")->was_urgent);
   // Without completions (no mean) nobody gives up.
   CountdownScheduler fresh = MakeScheduler(o);
   ASSERT_TRUE(fresh.SetTime(0, 1).ok());

@@ -215,7 +215,8 @@ struct RequestResult {
   double completion_step = 0;
   // kBounded: it was urgent in the decode scheduler (or, with a latency
   // target, in the admission queue it was carried from), and it gave up its
-  // deadline (tail_budget).
+  // deadline (tail_budget); both false for a request done at prefill (it
+  // never reached the decode scheduler).
   bool was_urgent = false;
   bool gave_up = false;
 };

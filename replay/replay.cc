@@ -910,7 +910,7 @@ void AppendRequestsCsv(const std::string& policy, double load,
   for (const RequestResult& r : sim.requests) {
     const SimRequest* q = by_id[static_cast<size_t>(r.id)];
     absl::StrAppend(
-        out, policy, ",", absl::StrFormat("%g", load), ",", r.id, ",",
+        out, policy, ",", absl::StrFormat("%.15g", load), ",", r.id, ",",
         r.segment, ",", num(r.arrival_s), ",",
         q != nullptr ? absl::StrCat(q->prompt_tokens) : std::string(), ",",
         r.output_tokens, ",", num(r.predicted_tokens), ",",

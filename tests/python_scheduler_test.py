@@ -349,8 +349,12 @@ class LatencyTargetTest(unittest.TestCase):
         self.assertAlmostEqual(on.target_credits, math.log(0.25) / 0.02,
                                places=9)
         self.assertAlmostEqual(on.target_scale, 0.25, places=12)
+        self.assertEqual(on.counters["latencies_observed"], 200)
+        self.assertEqual(on.counters["latencies_beyond_target"], 200)
         self.assertEqual(on.select(), ["long"])
         self.assertEqual(on.request("long")["deadline"], 10.0)
+        self.assertTrue(on.request("long")["was_urgent"])
+        self.assertFalse(on.request("short")["was_urgent"])
         on.observe_latency(1.0)  # within: +0.1 credit
         self.assertAlmostEqual(on.target_scale, 0.25 * math.exp(0.002),
                                places=12)

@@ -570,6 +570,9 @@ TEST(ReplaySimTest, LatencyTargetHoldsInSecondsFromArrival) {
   EXPECT_EQ(held.counters.deadlines_given_up +
                 held.queue_deadlines_given_up,
             0);
+  // Every request that reached decode reported its latency there once
+  // (target_quantile's controller).
+  EXPECT_EQ(held.counters.latencies_observed, checked);
   const int64_t given_up =
       budget.counters.deadlines_given_up + budget.queue_deadlines_given_up;
   EXPECT_GT(given_up, 0);
@@ -1181,7 +1184,7 @@ TEST(ReplayCliTest, VllmEngineDisciplinesAndTradeoff) {
       const std::vector<std::string> f = absl::StrSplit(line, ',');
       ASSERT_EQ(f.size(), 17u) << line;
       ++rows[f[0]];
-      EXPECT_EQ(f[1], "1.2") << line;
+      EXPECT_EQ(f[1], "1.2") << line;  // (15 significant digits)
       double arrival = 0, completion = 0, latency = 0;
       ASSERT_TRUE(absl::SimpleAtod(f[4], &arrival)) << line;
       ASSERT_TRUE(absl::SimpleAtod(f[9], &completion)) << line;

@@ -616,8 +616,10 @@ Raises:
            R"doc(A snapshot of a live request: dict with predicted_tokens (None
 until predicted), generated, steps_waited, arrival, predictions,
 prior_tokens (None without a prior), added_step, waited_total, deadline
-(None before its first step and under other policies than "bounded") and
-deadline_origin.
+(None before its first step and under other policies than "bounded"; with a
+latency target deadline_origin + latency_target_s, while the urgency test
+reads deadline_origin + target_scale x latency_target_s), deadline_origin,
+was_urgent and gave_up.
 
 Raises:
   KeyError: unknown id.)doc")
@@ -627,7 +629,8 @@ Raises:
           "counters", &PyScheduler::Counters,
           R"doc(Counters since creation, as a dict: steps, selections,
 cap_promotions, aging_promotions, max_steps_waited, urgent_selections,
-added, removed.)doc")
+deadlines_given_up, latencies_observed, latencies_beyond_target, added,
+removed.)doc")
       .def("__len__", &PyScheduler::size, "Number of live requests.")
       .def("__contains__", &PyScheduler::Contains, py::arg("request_id"),
            "True when the request is live.");

@@ -166,6 +166,7 @@ py::dict PyScheduler::Request(const std::string& id) const {
                       ? py::object(py::float_(*r->deadline))
                       : py::object(py::none());
   d["deadline_origin"] = r->deadline_origin;
+  d["was_urgent"] = r->was_urgent;
   d["gave_up"] = r->gave_up;
   return d;
 }
@@ -180,6 +181,8 @@ py::dict PyScheduler::Counters() const {
   d["max_steps_waited"] = c.max_steps_waited;
   d["urgent_selections"] = c.urgent_selections;
   d["deadlines_given_up"] = c.deadlines_given_up;
+  d["latencies_observed"] = c.latencies_observed;
+  d["latencies_beyond_target"] = c.latencies_beyond_target;
   d["added"] = c.added;
   d["removed"] = c.removed;
   return d;

@@ -256,7 +256,7 @@ int ReplayCommand(const std::vector<std::string>& args, std::ostream& out,
   flags.Double("tail-budget", &o.tail_budget, "B",
                "Every +target policy lets up to this share of the requests "
                "(per 10,000 added, in each stage) give up their deadline when "
-               "they first turn urgent with at least twice the mean "
+               "they first turn urgent with at least the mean "
                "completed length left (needs --bound-calibration > 0); 0 = "
                "none.");
   flags.Double("target-quantile", &o.target_quantile, "Q",
