@@ -192,7 +192,6 @@ absl::Status CountdownScheduler::Add(absl::string_view request_id,
   if (Targeted()) {
     r.deadline = r.origin + options_.latency_target_s;
     r.was_urgent = carried.was_urgent;
-    r.risked_target = carried.was_urgent;
     r.gave_up = carried.gave_up;
     // A deadline given up in an earlier stage counts against this one's
     // budget too (pruned here as well, so the window stays bounded even if
@@ -227,7 +226,7 @@ absl::StatusOr<CarriedDeadline> CountdownScheduler::Carry(
   CarriedDeadline c;
   c.age = now - r.origin;
   if (Targeted()) {
-    c.was_urgent = r.risked_target;
+    c.was_urgent = r.was_urgent;
     c.gave_up = r.gave_up;
     return c;
   }
@@ -615,18 +614,12 @@ void CountdownScheduler::Rank(size_t k) {
   // request and step.
   work_left_.clear();
   at_risk_.clear();
-  misses_target_.clear();
   if (policy == SchedulingPolicy::kBounded) {
     for (const Request& r : live_) {
       const double work = std::max(
           0.0, BoundWork(Estimate(r), r.generated, unpredicted_remaining));
       work_left_.push_back(work);
       at_risk_.push_back(now + step * work > EffectiveDeadline(r) - step);
-      // The tail budget judges the target itself, not the controller's
-      // tightened reading of it.
-      if (Targeted()) {
-        misses_target_.push_back(now + step * work > *r.deadline - step);
-      }
     }
   }
   if (policy == SchedulingPolicy::kBounded && Targeted() &&
@@ -637,7 +630,7 @@ void CountdownScheduler::Rank(size_t k) {
     giving_up_.clear();
     for (size_t i = 0; i < n; ++i) {
       const Request& r = live_[i];
-      if (!r.gave_up && !r.risked_target && misses_target_[i] &&
+      if (!r.gave_up && !r.was_urgent && at_risk_[i] &&
           work_left_[i] >= kTailBudgetMinWork * mean_actual_) {
         giving_up_.push_back(i);
       }
@@ -666,9 +659,6 @@ void CountdownScheduler::Rank(size_t k) {
     const bool urgent =
         policy == SchedulingPolicy::kBounded && !r.gave_up && at_risk_[i];
     r.was_urgent |= urgent;
-    if (policy == SchedulingPolicy::kBounded && Targeted()) {
-      r.risked_target |= misses_target_[i];
-    }
     if (urgent) {
       c.tier = kTierUrgent;
       c.priority = EffectiveDeadline(r);

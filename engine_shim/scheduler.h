@@ -32,8 +32,8 @@
 //      of the requests (per tail_budget_window added) give up their
 //      deadline when they first turn urgent with at least
 //      kTailBudgetMinWork x the mean completed length left (in arrival
-//      order; "urgent" against the target itself, whatever the controller
-//      below reads); a request that gave up is never urgent again. With
+//      order; urgent as the controller below reads the deadline, so in
+//      its debt earlier); a request that gave up is never urgent again. With
 //      target_quantile q > 0 the urgency test reads the deadline as origin
 //      + s x the target, s in [kTargetMinScale, 1] steered by the reported
 //      latencies (ObserveLatency) so that a share q of them stays within
@@ -224,8 +224,8 @@ struct SchedulerOptions {
 
   // kBounded with latency_target_s > 0: the share of requests that may give
   // up their deadline (docs/SCHEDULING.md, "The latency target"). A request
-  // whose work left first stops fitting before origin + latency_target_s
-  // (urgent, were the target read as itself) gives it up, and is ranked as if
+  // that turns urgent for the first time (under target_quantile's reading
+  // of the deadline) gives it up, and is ranked as if
   // it had no deadline from then on, when its work left is at least
   // kTailBudgetMinWork times the mean length of the completions in the
   // calibration window and fewer than floor(tail_budget x
@@ -360,11 +360,9 @@ struct CarriedDeadline {
   // reference Q it entered with.
   double virtual_estimate = 0;
   double tail_reference = 0;
-  // Whether its deadline has been at risk (now + step_s x work left >
-  // origin + latency_target_s - step_s: only the first time may it give it
-  // up), and whether it gave up its deadline (tail_budget), in the first
-  // stage. Without target_quantile's controller in debt this is whether
-  // it has been urgent.
+  // Whether it has been urgent (only the first time may it give its
+  // deadline up), and whether it gave up its deadline (tail_budget), in the
+  // first stage.
   bool was_urgent = false;
   bool gave_up = false;
 };
@@ -587,9 +585,6 @@ class CountdownScheduler {
     double virtual_finish = 0;
     double tail_reference = 0;
     bool was_urgent = false;
-    // Latency target: its work left has no longer fit before origin +
-    // latency_target_s (the tail budget's "first time").
-    bool risked_target = false;
     bool gave_up = false;
   };
   // Sort key of one live request for one step; compared lexicographically
@@ -687,9 +682,6 @@ class CountdownScheduler {
   // Rank (kBounded): each live request's work left and urgency test.
   std::vector<double> work_left_;
   std::vector<char> at_risk_;
-  // With a latency target: the same test against origin + the target
-  // itself (the tail budget's).
-  std::vector<char> misses_target_;
   // The mean actual length of the calibration window's completions (0
   // without any: the tail budget then gives nothing up).
   double mean_actual_ = 0;
