@@ -914,6 +914,15 @@ TEST_F(FleetMemberTest, AResendDoesNotWaitForNats) {
   ASSERT_TRUE(seq.ok()) << seq.status();
   EXPECT_EQ(*seq, before + 1);
   EXPECT_EQ(LastFeedbackSeq(), before + 1);
+  // A deferred duplicate is counted by the thread that sets its ack, after
+  // it wakes the waiters (PendingFleetAck::Set runs the OnDone callbacks
+  // outside its lock), so Wait() can return first: on a loaded machine (CI,
+  // a sanitizer build beside the tests) the count was read as 0. Wait for
+  // that thread's increment (bounded; it yields, no sleep).
+  const absl::Time counted_by = absl::Now() + absl::Seconds(10);
+  while (dups.Value() - dups_before < 1.0 && absl::Now() < counted_by) {
+    std::this_thread::yield();
+  }
   EXPECT_EQ(dups.Value() - dups_before, 1.0);
   // Later resends are answered from the confirmed record, at once.
   auto late = complete();
