@@ -204,6 +204,16 @@ absl::StatusOr<std::unique_ptr<LeapPredictor>> LeapPredictor::Create(
       options.features.size() % static_cast<size_t>(options.dim) != 0) {
     return absl::InvalidArgumentError("features do not match dim");
   }
+  if (options.charged_latency_s.has_value() &&
+      !(*options.charged_latency_s >= 0 &&
+        std::isfinite(*options.charged_latency_s))) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("charged latency must be finite and >= 0, got ",
+                     *options.charged_latency_s));
+  }
+  if (!(options.max_wait >= absl::ZeroDuration())) {
+    return absl::InvalidArgumentError("max_wait must be >= 0");
+  }
   std::unique_ptr<LeapPredictor> p(new LeapPredictor(std::move(options)));
   shim::ClientOptions co;
   co.endpoint = p->options_.endpoint;
@@ -246,13 +256,21 @@ void LeapPredictor::OnEvent(const shim::Event& e) {
       max_version_ = std::max(max_version_, e.version);
       auto it = pending_.find(IdOf(e.request_id));
       if (it == pending_.end() || it->second.arrived) break;
-      it->second.arrived = true;
-      it->second.latency_s =
+      const double measured =
           std::chrono::duration<double>(Clock::now() - it->second.submitted)
               .count();
+      const double charged = options_.charged_latency_s.value_or(measured);
+      latencies_.push_back(measured);
+      // Recorded even for a request that finished first: a later run that
+      // reuses the predictions (another discipline) may still hold it.
+      recorded_[it->first] = {e.predicted_tokens, charged};
+      if (it->second.finished) {
+        pending_.erase(it);  // outstanding_ counted it out at Finished
+        break;
+      }
+      it->second.arrived = true;
+      it->second.latency_s = charged;
       it->second.tokens = e.predicted_tokens;
-      latencies_.push_back(it->second.latency_s);
-      recorded_[it->first] = {e.predicted_tokens, it->second.latency_s};
       --outstanding_;
       break;
     }
@@ -270,7 +288,7 @@ void LeapPredictor::OnEvent(const shim::Event& e) {
       }
       auto it = pending_.find(IdOf(e.request_id));
       if (it != pending_.end()) {
-        if (!it->second.arrived) --outstanding_;
+        if (!it->second.arrived && !it->second.finished) --outstanding_;
         pending_.erase(it);
       }
       break;
@@ -323,24 +341,58 @@ absl::Status LeapPredictor::Collect(double now_s,
                                     std::vector<PredictionUpdate>* out) {
   absl::MutexLock lock(&mu_);
   if (outstanding_ > 0) {
-    // A prediction still missing is known at `now` only if it arrives within
-    // (now - capture) of its submission: wait for the latest such moment,
-    // but never past max_wait after its submission.
-    const double max_wait = absl::ToDoubleSeconds(options_.max_wait);
-    Clock::time_point deadline = Clock::now();
-    for (const auto& [id, p] : pending_) {
-      if (p.arrived) continue;
-      const auto slack = std::chrono::duration_cast<Clock::duration>(
-          std::chrono::duration<double>(
-              std::clamp(now_s - p.capture_s, 0.0, max_wait)));
-      deadline = std::max(deadline, p.submitted + slack);
-    }
-    const auto all_in = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-      return outstanding_ == 0;
-    };
-    const absl::Duration left = absl::FromChrono(deadline - Clock::now());
-    if (left > absl::ZeroDuration()) {
-      mu_.AwaitWithTimeout(absl::Condition(&all_in), left);
+    // Capped so that an infinite max_wait converts to the clock's duration.
+    const double max_wait =
+        std::min(absl::ToDoubleSeconds(options_.max_wait), 86400.0);
+    const Clock::time_point wall_now = Clock::now();
+    Clock::time_point deadline = wall_now;
+    if (options_.charged_latency_s.has_value()) {
+      // Every prediction due by `now` (capture + the charged latency) and
+      // still within max_wait of its submission is waited for.
+      const double charged = *options_.charged_latency_s;
+      const auto max_wait_d = std::chrono::duration_cast<Clock::duration>(
+          std::chrono::duration<double>(max_wait));
+      std::vector<int64_t>& due = due_missing_;
+      due.clear();
+      for (auto& [id, p] : pending_) {
+        if (p.arrived || p.finished || p.capture_s + charged > now_s) continue;
+        if (p.submitted + max_wait_d <= wall_now) {
+          if (!p.timed_out) ++wait_timeouts_;
+          p.timed_out = true;
+          continue;
+        }
+        due.push_back(id);
+        deadline = std::max(deadline, p.submitted + max_wait_d);
+      }
+      const auto all_due_in = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        for (int64_t id : due) {
+          auto it = pending_.find(id);
+          if (it != pending_.end() && !it->second.arrived) return false;
+        }
+        return true;
+      };
+      const absl::Duration left = absl::FromChrono(deadline - Clock::now());
+      if (!due.empty() && left > absl::ZeroDuration()) {
+        mu_.AwaitWithTimeout(absl::Condition(&all_due_in), left);
+      }
+    } else {
+      // A prediction still missing is known at `now` only if it arrives
+      // within (now - capture) of its submission: wait for the latest such
+      // moment, but never past max_wait after its submission.
+      for (const auto& [id, p] : pending_) {
+        if (p.arrived || p.finished) continue;
+        const auto slack = std::chrono::duration_cast<Clock::duration>(
+            std::chrono::duration<double>(
+                std::clamp(now_s - p.capture_s, 0.0, max_wait)));
+        deadline = std::max(deadline, p.submitted + slack);
+      }
+      const auto all_in = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return outstanding_ == 0;
+      };
+      const absl::Duration left = absl::FromChrono(deadline - Clock::now());
+      if (left > absl::ZeroDuration()) {
+        mu_.AwaitWithTimeout(absl::Condition(&all_in), left);
+      }
     }
   }
   for (auto it = pending_.begin(); it != pending_.end();) {
@@ -370,8 +422,13 @@ absl::Status LeapPredictor::Finished(const SimRequest& request) {
     absl::MutexLock lock(&mu_);
     auto it = pending_.find(request.id);
     if (it != pending_.end()) {
-      if (!it->second.arrived) --outstanding_;
-      pending_.erase(it);
+      if (it->second.arrived) {
+        pending_.erase(it);
+      } else if (!it->second.finished) {
+        // Kept until its prediction arrives, to record it (recorded()).
+        it->second.finished = true;
+        --outstanding_;
+      }
     }
   }
   client_->Complete(absl::StrCat(options_.product_line, "/", request.id),
@@ -401,6 +458,11 @@ LeapPredictor::recorded() const {
   absl::MutexLock lock(&mu_);
   return recorded_;
 }
+int64_t LeapPredictor::wait_timeouts() const {
+  absl::MutexLock lock(&mu_);
+  return wait_timeouts_;
+}
+
 int64_t LeapPredictor::rescores() const {
   absl::MutexLock lock(&mu_);
   return rescores_;

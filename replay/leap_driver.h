@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <deque>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <thread>
@@ -117,6 +118,12 @@ struct LeapPredictorOptions {
   // takes longer (leapd down) stops holding the simulation back, and the
   // request stays unpredicted until it arrives. Default: 2 s
   absl::Duration max_wait = absl::Seconds(2);
+  // Charge every prediction this latency (s) on the simulated timeline
+  // instead of the measured one; Collect(now) then waits (up to max_wait
+  // after its submission) for every prediction due by `now`. A frozen
+  // readout's runs are then repeatable: nothing depends on wall time.
+  // Unset = the measured latency.
+  std::optional<double> charged_latency_s;
 };
 
 // Predictions from leapd through shim::Client. The latency of a prediction
@@ -124,7 +131,12 @@ struct LeapPredictorOptions {
 // on the simulated timeline: a prediction is known from capture time +
 // latency on. Collect(now) waits for the outstanding predictions (on the
 // event, no polling) only as long as they could still be known by `now`,
-// i.e. until submit time + (now - capture time) in wall time. Rescores after
+// i.e. until submit time + (now - capture time) in wall time. With
+// LeapPredictorOptions::charged_latency_s a prediction is known from capture
+// time + that latency instead, and Collect(now) waits for every prediction
+// due by `now` (each up to max_wait after its submission; those that miss
+// it are counted, wait_timeouts(), and handed over when they arrive, so
+// the run no longer repeats). Rescores after
 // an RLS publish are handed over at the first Collect after they arrive.
 // Every finished request is completed with its true length (STOP), so a
 // readout that adapts learns from it. Called from the simulation thread;
@@ -150,7 +162,11 @@ class LeapPredictor : public Predictor {
   int64_t max_version() const;
   // Rescore events received.
   int64_t rescores() const;
-  // Per request id: the first prediction and its measured latency (s).
+  // charged_latency_s: predictions that were due but missed max_wait.
+  int64_t wait_timeouts() const;
+  // Per request id: the first prediction and the latency charged for it
+  // (s): the measured one, or LeapPredictorOptions::charged_latency_s;
+  // also for requests that finished before their prediction arrived.
   absl::flat_hash_map<int64_t, std::pair<double, double>> recorded() const;
 
  private:
@@ -159,8 +175,12 @@ class LeapPredictor : public Predictor {
     double capture_s = 0;
     Clock::time_point submitted;
     bool arrived = false;
-    double latency_s = 0;
+    double latency_s = 0;  // charged on the simulated timeline
     double tokens = 0;
+    // The request finished before its prediction arrived: kept only to
+    // record the prediction (recorded()) when it comes.
+    bool finished = false;
+    bool timed_out = false;  // charged_latency_s: counted in wait_timeouts_
   };
   explicit LeapPredictor(LeapPredictorOptions options)
       : options_(std::move(options)) {}
@@ -178,6 +198,8 @@ class LeapPredictor : public Predictor {
   std::string first_error_ ABSL_GUARDED_BY(mu_);
   int64_t max_version_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t rescores_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t wait_timeouts_ ABSL_GUARDED_BY(mu_) = 0;
+  std::vector<int64_t> due_missing_ ABSL_GUARDED_BY(mu_);  // Collect's
   absl::flat_hash_map<int64_t, std::pair<double, double>> recorded_
       ABSL_GUARDED_BY(mu_);
 };

@@ -406,6 +406,11 @@ absl::Status ReplayOptions::Validate() const {
   if (!(target_quantile >= 0 && target_quantile < 1)) {
     return bad("--target-quantile must be in [0, 1), got ", target_quantile);
   }
+  if (prediction_latency_s.has_value() &&
+      !(*prediction_latency_s >= 0 && *prediction_latency_s <= 60)) {
+    return bad("--prediction-latency-ms must be in [0, 60000], got ",
+               *prediction_latency_s * 1e3);
+  }
   if (!(tail_budget >= 0 && tail_budget <= 0.5)) {
     return bad("--tail-budget must be in [0, 0.5], got ", tail_budget);
   }
@@ -446,6 +451,7 @@ absl::StatusOr<ReplayReport> RunReplay(const ReplayOptions& o,
   };
   ReplayReport rep;
   rep.engine = o.engine.kind;
+  rep.prediction_latency_s = o.prediction_latency_s;
   rep.policies = o.policies;
   ASSIGN_OR_RETURN(readout::SynthDomain dom0, readout::BuiltinDomain(o.domain));
   readout::SynthDomain dom1 = dom0;
@@ -786,8 +792,8 @@ absl::StatusOr<ReplayReport> RunReplay(const ReplayOptions& o,
               (spec.has_discipline || spec.prior_admission) &&
               !recorded_values.empty()) {
             // The frozen readout's predictions do not depend on the order:
-            // reuse those of the first frozen LEAP run, with their measured
-            // latencies.
+            // reuse those of the first frozen LEAP run, with the latencies
+            // charged there (measured, or --prediction-latency-ms).
             predictor = std::make_unique<TablePredictor>(recorded_values,
                                                          recorded_latency);
             row.reused_predictions = true;
@@ -802,6 +808,7 @@ absl::StatusOr<ReplayReport> RunReplay(const ReplayOptions& o,
           lo.product_line = name;
           lo.dim = o.dim;
           lo.features = features;
+          lo.charged_latency_s = o.prediction_latency_s;
           ASSIGN_OR_RETURN(std::unique_ptr<LeapPredictor> lp,
                            LeapPredictor::Create(std::move(lo)));
           leap = lp.get();
@@ -836,6 +843,7 @@ absl::StatusOr<ReplayReport> RunReplay(const ReplayOptions& o,
         row.errors = leap->errors();
         row.max_version = leap->max_version();
         row.rescores = leap->rescores();
+        row.wait_timeouts = leap->wait_timeouts();
         if (spec.kind == PolicySpec::Kind::kLeap && recorded_values.empty() &&
             row.errors == 0) {
           recorded_values.assign(static_cast<size_t>(n), kNaN);
@@ -985,10 +993,20 @@ std::string FormatReplayTable(const ReplayReport& r) {
     absl::StrAppendFormat(
         &s,
         "%s @ %.2f: leapd prediction latency p50 %.3f ms, p99 %.3f ms (wall, "
-        "charged on the timeline); %d late; readout v%d; %d rescores%s\n",
+        "%s); %d late; readout v%d; %d rescores%s\n",
         row.policy, row.load, *row.latency_p50 * 1e3, *row.latency_p99 * 1e3,
+        r.prediction_latency_s.has_value()
+            ? absl::StrFormat("%g ms charged on the timeline instead",
+                              *r.prediction_latency_s * 1e3)
+            : std::string("charged on the timeline"),
         row.late, row.max_version, row.rescores,
-        row.errors > 0 ? absl::StrCat("; ", row.errors, " errors") : "");
+        absl::StrCat(row.errors > 0 ? absl::StrCat("; ", row.errors, " errors")
+                                    : "",
+                     row.wait_timeouts > 0
+                         ? absl::StrCat("; ", row.wait_timeouts,
+                                        " predictions missed the 2 s wait "
+                                        "(this run does not repeat)")
+                         : ""));
   }
   for (const PolicySpec& p : r.policies) {
     if (p.kind != PolicySpec::Kind::kLearned) continue;

@@ -168,6 +168,11 @@ struct ReplayOptions {
   // Every +target policy's SchedulerOptions::target_quantile (the engines
   // report each completion's latency, ObserveLatency). Default: 0.99
   double target_quantile = 0.99;
+  // LEAP policies: charge every prediction this latency (s) on the
+  // simulated timeline instead of the one measured from Submit to the
+  // prediction (LeapPredictorOptions::charged_latency_s); the runs of a
+  // frozen readout are then repeatable. In [0, 60]; unset = measured.
+  std::optional<double> prediction_latency_s;
 
   // leapd: this binary (default: FindLeapd()) started for the run, or a
   // running one at `server`.
@@ -208,6 +213,9 @@ struct ReplayRow {
   int64_t errors = 0;
   int64_t max_version = 0;
   int64_t rescores = 0;
+  // With prediction_latency_s: predictions due that missed the 2 s wait
+  // (LeapPredictor::wait_timeouts); the run then does not repeat.
+  int64_t wait_timeouts = 0;
   // Reused the predictions (and measured latencies) of the run's first
   // frozen LEAP arm instead of asking leapd again.
   bool reused_predictions = false;
@@ -237,6 +245,8 @@ struct ReplayReport {
   std::string tradeoff_plot_written;
   std::string admission_plot_written;
   EngineKind engine = EngineKind::kSlots;
+  // ReplayOptions::prediction_latency_s (unset: measured latencies charged).
+  std::optional<double> prediction_latency_s;
 };
 
 // Runs the replay. Progress goes to `progress` (stderr in the CLI).

@@ -1070,6 +1070,98 @@ TEST_F(ReplayLeapdTest, RequestMaxTokensCapsThePrediction) {
   EXPECT_TRUE((*arm)->Remove().ok());
 }
 
+// With a charged latency (LeapPredictorOptions::charged_latency_s) a LEAP
+// run no longer depends on wall time: it equals, step for step, a table of
+// the same predictions charged the same latency (TablePredictor), and so
+// repeats exactly. The latency (0.6 s) exceeds what is left of a one-prompt
+// prefill after the capture point (0.5 s), so when a prediction becomes
+// known matters.
+TEST_F(ReplayLeapdTest, ChargedLatencyMakesTheRunRepeatable) {
+  constexpr int64_t kDim = 4;
+  constexpr double kCharged = 0.6;
+  readout::ReadoutState state;
+  state.spec.dim = kDim;
+  state.spec.max_tokens = 2048;
+  state.spec.lambda = 1;
+  state.standardizer = readout::Standardizer::Identity(kDim);
+  state.theta = Eigen::VectorXd::Zero(kDim + 1);
+  state.theta[0] = 1;
+  state.version = 1;
+  absl::StatusOr<std::string> artifact = readout::SerializeArtifact(state);
+  ASSERT_TRUE(artifact.ok()) << artifact.status();
+
+  std::vector<SimRequest> reqs = Overloaded(300, 41);
+  std::mt19937_64 rng(43);
+  std::uniform_int_distribution<int> k(2, 40);
+  std::vector<float> x(reqs.size() * kDim, 0.0f);
+  std::vector<double> values;
+  for (SimRequest& r : reqs) {
+    const int root = k(rng);
+    r.output_tokens = root * root;
+    r.prompt_tokens = 600;
+    x[r.id * kDim] = static_cast<float>(root);
+    values.push_back(r.output_tokens);
+  }
+  SimOptions o = Small(20);
+  o.engine.prefill_per_token_ms = 1;  // 0.6 s prefill, capture at 1/6
+  o.engine.capture_fraction = 1.0 / 6.0;
+  o.record_order = true;
+
+  std::vector<SimResult> runs;
+  for (int run = 0; run < 2; ++run) {
+    const std::string line = absl::StrCat("charged", run);
+    absl::StatusOr<std::unique_ptr<LeapArm>> arm =
+        LeapArm::Create(Server(), line, *artifact, /*frozen=*/true);
+    ASSERT_TRUE(arm.ok()) << arm.status();
+    LeapPredictorOptions lo;
+    lo.endpoint = address_;
+    lo.product_line = line;
+    lo.dim = kDim;
+    lo.features = x;
+    lo.charged_latency_s = kCharged;
+    // The comparison is exact only if every due prediction arrives within
+    // the wait: generous for a loaded sanitizer build.
+    lo.max_wait = absl::Seconds(60);
+    absl::StatusOr<std::unique_ptr<LeapPredictor>> leap =
+        LeapPredictor::Create(std::move(lo));
+    ASSERT_TRUE(leap.ok()) << leap.status();
+    absl::StatusOr<SimResult> sim = Simulate(reqs, o, **leap);
+    ASSERT_TRUE(sim.ok()) << sim.status();
+    EXPECT_EQ((*leap)->errors(), 0) << (*leap)->first_error();
+    EXPECT_EQ((*leap)->wait_timeouts(), 0);
+    // Every request's prediction is recorded, also of those that finished
+    // before it was due.
+    EXPECT_EQ((*leap)->recorded().size(), reqs.size());
+    for (const auto& [id, v] : (*leap)->recorded()) {
+      EXPECT_EQ(v.first, values[id]) << "request " << id;
+      EXPECT_EQ(v.second, kCharged) << "request " << id;
+    }
+    runs.push_back(*std::move(sim));
+    leap->reset();
+    EXPECT_TRUE((*arm)->Remove().ok());
+  }
+  TablePredictor table(values, kCharged, /*on_gpu=*/false, 0);
+  absl::StatusOr<SimResult> reference = Simulate(reqs, o, table);
+  ASSERT_TRUE(reference.ok()) << reference.status();
+  // Predictions arriving after their prefill ended (late) exist.
+  EXPECT_GT(reference->late_predictions, 0);
+  for (const SimResult& run : runs) {
+    EXPECT_EQ(run.decode_order, reference->decode_order);
+    EXPECT_EQ(run.late_predictions, reference->late_predictions);
+    ASSERT_EQ(run.requests.size(), reference->requests.size());
+    for (size_t i = 0; i < run.requests.size(); ++i) {
+      EXPECT_EQ(run.requests[i].completion_s,
+                reference->requests[i].completion_s)
+          << "request " << run.requests[i].id;
+    }
+  }
+  // And the charged latency matters: charged nothing, the order differs.
+  TablePredictor instant(values, 0, /*on_gpu=*/false, 0);
+  absl::StatusOr<SimResult> at_once = Simulate(reqs, o, instant);
+  ASSERT_TRUE(at_once.ok());
+  EXPECT_NE(at_once->decode_order, reference->decode_order);
+}
+
 // A file in this process's temp dir (removed at exit).
 std::string TempPath(const std::string& name) {
   static const testing::ScopedTempDir* const dir = [] {
@@ -1300,6 +1392,15 @@ TEST(ReplayCliTest, UsageErrors) {
             kExitUsage);
   EXPECT_NE(err.str().find("--target-quantile must be in [0, 1)"),
             std::string::npos);
+  EXPECT_EQ(RunLeapctl({"replay", "--prediction-latency-ms", "-1"}, out, err),
+            kExitUsage);
+  EXPECT_NE(err.str().find("--prediction-latency-ms must be in [0, 60000]"),
+            std::string::npos);
+  for (const char* bad : {"nan", "60001", "inf"}) {
+    EXPECT_EQ(RunLeapctl({"replay", "--prediction-latency-ms", bad}, out, err),
+              kExitUsage)
+        << bad;
+  }
   // A missing trace file is a failure, not a usage error.
   EXPECT_EQ(RunLeapctl({"replay", "--trace", "/nonexistent/t.csv", "--policies",
                         "fcfs"},

@@ -47,6 +47,7 @@ constexpr char kDescription[] =
     "             readout frozen; each request's prediction is usable from\n"
     "             its capture point (--capture-fraction into its prefill)\n"
     "             plus the latency measured from Submit to the prediction\n"
+    "             (or --prediction-latency-ms, for repeatable runs)\n"
     "  leap-rls   the same readout adapting online (RLS) from completions\n"
     "  learned:rho=R,cost=Cms[,shift_rho=S]   a separate predictor whose\n"
     "             predictions have Spearman R with the true lengths (S after\n"
@@ -79,7 +80,7 @@ constexpr char kDescription[] =
     "requests ordered by a prior before prefill (per product line, from the\n"
     "prompt length, learned online from completions), e.g. leap+prior,\n"
     "leap+bounded=2.5+prior.\n"
-    "e.g. leap+bounded=1.5. leap+D runs reuse the predictions (and measured\n"
+    "e.g. leap+bounded=1.5. leap+D runs reuse the predictions (and charged\n"
     "latencies) of the first frozen LEAP run instead of asking leapd again.\n"
     "With fcfs and oracle in the list a trade-off table follows (share of the\n"
     "oracle's mean-PTL gain over FCFS, P99 and long-request P95 over FCFS's);\n"
@@ -134,6 +135,7 @@ int ReplayCommand(const std::vector<std::string>& args, std::ostream& out,
   std::string policies = "fcfs,oracle,leap,leap-rls";
   std::string sweep;
   std::optional<double> load;
+  std::optional<double> prediction_latency_ms;
   int64_t resident = o.engine.resident, slots = o.engine.slots;
   int64_t model_seed = static_cast<int64_t>(o.model_seed);
   std::string engine = "slots";
@@ -265,6 +267,12 @@ int ReplayCommand(const std::vector<std::string>& args, std::ostream& out,
                "completion's latency tightens or relaxes the deadlines "
                "used, never past the target); 0 = deadlines at the target "
                "itself.");
+  flags.OptionalDouble(
+      "prediction-latency-ms", &prediction_latency_ms, "MS",
+      "LEAP policies: charge every prediction this latency on the "
+      "simulated timeline instead of the one measured from Submit to the "
+      "prediction, so that runs of a frozen readout (leap, leap+D) repeat "
+      "exactly; in [0, 60000]. Default: measured.");
   flags.String("unpredicted", &o.unpredicted, "median|fixed|first|last",
                "Where the scheduler puts a request whose prediction is not "
                "known yet.");
@@ -299,6 +307,9 @@ int ReplayCommand(const std::vector<std::string>& args, std::ostream& out,
                "Write mean PTL vs load: .png (gnuplot; SVG instead when "
                "gnuplot is missing) or .svg.");
   if (int rc = cmd.Parse(flags, args); rc >= 0) return rc;
+  if (prediction_latency_ms.has_value()) {
+    o.prediction_latency_s = *prediction_latency_ms / 1e3;
+  }
 
   absl::StatusOr<TraceFormat> f = ParseTraceFormat(format);
   if (!f.ok()) return cmd.UsageError(f.status());
