@@ -342,7 +342,7 @@ inline constexpr double kTailBudgetMinWork = 1;
 // target_quantile's controller: the log of the scale per credit of debt,
 // and the scale's floor.
 inline constexpr double kTargetGain = 0.02;
-inline constexpr double kTargetMinScale = 0.25;
+inline constexpr double kTargetMinScale = 0.5;
 
 // kBounded: where a live request stands against its deadline, relative to the
 // scheduler's coming step, so that a second scheduler (the next stage of the
@@ -531,7 +531,7 @@ class CountdownScheduler {
   // overload no urgency test can absorb); a burst first spends the banked
   // credits. From the floor s is back at 1 after about
   // -log(kTargetMinScale) / kTargetGain / (1 - q) reports within the target
-  // (6,900 at q = 0.99). Report natural completions only, once each (each stage that
+  // (3,466 at q = 0.99). Report natural completions only, once each (each stage that
   // is told keeps its own credits). Ignored under other configurations.
   // kInvalidArgument for a non-finite or negative value.
   absl::Status ObserveLatency(double latency_s);

@@ -345,10 +345,10 @@ class LatencyTargetTest(unittest.TestCase):
         self.assertEqual(off.select(), ["short"])
         on = two(0.9)
         # 200 misses net -0.9 credits each: the debt stops at
-        # log(0.25) / 0.02, the scale at its floor; deadline read 2.5 s.
-        self.assertAlmostEqual(on.target_credits, math.log(0.25) / 0.02,
+        # log(0.5) / 0.02, the scale at its floor; deadline read 5 s.
+        self.assertAlmostEqual(on.target_credits, math.log(0.5) / 0.02,
                                places=9)
-        self.assertAlmostEqual(on.target_scale, 0.25, places=12)
+        self.assertAlmostEqual(on.target_scale, 0.5, places=12)
         self.assertEqual(on.counters["latencies_observed"], 200)
         self.assertEqual(on.counters["latencies_beyond_target"], 200)
         self.assertEqual(on.select(), ["long"])
@@ -356,7 +356,7 @@ class LatencyTargetTest(unittest.TestCase):
         self.assertTrue(on.request("long")["was_urgent"])
         self.assertFalse(on.request("short")["was_urgent"])
         on.observe_latency(1.0)  # within: +0.1 credit
-        self.assertAlmostEqual(on.target_scale, 0.25 * math.exp(0.002),
+        self.assertAlmostEqual(on.target_scale, 0.5 * math.exp(0.002),
                                places=12)
         with self.assertRaises(ValueError):
             on.observe_latency(-1.0)

@@ -459,7 +459,7 @@ Not thread-safe: call it from the engine's step loop only.)doc")
     within it: each latency reported to observe_latency() earns 1 - q
     credits (at most (1 - q) x tail_budget_window banked) and one beyond
     the target costs 1; in debt the urgency test reads the deadline as
-    arrival + s x latency_target_s, s = max(0.25, exp(0.02 x credits)),
+    arrival + s x latency_target_s, s = max(0.5, exp(0.02 x credits)),
     so that under a steady overload a share q finishes within the target
     (0 = s stays 1).
 
@@ -534,7 +534,7 @@ Raises:
           "The controller's credits: 1 - target_quantile earned per "
           "observe_latency() (at most (1 - q) x tail_budget_window banked), "
           "1 spent per latency beyond the target; in debt s = "
-          "max(0.25, exp(0.02 x credits)).")
+          "max(0.5, exp(0.02 x credits)).")
       .def_property_readonly(
           "service_correction", &PyScheduler::ServiceCorrection,
           "The bound's current additive correction in tokens (0 before any "
