@@ -157,9 +157,12 @@ TEST_P(FailOpen, EngineKeepsServingWhileLeapdIsKilledHungAndRestarted) {
   // had no prediction was served in arrival order.
   EXPECT_EQ(s.at("order_violations"), 0);
   // The Client's calls never wait for leapd (a blocked one would take at
-  // least the response timeout); the bound leaves room for a loaded
-  // machine and sanitizers.
-  EXPECT_LT(s.at("max_call_us"), 250'000) << "a shim call blocked the step loop";
+  // least the response timeout, 500 ms); the bound, 0.8 of that, leaves
+  // room for a loaded machine and sanitizers (a TSan run on 2 busy cores
+  // once measured 272 ms; not established why, likely the call waiting for
+  // the Client's lock while its manager thread builds a batch under TSan).
+  EXPECT_LT(s.at("max_call_us"), kResponseTimeoutMs * 800)
+      << "a shim call blocked the step loop";
   std::printf("fail-open (%s): leapd hang detected after %lld ms; max step "
               "call %lld us; engine destroyed in %lld us with leapd hung\n",
               GetParam().c_str(),
