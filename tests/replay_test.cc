@@ -929,6 +929,36 @@ class ReplayLeapdTest : public ::testing::Test {
     s.address = address_;
     return s;
   }
+  // The readout of these tests: kDim features, sqrt(length) read off
+  // feature 0 (theta = [1, 0, 0, 0; 0], identity standardization), budget
+  // 2,048 tokens; serialized.
+  static constexpr int64_t kDim = 4;
+  static absl::StatusOr<std::string> SqrtReadout() {
+    readout::ReadoutState state;
+    state.spec.dim = kDim;
+    state.spec.max_tokens = 2048;
+    state.spec.lambda = 1;
+    state.standardizer = readout::Standardizer::Identity(kDim);
+    state.theta = Eigen::VectorXd::Zero(kDim + 1);
+    state.theta[0] = 1;
+    state.version = 1;
+    return readout::SerializeArtifact(state);
+  }
+  // A frozen arm of `artifact` on product line `line` in the shared leapd,
+  // and a LeapPredictor on it with `lo` (its endpoint, line and dim set
+  // here). Fatal failure when either cannot be had.
+  static void StartLeap(const std::string& line, const std::string& artifact,
+                        LeapPredictorOptions lo,
+                        absl::StatusOr<std::unique_ptr<LeapArm>>& arm,
+                        absl::StatusOr<std::unique_ptr<LeapPredictor>>& leap) {
+    arm = LeapArm::Create(Server(), line, artifact, /*frozen=*/true);
+    ASSERT_TRUE(arm.ok()) << arm.status();
+    lo.endpoint = address_;
+    lo.product_line = line;
+    lo.dim = kDim;
+    leap = LeapPredictor::Create(std::move(lo));
+    ASSERT_TRUE(leap.ok()) << leap.status();
+  }
   static std::string address_;
   static testing::Process* leapd_;
 };
@@ -936,20 +966,10 @@ std::string ReplayLeapdTest::address_;
 testing::Process* ReplayLeapdTest::leapd_ = nullptr;
 
 TEST_F(ReplayLeapdTest, ExactReadoutGivesTheOracleDecodeOrder) {
-  // A readout that reads sqrt(length) off feature 0: theta = [1, 0, 0, 0; 0]
-  // with identity standardization. Lengths are perfect squares, so leapd's
-  // clip(score, 1, sqrt(M))^2 is exact in floating point and equals the
-  // oracle's value; features 1-3 are noise with weight 0.
-  constexpr int64_t kDim = 4;
-  readout::ReadoutState state;
-  state.spec.dim = kDim;
-  state.spec.max_tokens = 2048;
-  state.spec.lambda = 1;
-  state.standardizer = readout::Standardizer::Identity(kDim);
-  state.theta = Eigen::VectorXd::Zero(kDim + 1);
-  state.theta[0] = 1;
-  state.version = 1;
-  absl::StatusOr<std::string> artifact = readout::SerializeArtifact(state);
+  // Lengths are perfect squares, so leapd's clip(score, 1, sqrt(M))^2 of
+  // SqrtReadout is exact in floating point and equals the oracle's value;
+  // features 1-3 are noise with weight 0.
+  absl::StatusOr<std::string> artifact = SqrtReadout();
   ASSERT_TRUE(artifact.ok()) << artifact.status();
 
   std::vector<SimRequest> reqs = Overloaded(400, 13);
@@ -972,17 +992,12 @@ TEST_F(ReplayLeapdTest, ExactReadoutGivesTheOracleDecodeOrder) {
   o.engine.prefill_per_token_ms = 1;
   o.record_order = true;
 
-  absl::StatusOr<std::unique_ptr<LeapArm>> arm =
-      LeapArm::Create(Server(), "exact", *artifact, /*frozen=*/true);
-  ASSERT_TRUE(arm.ok()) << arm.status();
   LeapPredictorOptions lo;
-  lo.endpoint = address_;
-  lo.product_line = "exact";
-  lo.dim = kDim;
   lo.features = x;
-  absl::StatusOr<std::unique_ptr<LeapPredictor>> leap =
-      LeapPredictor::Create(std::move(lo));
-  ASSERT_TRUE(leap.ok()) << leap.status();
+  absl::StatusOr<std::unique_ptr<LeapArm>> arm;
+  absl::StatusOr<std::unique_ptr<LeapPredictor>> leap;
+  StartLeap("exact", *artifact, std::move(lo), arm, leap);
+  if (HasFatalFailure()) return;
   absl::StatusOr<SimResult> via_leapd = Simulate(reqs, o, **leap);
   ASSERT_TRUE(via_leapd.ok()) << via_leapd.status();
   EXPECT_EQ((*leap)->errors(), 0) << (*leap)->first_error();
@@ -1013,16 +1028,7 @@ TEST_F(ReplayLeapdTest, ExactReadoutGivesTheOracleDecodeOrder) {
 // with a cap go through the shim Client to leapd, and the prediction that
 // comes back is min(readout's prediction, cap). Without a cap it is not.
 TEST_F(ReplayLeapdTest, RequestMaxTokensCapsThePrediction) {
-  constexpr int64_t kDim = 4;
-  readout::ReadoutState state;
-  state.spec.dim = kDim;
-  state.spec.max_tokens = 2048;
-  state.spec.lambda = 1;
-  state.standardizer = readout::Standardizer::Identity(kDim);
-  state.theta = Eigen::VectorXd::Zero(kDim + 1);
-  state.theta[0] = 1;
-  state.version = 1;
-  absl::StatusOr<std::string> artifact = readout::SerializeArtifact(state);
+  absl::StatusOr<std::string> artifact = SqrtReadout();
   ASSERT_TRUE(artifact.ok()) << artifact.status();
 
   std::vector<SimRequest> reqs = Overloaded(120, 29);
@@ -1043,18 +1049,13 @@ TEST_F(ReplayLeapdTest, RequestMaxTokensCapsThePrediction) {
                      ? std::min(readout_tokens, static_cast<double>(caps[r.id]))
                      : readout_tokens;
   }
-  absl::StatusOr<std::unique_ptr<LeapArm>> arm =
-      LeapArm::Create(Server(), "capped", *artifact, /*frozen=*/true);
-  ASSERT_TRUE(arm.ok()) << arm.status();
   LeapPredictorOptions lo;
-  lo.endpoint = address_;
-  lo.product_line = "capped";
-  lo.dim = kDim;
   lo.features = x;
   lo.max_tokens = caps;
-  absl::StatusOr<std::unique_ptr<LeapPredictor>> leap =
-      LeapPredictor::Create(std::move(lo));
-  ASSERT_TRUE(leap.ok()) << leap.status();
+  absl::StatusOr<std::unique_ptr<LeapArm>> arm;
+  absl::StatusOr<std::unique_ptr<LeapPredictor>> leap;
+  StartLeap("capped", *artifact, std::move(lo), arm, leap);
+  if (HasFatalFailure()) return;
   SimOptions o = Small(20);
   o.engine.prefill_per_token_ms = 1;
   absl::StatusOr<SimResult> sim = Simulate(reqs, o, **leap);
@@ -1077,17 +1078,8 @@ TEST_F(ReplayLeapdTest, RequestMaxTokensCapsThePrediction) {
 // prefill after the capture point (0.5 s), so when a prediction becomes
 // known matters.
 TEST_F(ReplayLeapdTest, ChargedLatencyMakesTheRunRepeatable) {
-  constexpr int64_t kDim = 4;
   constexpr double kCharged = 0.6;
-  readout::ReadoutState state;
-  state.spec.dim = kDim;
-  state.spec.max_tokens = 2048;
-  state.spec.lambda = 1;
-  state.standardizer = readout::Standardizer::Identity(kDim);
-  state.theta = Eigen::VectorXd::Zero(kDim + 1);
-  state.theta[0] = 1;
-  state.version = 1;
-  absl::StatusOr<std::string> artifact = readout::SerializeArtifact(state);
+  absl::StatusOr<std::string> artifact = SqrtReadout();
   ASSERT_TRUE(artifact.ok()) << artifact.status();
 
   std::vector<SimRequest> reqs = Overloaded(300, 41);
@@ -1110,21 +1102,16 @@ TEST_F(ReplayLeapdTest, ChargedLatencyMakesTheRunRepeatable) {
   std::vector<SimResult> runs;
   for (int run = 0; run < 2; ++run) {
     const std::string line = absl::StrCat("charged", run);
-    absl::StatusOr<std::unique_ptr<LeapArm>> arm =
-        LeapArm::Create(Server(), line, *artifact, /*frozen=*/true);
-    ASSERT_TRUE(arm.ok()) << arm.status();
     LeapPredictorOptions lo;
-    lo.endpoint = address_;
-    lo.product_line = line;
-    lo.dim = kDim;
     lo.features = x;
     lo.charged_latency_s = kCharged;
     // The comparison is exact only if every due prediction arrives within
     // the wait: generous for a loaded sanitizer build.
     lo.max_wait = absl::Seconds(60);
-    absl::StatusOr<std::unique_ptr<LeapPredictor>> leap =
-        LeapPredictor::Create(std::move(lo));
-    ASSERT_TRUE(leap.ok()) << leap.status();
+    absl::StatusOr<std::unique_ptr<LeapArm>> arm;
+    absl::StatusOr<std::unique_ptr<LeapPredictor>> leap;
+    StartLeap(line, *artifact, std::move(lo), arm, leap);
+    if (HasFatalFailure()) return;
     absl::StatusOr<SimResult> sim = Simulate(reqs, o, **leap);
     ASSERT_TRUE(sim.ok()) << sim.status();
     EXPECT_EQ((*leap)->errors(), 0) << (*leap)->first_error();
