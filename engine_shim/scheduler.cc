@@ -86,6 +86,10 @@ absl::Status SchedulerOptions::Validate() const {
     return absl::InvalidArgumentError(
         absl::StrCat("tail_budget must be in [0, 0.5], got ", tail_budget));
   }
+  if (!(give_up_reserve >= 0 && give_up_reserve <= 1)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "give_up_reserve must be in [0, 1], got ", give_up_reserve));
+  }
   if (tail_budget_window < 1 || tail_budget_window > (1 << 24)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "tail_budget_window must be in [1, 16777216], got ",
@@ -301,6 +305,7 @@ absl::Status CountdownScheduler::Remove(absl::string_view request_id) {
     return NotLive(request_id);
   }
   const size_t pos = it->second;
+  if (live_[pos].holds_credit) --credits_set_aside_;
   index_.erase(it);
   if (pos + 1 != live_.size()) {
     live_[pos] = std::move(live_.back());
@@ -622,11 +627,20 @@ void CountdownScheduler::Rank(size_t k) {
       at_risk_.push_back(now + step * work > EffectiveDeadline(r) - step);
     }
   }
+  // give_up_reserve: the credits that must stay, not set aside, once one
+  // more is (never reached when the reserve is the whole bank or there is
+  // no controller).
+  const double q = options_.target_quantile;
+  const double keep =
+      options_.give_up_reserve * (1 - q) *
+      static_cast<double>(options_.tail_budget_window);
+  const bool on_credit = q > 0 && options_.give_up_reserve < 1;
   if (policy == SchedulingPolicy::kBounded && Targeted() &&
-      options_.tail_budget > 0 && mean_actual_ > 0) {
+      (options_.tail_budget > 0 || on_credit) && mean_actual_ > 0) {
     // tail_budget: requests turning urgent for the first time with enough
     // work left give up their deadline, in arrival order, while the budget
-    // lasts (so the choice does not depend on the order of live_).
+    // lasts (so the choice does not depend on the order of live_), then
+    // while give_up_reserve's credits last.
     giving_up_.clear();
     for (size_t i = 0; i < n; ++i) {
       const Request& r = live_[i];
@@ -639,10 +653,20 @@ void CountdownScheduler::Rank(size_t k) {
       return live_[a].arrival < live_[b].arrival;
     });
     for (size_t i : giving_up_) {
-      if (!BudgetLeft()) break;
+      if (options_.tail_budget > 0 && BudgetLeft()) {
+        // When (in arrivals) it gave up: the budget is a rate per arrivals.
+        gave_up_.push_back(next_arrival_);
+      } else if (on_credit &&
+                 target_credits_ -
+                         static_cast<double>(credits_set_aside_ + 1) >=
+                     keep) {
+        live_[i].holds_credit = true;
+        ++credits_set_aside_;
+        ++counters_.credit_give_ups;
+      } else {
+        break;  // neither the budget nor the credits move back this step
+      }
       live_[i].gave_up = true;
-      // When (in arrivals) it gave up: the budget is a rate per arrivals.
-      gave_up_.push_back(next_arrival_);
       ++counters_.deadlines_given_up;
     }
   }

@@ -39,6 +39,9 @@
 //      latencies (ObserveLatency) so that a share q of them stays within
 //      the target (credits earned per report, spent per latency beyond),
 //      as far as tightening can: at the floor nothing tightens further.
+//      Past the tail budget a request that would give up still does while
+//      the credits not set aside stay at or above give_up_reserve x the
+//      bank after setting one aside for it (until its Remove).
 //   1. Promoted requests: steps_waited >= waiting_cap (when the cap is on).
 //      Most steps waited first; ties by arrival (FCFS).
 //   2. Everybody else by effective priority, smallest first; ties by arrival:
@@ -253,6 +256,23 @@ struct SchedulerOptions {
   // Default: 0.99
   double target_quantile = 0.99;
 
+  // kBounded with latency_target_s > 0 and target_quantile q > 0: once
+  // tail_budget is spent, a request that would give up its deadline (the
+  // same test: turning urgent for the first time with at least
+  // kTailBudgetMinWork x the mean left) still gives it up, against one of
+  // the controller's credits, while the credits c minus those set aside
+  // (one per live request that gave up this way) minus its own stay at or
+  // above give_up_reserve x the bank ((1 - q) x tail_budget_window). Its
+  // credit stays set aside while it is live in this stage (released at
+  // Remove; its latency, once reported, costs 1 if beyond the target like
+  // any other). A miss chosen here is known when it is chosen, unlike the
+  // misses the controller learns of at completion, so it is spent only
+  // from a bank well filled by requests that finished within the target;
+  // the set-aside credits do not move c or the scale. In [0, 1]; 1 = none
+  // beyond tail_budget (c never exceeds the bank).
+  // Default: 0.5
+  double give_up_reserve = 0.5;
+
   // The window of tail_budget, in requests added: the period over which an
   // operator's P99 is judged (a short window spreads the budget thin across
   // a burst; an endless one would let a long quiet period bank it). Also
@@ -382,8 +402,11 @@ struct SchedulerCounters {
   int64_t max_steps_waited = 0;
   // kBounded: selections of urgent requests (Select only).
   int64_t urgent_selections = 0;
-  // kBounded: requests that gave up their deadline (tail_budget).
+  // kBounded: requests that gave up their deadline (tail_budget, and
+  // give_up_reserve's), and of those the ones that gave it up against a
+  // credit (give_up_reserve).
   int64_t deadlines_given_up = 0;
+  int64_t credit_give_ups = 0;
   // kBounded with a latency target and target_quantile > 0: latencies
   // reported (ObserveLatency), and those beyond the target.
   int64_t latencies_observed = 0;
@@ -540,6 +563,9 @@ class CountdownScheduler {
   // while the credits are not negative), and its credits (0 at creation).
   double target_scale() const { return target_scale_; }
   double target_credits() const { return target_credits_; }
+  // give_up_reserve: the credits set aside by live requests that gave their
+  // deadline up against one.
+  int64_t credits_set_aside() const { return credits_set_aside_; }
 
   // Commits `steps` empty steps at once while no request is live: exactly
   // what `steps` calls of Commit({}) would do then (the step count moves,
@@ -586,6 +612,9 @@ class CountdownScheduler {
     double tail_reference = 0;
     bool was_urgent = false;
     bool gave_up = false;
+    // Gave its deadline up against a credit (give_up_reserve), set aside
+    // until Remove.
+    bool holds_credit = false;
   };
   // Sort key of one live request for one step; compared lexicographically
   // on (tier, priority, arrival).
@@ -674,6 +703,8 @@ class CountdownScheduler {
   // urgency test.
   double target_credits_ = 0;
   double target_scale_ = 1;
+  // give_up_reserve: credits set aside (live requests with holds_credit).
+  int64_t credits_set_aside_ = 0;
   // tail_budget: the arrival count (next_arrival_) at each deadline given up
   // (or carried in given up) within the last tail_budget_window arrivals,
   // oldest first.

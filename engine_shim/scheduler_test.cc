@@ -103,6 +103,11 @@ class ReferenceScheduler {
     }
   }
   bool Has(const std::string& id) const { return reqs_.count(id) > 0; }
+  int64_t CreditsSetAside() const {
+    int64_t n = 0;
+    for (const auto& entry : reqs_) n += entry.second.on_credit;
+    return n;
+  }
   // The point the request's deadline counts from (its latency's origin).
   double Origin(const std::string& id) const { return reqs_.at(id).origin; }
   // A reported latency (scheduler.h, ObserveLatency): 1 - q credits
@@ -335,7 +340,13 @@ class ReferenceScheduler {
       return Clock() + StepTime() * work_left(r) >
              test_deadline(r) - StepTime();
     };
-    if (bounded && Targeted() && o_.tail_budget > 0 && !samples_.empty()) {
+    // give_up_reserve: past the budget, a credit set aside per live
+    // request that gave up against one, while the credits minus all those
+    // set aside (its own included) stay >= reserve x the bank.
+    const bool on_credit =
+        o_.target_quantile > 0 && o_.give_up_reserve < 1;
+    if (bounded && Targeted() && (o_.tail_budget > 0 || on_credit) &&
+        !samples_.empty()) {
       // tail_budget: first-time urgent requests with at least
       // kTailBudgetMinWork x the window's mean completed length left give
       // up their deadline, in arrival order, while fewer than
@@ -363,9 +374,23 @@ class ReferenceScheduler {
             o_.tail_budget *
                 static_cast<double>(std::min<uint64_t>(w, next_arrival_)) +
             1e-9);
-        if (static_cast<double>(recent + 1) > allowed) break;
-        reqs_.at(id).gave_up = true;
-        gave_up_arrivals_.push_back(next_arrival_);
+        Req& r = reqs_.at(id);
+        if (o_.tail_budget > 0 && static_cast<double>(recent + 1) <= allowed) {
+          gave_up_arrivals_.push_back(next_arrival_);
+        } else {
+          int64_t set_aside = 1;
+          for (const auto& entry : reqs_) set_aside += entry.second.on_credit;
+          const double bank =
+              (1 - o_.target_quantile) * o_.tail_budget_window;
+          if (!on_credit ||
+              credits_ - static_cast<double>(set_aside) <
+                  o_.give_up_reserve * bank) {
+            break;
+          }
+          r.on_credit = true;
+          ++credit_give_ups;
+        }
+        r.gave_up = true;
         ++given_up;
       }
     }
@@ -476,7 +501,7 @@ class ReferenceScheduler {
   int64_t aging_promotions = 0;
   int64_t urgent_selections = 0;
   int64_t max_waited = 0;
-  int64_t given_up = 0;
+  int64_t given_up = 0, credit_give_ups = 0;
 
  private:
   double scale_ = 1, credits_ = 0;
@@ -492,6 +517,7 @@ class ReferenceScheduler {
     std::optional<double> prior;
     double origin = 0;  // the step (or second) the deadline counts from
     bool was_urgent = false, gave_up = false;
+    bool on_credit = false;  // gave up against a credit (give_up_reserve)
   };
   // Ranked by a prediction, or else by a prior.
   static bool Ranked(const Req& r) { return r.pred || r.prior; }
@@ -543,6 +569,8 @@ struct Traffic {
   // by a factor drawn in [low, high] (also some with invalid values).
   double observe_prob = 0;
   double observe_low = 0.3, observe_high = 1.2;
+  // The run must give deadlines up against credits (give_up_reserve).
+  bool expect_credit_give_ups = false;
 };
 
 double NoisyPrediction(std::mt19937_64& rng, int64_t true_len) {
@@ -732,6 +760,8 @@ void RunAgainstReference(const SchedulerOptions& options,
     ASSERT_EQ(sched.counters().aging_promotions, ref.aging_promotions);
     ASSERT_EQ(sched.counters().urgent_selections, ref.urgent_selections);
     ASSERT_EQ(sched.counters().deadlines_given_up, ref.given_up);
+    ASSERT_EQ(sched.counters().credit_give_ups, ref.credit_give_ups);
+    ASSERT_EQ(sched.credits_set_aside(), ref.CreditsSetAside());
     ASSERT_EQ(sched.counters().max_steps_waited, ref.max_waited);
     if (step % 97 == 0) {
       ref.ExpectStatsMatch(sched);
@@ -752,6 +782,13 @@ void RunAgainstReference(const SchedulerOptions& options,
     EXPECT_GT(sched.counters().urgent_selections, 0);
     if (targeted && options.tail_budget > 0 && traffic.observe_prob > 0) {
       EXPECT_GT(sched.counters().deadlines_given_up, 0);
+    }
+    if (traffic.expect_credit_give_ups) {
+      EXPECT_GT(sched.counters().credit_give_ups, 0)
+          << "credits " << sched.target_credits() << " given up "
+          << sched.counters().deadlines_given_up << " observed "
+          << sched.counters().latencies_observed << " beyond "
+          << sched.counters().latencies_beyond_target;
     }
     if (traffic.observe_prob > 0 && options.calibration_window > 0) {
       if (options.calibration == BoundCalibration::kAdditive) {
@@ -1018,16 +1055,21 @@ TEST(CountdownSchedulerTest, LatencyTargetMatchesBruteForceReference) {
     int window;
     BoundCalibration calibration;
     double quantile;  // target_quantile (0: no controller)
+    double reserve;   // give_up_reserve (1: no give-ups against credits)
+    bool on_credit;   // the run must give some deadlines up against credits
   };
   constexpr BoundCalibration kAdd = BoundCalibration::kAdditive;
   constexpr BoundCalibration kRatio = BoundCalibration::kRatio;
   const Config configs[] = {
-      {64, 128, 20, 0.02, 1000, kRatio, 0.99},
-      {8, 0, 5, 0, 1000, kAdd, 0.99},
-      {16, 0, 60, 0.05, 37, kRatio, 0},
-      {3, 4, 30, 0.5, 2, kAdd, 0.5},
-      {16, 0, 10, 0.5, 200, kRatio, 0.9},
-      {16, 0, 3, 0.01, 500, kRatio, 0.999},
+      {64, 128, 20, 0.02, 1000, kRatio, 0.99, 0.5, false},
+      {8, 0, 5, 0, 1000, kAdd, 0.99, 1, false},
+      {16, 0, 60, 0.05, 37, kRatio, 0, 0.5, false},
+      {3, 4, 30, 0.5, 2, kAdd, 0.5, 0.5, false},
+      {16, 0, 10, 0.5, 200, kRatio, 0.9, 0.5, false},
+      {16, 0, 3, 0.01, 500, kRatio, 0.999, 0.5, false},
+      // Give-ups against credits alone, and past a small budget.
+      {16, 0, 60, 0, 200, kRatio, 0.5, 0, true},
+      {16, 0, 60, 0.02, 300, kAdd, 0.5, 0.25, true},
   };
   uint64_t seed = 300;
   for (const Config& c : configs) {
@@ -1037,6 +1079,8 @@ TEST(CountdownSchedulerTest, LatencyTargetMatchesBruteForceReference) {
     o.tail_budget_window = c.window;
     o.calibration = c.calibration;
     o.target_quantile = c.quantile;
+    o.give_up_reserve = c.reserve;
+    t.expect_credit_give_ups = c.on_credit;
     t.carried_prob = 0.3;
     t.prior_prob = 0.3;
     t.observe_prob = 0.7;
@@ -1111,6 +1155,14 @@ TEST(CountdownSchedulerTest, LatencyTargetByHand) {
     SchedulerOptions x = o;
     x.tail_budget_window = bad;
     EXPECT_EQ(x.Validate().code(), StatusCode::kInvalidArgument) << bad;
+  }
+  for (double bad : {-0.01, 1.01, std::nan(""), HUGE_VAL}) {
+    SchedulerOptions x = o;
+    x.give_up_reserve = bad;
+    const absl::Status status = x.Validate();
+    EXPECT_EQ(status.code(), StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(status.message().find("give_up_reserve"), absl::string_view::npos)
+        << bad;
   }
 }
 
@@ -1278,6 +1330,101 @@ TEST(CountdownSchedulerTest, TargetControllerSettlesAtTheQuantile) {
 // gives up its deadline while fewer than floor(b x min(tail_budget_window,
 // added)) deadlines were given up during the last tail_budget_window
 // arrivals; a short one never does; one that gave up is never urgent again.
+// give_up_reserve: past the tail budget a first-time urgent long request
+// gives its deadline up against a credit while the credits minus those set
+// aside (its own included) stay >= reserve x the bank; the credit stays set
+// aside until Remove and moves neither the credits nor the scale.
+TEST(CountdownSchedulerTest, GiveUpAgainstCreditsByHand) {
+  SchedulerOptions o;
+  o.policy = SchedulingPolicy::kBounded;
+  o.slots = 1;
+  o.waiting_cap = 0;
+  o.latency_target_s = 10;
+  o.tail_budget = 0;             // only credits
+  o.tail_budget_window = 10;
+  o.target_quantile = 0.5;       // bank (1 - 0.5) x 10 = 5
+  o.give_up_reserve = 0.4;       // keep 2
+  o.calibration_window = 10;
+  CountdownScheduler s = MakeScheduler(o);
+  ASSERT_TRUE(s.ObserveCompletion(10, 10).ok());  // mean 10
+  for (int i = 0; i < 12; ++i) ASSERT_TRUE(s.ObserveLatency(1).ok());
+  EXPECT_EQ(s.target_credits(), 5);  // capped at the bank
+  ASSERT_TRUE(s.SetTime(0, 1).ok());
+  for (const char* id : {"a", "b", "c", "d"}) {
+    ASSERT_TRUE(s.Add(id).ok());
+    ASSERT_TRUE(s.SetPrediction(id, 30).ok());  // 30 s of work > 10 s
+  }
+  // In arrival order: 5 - 1, 5 - 2, 5 - 3 >= 2 give up; 5 - 4 < 2 not.
+  EXPECT_EQ(s.Select(), std::vector<std::string>{"d"});
+  for (const char* id : {"a", "b", "c"}) {
+    EXPECT_TRUE(s.GetRequest(id)->gave_up) << id;
+  }
+  EXPECT_FALSE(s.GetRequest("d")->gave_up);
+  EXPECT_EQ(s.counters().credit_give_ups, 3);
+  EXPECT_EQ(s.counters().deadlines_given_up, 3);
+  EXPECT_EQ(s.credits_set_aside(), 3);
+  EXPECT_EQ(s.target_credits(), 5);
+  EXPECT_EQ(s.target_scale(), 1);
+  // "d" stays urgent: it turned urgent once, so it never gives up later.
+  // Removing "a" frees its credit for a newcomer.
+  ASSERT_TRUE(s.Remove("a").ok());
+  EXPECT_EQ(s.credits_set_aside(), 2);
+  ASSERT_TRUE(s.SetTime(1, 1).ok());
+  ASSERT_TRUE(s.Add("e").ok());
+  ASSERT_TRUE(s.SetPrediction("e", 30).ok());
+  EXPECT_EQ(s.Select(), std::vector<std::string>{"d"});
+  EXPECT_TRUE(s.GetRequest("e")->gave_up);
+  EXPECT_FALSE(s.GetRequest("d")->gave_up);
+  EXPECT_EQ(s.credits_set_aside(), 3);
+  // A latency beyond the target costs 1 as usual (5 + 0.5 capped, - 1):
+  // 4 - 3 - 1 < 2, so the next one stays urgent.
+  ASSERT_TRUE(s.ObserveLatency(20).ok());
+  EXPECT_EQ(s.target_credits(), 4);
+  ASSERT_TRUE(s.Add("f").ok());
+  ASSERT_TRUE(s.SetPrediction("f", 30).ok());
+  s.Select();
+  EXPECT_FALSE(s.GetRequest("f")->gave_up);
+  EXPECT_EQ(s.counters().credit_give_ups, 4);
+  // Everybody removed: nothing stays set aside.
+  for (const char* id : {"b", "c", "d", "e", "f"}) {
+    ASSERT_TRUE(s.Remove(id).ok());
+  }
+  EXPECT_EQ(s.credits_set_aside(), 0);
+  // A reserve of the whole bank, or no controller: nobody gives up on
+  // credit, even with the bank full.
+  for (auto [reserve, quantile] : {std::pair{1.0, 0.5}, {0.0, 0.0}}) {
+    SchedulerOptions x = o;
+    x.give_up_reserve = reserve;
+    x.target_quantile = quantile;
+    CountdownScheduler none = MakeScheduler(x);
+    ASSERT_TRUE(none.ObserveCompletion(10, 10).ok());
+    for (int i = 0; i < 12; ++i) ASSERT_TRUE(none.ObserveLatency(1).ok());
+    ASSERT_TRUE(none.SetTime(0, 1).ok());
+    ASSERT_TRUE(none.Add("a").ok());
+    ASSERT_TRUE(none.SetPrediction("a", 30).ok());
+    EXPECT_EQ(none.Select(), std::vector<std::string>{"a"});
+    EXPECT_FALSE(none.GetRequest("a")->gave_up) << reserve << " " << quantile;
+    EXPECT_EQ(none.counters().credit_give_ups, 0);
+  }
+  // Past a tail budget: the budget first, then the credits.
+  SchedulerOptions both = o;
+  both.tail_budget = 0.5;  // floor(0.5 x 2) = 1 of the first two
+  CountdownScheduler b = MakeScheduler(both);
+  ASSERT_TRUE(b.ObserveCompletion(10, 10).ok());
+  for (int i = 0; i < 12; ++i) ASSERT_TRUE(b.ObserveLatency(1).ok());
+  ASSERT_TRUE(b.SetTime(0, 1).ok());
+  for (const char* id : {"a", "b"}) {
+    ASSERT_TRUE(b.Add(id).ok());
+    ASSERT_TRUE(b.SetPrediction(id, 30).ok());
+  }
+  b.Select();
+  EXPECT_TRUE(b.GetRequest("a")->gave_up);
+  EXPECT_TRUE(b.GetRequest("b")->gave_up);
+  EXPECT_EQ(b.counters().deadlines_given_up, 2);
+  EXPECT_EQ(b.counters().credit_give_ups, 1);
+  EXPECT_EQ(b.credits_set_aside(), 1);
+}
+
 TEST(CountdownSchedulerTest, TailBudgetByHand) {
   SchedulerOptions o;
   o.policy = SchedulingPolicy::kBounded;

@@ -587,6 +587,7 @@ absl::StatusOr<SimResult> Simulate(std::span<const SimRequest> requests,
   result.counters = sched.counters();
   if (admit.has_value()) {
     result.queue_deadlines_given_up = admit->counters().deadlines_given_up;
+    result.queue_credit_give_ups = admit->counters().credit_give_ups;
   }
   return std::move(run.result);
 }

@@ -253,8 +253,10 @@ struct SimResult {
   int64_t recomputed_tokens = 0;
   shim::SchedulerCounters counters;
   // Slots engine with an admission scheduler: deadlines it gave up
-  // (tail_budget) before admission (`counters` are the decode stage's).
+  // (tail_budget, give_up_reserve) before admission, and of those the ones
+  // given up against credits (`counters` are the decode stage's).
   int64_t queue_deadlines_given_up = 0;
+  int64_t queue_credit_give_ups = 0;
   // Per step: ids decoded, in the scheduler's order (record_order only).
   std::vector<std::vector<int64_t>> decode_order;
 };

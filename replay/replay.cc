@@ -23,6 +23,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "absl/time/time.h"
 #include "client/process.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
@@ -406,6 +407,9 @@ absl::Status ReplayOptions::Validate() const {
   if (!(target_quantile >= 0 && target_quantile < 1)) {
     return bad("--target-quantile must be in [0, 1), got ", target_quantile);
   }
+  if (!(give_up_reserve >= 0 && give_up_reserve <= 1)) {
+    return bad("--give-up-reserve must be in [0, 1], got ", give_up_reserve);
+  }
   if (prediction_latency_s.has_value() &&
       !(*prediction_latency_s >= 0 && *prediction_latency_s <= 60)) {
     return bad("--prediction-latency-ms must be in [0, 60000], got ",
@@ -744,6 +748,7 @@ absl::StatusOr<ReplayReport> RunReplay(const ReplayOptions& o,
             so.scheduler.calibration = shim::BoundCalibration::kRatio;
             so.scheduler.tail_budget = o.tail_budget;
             so.scheduler.target_quantile = o.target_quantile;
+            so.scheduler.give_up_reserve = o.give_up_reserve;
           }
         } else if (spec.discipline == shim::SchedulingPolicy::kLinearAging) {
           so.scheduler.linear_aging = spec.knob;
@@ -834,6 +839,8 @@ absl::StatusOr<ReplayReport> RunReplay(const ReplayOptions& o,
       row.urgent_selections = sim.counters.urgent_selections;
       row.deadlines_given_up = sim.counters.deadlines_given_up;
       row.queue_deadlines_given_up = sim.queue_deadlines_given_up;
+      row.credit_give_ups =
+          sim.counters.credit_give_ups + sim.queue_credit_give_ups;
       if (leap != nullptr) {
         const std::vector<double> lat = leap->latencies();
         if (!lat.empty()) {
@@ -1003,9 +1010,12 @@ std::string FormatReplayTable(const ReplayReport& r) {
         absl::StrCat(row.errors > 0 ? absl::StrCat("; ", row.errors, " errors")
                                     : "",
                      row.wait_timeouts > 0
-                         ? absl::StrCat("; ", row.wait_timeouts,
-                                        " predictions missed the 2 s wait "
-                                        "(this run does not repeat)")
+                         ? absl::StrCat(
+                               "; ", row.wait_timeouts,
+                               " predictions missed the ",
+                               absl::FormatDuration(
+                                   LeapPredictorOptions().max_wait),
+                               " wait (this run does not repeat)")
                          : ""));
   }
   for (const PolicySpec& p : r.policies) {
@@ -1037,9 +1047,9 @@ std::string FormatReplayTable(const ReplayReport& r) {
     if (row.deadlines_given_up + row.queue_deadlines_given_up > 0) {
       absl::StrAppendFormat(&s,
                             " %d deadlines given up in decode, %d in the "
-                            "admission queue;",
+                            "admission queue (%d of them against credits);",
                             row.deadlines_given_up,
-                            row.queue_deadlines_given_up);
+                            row.queue_deadlines_given_up, row.credit_give_ups);
     }
     s += "\n";
   }

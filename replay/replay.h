@@ -168,6 +168,8 @@ struct ReplayOptions {
   // Every +target policy's SchedulerOptions::target_quantile (the engines
   // report each completion's latency, ObserveLatency). Default: 0.99
   double target_quantile = 0.99;
+  // Every +target policy's SchedulerOptions::give_up_reserve. Default: 0.5
+  double give_up_reserve = 0.5;
   // LEAP policies: charge every prediction this latency (s) on the
   // simulated timeline instead of the one measured from Submit to the
   // prediction (LeapPredictorOptions::charged_latency_s); the runs of a
@@ -213,8 +215,9 @@ struct ReplayRow {
   int64_t errors = 0;
   int64_t max_version = 0;
   int64_t rescores = 0;
-  // With prediction_latency_s: predictions due that missed the 2 s wait
-  // (LeapPredictor::wait_timeouts); the run then does not repeat.
+  // With prediction_latency_s: predictions due that missed the wait
+  // (LeapPredictorOptions::max_wait, 2 s; LeapPredictor::wait_timeouts); the
+  // run then does not repeat.
   int64_t wait_timeouts = 0;
   // Reused the predictions (and measured latencies) of the run's first
   // frozen LEAP arm instead of asking leapd again.
@@ -223,10 +226,12 @@ struct ReplayRow {
   int64_t preemptions = 0;
   int64_t recomputed_tokens = 0;
   int64_t urgent_selections = 0;
-  // Deadlines given up (SchedulerOptions::tail_budget): in decode, and in
-  // the admission queue (slots engine).
+  // Deadlines given up (SchedulerOptions::tail_budget, give_up_reserve): in
+  // decode, and in the admission queue (slots engine); and of all those the
+  // ones given up against the controller's credits (give_up_reserve).
   int64_t deadlines_given_up = 0;
   int64_t queue_deadlines_given_up = 0;
+  int64_t credit_give_ups = 0;
   double seconds = 0;
 };
 

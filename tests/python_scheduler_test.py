@@ -380,6 +380,41 @@ class LatencyTargetTest(unittest.TestCase):
         self.assertEqual(s.counters["deadlines_given_up"], 1)
         self.assertTrue(s.carry("a")["gave_up"])
 
+    def test_give_up_against_credits(self):
+        def make(reserve):
+            s = leap_shim.Scheduler(policy="bounded", slots=1, waiting_cap=0,
+                                    latency_target_s=10.0, tail_budget=0.0,
+                                    tail_budget_window=10,
+                                    target_quantile=0.5,
+                                    give_up_reserve=reserve,
+                                    calibration_window=10)
+            s.observe_completion(10.0, 10.0)  # mean completed length 10
+            for _ in range(12):
+                s.observe_latency(1.0)  # bank (1 - 0.5) x 10 = 5 credits
+            s.set_time(0.0, 1.0)
+            for rid in ("a", "b"):
+                s.add(rid)
+                s.set_prediction(rid, 30.0)
+            return s
+        # Reserve 0.7 x 5 = 3.5: "a" leaves 5 - 1 >= 3.5 and gives up,
+        # "b" would leave 5 - 2 < 3.5 and stays urgent.
+        s = make(0.7)
+        self.assertEqual(s.select(), ["b"])
+        self.assertTrue(s.request("a")["gave_up"])
+        self.assertFalse(s.request("b")["gave_up"])
+        self.assertEqual(s.counters["credit_give_ups"], 1)
+        self.assertEqual(s.counters["deadlines_given_up"], 1)
+        self.assertEqual(s.credits_set_aside, 1)
+        self.assertEqual(s.target_credits, 5.0)
+        s.remove("a")
+        self.assertEqual(s.credits_set_aside, 0)
+        # The whole bank in reserve: nobody gives up against credits.
+        s = make(1.0)
+        self.assertEqual(s.select(), ["a"])
+        self.assertEqual(s.counters["credit_give_ups"], 0)
+        with self.assertRaises(ValueError):
+            leap_shim.Scheduler(give_up_reserve=1.5)
+
 
 class BadInputTest(unittest.TestCase):
 

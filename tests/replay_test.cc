@@ -1361,6 +1361,34 @@ TEST(ReplayCliTest, AdmissionTableAndPlot) {
   EXPECT_EQ(bars, 4u);  // two pairs
 }
 
+// --give-up-reserve reaches every +target policy: with R = 0 (down to the
+// last credit) some deadlines are given up against credits, with R = 1
+// none, and the replay says how many.
+TEST(ReplayCliTest, GiveUpReserveReachesTheTargetPolicy) {
+  const auto credit_give_ups = [](const char* reserve) -> int64_t {
+    std::ostringstream out, err;
+    EXPECT_EQ(RunLeapctl({"replay", "--requests", "2000", "--load", "0.9",
+                          "--policies", "fcfs,oracle+target=1.2",
+                          "--give-up-reserve", reserve},
+                         out, err),
+              kExitOk)
+        << err.str();
+    const std::string text = out.str();
+    const size_t end = text.find(" of them against credits)");
+    if (end == std::string::npos) {
+      ADD_FAILURE() << "no give-up line in:\n" << text;
+      return -1;
+    }
+    const size_t begin = text.rfind('(', end);
+    int64_t n = -1;
+    EXPECT_TRUE(absl::SimpleAtoi(text.substr(begin + 1, end - begin - 1), &n))
+        << text;
+    return n;
+  };
+  EXPECT_GT(credit_give_ups("0"), 0);
+  EXPECT_EQ(credit_give_ups("1"), 0);
+}
+
 TEST(ReplayCliTest, UsageErrors) {
   std::ostringstream out, err;
   EXPECT_EQ(RunLeapctl({"replay", "--engine", "sglang"}, out, err), kExitUsage);
@@ -1379,6 +1407,14 @@ TEST(ReplayCliTest, UsageErrors) {
             kExitUsage);
   EXPECT_NE(err.str().find("--target-quantile must be in [0, 1)"),
             std::string::npos);
+  for (const char* bad : {"-0.1", "1.5", "nan"}) {
+    EXPECT_EQ(RunLeapctl({"replay", "--give-up-reserve", bad}, out, err),
+              kExitUsage)
+        << bad;
+    EXPECT_NE(err.str().find("--give-up-reserve must be in [0, 1]"),
+              std::string::npos)
+        << bad;
+  }
   EXPECT_EQ(RunLeapctl({"replay", "--prediction-latency-ms", "-1"}, out, err),
             kExitUsage);
   EXPECT_NE(err.str().find("--prediction-latency-ms must be in [0, 60000]"),

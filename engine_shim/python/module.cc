@@ -368,10 +368,12 @@ Not thread-safe: call it from the engine's step loop only.)doc")
                        double bounded_linear_aging, int calibration_window,
                        const std::string& calibration,
                        double latency_target_s, double tail_budget,
-                       int tail_budget_window, double target_quantile) {
+                       int tail_budget_window, double target_quantile,
+                       double give_up_reserve) {
              leap::shim::SchedulerOptions o;
              o.latency_target_s = latency_target_s;
              o.target_quantile = target_quantile;
+             o.give_up_reserve = give_up_reserve;
              o.tail_budget = tail_budget;
              o.tail_budget_window = tail_budget_window;
              o.bounded_linear_aging = bounded_linear_aging;
@@ -414,6 +416,7 @@ Not thread-safe: call it from the engine's step loop only.)doc")
            py::arg("latency_target_s") = 0.0, py::arg("tail_budget") = 0.005,
            py::arg("tail_budget_window") = 10000,
            py::arg("target_quantile") = 0.99,
+           py::arg("give_up_reserve") = 0.5,
            R"doc(Args:
   slots: decode slots per step taken by select() (>= 1).
   waiting_cap: steps without a slot after which a request is promoted
@@ -462,6 +465,12 @@ Not thread-safe: call it from the engine's step loop only.)doc")
     arrival + s x latency_target_s, s = max(0.5, exp(0.02 x credits)),
     so that under a steady overload a share q finishes within the target
     (0 = s stays 1).
+  give_up_reserve: with a latency target and target_quantile > 0, past
+    tail_budget a request that would give up its deadline still does
+    against one of the controller's credits while the credits minus those
+    set aside (one per live request that gave up this way, its own
+    included) stay >= give_up_reserve x the bank; the credit is set aside
+    until remove() (1 = none beyond tail_budget).
 
 Raises:
   ValueError: an option out of range.)doc")
@@ -535,6 +544,10 @@ Raises:
           "observe_latency() (at most (1 - q) x tail_budget_window banked), "
           "1 spent per latency beyond the target; in debt s = "
           "max(0.5, exp(0.02 x credits)).")
+      .def_property_readonly(
+          "credits_set_aside", &PyScheduler::CreditsSetAside,
+          "give_up_reserve: the credits set aside by live requests that "
+          "gave their deadline up against one.")
       .def_property_readonly(
           "service_correction", &PyScheduler::ServiceCorrection,
           "The bound's current additive correction in tokens (0 before any "
@@ -629,8 +642,8 @@ Raises:
           "counters", &PyScheduler::Counters,
           R"doc(Counters since creation, as a dict: steps, selections,
 cap_promotions, aging_promotions, max_steps_waited, urgent_selections,
-deadlines_given_up, latencies_observed, latencies_beyond_target, added,
-removed.)doc")
+deadlines_given_up (of which credit_give_ups against give_up_reserve's
+credits), latencies_observed, latencies_beyond_target, added, removed.)doc")
       .def("__len__", &PyScheduler::size, "Number of live requests.")
       .def("__contains__", &PyScheduler::Contains, py::arg("request_id"),
            "True when the request is live.");

@@ -181,6 +181,7 @@ py::dict PyScheduler::Counters() const {
   d["max_steps_waited"] = c.max_steps_waited;
   d["urgent_selections"] = c.urgent_selections;
   d["deadlines_given_up"] = c.deadlines_given_up;
+  d["credit_give_ups"] = c.credit_give_ups;
   d["latencies_observed"] = c.latencies_observed;
   d["latencies_beyond_target"] = c.latencies_beyond_target;
   d["added"] = c.added;

@@ -36,6 +36,7 @@ class PyScheduler {
   void ObserveLatency(double latency_s);
   double TargetScale() const { return s_.target_scale(); }
   double TargetCredits() const { return s_.target_credits(); }
+  int64_t CreditsSetAside() const { return s_.credits_set_aside(); }
   double ServiceCorrection() { return s_.service_correction(); }
   double ServiceRatio(double estimate_tokens) {
     return s_.service_ratio(estimate_tokens);

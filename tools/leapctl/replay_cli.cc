@@ -267,6 +267,12 @@ int ReplayCommand(const std::vector<std::string>& args, std::ostream& out,
                "completion's latency tightens or relaxes the deadlines "
                "used, never past the target); 0 = deadlines at the target "
                "itself.");
+  flags.Double("give-up-reserve", &o.give_up_reserve, "R",
+               "Every +target policy, past --tail-budget: a request that "
+               "would give up its deadline still does against one of the "
+               "controller's credits while the credits left after setting "
+               "it aside stay at or above R x the bank (1 - Q) x 10,000; 1 = "
+               "none beyond the budget (needs --target-quantile > 0).");
   flags.OptionalDouble(
       "prediction-latency-ms", &prediction_latency_ms, "MS",
       "LEAP policies: charge every prediction this latency on the "
