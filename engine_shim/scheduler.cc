@@ -179,14 +179,16 @@ absl::Status CountdownScheduler::Add(absl::string_view request_id,
       !std::isfinite(carried.virtual_left) ||
       !std::isfinite(carried.virtual_estimate) ||
       carried.virtual_estimate < 0 || !std::isfinite(carried.tail_reference) ||
-      carried.tail_reference < 0) {
+      carried.tail_reference < 0 ||
+      (carried.holds_credit && !carried.gave_up)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "carried deadline of ", request_id,
-        " must have finite fields, age, estimate and tail reference >= 0; "
-        "got age ",
+        " must have finite fields, age, estimate and tail reference >= 0, "
+        "and holds_credit only with gave_up; got age ",
         carried.age, ", virtual_left ", carried.virtual_left, ", estimate ",
         carried.virtual_estimate, ", tail reference ",
-        carried.tail_reference));
+        carried.tail_reference, ", gave_up ", carried.gave_up,
+        ", holds_credit ", carried.holds_credit));
   }
   if (absl::Status s = Add(request_id); !s.ok()) return s;
   if (options_.policy != SchedulingPolicy::kBounded) return absl::OkStatus();
@@ -197,10 +199,16 @@ absl::Status CountdownScheduler::Add(absl::string_view request_id,
     r.deadline = r.origin + options_.latency_target_s;
     r.was_urgent = carried.was_urgent;
     r.gave_up = carried.gave_up;
-    // A deadline given up in an earlier stage counts against this one's
-    // budget too (pruned here as well, so the window stays bounded even if
-    // this stage never gives one up itself).
-    if (r.gave_up && options_.tail_budget > 0) {
+    if (r.gave_up && carried.holds_credit && options_.target_quantile > 0) {
+      // Given up against a credit in an earlier stage: this stage sets one
+      // of its own aside until the request leaves it (its miss is charged
+      // only at completion).
+      r.holds_credit = true;
+      ++credits_set_aside_;
+    } else if (r.gave_up && options_.tail_budget > 0) {
+      // A deadline given up in an earlier stage counts against this one's
+      // budget too (pruned here as well, so the window stays bounded even
+      // if this stage never gives one up itself).
       PruneBudgetWindow();
       gave_up_.push_back(next_arrival_);
     }
@@ -232,6 +240,7 @@ absl::StatusOr<CarriedDeadline> CountdownScheduler::Carry(
   if (Targeted()) {
     c.was_urgent = r.was_urgent;
     c.gave_up = r.gave_up;
+    c.holds_credit = r.holds_credit;
     return c;
   }
   c.virtual_left = r.virtual_finish - now;
@@ -470,6 +479,7 @@ absl::StatusOr<RequestStats> CountdownScheduler::GetRequest(
   stats.deadline_origin = r.origin;
   stats.was_urgent = r.was_urgent;
   stats.gave_up = r.gave_up;
+  stats.holds_credit = r.holds_credit;
   return stats;
 }
 
@@ -631,9 +641,9 @@ void CountdownScheduler::Rank(size_t k) {
   // more is (never reached when the reserve is the whole bank or there is
   // no controller).
   const double q = options_.target_quantile;
-  const double keep =
-      options_.give_up_reserve * (1 - q) *
-      static_cast<double>(options_.tail_budget_window);
+  const double bank =
+      (1 - q) * static_cast<double>(options_.tail_budget_window);
+  const double keep = options_.give_up_reserve * bank;
   const bool on_credit = q > 0 && options_.give_up_reserve < 1;
   if (policy == SchedulingPolicy::kBounded && Targeted() &&
       (options_.tail_budget > 0 || on_credit) && mean_actual_ > 0) {
@@ -657,8 +667,9 @@ void CountdownScheduler::Rank(size_t k) {
         // When (in arrivals) it gave up: the budget is a rate per arrivals.
         gave_up_.push_back(next_arrival_);
       } else if (on_credit &&
+                 // (The epsilon keeps 0.5 x 100 = 50.000...04 at 50.)
                  target_credits_ -
-                         static_cast<double>(credits_set_aside_ + 1) >=
+                         static_cast<double>(credits_set_aside_ + 1) + 1e-9 >=
                      keep) {
         live_[i].holds_credit = true;
         ++credits_set_aside_;

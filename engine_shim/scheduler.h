@@ -240,7 +240,9 @@ struct SchedulerOptions {
   // any. Needs reported completions (ObserveCompletion, calibration_window
   // > 0) for the mean; without them nobody gives up. With two stages each
   // has this budget, and a request carried in given up counts against the
-  // receiving stage's. In [0, 0.5]; 0 = nobody gives up.
+  // receiving stage's (unless it gave it up against a credit: see
+  // give_up_reserve). In [0, 0.5]; 0 = none given up against the budget
+  // (give_up_reserve may still give some up against credits).
   // Default: 0.005
   double tail_budget = 0.005;
 
@@ -251,8 +253,8 @@ struct SchedulerOptions {
   // test tightens (deadline origin + s x latency_target_s, s down to
   // kTargetMinScale); when fewer do, s returns to 1. The deadlines never
   // move past the target itself. Requests that gave up their deadline
-  // (tail_budget) count like any other. In [0, 1); 0 = no controller
-  // (s = 1).
+  // (tail_budget, give_up_reserve) count like any other. In [0, 1); 0 = no
+  // controller (s = 1).
   // Default: 0.99
   double target_quantile = 0.99;
 
@@ -268,8 +270,13 @@ struct SchedulerOptions {
   // any other). A miss chosen here is known when it is chosen, unlike the
   // misses the controller learns of at completion, so it is spent only
   // from a bank well filled by requests that finished within the target;
-  // the set-aside credits do not move c or the scale. In [0, 1]; 1 = none
-  // beyond tail_budget (c never exceeds the bank).
+  // the set-aside credits do not move c or the scale. Since c never exceeds
+  // the bank, a stage gives none up this way while floor((1 -
+  // give_up_reserve) x the bank) credits are set aside (50 at the
+  // defaults), however high c is. A request carried
+  // into another stage (Carry, Add(id, carried)) holds one of that stage's
+  // credits there (CarriedDeadline::holds_credit). In [0, 1]; 1 = none
+  // beyond tail_budget.
   // Default: 0.5
   double give_up_reserve = 0.5;
 
@@ -351,8 +358,12 @@ struct RequestStats {
   // kBounded: it has been urgent (here, or with a latency target in an
   // earlier stage it was carried from).
   bool was_urgent = false;
-  // tail_budget: it gave up its deadline (it is never urgent again).
+  // It gave up its deadline (tail_budget, or against a credit:
+  // give_up_reserve); it is never urgent again.
   bool gave_up = false;
+  // It gave its deadline up against one of this stage's credits (here, or
+  // carried in so), which stays set aside until its Remove.
+  bool holds_credit = false;
 };
 
 // tail_budget: a request gives up its deadline only if its work left is at
@@ -381,10 +392,15 @@ struct CarriedDeadline {
   double virtual_estimate = 0;
   double tail_reference = 0;
   // Whether it has been urgent (only the first time may it give its
-  // deadline up), and whether it gave up its deadline (tail_budget), in the
-  // first stage.
+  // deadline up), whether it gave up its deadline (tail_budget or
+  // give_up_reserve), and whether against a credit (give_up_reserve; only
+  // with gave_up), in the first stage. The receiving stage sets one of its
+  // own credits aside for a request carried in with holds_credit (when it
+  // runs the controller, target_quantile > 0; else, like one given up
+  // against the budget, it counts against its tail budget).
   bool was_urgent = false;
   bool gave_up = false;
+  bool holds_credit = false;
 };
 
 // Monotonic counters since creation (for metrics).
@@ -512,7 +528,7 @@ class CountdownScheduler {
   // the step. Like Select it decides for every live request what a step
   // decides once: deadlines of new requests are fixed here, and with a
   // latency target a request at risk is marked urgent or gives up its
-  // deadline (tail_budget); a second Order, OrderAmong or Select at the same
+  // deadline (tail_budget, give_up_reserve); a second Order, OrderAmong or Select at the same
   // clock decides nothing new.
   std::vector<std::string> Order(size_t k);
 

@@ -63,8 +63,11 @@ class ReferenceScheduler {
       r.deadline = r.origin + o_.latency_target_s;
       r.was_urgent = c.was_urgent;
       r.gave_up = c.gave_up;
-      // Counts against this stage's budget, stamped at its Add.
-      if (r.gave_up && o_.tail_budget > 0) {
+      if (r.gave_up && c.holds_credit && o_.target_quantile > 0) {
+        // Holds one of this stage's credits until it leaves.
+        r.on_credit = true;
+      } else if (r.gave_up && o_.tail_budget > 0) {
+        // Counts against this stage's budget, stamped at its Add.
         gave_up_arrivals_.push_back(next_arrival_);
       }
       return;
@@ -93,6 +96,7 @@ class ReferenceScheduler {
         EXPECT_EQ(c->tail_reference, 0) << id;
         EXPECT_EQ(c->was_urgent, r.was_urgent) << id;
         EXPECT_EQ(c->gave_up, r.gave_up) << id;
+        EXPECT_EQ(c->holds_credit, r.on_credit) << id;
         continue;
       }
       EXPECT_EQ(c->virtual_left, r.vfinish - now) << id;
@@ -100,6 +104,7 @@ class ReferenceScheduler {
       EXPECT_EQ(c->tail_reference, r.qref) << id;
       EXPECT_FALSE(c->was_urgent) << id;
       EXPECT_FALSE(c->gave_up) << id;
+      EXPECT_FALSE(c->holds_credit) << id;
     }
   }
   bool Has(const std::string& id) const { return reqs_.count(id) > 0; }
@@ -383,7 +388,7 @@ class ReferenceScheduler {
           const double bank =
               (1 - o_.target_quantile) * o_.tail_budget_window;
           if (!on_credit ||
-              credits_ - static_cast<double>(set_aside) <
+              credits_ - static_cast<double>(set_aside) + 1e-9 <
                   o_.give_up_reserve * bank) {
             break;
           }
@@ -489,6 +494,7 @@ class ReferenceScheduler {
       EXPECT_EQ(st->waited_total, r.waited_total) << id;
       EXPECT_EQ(st->deadline, r.deadline) << id;
       EXPECT_EQ(st->gave_up, r.gave_up) << id;
+      EXPECT_EQ(st->holds_credit, r.on_credit) << id;
       EXPECT_EQ(st->was_urgent, r.was_urgent) << id;
       if (r.deadline) {
         EXPECT_EQ(st->deadline_origin, r.origin) << id;
@@ -611,6 +617,8 @@ void RunAgainstReference(const SchedulerOptions& options,
   const bool targeted = options.latency_target_s > 0;
   std::mt19937_64 clock_rng(seed ^ 0x5eedc10c);
   std::uniform_real_distribution<double> clock_u(0, 1);
+  std::mt19937_64 credit_rng(seed ^ 0xc4ed17);
+  std::uniform_real_distribution<double> credit_u(0, 1);
   double now_s = 0, step_avg_s = 0.03;
 
   std::map<std::string, int64_t> true_len;
@@ -662,6 +670,9 @@ void RunAgainstReference(const SchedulerOptions& options,
         c.age = clock_u(clock_rng) * 20;
         c.was_urgent = clock_u(clock_rng) < 0.2;
         c.gave_up = clock_u(clock_rng) < 0.02;
+        // Half of those given up against the first stage's credits (own
+        // generator too: the draws above are unchanged).
+        c.holds_credit = c.gave_up && credit_u(credit_rng) < 0.5;
       }
       ASSERT_TRUE(sched.Add(id, c).ok());
       ref.AddCarried(id, c);
@@ -1325,11 +1336,6 @@ TEST(CountdownSchedulerTest, TargetControllerSettlesAtTheQuantile) {
   }
 }
 
-// The tail budget by hand: with the mean completed length at 10, a request
-// that first turns urgent with >= kTailBudgetMinWork (1) x 10 tokens left
-// gives up its deadline while fewer than floor(b x min(tail_budget_window,
-// added)) deadlines were given up during the last tail_budget_window
-// arrivals; a short one never does; one that gave up is never urgent again.
 // give_up_reserve: past the tail budget a first-time urgent long request
 // gives its deadline up against a credit while the credits minus those set
 // aside (its own included) stay >= reserve x the bank; the credit stays set
@@ -1423,8 +1429,63 @@ TEST(CountdownSchedulerTest, GiveUpAgainstCreditsByHand) {
   EXPECT_EQ(b.counters().deadlines_given_up, 2);
   EXPECT_EQ(b.counters().credit_give_ups, 1);
   EXPECT_EQ(b.credits_set_aside(), 1);
+  EXPECT_FALSE(b.GetRequest("a")->holds_credit);  // the budget's
+  EXPECT_TRUE(b.GetRequest("b")->holds_credit);
+  // Carried into a next stage: "b" holds one of that stage's credits (not
+  // its budget: "c", first-time urgent there, still gets the budget's one),
+  // "a" counts against its budget; leaving the first stage frees the
+  // first stage's credit.
+  absl::StatusOr<CarriedDeadline> ca = b.Carry("a");
+  absl::StatusOr<CarriedDeadline> cb = b.Carry("b");
+  ASSERT_TRUE(ca.ok() && cb.ok());
+  EXPECT_TRUE(ca->gave_up && !ca->holds_credit);
+  EXPECT_TRUE(cb->gave_up && cb->holds_credit);
+  ASSERT_TRUE(b.Remove("b").ok());
+  EXPECT_EQ(b.credits_set_aside(), 0);
+  SchedulerOptions next = both;
+  next.tail_budget = 0.5;
+  next.tail_budget_window = 4;  // floor(0.5 x 4) = 2 once 4 are added
+  CountdownScheduler d = MakeScheduler(next);
+  ASSERT_TRUE(d.ObserveCompletion(10, 10).ok());
+  ASSERT_TRUE(d.SetTime(0, 1).ok());
+  ASSERT_TRUE(d.Add("b", *cb).ok());
+  EXPECT_TRUE(d.GetRequest("b")->holds_credit);
+  EXPECT_EQ(d.credits_set_aside(), 1);
+  ASSERT_TRUE(d.Add("a", *ca).ok());
+  EXPECT_FALSE(d.GetRequest("a")->holds_credit);
+  for (const char* id : {"c", "e"}) {
+    ASSERT_TRUE(d.Add(id).ok());
+    ASSERT_TRUE(d.SetPrediction(id, 30).ok());
+  }
+  // 4 added: 2 allowed, "a" used one, so "c" gives up (budget), "e" would
+  // need a credit and d has none banked.
+  d.Select();
+  EXPECT_TRUE(d.GetRequest("c")->gave_up);
+  EXPECT_FALSE(d.GetRequest("c")->holds_credit);
+  EXPECT_FALSE(d.GetRequest("e")->gave_up);
+  EXPECT_EQ(d.counters().credit_give_ups, 0);
+  ASSERT_TRUE(d.Remove("b").ok());
+  EXPECT_EQ(d.credits_set_aside(), 0);
+  // Without a controller in the next stage it counts against the budget.
+  SchedulerOptions plain = next;
+  plain.target_quantile = 0;
+  CountdownScheduler p = MakeScheduler(plain);
+  ASSERT_TRUE(p.SetTime(0, 1).ok());
+  ASSERT_TRUE(p.Add("b", *cb).ok());
+  EXPECT_FALSE(p.GetRequest("b")->holds_credit);
+  EXPECT_EQ(p.credits_set_aside(), 0);
+  // holds_credit without gave_up is refused.
+  CarriedDeadline bad = *cb;
+  bad.gave_up = false;
+  EXPECT_EQ(p.Add("x", bad).code(), StatusCode::kInvalidArgument);
+  EXPECT_FALSE(p.GetRequest("x").ok());
 }
 
+// The tail budget by hand: with the mean completed length at 10, a request
+// that first turns urgent with >= kTailBudgetMinWork (1) x 10 tokens left
+// gives up its deadline while fewer than floor(b x min(tail_budget_window,
+// added)) deadlines were given up during the last tail_budget_window
+// arrivals; a short one never does; one that gave up is never urgent again.
 TEST(CountdownSchedulerTest, TailBudgetByHand) {
   SchedulerOptions o;
   o.policy = SchedulingPolicy::kBounded;

@@ -306,7 +306,8 @@ std::string FormatReplayJson(const ReplayReport& report);
 // (else empty), deadline_origin, deadline and completion on the deadlines'
 // clock (steps, or seconds with a latency target; empty for a request done
 // at prefill), urgent and gave_up (1 or 0: it turned urgent, it gave up its
-// deadline under the tail budget; 0 under other policies).
+// deadline under the tail budget or against a credit; 0 under other
+// policies).
 std::string FormatRequestsCsvHeader();
 void AppendRequestsCsv(const std::string& policy, double load,
                        std::span<const SimRequest> requests,

@@ -406,8 +406,21 @@ class LatencyTargetTest(unittest.TestCase):
         self.assertEqual(s.counters["deadlines_given_up"], 1)
         self.assertEqual(s.credits_set_aside, 1)
         self.assertEqual(s.target_credits, 5.0)
+        self.assertTrue(s.request("a")["holds_credit"])
+        self.assertFalse(s.request("b")["holds_credit"])
+        carried = s.carry("a")
+        self.assertTrue(carried["gave_up"] and carried["holds_credit"])
         s.remove("a")
         self.assertEqual(s.credits_set_aside, 0)
+        # The next stage sets one of its own credits aside for it.
+        nxt = leap_shim.Scheduler(policy="bounded", latency_target_s=10.0,
+                                  target_quantile=0.5)
+        nxt.set_time(0.0, 1.0)
+        nxt.add("a", carried=carried)
+        self.assertTrue(nxt.request("a")["holds_credit"])
+        self.assertEqual(nxt.credits_set_aside, 1)
+        with self.assertRaises(ValueError):
+            nxt.add("x", carried=dict(carried, gave_up=False))
         # The whole bank in reserve: nobody gives up against credits.
         s = make(1.0)
         self.assertEqual(s.select(), ["a"])
@@ -443,8 +456,10 @@ class BadInputTest(unittest.TestCase):
         self.assertEqual(s.request("a")["deadline_origin"], -3.0)
         self.assertEqual(s.request("a")["deadline"], -3.0 + 2.5 * 8.0)
         self.assertEqual(s.carry("a"),
-                         dict(good, was_urgent=False, gave_up=False))
-        for bad_flag in (dict(good, gave_up=1.0), dict(good, was_urgent="x")):
+                         dict(good, was_urgent=False, gave_up=False,
+                              holds_credit=False))
+        for bad_flag in (dict(good, gave_up=1.0), dict(good, was_urgent="x"),
+                         dict(good, holds_credit=1)):
             with self.assertRaises(ValueError):
                 s.add("c", carried=bad_flag)
         s.add("b")

@@ -504,6 +504,9 @@ TEST(ReplaySimTest, LatencyTargetHoldsInSecondsFromArrival) {
     o.scheduler.policy = policy;
     o.scheduler.latency_target_s = target_s;
     o.scheduler.tail_budget = budget;
+    // Only the budget gives deadlines up here (none against credits), so
+    // `held` gives up none and `budget` at most its share.
+    o.scheduler.give_up_reserve = 1;
     NoPredictor none;
     TablePredictor oracle(truth, 0, false, 0);
     TablePrior prior(truth);
@@ -1376,8 +1379,9 @@ TEST(ReplayCliTest, GiveUpReserveReachesTheTargetPolicy) {
     const std::string text = out.str();
     const size_t end = text.find(" of them against credits)");
     if (end == std::string::npos) {
-      ADD_FAILURE() << "no give-up line in:\n" << text;
-      return -1;
+      // No deadline given up at all (the line is printed only then).
+      EXPECT_NE(text.find("oracle+target=1.2"), std::string::npos) << text;
+      return 0;
     }
     const size_t begin = text.rfind('(', end);
     int64_t n = -1;

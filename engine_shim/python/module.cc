@@ -457,7 +457,8 @@ Not thread-safe: call it from the engine's step loop only.)doc")
     tail_budget_window requests added (one carried in given up counts),
     each by a request turning urgent for the first time with at least
     the mean completed length left; needs completions reported to
-    observe_completion() (tail_budget 0 = none).
+    observe_completion() (tail_budget 0 = none against the budget;
+    give_up_reserve may still give some up against credits).
   target_quantile: with a latency target, the share q of requests kept
     within it: each latency reported to observe_latency() earns 1 - q
     credits (at most (1 - q) x tail_budget_window banked) and one beyond
@@ -470,7 +471,10 @@ Not thread-safe: call it from the engine's step loop only.)doc")
     against one of the controller's credits while the credits minus those
     set aside (one per live request that gave up this way, its own
     included) stay >= give_up_reserve x the bank; the credit is set aside
-    until remove() (1 = none beyond tail_budget).
+    until remove(), and one carried to the next stage holds one of that
+    stage's credits there; no more give up this way while (1 -
+    give_up_reserve) x the bank are set aside (1 = none beyond
+    tail_budget).
 
 Raises:
   ValueError: an option out of range.)doc")
@@ -482,7 +486,8 @@ before capturing it, so its prediction finds it.
 Args:
   carried: None, or the dict carry() of an earlier stage's "bounded"
     scheduler returned for it (age, virtual_left, virtual_estimate,
-    tail_reference, and optionally was_urgent and gave_up): the request
+    tail_reference, and optionally was_urgent, gave_up and holds_credit):
+    the request
     keeps the deadline it got at arrival there (one deadline from arrival
     across admission and decode; both schedulers must count the same
     steps, or with a latency target read the same clock, set_time()).
@@ -490,15 +495,18 @@ Args:
 
 Raises:
   ValueError: the id is live already, or a carried field is missing,
-    negative (age, estimate, reference) or not finite.
+    negative (age, estimate, reference) or not finite, or holds_credit is
+    set without gave_up.
   TypeError: carried is not a dict.)doc")
       .def("carry", &PyScheduler::Carry, py::arg("request_id"),
            R"doc(The deadline state of a live request of a "bounded" scheduler,
 for add(id, carried=...) on the next stage's scheduler: dict with age
 (steps since its first step here, or in the stage before), virtual_left
 (its virtual FCFS finish minus the coming step), virtual_estimate,
-tail_reference, was_urgent and gave_up (with a latency target only age and
-the two flags matter, age in seconds).
+tail_reference, was_urgent, gave_up and holds_credit (gave it up against
+one of this stage's credits; the next stage then sets one of its own aside
+until its remove()) (with a latency target only age and the three flags
+matter, age in seconds).
 
 Raises:
   KeyError: unknown id.
@@ -632,7 +640,8 @@ prior_tokens (None without a prior), added_step, waited_total, deadline
 (None before its first step and under other policies than "bounded"; with a
 latency target deadline_origin + latency_target_s, while the urgency test
 reads deadline_origin + target_scale x latency_target_s), deadline_origin,
-was_urgent and gave_up.
+was_urgent, gave_up and holds_credit (gave it up against a credit set aside
+until remove(): give_up_reserve).
 
 Raises:
   KeyError: unknown id.)doc")

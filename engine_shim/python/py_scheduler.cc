@@ -45,7 +45,9 @@ void PyScheduler::Add(const std::string& id, const py::object& carried) {
     // Optional (absent in dicts from before they existed): the flags.
     size_t flags = 0;
     const std::pair<const char*, bool*> flag_fields[] = {
-        {"was_urgent", &c.was_urgent}, {"gave_up", &c.gave_up}};
+        {"was_urgent", &c.was_urgent},
+        {"gave_up", &c.gave_up},
+        {"holds_credit", &c.holds_credit}};
     for (const auto& [name, field] : flag_fields) {
       if (!d.contains(name)) continue;
       ++flags;
@@ -59,7 +61,7 @@ void PyScheduler::Add(const std::string& id, const py::object& carried) {
       throw py::value_error(absl::StrCat(
           "carried deadline of ", id,
           " takes age, virtual_left, virtual_estimate, tail_reference and "
-          "optionally was_urgent and gave_up, got ",
+          "optionally was_urgent, gave_up and holds_credit, got ",
           d.size(), " keys"));
     }
     Check(s_.Add(id, c));
@@ -77,6 +79,7 @@ py::dict PyScheduler::Carry(const std::string& id) const {
   d["tail_reference"] = c->tail_reference;
   d["was_urgent"] = c->was_urgent;
   d["gave_up"] = c->gave_up;
+  d["holds_credit"] = c->holds_credit;
   return d;
 }
 
@@ -168,6 +171,7 @@ py::dict PyScheduler::Request(const std::string& id) const {
   d["deadline_origin"] = r->deadline_origin;
   d["was_urgent"] = r->was_urgent;
   d["gave_up"] = r->gave_up;
+  d["holds_credit"] = r->holds_credit;
   return d;
 }
 

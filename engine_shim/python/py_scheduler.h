@@ -27,8 +27,8 @@ class PyScheduler {
   explicit PyScheduler(CountdownScheduler s) : s_(std::move(s)) {}
 
   // `carried`: None, or a dict from Carry() (age, virtual_left,
-  // virtual_estimate, tail_reference, and optionally the bools was_urgent
-  // and gave_up) of another stage's scheduler.
+  // virtual_estimate, tail_reference, and optionally the bools was_urgent,
+  // gave_up and holds_credit) of another stage's scheduler.
   void Add(const std::string& id, const pybind11::object& carried);
   pybind11::dict Carry(const std::string& id) const;
   void SetTime(double now_s, double step_s);

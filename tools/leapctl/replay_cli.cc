@@ -70,7 +70,8 @@ constexpr char kDescription[] =
     "                deadline is its arrival + the target (seconds), the\n"
     "                urgent ones served in arrival order, estimates\n"
     "                corrected per octave, --tail-budget of the deadlines\n"
-    "                given up by long requests, the deadlines steered\n"
+    "                given up by long requests (and more against banked\n"
+    "                credits, --give-up-reserve), the deadlines steered\n"
     "                to keep --target-quantile of the requests within the\n"
     "                target; default X = 1.45\n"
     "  +hrrn         highest response ratio next (baseline)\n"
@@ -260,7 +261,8 @@ int ReplayCommand(const std::vector<std::string>& args, std::ostream& out,
                "(per 10,000 added, in each stage) give up their deadline when "
                "they first turn urgent with at least the mean "
                "completed length left (needs --bound-calibration > 0); 0 = "
-               "none.");
+               "none against the budget (--give-up-reserve may still give "
+               "some up against credits; 1 there for none at all).");
   flags.Double("target-quantile", &o.target_quantile, "Q",
                "Every +target policy steers its urgency test so that this "
                "share of the requests finishes within the target (each "
