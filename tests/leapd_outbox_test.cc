@@ -57,15 +57,20 @@ class OutboxTest : public ::testing::Test {
   }
 
   // The version once `n` completions are learned (RLS runs behind the
-  // Complete answers).
+  // Complete answers). With --rls_batch=1 --rls_batch_max=1 every
+  // completion is published as a version of its own, so that is version
+  // n + 1; waiting for the count alone is not enough: leapd counts a
+  // completion as learned just before it publishes the version holding it.
   int64_t VersionAfter(int64_t n) {
     const absl::Time deadline = absl::Now() + absl::Seconds(60);
     pb::ReadoutInfo info = Info();
-    while (info.completions_learned() < n && absl::Now() < deadline) {
+    while ((info.completions_learned() < n || info.version() < n + 1) &&
+           absl::Now() < deadline) {
       absl::SleepFor(absl::Milliseconds(10));
       info = Info();
     }
     EXPECT_GE(info.completions_learned(), n);
+    EXPECT_EQ(info.version(), n + 1);
     return info.version();
   }
 
