@@ -637,16 +637,16 @@ void CountdownScheduler::Rank(size_t k) {
       at_risk_.push_back(now + step * work > EffectiveDeadline(r) - step);
     }
   }
-  // give_up_reserve: the credits that must stay, not set aside, once one
-  // more is (never reached when the reserve is the whole bank or there is
-  // no controller).
   const double q = options_.target_quantile;
-  const double bank =
-      (1 - q) * static_cast<double>(options_.tail_budget_window);
-  const double keep = options_.give_up_reserve * bank;
   const bool on_credit = q > 0 && options_.give_up_reserve < 1;
   if (policy == SchedulingPolicy::kBounded && Targeted() &&
       (options_.tail_budget > 0 || on_credit) && mean_actual_ > 0) {
+    // give_up_reserve: the credits that must stay, not set aside, once one
+    // more is (never reached when the reserve is the whole bank or there is
+    // no controller).
+    const double bank =
+        (1 - q) * static_cast<double>(options_.tail_budget_window);
+    const double keep = options_.give_up_reserve * bank;
     // tail_budget: requests turning urgent for the first time with enough
     // work left give up their deadline, in arrival order, while the budget
     // lasts (so the choice does not depend on the order of live_), then

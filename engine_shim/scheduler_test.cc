@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdint>
 #include <deque>
+#include <initializer_list>
 #include <limits>
 #include <map>
 #include <optional>
@@ -1336,6 +1337,26 @@ TEST(CountdownSchedulerTest, TargetControllerSettlesAtTheQuantile) {
   }
 }
 
+// A scheduler whose credits are banked full: one completion of 10 tokens
+// (the mean), twelve latencies within the target, the clock at 0 with 1 s
+// steps.
+CountdownScheduler BankedScheduler(const SchedulerOptions& o) {
+  CountdownScheduler s = MakeScheduler(o);
+  EXPECT_TRUE(s.ObserveCompletion(10, 10).ok());
+  for (int i = 0; i < 12; ++i) EXPECT_TRUE(s.ObserveLatency(1).ok());
+  EXPECT_TRUE(s.SetTime(0, 1).ok());
+  return s;
+}
+
+// Adds each id with a prediction of `tokens`.
+void AddPredicted(CountdownScheduler& s,
+                  std::initializer_list<const char*> ids, double tokens) {
+  for (const char* id : ids) {
+    ASSERT_TRUE(s.Add(id).ok()) << id;
+    ASSERT_TRUE(s.SetPrediction(id, tokens).ok()) << id;
+  }
+}
+
 // give_up_reserve: past the tail budget a first-time urgent long request
 // gives its deadline up against a credit while the credits minus those set
 // aside (its own included) stay >= reserve x the bank; the credit stays set
@@ -1351,15 +1372,9 @@ TEST(CountdownSchedulerTest, GiveUpAgainstCreditsByHand) {
   o.target_quantile = 0.5;       // bank (1 - 0.5) x 10 = 5
   o.give_up_reserve = 0.4;       // keep 2
   o.calibration_window = 10;
-  CountdownScheduler s = MakeScheduler(o);
-  ASSERT_TRUE(s.ObserveCompletion(10, 10).ok());  // mean 10
-  for (int i = 0; i < 12; ++i) ASSERT_TRUE(s.ObserveLatency(1).ok());
-  EXPECT_EQ(s.target_credits(), 5);  // capped at the bank
-  ASSERT_TRUE(s.SetTime(0, 1).ok());
-  for (const char* id : {"a", "b", "c", "d"}) {
-    ASSERT_TRUE(s.Add(id).ok());
-    ASSERT_TRUE(s.SetPrediction(id, 30).ok());  // 30 s of work > 10 s
-  }
+  CountdownScheduler s = BankedScheduler(o);  // mean 10
+  EXPECT_EQ(s.target_credits(), 5);            // capped at the bank
+  AddPredicted(s, {"a", "b", "c", "d"}, 30);   // 30 s of work > 10 s
   // In arrival order: 5 - 1, 5 - 2, 5 - 3 >= 2 give up; 5 - 4 < 2 not.
   EXPECT_EQ(s.Select(), std::vector<std::string>{"d"});
   for (const char* id : {"a", "b", "c"}) {
@@ -1376,8 +1391,7 @@ TEST(CountdownSchedulerTest, GiveUpAgainstCreditsByHand) {
   ASSERT_TRUE(s.Remove("a").ok());
   EXPECT_EQ(s.credits_set_aside(), 2);
   ASSERT_TRUE(s.SetTime(1, 1).ok());
-  ASSERT_TRUE(s.Add("e").ok());
-  ASSERT_TRUE(s.SetPrediction("e", 30).ok());
+  AddPredicted(s, {"e"}, 30);
   EXPECT_EQ(s.Select(), std::vector<std::string>{"d"});
   EXPECT_TRUE(s.GetRequest("e")->gave_up);
   EXPECT_FALSE(s.GetRequest("d")->gave_up);
@@ -1386,8 +1400,7 @@ TEST(CountdownSchedulerTest, GiveUpAgainstCreditsByHand) {
   // 4 - 3 - 1 < 2, so the next one stays urgent.
   ASSERT_TRUE(s.ObserveLatency(20).ok());
   EXPECT_EQ(s.target_credits(), 4);
-  ASSERT_TRUE(s.Add("f").ok());
-  ASSERT_TRUE(s.SetPrediction("f", 30).ok());
+  AddPredicted(s, {"f"}, 30);
   s.Select();
   EXPECT_FALSE(s.GetRequest("f")->gave_up);
   EXPECT_EQ(s.counters().credit_give_ups, 4);
@@ -1402,12 +1415,8 @@ TEST(CountdownSchedulerTest, GiveUpAgainstCreditsByHand) {
     SchedulerOptions x = o;
     x.give_up_reserve = reserve;
     x.target_quantile = quantile;
-    CountdownScheduler none = MakeScheduler(x);
-    ASSERT_TRUE(none.ObserveCompletion(10, 10).ok());
-    for (int i = 0; i < 12; ++i) ASSERT_TRUE(none.ObserveLatency(1).ok());
-    ASSERT_TRUE(none.SetTime(0, 1).ok());
-    ASSERT_TRUE(none.Add("a").ok());
-    ASSERT_TRUE(none.SetPrediction("a", 30).ok());
+    CountdownScheduler none = BankedScheduler(x);
+    AddPredicted(none, {"a"}, 30);
     EXPECT_EQ(none.Select(), std::vector<std::string>{"a"});
     EXPECT_FALSE(none.GetRequest("a")->gave_up) << reserve << " " << quantile;
     EXPECT_EQ(none.counters().credit_give_ups, 0);
@@ -1415,14 +1424,8 @@ TEST(CountdownSchedulerTest, GiveUpAgainstCreditsByHand) {
   // Past a tail budget: the budget first, then the credits.
   SchedulerOptions both = o;
   both.tail_budget = 0.5;  // floor(0.5 x 2) = 1 of the first two
-  CountdownScheduler b = MakeScheduler(both);
-  ASSERT_TRUE(b.ObserveCompletion(10, 10).ok());
-  for (int i = 0; i < 12; ++i) ASSERT_TRUE(b.ObserveLatency(1).ok());
-  ASSERT_TRUE(b.SetTime(0, 1).ok());
-  for (const char* id : {"a", "b"}) {
-    ASSERT_TRUE(b.Add(id).ok());
-    ASSERT_TRUE(b.SetPrediction(id, 30).ok());
-  }
+  CountdownScheduler b = BankedScheduler(both);
+  AddPredicted(b, {"a", "b"}, 30);
   b.Select();
   EXPECT_TRUE(b.GetRequest("a")->gave_up);
   EXPECT_TRUE(b.GetRequest("b")->gave_up);
@@ -1453,10 +1456,7 @@ TEST(CountdownSchedulerTest, GiveUpAgainstCreditsByHand) {
   EXPECT_EQ(d.credits_set_aside(), 1);
   ASSERT_TRUE(d.Add("a", *ca).ok());
   EXPECT_FALSE(d.GetRequest("a")->holds_credit);
-  for (const char* id : {"c", "e"}) {
-    ASSERT_TRUE(d.Add(id).ok());
-    ASSERT_TRUE(d.SetPrediction(id, 30).ok());
-  }
+  AddPredicted(d, {"c", "e"}, 30);
   // 4 added: 2 allowed, "a" used one, so "c" gives up (budget), "e" would
   // need a credit and d has none banked.
   d.Select();
@@ -1500,10 +1500,7 @@ TEST(CountdownSchedulerTest, TailBudgetByHand) {
   ASSERT_TRUE(s.SetTime(0, 1).ok());
   // floor(0.5 x 2) = 1 may give up among these two; "a" turns urgent
   // first (arrival order), so "a" gives up and "b" stays urgent.
-  for (const char* id : {"a", "b"}) {
-    ASSERT_TRUE(s.Add(id).ok());
-    ASSERT_TRUE(s.SetPrediction(id, 30).ok());  // 30 s of work > 10 s
-  }
+  AddPredicted(s, {"a", "b"}, 30);  // 30 s of work > 10 s
   EXPECT_EQ(s.Select(), std::vector<std::string>{"b"});
   EXPECT_TRUE(s.GetRequest("a")->gave_up);
   EXPECT_FALSE(s.GetRequest("b")->gave_up);
@@ -1521,10 +1518,7 @@ TEST(CountdownSchedulerTest, TailBudgetByHand) {
   // Three more long requests: 6 added, window 4 -> floor(0.5 x 4) = 2
   // allowed; "a" gave up when 2 had been added, 4 arrivals ago, so it is out
   // of the window: "d" gives up, then "e", and "f" would be a third.
-  for (const char* id : {"d", "e", "f"}) {
-    ASSERT_TRUE(s.Add(id).ok());
-    ASSERT_TRUE(s.SetPrediction(id, 30).ok());
-  }
+  AddPredicted(s, {"d", "e", "f"}, 30);
   s.Select();
   EXPECT_TRUE(s.GetRequest("d")->gave_up);
   EXPECT_TRUE(s.GetRequest("e")->gave_up);
