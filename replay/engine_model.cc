@@ -897,10 +897,58 @@ double Percentile(std::vector<double> x, double p) {
   return x[lo] + (rank - static_cast<double>(lo)) * (x[hi] - x[lo]);
 }
 
+double WorstWindowPercentile(std::span<const double> x, size_t window,
+                             double p) {
+  const size_t n = x.size();
+  if (n == 0 || window == 0) return kNaN;
+  if (n <= window) return Percentile(std::vector<double>(x.begin(), x.end()), p);
+  // rank_of[i]: x[i]'s position in ascending order (ties by index), so each
+  // window's k-th smallest is a prefix-count search over ranks.
+  std::vector<size_t> by_value(n);
+  for (size_t i = 0; i < n; ++i) by_value[i] = i;
+  std::stable_sort(by_value.begin(), by_value.end(),
+                   [&](size_t a, size_t b) { return x[a] < x[b]; });
+  std::vector<size_t> rank_of(n);
+  for (size_t r = 0; r < n; ++r) rank_of[by_value[r]] = r;
+  std::vector<int64_t> tree(n + 1, 0);  // Fenwick, 1-based over ranks
+  const auto add = [&](size_t rank, int64_t d) {
+    for (size_t i = rank + 1; i <= n; i += i & (~i + 1)) tree[i] += d;
+  };
+  size_t top = 1;
+  while (top * 2 <= n) top *= 2;
+  // The value of the k-th smallest (0-based) present rank.
+  const auto kth = [&](size_t k) {
+    size_t pos = 0;
+    int64_t left = static_cast<int64_t>(k);
+    for (size_t step = top; step > 0; step /= 2) {
+      if (pos + step <= n && tree[pos + step] <= left) {
+        pos += step;
+        left -= tree[pos];
+      }
+    }
+    return x[by_value[pos]];  // pos: 0-based rank of the answer
+  };
+  const double rank = p / 100.0 * static_cast<double>(window - 1);
+  const size_t lo = static_cast<size_t>(std::floor(rank));
+  const size_t hi = std::min(lo + 1, window - 1);
+  const double frac = rank - static_cast<double>(lo);
+  for (size_t i = 0; i < window; ++i) add(rank_of[i], 1);
+  double worst = -std::numeric_limits<double>::infinity();
+  for (size_t begin = 0;; ++begin) {
+    const double a = kth(lo);
+    worst = std::max(worst, a + frac * (kth(hi) - a));
+    if (begin + window == n) break;
+    add(rank_of[begin], -1);
+    add(rank_of[begin + window], 1);
+  }
+  return worst;
+}
+
 Metrics ComputeMetrics(std::span<const RequestResult> results,
                        const std::function<bool(const RequestResult&)>& keep) {
   Metrics m;
   std::vector<double> latency, long_latency, pred, truth;
+  std::vector<std::pair<double, size_t>> by_arrival;  // (arrival, index)
   double ptl = 0, ttft = 0, tokens = 0;
   double first_arrival = std::numeric_limits<double>::infinity();
   double last_completion = -std::numeric_limits<double>::infinity();
@@ -909,6 +957,7 @@ Metrics ComputeMetrics(std::span<const RequestResult> results,
     const double lat = r.completion_s - r.arrival_s;
     const double out =
         static_cast<double>(std::max<int64_t>(r.output_tokens, 1));
+    by_arrival.emplace_back(r.arrival_s, latency.size());
     latency.push_back(lat);
     ptl += lat / out;
     ttft += r.first_token_s - r.arrival_s;
@@ -924,7 +973,8 @@ Metrics ComputeMetrics(std::span<const RequestResult> results,
   m.n = static_cast<int64_t>(latency.size());
   if (m.n == 0) {
     m.mean_ptl = m.mean_latency = m.p90_latency = m.p95_latency =
-        m.p99_latency = m.mean_ttft = m.throughput = m.spearman = kNaN;
+        m.p99_latency = m.window_p99_latency = m.mean_ttft = m.throughput =
+            m.spearman = kNaN;
     return m;
   }
   const double n = static_cast<double>(m.n);
@@ -936,6 +986,11 @@ Metrics ComputeMetrics(std::span<const RequestResult> results,
   m.p90_latency = Percentile(latency, 90);
   m.p95_latency = Percentile(latency, 95);
   m.p99_latency = Percentile(latency, 99);
+  std::sort(by_arrival.begin(), by_arrival.end());
+  std::vector<double> in_arrival_order;
+  in_arrival_order.reserve(latency.size());
+  for (const auto& [arrival, i] : by_arrival) in_arrival_order.push_back(latency[i]);
+  m.window_p99_latency = WorstWindowPercentile(in_arrival_order, kP99Window, 99);
   const double span = last_completion - first_arrival;
   m.throughput = span > 0 ? tokens / span : kNaN;
   m.n_long = static_cast<int64_t>(long_latency.size());

@@ -303,6 +303,18 @@ absl::StatusOr<double> MeasureCapacity(std::span<const SimRequest> requests,
 // empty.
 double Percentile(std::vector<double> x, double p);
 
+// The largest percentile p (as Percentile) over every `window` consecutive
+// values of x (x in arrival order); Percentile(x, p) when x holds at most
+// `window` values. O(n log n): order statistics from a Fenwick tree over
+// the values' ranks. NaN when x is empty or window is 0.
+double WorstWindowPercentile(std::span<const double> x, size_t window,
+                             double p);
+
+// The window of Metrics::window_p99_latency: requests in arrival order, as
+// many as SchedulerOptions::tail_budget_window's default (the period over
+// which the latency target's controller holds its quantile).
+inline constexpr size_t kP99Window = 10000;
+
 // The paper's metrics over a set of finished requests. Times in seconds.
 struct Metrics {
   int64_t n = 0;
@@ -313,6 +325,11 @@ struct Metrics {
   double p90_latency = 0;
   double p95_latency = 0;
   double p99_latency = 0;
+  // The worst P99 latency over any kP99Window requests consecutive in
+  // arrival order (= p99_latency with at most kP99Window requests): a P99
+  // objective judged per period, where one burst's misses count against
+  // that period alone.
+  double window_p99_latency = 0;
   // Mean of first token - arrival.
   double mean_ttft = 0;
   // Output tokens of these requests per second, over the span from the

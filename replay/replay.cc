@@ -1179,6 +1179,7 @@ std::string FormatReplayJson(const ReplayReport& r) {
     j["p90_latency"] = JsonNumber(m.p90_latency);
     j["p95_latency"] = JsonNumber(m.p95_latency);
     j["p99_latency"] = JsonNumber(m.p99_latency);
+    j["window_p99_latency"] = JsonNumber(m.window_p99_latency);
     j["mean_ttft"] = JsonNumber(m.mean_ttft);
     j["throughput"] = JsonNumber(m.throughput);
     j["long_p95_latency"] = m.long_p95_latency.has_value()

@@ -294,8 +294,10 @@ absl::StatusOr<std::string> WriteTradeoffPlot(const ReplayReport& report,
                                               const std::string& path);
 // A JSON array: one object per policy and load with exactly the keys
 // policy, load, mean_ptl (s/token), p90_latency, p95_latency, p99_latency,
-// mean_ttft (s), throughput (output tokens/s), long_p95_latency (s; null
-// without requests over 1,024 tokens). NaN is null.
+// window_p99_latency (the worst P99 over 10,000 requests consecutive in
+// arrival order), mean_ttft (s), throughput (output tokens/s),
+// long_p95_latency (s; null without requests over 1,024 tokens). NaN is
+// null.
 std::string FormatReplayJson(const ReplayReport& report);
 // The per-request CSV (--requests-csv): a header line, then one line per
 // request of every run, in run order then request id: policy, load, id,

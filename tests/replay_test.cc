@@ -68,6 +68,46 @@ TEST(ReplayMetricsTest, PercentileInterpolatesBetweenOrderStatistics) {
   EXPECT_TRUE(std::isnan(Percentile({}, 50)));
 }
 
+// Against a brute force: Percentile of every window, by hand-made windows.
+TEST(ReplayMetricsTest, WorstWindowPercentileMatchesEveryWindow) {
+  std::mt19937_64 rng(11);
+  std::uniform_real_distribution<double> u(0, 100);
+  for (const size_t n : {1u, 7u, 50u, 333u, 1000u}) {
+    std::vector<double> x(n);
+    for (double& v : x) v = u(rng);
+    // Ties: every fourth value repeats the one before.
+    for (size_t i = 3; i < n; i += 4) x[i] = x[i - 1];
+    for (const size_t w : {1u, 2u, 10u, 99u, 100u, 256u, 2000u}) {
+      for (const double p : {0.0, 50.0, 95.0, 99.0, 100.0}) {
+        double want = -1;
+        if (n <= w) {
+          want = Percentile(x, p);
+        } else {
+          for (size_t b = 0; b + w <= n; ++b) {
+            want = std::max(want, Percentile(std::vector<double>(
+                                                 x.begin() + b, x.begin() + b + w),
+                                             p));
+          }
+        }
+        EXPECT_DOUBLE_EQ(WorstWindowPercentile(x, w, p), want)
+            << "n " << n << " window " << w << " p " << p;
+      }
+    }
+  }
+  // A burst: the whole set's P99 hides it, the worst window does not.
+  std::vector<double> burst(1000, 1.0);
+  for (size_t i = 500; i < 520; ++i) burst[i] = 50;  // 2% of all, in 100
+  EXPECT_DOUBLE_EQ(Percentile(burst, 99), 50);
+  EXPECT_DOUBLE_EQ(WorstWindowPercentile(burst, 100, 99), 50);
+  std::vector<double> spread(1000, 1.0);
+  for (size_t i = 0; i < 1000; i += 200) spread[i] = 50;  // 0.5%, apart
+  EXPECT_DOUBLE_EQ(Percentile(spread, 99), 1);
+  // Windows of 100 hold at most one of them: rank 98.01 of 99 ones and a 50.
+  EXPECT_NEAR(WorstWindowPercentile(spread, 100, 99), 1 + 0.01 * 49, 1e-9);
+  EXPECT_TRUE(std::isnan(WorstWindowPercentile({}, 10, 99)));
+  EXPECT_TRUE(std::isnan(WorstWindowPercentile(burst, 0, 99)));
+}
+
 RequestResult Result(int64_t id, double arrival, double first, double done,
                      int64_t out, double predicted, int segment = 0) {
   RequestResult r;
@@ -79,6 +119,24 @@ RequestResult Result(int64_t id, double arrival, double first, double done,
   r.predicted_tokens = predicted;
   r.segment = segment;
   return r;
+}
+
+// window_p99_latency takes its windows in arrival order, whatever the order
+// of the results: 150 slow requests arriving together are 0.75% of 20,000
+// (the P99 does not see them) but 1.5% of the kP99Window around them.
+TEST(ReplayMetricsTest, WindowP99FollowsArrivalOrder) {
+  std::vector<RequestResult> rs;
+  for (int64_t i = 0; i < 20000; ++i) {
+    const double arrival = static_cast<double>(i);
+    const double latency = (i >= 5000 && i < 5150) ? 90 : 1;
+    rs.push_back(Result(i, arrival, arrival + 0.5, arrival + latency, 10,
+                        std::nan("")));
+  }
+  std::mt19937_64 rng(3);
+  std::shuffle(rs.begin(), rs.end(), rng);
+  const Metrics m = ComputeMetrics(rs);
+  EXPECT_DOUBLE_EQ(m.p99_latency, 1);
+  EXPECT_DOUBLE_EQ(m.window_p99_latency, 90);
 }
 
 TEST(ReplayMetricsTest, HandBuiltResults) {
@@ -97,6 +155,8 @@ TEST(ReplayMetricsTest, HandBuiltResults) {
   EXPECT_DOUBLE_EQ(m.p90_latency, 7.4);   // rank 2.7: 6 + 0.7 * 2
   EXPECT_DOUBLE_EQ(m.p95_latency, 7.7);   // rank 2.85
   EXPECT_DOUBLE_EQ(m.p99_latency, 7.94);  // rank 2.97
+  // Fewer requests than kP99Window: the one window is all of them.
+  EXPECT_DOUBLE_EQ(m.window_p99_latency, 7.94);
   EXPECT_DOUBLE_EQ(m.mean_ttft, (1 + 1 + 2 + 1) / 4.0);
   // 2008 output tokens from the first arrival (0) to the last completion (10).
   EXPECT_DOUBLE_EQ(m.throughput, 200.8);
@@ -1203,8 +1263,10 @@ TEST_F(ReplayLeapdTest, SmallReplayThroughTheCli) {
             std::string::npos)
       << out.str();
   const std::vector<std::string> keys = {
-      "load",        "long_p95_latency", "mean_ptl", "mean_ttft", "p90_latency",
-      "p95_latency", "p99_latency",      "policy",   "throughput"};
+      "load",        "long_p95_latency", "mean_ptl",
+      "mean_ttft",   "p90_latency",      "p95_latency",
+      "p99_latency", "policy",           "throughput",
+      "window_p99_latency"};
   std::map<std::pair<std::string, double>, double> ptl;
   for (const nlohmann::json& row : j) {
     std::vector<std::string> got;

@@ -108,9 +108,11 @@ constexpr char kDescription[] =
     "arrivals at load x capacity, measured per side of the shift.\n"
     "\n"
     "Prints a table; --json writes one object per policy and load (policy,\n"
-    "load, mean_ptl, p90_latency, p95_latency, p99_latency, mean_ttft,\n"
-    "throughput, long_p95_latency; seconds and output tokens/s), --plot the\n"
-    "mean PTL vs load, one line per policy. Progress goes to stderr.";
+    "load, mean_ptl, p90_latency, p95_latency, p99_latency,\n"
+    "window_p99_latency (the worst P99 over any 10,000 requests consecutive\n"
+    "in arrival order), mean_ttft, throughput, long_p95_latency; seconds and\n"
+    "output tokens/s), --plot the mean PTL vs load, one line per policy.\n"
+    "Progress goes to stderr.";
 
 absl::StatusOr<std::vector<double>> ParseLoads(absl::string_view list) {
   std::vector<double> out;
