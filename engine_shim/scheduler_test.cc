@@ -1348,13 +1348,20 @@ CountdownScheduler BankedScheduler(const SchedulerOptions& o) {
   return s;
 }
 
-// Adds each id with a prediction of `tokens`.
-void AddPredicted(CountdownScheduler& s,
-                  std::initializer_list<const char*> ids, double tokens) {
+// Adds each id with a prediction of `tokens` (use under ASSERT_TRUE).
+::testing::AssertionResult AddPredicted(CountdownScheduler& s,
+                                        std::initializer_list<const char*> ids,
+                                        double tokens) {
   for (const char* id : ids) {
-    ASSERT_TRUE(s.Add(id).ok()) << id;
-    ASSERT_TRUE(s.SetPrediction(id, tokens).ok()) << id;
+    if (absl::Status st = s.Add(id); !st.ok()) {
+      return ::testing::AssertionFailure() << "Add(" << id << "): " << st;
+    }
+    if (absl::Status st = s.SetPrediction(id, tokens); !st.ok()) {
+      return ::testing::AssertionFailure()
+             << "SetPrediction(" << id << "): " << st;
+    }
   }
+  return ::testing::AssertionSuccess();
 }
 
 // give_up_reserve: past the tail budget a first-time urgent long request
@@ -1374,7 +1381,8 @@ TEST(CountdownSchedulerTest, GiveUpAgainstCreditsByHand) {
   o.calibration_window = 10;
   CountdownScheduler s = BankedScheduler(o);  // mean 10
   EXPECT_EQ(s.target_credits(), 5);            // capped at the bank
-  AddPredicted(s, {"a", "b", "c", "d"}, 30);   // 30 s of work > 10 s
+  // 30 s of work > 10 s.
+  ASSERT_TRUE(AddPredicted(s, {"a", "b", "c", "d"}, 30));
   // In arrival order: 5 - 1, 5 - 2, 5 - 3 >= 2 give up; 5 - 4 < 2 not.
   EXPECT_EQ(s.Select(), std::vector<std::string>{"d"});
   for (const char* id : {"a", "b", "c"}) {
@@ -1391,7 +1399,7 @@ TEST(CountdownSchedulerTest, GiveUpAgainstCreditsByHand) {
   ASSERT_TRUE(s.Remove("a").ok());
   EXPECT_EQ(s.credits_set_aside(), 2);
   ASSERT_TRUE(s.SetTime(1, 1).ok());
-  AddPredicted(s, {"e"}, 30);
+  ASSERT_TRUE(AddPredicted(s, {"e"}, 30));
   EXPECT_EQ(s.Select(), std::vector<std::string>{"d"});
   EXPECT_TRUE(s.GetRequest("e")->gave_up);
   EXPECT_FALSE(s.GetRequest("d")->gave_up);
@@ -1400,7 +1408,7 @@ TEST(CountdownSchedulerTest, GiveUpAgainstCreditsByHand) {
   // 4 - 3 - 1 < 2, so the next one stays urgent.
   ASSERT_TRUE(s.ObserveLatency(20).ok());
   EXPECT_EQ(s.target_credits(), 4);
-  AddPredicted(s, {"f"}, 30);
+  ASSERT_TRUE(AddPredicted(s, {"f"}, 30));
   s.Select();
   EXPECT_FALSE(s.GetRequest("f")->gave_up);
   EXPECT_EQ(s.counters().credit_give_ups, 4);
@@ -1416,7 +1424,7 @@ TEST(CountdownSchedulerTest, GiveUpAgainstCreditsByHand) {
     x.give_up_reserve = reserve;
     x.target_quantile = quantile;
     CountdownScheduler none = BankedScheduler(x);
-    AddPredicted(none, {"a"}, 30);
+    ASSERT_TRUE(AddPredicted(none, {"a"}, 30));
     EXPECT_EQ(none.Select(), std::vector<std::string>{"a"});
     EXPECT_FALSE(none.GetRequest("a")->gave_up) << reserve << " " << quantile;
     EXPECT_EQ(none.counters().credit_give_ups, 0);
@@ -1425,7 +1433,7 @@ TEST(CountdownSchedulerTest, GiveUpAgainstCreditsByHand) {
   SchedulerOptions both = o;
   both.tail_budget = 0.5;  // floor(0.5 x 2) = 1 of the first two
   CountdownScheduler b = BankedScheduler(both);
-  AddPredicted(b, {"a", "b"}, 30);
+  ASSERT_TRUE(AddPredicted(b, {"a", "b"}, 30));
   b.Select();
   EXPECT_TRUE(b.GetRequest("a")->gave_up);
   EXPECT_TRUE(b.GetRequest("b")->gave_up);
@@ -1456,7 +1464,7 @@ TEST(CountdownSchedulerTest, GiveUpAgainstCreditsByHand) {
   EXPECT_EQ(d.credits_set_aside(), 1);
   ASSERT_TRUE(d.Add("a", *ca).ok());
   EXPECT_FALSE(d.GetRequest("a")->holds_credit);
-  AddPredicted(d, {"c", "e"}, 30);
+  ASSERT_TRUE(AddPredicted(d, {"c", "e"}, 30));
   // 4 added: 2 allowed, "a" used one, so "c" gives up (budget), "e" would
   // need a credit and d has none banked.
   d.Select();
@@ -1500,7 +1508,7 @@ TEST(CountdownSchedulerTest, TailBudgetByHand) {
   ASSERT_TRUE(s.SetTime(0, 1).ok());
   // floor(0.5 x 2) = 1 may give up among these two; "a" turns urgent
   // first (arrival order), so "a" gives up and "b" stays urgent.
-  AddPredicted(s, {"a", "b"}, 30);  // 30 s of work > 10 s
+  ASSERT_TRUE(AddPredicted(s, {"a", "b"}, 30));  // 30 s of work > 10 s
   EXPECT_EQ(s.Select(), std::vector<std::string>{"b"});
   EXPECT_TRUE(s.GetRequest("a")->gave_up);
   EXPECT_FALSE(s.GetRequest("b")->gave_up);
@@ -1518,7 +1526,7 @@ TEST(CountdownSchedulerTest, TailBudgetByHand) {
   // Three more long requests: 6 added, window 4 -> floor(0.5 x 4) = 2
   // allowed; "a" gave up when 2 had been added, 4 arrivals ago, so it is out
   // of the window: "d" gives up, then "e", and "f" would be a third.
-  AddPredicted(s, {"d", "e", "f"}, 30);
+  ASSERT_TRUE(AddPredicted(s, {"d", "e", "f"}, 30));
   s.Select();
   EXPECT_TRUE(s.GetRequest("d")->gave_up);
   EXPECT_TRUE(s.GetRequest("e")->gave_up);

@@ -901,7 +901,9 @@ double WorstWindowPercentile(std::span<const double> x, size_t window,
                              double p) {
   const size_t n = x.size();
   if (n == 0 || window == 0) return kNaN;
-  if (n <= window) return Percentile(std::vector<double>(x.begin(), x.end()), p);
+  if (n <= window) {
+    return Percentile(std::vector<double>(x.begin(), x.end()), p);
+  }
   // rank_of[i]: x[i]'s position in ascending order (ties by index), so each
   // window's k-th smallest is a prefix-count search over ranks.
   std::vector<size_t> by_value(n);

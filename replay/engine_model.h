@@ -311,9 +311,12 @@ double WorstWindowPercentile(std::span<const double> x, size_t window,
                              double p);
 
 // The window of Metrics::window_p99_latency: requests in arrival order, as
-// many as SchedulerOptions::tail_budget_window's default (the period over
-// which the latency target's controller holds its quantile).
+// many as SchedulerOptions::tail_budget_window's default (the latency
+// target's controller banks at most (1 - q) x that many credits, so a burst
+// can spend only its own period's share of misses).
 inline constexpr size_t kP99Window = 10000;
+static_assert(kP99Window ==
+              static_cast<size_t>(shim::SchedulerOptions{}.tail_budget_window));
 
 // The paper's metrics over a set of finished requests. Times in seconds.
 struct Metrics {
@@ -326,9 +329,9 @@ struct Metrics {
   double p95_latency = 0;
   double p99_latency = 0;
   // The worst P99 latency over any kP99Window requests consecutive in
-  // arrival order (= p99_latency with at most kP99Window requests): a P99
-  // objective judged per period, where one burst's misses count against
-  // that period alone.
+  // arrival order (equal arrivals in result order; p99_latency itself with
+  // at most kP99Window requests): a P99 objective judged per period, where
+  // one burst's misses count against that period alone.
   double window_p99_latency = 0;
   // Mean of first token - arrival.
   double mean_ttft = 0;

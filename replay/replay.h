@@ -294,8 +294,8 @@ absl::StatusOr<std::string> WriteTradeoffPlot(const ReplayReport& report,
                                               const std::string& path);
 // A JSON array: one object per policy and load with exactly the keys
 // policy, load, mean_ptl (s/token), p90_latency, p95_latency, p99_latency,
-// window_p99_latency (the worst P99 over 10,000 requests consecutive in
-// arrival order), mean_ttft (s), throughput (output tokens/s),
+// window_p99_latency (the worst P99 over any 10,000 requests consecutive in
+// arrival order; p99_latency with at most 10,000), mean_ttft (s), throughput (output tokens/s),
 // long_p95_latency (s; null without requests over 1,024 tokens). NaN is
 // null.
 std::string FormatReplayJson(const ReplayReport& report);

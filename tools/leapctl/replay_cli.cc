@@ -110,7 +110,8 @@ constexpr char kDescription[] =
     "Prints a table; --json writes one object per policy and load (policy,\n"
     "load, mean_ptl, p90_latency, p95_latency, p99_latency,\n"
     "window_p99_latency (the worst P99 over any 10,000 requests consecutive\n"
-    "in arrival order), mean_ttft, throughput, long_p95_latency; seconds and\n"
+    "in arrival order; p99_latency with at most 10,000), mean_ttft,\n"
+    "throughput, long_p95_latency; seconds and\n"
     "output tokens/s), --plot the mean PTL vs load, one line per policy.\n"
     "Progress goes to stderr.";
 
