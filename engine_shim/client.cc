@@ -258,6 +258,8 @@ void Client::Submit(std::vector<CapturedFeatures> features) {
       } else {
         const std::string id = f.request_id;
         Live& live = live_[id];
+        live.bytes = std::make_shared<const std::string>(std::move(f.bytes));
+        f.bytes.clear();
         live.features = std::move(f);
         live.submitted_at = ++calls_;
         outbox_.push_back({Outgoing::Kind::kFeatures, id});
@@ -576,6 +578,9 @@ bool Client::Session(Transport* t) {
     pb::EngineMessage priors, features, completions, cancels;
     std::vector<std::string> completing;
     std::vector<Event> refused;  // emitted once mu_ is released
+    // Feature records and the bytes to copy into them once mu_ is released.
+    std::vector<std::pair<pb::FeatureRecord*, std::shared_ptr<const std::string>>>
+        fills;
     {
       absl::MutexLock lock(&mu_);
       // Wakes for work, and at the time of the earliest completion resend
@@ -640,7 +645,7 @@ bool Client::Session(Transport* t) {
           auto it = live_.find(next.request_id);
           const bool has_features =
               next.kind == Outgoing::Kind::kFeatures && it != live_.end();
-          const size_t payload = has_features ? it->second.features.bytes.size() : 0;
+          const size_t payload = has_features ? it->second.bytes->size() : 0;
           const size_t add =
               next.request_id.size() + kRecordOverhead + payload +
               (has_features ? it->second.features.product_line.size() : 0);
@@ -660,17 +665,18 @@ bool Client::Session(Transport* t) {
         switch (o.kind) {
           case Outgoing::Kind::kFeatures: {
             if (it == live_.end()) break;  // cancelled meanwhile
-            if (it->second.features.bytes.size() > feature_cap) {
+            const size_t size = it->second.bytes->size();
+            if (size > feature_cap) {
               // Alone over leapd's max_batch_bytes (or the 16 MiB message
               // limit): no message can carry it. Refused here, dropped.
               ++stats_.errors;
               refused.push_back(ErrorEvent(
                   o.request_id, kResourceExhausted,
                   feature_cap < kMaxMessageBytes
-                      ? absl::StrCat("features of ", it->second.features.bytes.size(),
+                      ? absl::StrCat("features of ", size,
                                      " bytes exceed leapd's max_batch_bytes (",
                                      feature_cap, ")")
-                      : absl::StrCat("features of ", it->second.features.bytes.size(),
+                      : absl::StrCat("features of ", size,
                                      " bytes exceed the client's message limit (",
                                      feature_cap, " bytes)")));
               live_.erase(it);
@@ -680,7 +686,7 @@ bool Client::Session(Transport* t) {
             auto* r = features.mutable_features()->add_records();
             r->set_request_id(o.request_id);
             r->set_product_line(it->second.features.product_line);
-            r->set_features(it->second.features.bytes);
+            fills.emplace_back(r, it->second.bytes);  // copied unlocked
             r->mutable_decoding()->set_max_tokens(it->second.features.max_tokens);
             break;
           }
@@ -715,6 +721,8 @@ bool Client::Session(Transport* t) {
       if (completions.has_completions()) NoteSent(completions.seq());
       if (cancels.has_cancels()) NoteSent(cancels.seq());
     }
+    for (auto& [record, bytes] : fills) record->set_features(*bytes);
+    fills.clear();
     for (auto& e : refused) Emit(std::move(e));
     if (priors.has_prior_queries() && !t->Send(priors)) return false;
     if (features.has_features() && !t->Send(features)) return false;

@@ -265,7 +265,11 @@ class Client {
  private:
   explicit Client(ClientOptions options) : options_(std::move(options)) {}
   struct Live {
-    CapturedFeatures features;
+    CapturedFeatures features;  // its bytes moved to `bytes`
+    // The feature bytes, shared with the message being built: the manager
+    // copies them into it after releasing mu_, so a step-loop call never
+    // waits for a batch's copy.
+    std::shared_ptr<const std::string> bytes;
     std::string held_by;  // sidecar id that holds its features
     int sends = 0;        // times its features were sent
     bool completing = false;

@@ -1,0 +1,230 @@
+// client_call_benchmark: how long an engine's step loop waits inside the
+// shim's Client calls while the Client ships large feature batches, at
+// d = 4096 (fp32: 16 KiB a request), over gRPC (unix socket) and shared
+// memory, against a real leapd.
+//
+// The step loop (this process's main thread) runs like an engine's: every
+// --step-us a step; every --burst-every steps a burst of --burst requests
+// arrives (one Submit of their features), every other step one request
+// does; each step it drains Poll and completes the requests submitted
+// --complete-after steps before (Complete). Measured: the wall time of each
+// call, split into the burst Submits (they move the engine's own features
+// in) and the small calls (one-request Submit, Poll, Complete, stats), whose
+// time is what the Client's threads can add to a step. The limit printed
+// beside them: one copy of a burst's feature bytes (memcpy, measured in the
+// same run) -- a small call that waits behind the Client's manager while it
+// copies a burst into a message waits about that long.
+//
+// Usage: client_call_benchmark [--seconds S] [--burst N] [--burst-every K]
+//                              [--step-us U] [--complete-after C]
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <deque>
+#include <fstream>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "engine_shim/client.h"
+#include "tests/support/engine_client.h"
+#include "tests/support/process.h"
+#include "tests/support/scoped_temp_dir.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr int64_t kDim = 4096;
+
+std::string CpuModel() {
+  std::ifstream f("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(f, line)) {
+    if (line.rfind("model name", 0) == 0) return line.substr(line.find(':') + 2);
+  }
+  return "unknown";
+}
+
+double Us(Clock::duration d) {
+  return std::chrono::duration<double, std::micro>(d).count();
+}
+
+double Quantile(std::vector<double> v, double q) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[static_cast<size_t>(q * static_cast<double>(v.size() - 1))];
+}
+
+struct Options {
+  double seconds = 5;
+  int burst = 256;
+  int burst_every = 50;
+  int step_us = 2000;
+  int complete_after = 20;
+};
+
+// The best of 20 copies of `bytes` bytes (a burst's features), microseconds.
+double CopyUs(size_t bytes) {
+  std::vector<char> src(bytes, 1), dst(bytes);
+  double best = 1e30;
+  for (int i = 0; i < 20; ++i) {
+    const auto t0 = Clock::now();
+    std::memcpy(dst.data(), src.data(), bytes);
+    const double us = Us(Clock::now() - t0);
+    asm volatile("" : : "r"(dst.data()) : "memory");
+    best = std::min(best, us);
+  }
+  return best;
+}
+
+struct Result {
+  std::vector<double> small, bursts;
+  int64_t steps = 0, predictions = 0, submitted = 0;
+};
+
+Result Run(const std::string& endpoint, const std::string& instance,
+           const Options& o) {
+  leap::shim::ClientOptions co;
+  co.endpoint = endpoint;
+  co.dim = kDim;
+  co.instance_id = instance;
+  auto client = leap::shim::Client::Start(co);
+  if (!client.ok()) {
+    std::fprintf(stderr, "Client::Start: %s\n", client.status().ToString().c_str());
+    std::exit(1);
+  }
+  leap::shim::Client& c = **client;
+  if (!c.WaitConnected(absl::Seconds(10))) {
+    std::fprintf(stderr, "no connection to %s\n", endpoint.c_str());
+    std::exit(1);
+  }
+  std::mt19937 rng(1);
+  std::normal_distribution<float> g(0, 1);
+  std::string features(static_cast<size_t>(kDim) * sizeof(float), '\0');
+  for (int64_t i = 0; i < kDim; ++i) {
+    const float v = g(rng);
+    std::memcpy(features.data() + i * sizeof(float), &v, sizeof(float));
+  }
+  Result r;
+  std::deque<std::pair<int64_t, std::vector<std::string>>> to_complete;
+  int64_t next_id = 0;
+  const auto timed = [&](std::vector<double>& into, auto&& call) {
+    const auto t0 = Clock::now();
+    call();
+    into.push_back(Us(Clock::now() - t0));
+  };
+  const auto start = Clock::now();
+  auto next_step = start;
+  while (Clock::now() - start < std::chrono::duration<double>(o.seconds)) {
+    const bool burst = r.steps % o.burst_every == 0;
+    const int n = burst ? o.burst : 1;
+    std::vector<leap::shim::CapturedFeatures> batch;
+    std::vector<std::string> ids;
+    for (int i = 0; i < n; ++i) {
+      leap::shim::CapturedFeatures f;
+      f.request_id = absl::StrCat("r", next_id++);
+      f.product_line = std::string(1, 'p');
+      f.bytes = features;  // the engine's own copy, before the call
+      ids.push_back(f.request_id);
+      batch.push_back(std::move(f));
+    }
+    r.submitted += n;
+    timed(burst ? r.bursts : r.small, [&] { c.Submit(std::move(batch)); });
+    to_complete.emplace_back(r.steps, std::move(ids));
+    timed(r.small, [&] {
+      for (const auto& e : c.Poll()) {
+        r.predictions += e.kind == leap::shim::Event::Kind::kPrediction;
+      }
+    });
+    while (!to_complete.empty() &&
+           to_complete.front().first + o.complete_after <= r.steps) {
+      for (const std::string& id : to_complete.front().second) {
+        timed(r.small, [&] {
+          c.Complete(id, 100, leap::shim::FinishReason::kStop);
+        });
+      }
+      to_complete.pop_front();
+    }
+    timed(r.small, [&] { (void)c.stats(); });
+    ++r.steps;
+    next_step += std::chrono::microseconds(o.step_us);
+    std::this_thread::sleep_until(next_step);  // the step's GPU time
+  }
+  return r;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string k = argv[i];
+    const double v = std::atof(argv[i + 1]);
+    if (k == "--seconds") o.seconds = v;
+    else if (k == "--burst") o.burst = static_cast<int>(v);
+    else if (k == "--burst-every") o.burst_every = static_cast<int>(v);
+    else if (k == "--step-us") o.step_us = static_cast<int>(v);
+    else if (k == "--complete-after") o.complete_after = static_cast<int>(v);
+    else {
+      std::fprintf(stderr, "unknown flag %s\n", k.c_str());
+      return 2;
+    }
+  }
+  if (o.burst < 1 || o.burst_every < 1 || o.step_us < 1 || o.seconds <= 0 ||
+      o.complete_after < 0) {
+    std::fprintf(stderr, "flags must be positive\n");
+    return 2;
+  }
+  const leap::testing::ScopedTempDir tmp("client-call-bench");
+  const std::string sock = "unix://" + tmp.path() + "/leapd.sock";
+  std::string addr;
+  auto leapd = leap::testing::StartLeapd(
+      LEAPD_PATH,
+      {"--listen=" + sock, "--data_dir=" + tmp.path() + "/db",
+       "--shm=" + tmp.path() + "/leap.shm"},
+      &addr);
+  if (!leapd.ok()) {
+    std::fprintf(stderr, "leapd: %s\n", leapd.status().ToString().c_str());
+    return 1;
+  }
+  if (const grpc::Status s = leap::testing::CreateDefaultReadout(sock, "r", kDim);
+      !s.ok()) {
+    std::fprintf(stderr, "CreateReadout: %s\n", s.error_message().c_str());
+    return 1;
+  }
+  const size_t burst_bytes =
+      static_cast<size_t>(o.burst) * static_cast<size_t>(kDim) * sizeof(float);
+  const double copy_us = CopyUs(burst_bytes);
+  std::printf("machine: %s, %ld cores; d = %lld fp32; burst %d requests "
+              "(%.1f MiB) every %d steps of %d us; one copy of a burst: "
+              "%.0f us\n",
+              CpuModel().c_str(), sysconf(_SC_NPROCESSORS_ONLN),
+              static_cast<long long>(kDim), o.burst,
+              static_cast<double>(burst_bytes) / (1 << 20), o.burst_every,
+              o.step_us, copy_us);
+  for (const std::string transport : {"unix", "shm"}) {
+    const std::string endpoint =
+        transport == "shm" ? "shm://" + tmp.path() + "/leap.shm" : sock;
+    const Result r = Run(endpoint, "bench-" + transport, o);
+    const double max_small = Quantile(r.small, 1.0);
+    std::printf("%-4s  steps %lld, requests %lld, predictions %lld; small calls "
+                "(%zu): p50 %.1f us, p99 %.1f us, p99.9 %.1f us, max %.0f us "
+                "(%.2f x one burst copy); burst Submits (%zu): p50 %.0f us, "
+                "max %.0f us\n",
+                transport.c_str(), static_cast<long long>(r.steps),
+                static_cast<long long>(r.submitted),
+                static_cast<long long>(r.predictions), r.small.size(),
+                Quantile(r.small, 0.5), Quantile(r.small, 0.99),
+                Quantile(r.small, 0.999), max_small, max_small / copy_us,
+                r.bursts.size(), Quantile(r.bursts, 0.5),
+                Quantile(r.bursts, 1.0));
+  }
+  return 0;
+}
