@@ -159,8 +159,10 @@ TEST_P(FailOpen, EngineKeepsServingWhileLeapdIsKilledHungAndRestarted) {
   // The Client's calls never wait for leapd (a blocked one would take at
   // least the response timeout, 500 ms); the bound, 0.8 of that, leaves
   // room for a loaded machine and sanitizers (a TSan run on 2 busy cores
-  // once measured 272 ms; not established why, likely the call waiting for
-  // the Client's lock while its manager thread builds a batch under TSan).
+  // once measured 272 ms; not established why: the Client's manager no
+  // longer copies feature bytes under the lock these calls take, and
+  // client_call_benchmark shows ms-scale outliers from the 2 cores'
+  // scheduling alone).
   EXPECT_LT(s.at("max_call_us"), kResponseTimeoutMs * 800)
       << "a shim call blocked the step loop";
   std::printf("fail-open (%s): leapd hang detected after %lld ms; max step "
