@@ -364,6 +364,13 @@ void Client::ReaderLoop(Transport* t, uint64_t generation) {
   pb::SidecarMessage m;
   while (t->Receive(&m)) {
     std::vector<Event> events;
+    // The feature bytes of the requests this answer ends, freed once mu_ is
+    // released (a burst's acknowledgement frees megabytes).
+    std::vector<std::shared_ptr<const std::string>> freed;
+    const auto erase = [&](auto it) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      freed.push_back(std::move(it->second.bytes));
+      live_.erase(it);
+    };
     {
       absl::MutexLock lock(&mu_);
       if (generation != generation_) break;
@@ -408,7 +415,7 @@ void Client::ReaderLoop(Transport* t, uint64_t generation) {
             }
             // Otherwise a real collision: the id is live for this engine
             // instance in leapd under another request. Surfaced, dropped.
-            if (it != live_.end() && !it->second.completing) live_.erase(it);
+            if (it != live_.end() && !it->second.completing) erase(it);
             ++stats_.errors;
             events.push_back(
                 ErrorEvent(err.request_id(), err.code(), err.message()));
@@ -440,7 +447,7 @@ void Client::ReaderLoop(Transport* t, uint64_t generation) {
               ScheduleRetry(id, &it->second);
               continue;
             }
-            if (it != live_.end()) live_.erase(it);
+            if (it != live_.end()) erase(it);
             ++stats_.errors;
             events.push_back(ErrorEvent(id, err.code(), err.message()));
           }
@@ -449,7 +456,9 @@ void Client::ReaderLoop(Transport* t, uint64_t generation) {
             RetryUnnamed(&msg);
           } else if (msg.answered >= static_cast<int64_t>(msg.ids.size())) {
             // The whole answer is in: the rest was acknowledged.
-            for (const std::string& id : msg.unnamed) live_.erase(id);
+            for (const std::string& id : msg.unnamed) {
+              if (auto it = live_.find(id); it != live_.end()) erase(it);
+            }
           } else {
             break;  // more parts to come
           }

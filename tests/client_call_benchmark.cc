@@ -9,11 +9,13 @@
 // does; each step it drains Poll and completes the requests submitted
 // --complete-after steps before (Complete). Measured: the wall time of each
 // call, split into the burst Submits (they move the engine's own features
-// in) and the small calls (one-request Submit, Poll, Complete, stats), whose
-// time is what the Client's threads can add to a step. The limit printed
-// beside them: one copy of a burst's feature bytes (memcpy, measured in the
-// same run) -- a small call that waits behind the Client's manager while it
-// copies a burst into a message waits about that long.
+// in), the small calls that take the Client's lock (one-request Submit,
+// Complete, stats), whose time is what the Client's threads can add to a
+// step, and Poll (the event queue's own lock). The limit printed beside
+// them: one memcpy of a burst's feature bytes, measured in the same run (a
+// lower bound on copying them as 256 separate strings): a call that waited
+// behind the Client's manager while it copied a burst into a message would
+// wait at least that long.
 //
 // Usage: client_call_benchmark [--seconds S] [--burst N] [--burst-every K]
 //                              [--step-us U] [--complete-after C]
@@ -85,8 +87,8 @@ double CopyUs(size_t bytes) {
 }
 
 struct Result {
-  std::vector<double> small, bursts;
-  int64_t steps = 0, predictions = 0, submitted = 0;
+  std::vector<double> small, polls, bursts;
+  int64_t steps = 0, predictions = 0, submitted = 0, errors = 0;
 };
 
 Result Run(const std::string& endpoint, const std::string& instance,
@@ -138,7 +140,7 @@ Result Run(const std::string& endpoint, const std::string& instance,
     r.submitted += n;
     timed(burst ? r.bursts : r.small, [&] { c.Submit(std::move(batch)); });
     to_complete.emplace_back(r.steps, std::move(ids));
-    timed(r.small, [&] {
+    timed(r.polls, [&] {
       for (const auto& e : c.Poll()) {
         r.predictions += e.kind == leap::shim::Event::Kind::kPrediction;
       }
@@ -157,6 +159,7 @@ Result Run(const std::string& endpoint, const std::string& instance,
     next_step += std::chrono::microseconds(o.step_us);
     std::this_thread::sleep_until(next_step);  // the step's GPU time
   }
+  r.errors = c.stats().errors;
   return r;
 }
 
@@ -164,8 +167,14 @@ Result Run(const std::string& endpoint, const std::string& instance,
 
 int main(int argc, char** argv) {
   Options o;
-  for (int i = 1; i + 1 < argc; i += 2) {
+  for (int i = 1; i < argc; i += 2) {
     const std::string k = argv[i];
+    if (k == "--help" || i + 1 >= argc) {
+      std::fprintf(stderr,
+                   "usage: client_call_benchmark [--seconds S] [--burst N] "
+                   "[--burst-every K] [--step-us U] [--complete-after C]\n");
+      return k == "--help" ? 0 : 2;
+    }
     const double v = std::atof(argv[i + 1]);
     if (k == "--seconds") o.seconds = v;
     else if (k == "--burst") o.burst = static_cast<int>(v);
@@ -214,17 +223,20 @@ int main(int argc, char** argv) {
         transport == "shm" ? "shm://" + tmp.path() + "/leap.shm" : sock;
     const Result r = Run(endpoint, "bench-" + transport, o);
     const double max_small = Quantile(r.small, 1.0);
-    std::printf("%-4s  steps %lld, requests %lld, predictions %lld; small calls "
-                "(%zu): p50 %.1f us, p99 %.1f us, p99.9 %.1f us, max %.0f us "
-                "(%.2f x one burst copy); burst Submits (%zu): p50 %.0f us, "
-                "max %.0f us\n",
+    std::printf("%-4s  steps %lld, requests %lld, predictions %lld, errors "
+                "%lld; locked calls (%zu): p50 %.1f us, p99 %.1f us, p99.9 "
+                "%.1f us, max %.0f us (%.2f x one burst copy); Poll (%zu): "
+                "p99.9 %.1f us, max %.0f us; burst Submits (%zu): p50 %.0f "
+                "us, max %.0f us\n",
                 transport.c_str(), static_cast<long long>(r.steps),
                 static_cast<long long>(r.submitted),
-                static_cast<long long>(r.predictions), r.small.size(),
+                static_cast<long long>(r.predictions),
+                static_cast<long long>(r.errors), r.small.size(),
                 Quantile(r.small, 0.5), Quantile(r.small, 0.99),
                 Quantile(r.small, 0.999), max_small, max_small / copy_us,
-                r.bursts.size(), Quantile(r.bursts, 0.5),
-                Quantile(r.bursts, 1.0));
+                r.polls.size(), Quantile(r.polls, 0.999),
+                Quantile(r.polls, 1.0), r.bursts.size(),
+                Quantile(r.bursts, 0.5), Quantile(r.bursts, 1.0));
   }
   return 0;
 }
