@@ -86,6 +86,7 @@ class TailFrontierTest(unittest.TestCase):
         self.assertEqual(rc, 0, err)
         self.assertIn("leap+aging=0.01: BEHIND 0.550 vs 0.700 at 1.45x",
                       self.line(out, "target:"))
+        self.assertIn("under the aging curve: 0 (n/c 3)", out)
         # X = 1.2 at 1.0x with 0.95 is on the curve at 1.45x too.
         rc, out, err = self.frontier("--knob-points")
         self.assertEqual(rc, 0, err)
@@ -94,6 +95,19 @@ class TailFrontierTest(unittest.TestCase):
         # The aging curve is a single point: the target's points at other
         # P99 ratios are not comparable with it, with or without the flag.
         self.assertIn("under the aging curve: 0 (n/c 3)", out)
+
+    def test_knob_points_only_where_a_segment_spans(self):
+        # HRRN at 0.9x lies below every segment of the target's curve
+        # (1.0x-1.5x): not comparable, with the flag too.
+        rows = dict(ROWS)
+        rows["leap+hrrn"] = (54.0, 90.0, 90.0)
+        path = os.path.join(self.dir.name, "low.json")
+        with open(path, "w") as f:
+            json.dump(run_json(rows), f)
+        for flags in ([], ["--knob-points"]):
+            rc, out, err = self.frontier(*flags, path=path)
+            self.assertEqual(rc, 0, err)
+            self.assertIn("leap+hrrn: n/c", self.line(out, "target:"), flags)
 
     def test_window_p99_judges_per_period(self):
         rc, out, err = self.frontier("--window-p99")
