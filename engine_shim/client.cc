@@ -345,8 +345,10 @@ void Client::SetCallback(std::function<void(const Event&)> cb) {
 
 bool Client::WaitConnected(absl::Duration timeout) {
   absl::MutexLock lock(&mu_);
+  // connected(), not only the hello's ack: a caller that then reads
+  // connected() or stats() sees the session it waited for.
   auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return acked_hello_ && !broken_;
+    return connected_.load() && !broken_;
   };
   return mu_.AwaitWithTimeout(absl::Condition(&ready), timeout);
 }
@@ -580,8 +582,9 @@ bool Client::Session(Transport* t) {
     outbox_.swap(rebuilt);
     inflight_.clear();
     ++stats_.connects;
+    // Under mu_, so WaitConnected (a condition on mu_) sees it.
+    connected_.store(true);
   }
-  connected_.store(true);
   uint64_t seq = 1;
   for (;;) {
     pb::EngineMessage priors, features, completions, cancels;
@@ -777,8 +780,10 @@ void Client::ManagerLoop() {
       std::thread reader([this, raw, generation] { ReaderLoop(raw, generation); });
       had_session = Session(raw);
       std::string reason;
+      bool was_connected;
       {
         absl::MutexLock lock(&mu_);
+        was_connected = connected_.exchange(false);
         had_session = acked_hello_;
         acked_hello_ = false;
         ++generation_;  // the reader's late messages are ignored
@@ -798,7 +803,7 @@ void Client::ManagerLoop() {
         }
         reason = degraded_reason_;
       }
-      if (connected_.exchange(false)) {
+      if (was_connected) {
         Event e;
         e.kind = Event::Kind::kDisconnected;
         e.message = reason;

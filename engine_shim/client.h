@@ -257,7 +257,9 @@ class Client {
   // acknowledged, after a disconnect or a stall, until the next
   // acknowledged hello. Never blocks.
   bool degraded() const { return !connected_.load(); }
-  // Blocks until connected (tests and startup checks only).
+  // Blocks until connected() is true on a live connection (the hello
+  // acknowledged and the session's resends queued), or the timeout (tests
+  // and startup checks only).
   bool WaitConnected(absl::Duration timeout);
   // Counters since Start.
   ClientStats stats() const;

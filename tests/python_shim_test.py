@@ -114,6 +114,15 @@ class Leapd:
         self.proc.stdout.close()
 
 
+def process_state(pid):
+    """The state letter of /proc/PID/stat ('T': stopped), '' if gone."""
+    try:
+        with open("/proc/%d/stat" % pid) as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
 class Events:
     """Everything a Client delivered, with waits on a predicate."""
 
@@ -656,13 +665,22 @@ class ClientOptionsTest(LeapdFixture):
         ev = Events(c)
         self.leapd.proc.send_signal(signal.SIGSTOP)
         self.addCleanup(self.leapd.proc.send_signal, signal.SIGCONT)
+        # The stop takes effect asynchronously: the request goes out only
+        # once every leapd thread is stopped, so no answer can reach it.
+        deadline = time.monotonic() + DEADLINE_S
+        while (process_state(self.leapd.proc.pid) != "T" and
+               time.monotonic() < deadline):
+            ev.wait_for(lambda e: False, timeout=0.01)
+        self.assertEqual(process_state(self.leapd.proc.pid), "T")
+        self.assertTrue(c.connected, c.stats)
         start = time.monotonic()
         c.capture(self.rows([0.1]), ["hung"])
         deadline = start + DEADLINE_S
         while c.stats["stalls"] < 1 and time.monotonic() < deadline:
             ev.wait_for(lambda e: False, timeout=0.05)
         waited = time.monotonic() - start
-        self.assertGreaterEqual(c.stats["stalls"], 1, "never abandoned")
+        self.assertGreaterEqual(c.stats["stalls"], 1,
+                                "never abandoned: %s" % c.stats)
         # The default (2 s) would not have abandoned it yet.
         self.assertLess(waited, 1.9)
         self.assertTrue(c.degraded)
