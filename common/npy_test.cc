@@ -17,6 +17,7 @@
 #include "common/half.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/support/scoped_temp_dir.h"
 
 namespace leap {
 namespace {
@@ -26,16 +27,10 @@ using ::testing::ElementsAreArray;
 using ::testing::HasSubstr;
 using ::testing::StartsWith;
 
-// A fresh directory under ::testing::TempDir() per test.
+// A fresh directory per test, removed with everything in it afterwards.
 class NpyTest : public ::testing::Test {
  public:
-  void SetUp() override {
-    std::string tmpl = ::testing::TempDir();
-    if (!tmpl.empty() && tmpl.back() != '/') tmpl += '/';
-    tmpl += "npy_test_XXXXXX";
-    ASSERT_NE(::mkdtemp(tmpl.data()), nullptr) << std::strerror(errno);
-    dir_ = tmpl;
-  }
+  NpyTest() : tmp_("npy_test"), dir_(tmp_.path()) {}
 
   std::string Path(const std::string& name) const {
     return absl::StrCat(dir_, "/", name);
@@ -55,18 +50,23 @@ class NpyTest : public ::testing::Test {
     return std::string(std::istreambuf_iterator<char>(in), {});
   }
 
+  // The folder's entries but the temp folder's own owner file.
   std::vector<std::string> ListDir() const {
     std::vector<std::string> names;
     DIR* d = ::opendir(dir_.c_str());
     while (dirent* e = ::readdir(d)) {
       const std::string name = e->d_name;
-      if (name != "." && name != "..") names.push_back(name);
+      if (name != "." && name != ".." &&
+          name != leap::testing::ScopedTempDir::kOwnerFile) {
+        names.push_back(name);
+      }
     }
     ::closedir(d);
     return names;
   }
 
-  std::string dir_;
+  leap::testing::ScopedTempDir tmp_;
+  const std::string dir_;
 };
 
 // Builds a .npy file by hand: magic, version, little-endian header length

@@ -14,11 +14,12 @@
 # executions per second and total executions per target and exits non-zero
 # when any target crashed, leaked, ran out of memory or hung; the inputs that
 # did so are kept under $FUZZ_OUT (default: a new folder under /tmp) and
-# named in the output. Turn each into a regression: copy it into
+# named in the output (a folder made here is removed when every target
+# passed). Turn each into a regression: copy it into
 # fuzz/regressions/<target>/ and fix the code.
 set -uo pipefail
 if [ $# -lt 1 ]; then
-  sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'
   exit 2
 fi
 BUILD_DIR=$1
@@ -89,5 +90,11 @@ done
 echo
 printf '%-16s %12s %14s  %s\n' target "execs/s" "total execs" status
 for line in "${summary[@]}"; do echo "$line"; done
-echo "logs and any crashing inputs: $OUT"
+if [ $failed -eq 0 ] && [ -z "${FUZZ_OUT:-}" ]; then
+  # Nothing to look at: the folder this run made goes (set FUZZ_OUT to keep it).
+  rm -rf "$OUT"
+  echo "all targets passed; removed $OUT (set FUZZ_OUT=DIR to keep the logs)"
+else
+  echo "logs and any crashing inputs: $OUT"
+fi
 exit $failed

@@ -43,8 +43,11 @@ constexpr int kExitFailure = 1;
 constexpr int kExitUsage = 2;
 int RunLeapctl(std::vector<std::string> args, std::ostream& out,
                std::ostream& err) {
-  args.insert(args.begin(), LEAPCTL_PATH);
-  absl::StatusOr<client::ProcessResult> r = client::RunProcess(args);
+  std::vector<std::string> argv;
+  argv.reserve(args.size() + 1);
+  argv.emplace_back(LEAPCTL_PATH);
+  for (std::string& a : args) argv.push_back(std::move(a));
+  absl::StatusOr<client::ProcessResult> r = client::RunProcess(argv);
   if (!r.ok()) {
     err << r.status();
     return -1;
