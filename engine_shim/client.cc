@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <random>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/ids.h"
@@ -588,6 +589,7 @@ bool Client::Session(Transport* t) {
   uint64_t seq = 1;
   for (;;) {
     pb::EngineMessage priors, features, completions, cancels;
+    bool ends_first = true;  // completions and cancels go before features
     std::vector<std::string> completing;
     std::vector<Event> refused;  // emitted once mu_ is released
     // Feature records and the bytes to copy into them once mu_ is released.
@@ -719,16 +721,31 @@ bool Client::Session(Transport* t) {
             break;
         }
       }
+      // Completions and cancels before features, so that over shm the
+      // slots they free are released before new requests need them; but
+      // features first when one of them names a request of this features
+      // message (a resubmitted request must be known when its completion
+      // or cancel arrives).
+      ends_first = true;
+      if (features.has_features() && (!completing.empty() || cancels.has_cancels())) {
+        absl::flat_hash_set<absl::string_view> sent;
+        for (const pb::FeatureRecord& r : features.features().records()) {
+          sent.insert(r.request_id());
+        }
+        for (const std::string& id : completing) ends_first &= !sent.contains(id);
+        for (const std::string& id : cancels.cancels().request_ids()) {
+          ends_first &= !sent.contains(id);
+        }
+      }
+      if (!ends_first) features.set_seq(seq++);
+      completions.set_seq(seq++);
+      cancels.set_seq(seq++);
+      if (ends_first) features.set_seq(seq++);
       if (!completing.empty()) {
-        InflightCompletions& in = inflight_[seq + 1];
+        InflightCompletions& in = inflight_[completions.seq()];
         in.unnamed.insert(completing.begin(), completing.end());
         in.ids = std::move(completing);
       }
-      // Features before completions, so a resubmitted request is known when
-      // its completion arrives.
-      features.set_seq(seq++);
-      completions.set_seq(seq++);
-      cancels.set_seq(seq++);
       if (features.has_features()) NoteSent(features.seq());
       if (completions.has_completions()) NoteSent(completions.seq());
       if (cancels.has_cancels()) NoteSent(cancels.seq());
@@ -737,9 +754,10 @@ bool Client::Session(Transport* t) {
     fills.clear();
     for (auto& e : refused) Emit(std::move(e));
     if (priors.has_prior_queries() && !t->Send(priors)) return false;
-    if (features.has_features() && !t->Send(features)) return false;
+    if (!ends_first && features.has_features() && !t->Send(features)) return false;
     if (completions.has_completions() && !t->Send(completions)) return false;
     if (cancels.has_cancels() && !t->Send(cancels)) return false;
+    if (ends_first && features.has_features() && !t->Send(features)) return false;
   }
 }
 

@@ -504,6 +504,83 @@ TEST_P(ShimClient, BatchesStayWithinLeapdsMaxBatchBytes) {
 INSTANTIATE_TEST_SUITE_P(Transports, ShimClient, ::testing::Values("unix", "shm"),
                          [](const auto& info) { return info.param; });
 
+// Over shm every live request holds a feature slot until leapd releases it
+// (after its completion or cancel). With every slot held, a new request is
+// refused at once (RESOURCE_EXHAUSTED, for it alone): the requests holding
+// the slots end only when the engine completes them, so waiting for a slot
+// would hold up the very completions that free one. A request submitted
+// right after a completion (the same step) gets the slot that completion
+// frees: the completion goes first and the client waits for the release it
+// is owed. connect_timeout (the shm send deadline) is far above the waits
+// here, so a client that waited for a slot it is not owed, or sent the
+// completion after the features, would miss them.
+TEST(ShimClientShm, FullSlotsRefuseAtOnceAndACompletionFreesOneForTheNextRequest) {
+  Sidecar leapd("shimslots", "shm");
+  ASSERT_NO_FATAL_FAILURE(leapd.StartWithReadout());
+  ShimEvents col;
+  shim::ClientOptions o = testing::TestClientOptions(leapd.endpoint, kDim, "slots");
+  o.shm_slots = 4;
+  o.connect_timeout = absl::Seconds(120);
+  o.response_timeout = absl::Seconds(300);
+  auto client = testing::StartRecordedClient(o, &col);
+  ASSERT_TRUE(client.ok()) << client.status();
+  ASSERT_TRUE((*client)->WaitConnected(absl::Seconds(10)));
+  std::mt19937 rng(17);
+  std::vector<shim::CapturedFeatures> batch;
+  const std::set<std::string> first = {"s0", "s1", "s2", "s3"};
+  for (const std::string& id : first) batch.push_back(Features(id, rng));
+  (*client)->Submit(std::move(batch));
+  ASSERT_TRUE(col.Wait([&](const auto& ev) {
+    return Count(ev, Event::Kind::kPrediction, first) == 4;
+  }));
+
+  // Every slot is held: x0 and x1 are refused, each with its own error.
+  batch.clear();
+  batch.push_back(Features("x0", rng));
+  batch.push_back(Features("x1", rng));
+  (*client)->Submit(std::move(batch));
+  ASSERT_TRUE(col.Wait([&](const auto& ev) {
+    return Count(ev, Event::Kind::kError, {"x0", "x1"}) == 2;
+  }, absl::Seconds(60))) << "no refusal within 60 s";
+  for (const std::string id : {"x0", "x1"}) {
+    const std::vector<Event> ev = col.events();
+    const Event* e = testing::FindEvent(ev, Event::Kind::kError, id);
+    ASSERT_NE(e, nullptr) << id;
+    EXPECT_EQ(e->code, 8) << e->message;
+    EXPECT_EQ(e->message, "all 4 shm feature slots hold live requests; raise the "
+                          "client's shm_slots");
+  }
+
+  // One ends and the next arrives in the same step: n0 gets s0's slot.
+  (*client)->Complete("s0", 40, shim::FinishReason::kStop);
+  (*client)->Submit({Features("n0", rng)});
+  ASSERT_TRUE(col.Wait([&](const auto& ev) {
+    return Count(ev, Event::Kind::kPrediction, {"n0"}) == 1 ||
+           Count(ev, Event::Kind::kError, {"n0"}) == 1;
+  }, absl::Seconds(60))) << "n0 neither predicted nor refused within 60 s";
+  EXPECT_EQ(Count(col.events(), Event::Kind::kPrediction, {"n0"}), 1)
+      << "n0 was refused: " << testing::FindEvent(col.events(), Event::Kind::kError, "n0")->message;
+
+  // A cancel frees a slot the same way.
+  (*client)->Cancel("s1");
+  (*client)->Submit({Features("n1", rng)});
+  ASSERT_TRUE(col.Wait([&](const auto& ev) {
+    return Count(ev, Event::Kind::kPrediction, {"n1"}) == 1 ||
+           Count(ev, Event::Kind::kError, {"n1"}) == 1;
+  }, absl::Seconds(60))) << "n1 neither predicted nor refused within 60 s";
+  EXPECT_EQ(Count(col.events(), Event::Kind::kPrediction, {"n1"}), 1);
+
+  for (const std::string id : {"s2", "s3", "n0", "n1"}) {
+    (*client)->Complete(id, 40, shim::FinishReason::kStop);
+  }
+  ASSERT_TRUE(testing::AwaitNoneLive(**client)) << "live: " << (*client)->stats().live;
+  const shim::ClientStats st = (*client)->stats();
+  EXPECT_EQ(st.errors, 2);
+  EXPECT_EQ(st.predictions, 6);
+  EXPECT_EQ(st.connects, 1);
+  EXPECT_EQ(CountKind(col.events(), Event::Kind::kDisconnected), 0);
+}
+
 // Options checked by Start, before any I/O: the message names the option,
 // the allowed values and the value given.
 TEST(ShimClientOptions, BadIdsAndShmGeometryAreRefusedByStart) {

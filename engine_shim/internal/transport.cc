@@ -12,6 +12,7 @@
 #include <deque>
 #include <thread>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "engine_shim/shm_channel.h"
@@ -136,6 +137,14 @@ class ShmTransport final : public Transport {
     if (m.has_hello() && ch == nullptr) return Attach(m);
     if (ch == nullptr) return false;
     if (m.has_features()) return SendFeatures(ch, m);
+    if (m.has_completions()) {
+      for (const pb::Completion& c : m.completions().completions()) {
+        EndHeld(c.request_id());
+      }
+    }
+    if (m.has_cancels()) {
+      for (const std::string& id : m.cancels().request_ids()) EndHeld(id);
+    }
     const size_t limit = ch->max_frame_payload();
     if (m.has_cancels()) {
       // A batch larger than a frame goes as several kCancels frames with
@@ -225,8 +234,11 @@ class ShmTransport final : public Transport {
       if (absl::IsDeadlineExceeded(s)) continue;
       if (!s.ok()) return false;
       switch (in.kind) {
-        case ShmIncoming::Kind::kReleased:
+        case ShmIncoming::Kind::kReleased: {
+          absl::MutexLock lock(&held_mu_);
+          owed_ -= std::min<int64_t>(owed_, in.released);
           continue;
+        }
         case ShmIncoming::Kind::kProto:
           *m = std::move(in.proto);
           return true;
@@ -242,6 +254,13 @@ class ShmTransport final : public Transport {
             o->set_readout(std::string(p.readout));
             o->set_version(p.version);
             o->set_arm(std::string(p.arm));
+          }
+          if (!in.errors.empty()) {
+            // A refused record's slot comes back without a completion.
+            absl::MutexLock lock(&held_mu_);
+            for (const ShmError& e : in.errors) {
+              held_.erase(std::string(e.request_id));
+            }
           }
           for (const ShmError& e : in.errors) {
             pb::RequestError* o = b->add_errors();
@@ -305,6 +324,7 @@ class ShmTransport final : public Transport {
 
   bool SendFeatures(ShmChannel* ch, const pb::EngineMessage& m) {
     const size_t want = ch->feature_bytes();
+    bool out_of_slots = false;
     std::vector<ShmChannel::Record> records;
     pb::SidecarMessage errors;
     errors.set_seq(m.seq());
@@ -312,10 +332,15 @@ class ShmTransport final : public Transport {
     size_t frame_bytes = sizeof(shm::FeaturesHead);
     auto ship = [&]() -> bool {
       if (records.empty()) return true;
+      {
+        // Before the frame goes: leapd may refuse a record at once.
+        absl::MutexLock lock(&held_mu_);
+        for (const auto& r : records) held_.emplace(r.request_id);
+      }
       absl::Status s = ch->SendFeatures(m.seq(), records);
       if (!s.ok()) {
         for (const auto& r : records) ch->ReturnSlot(r.slot);
-        return false;
+        return false;  // the transport is done: held_ no longer matters
       }
       records.clear();
       frame_bytes = sizeof(shm::FeaturesHead);
@@ -336,15 +361,23 @@ class ShmTransport final : public Transport {
             " (", want, " bytes)"));
         continue;
       }
-      int64_t slot = ch->AcquireSlot();
-      const absl::Time deadline = absl::Now() + timeout_;
-      while (slot < 0 && absl::Now() < deadline && !ch->closed()) {
-        // Every slot holds a live request: ship what we have, then wait
-        // for leapd to release slots (the reader thread frees them).
-        if (!ship()) return false;  // (no slot of ours outside `records`)
-        ch->Flush();
-        sched_yield();
-        slot = ch->AcquireSlot();
+      int64_t slot = out_of_slots ? -1 : ch->AcquireSlot();
+      if (slot < 0 && !out_of_slots) {
+        // Every slot holds a live request. Wait (up to the send deadline)
+        // only for releases leapd owes for completions and cancels already
+        // sent (the reader thread frees those slots): the other requests
+        // end only when the engine completes them, and that completion
+        // would queue behind this very message.
+        const absl::Time deadline = absl::Now() + timeout_;
+        while (slot < 0 && Owed() > 0 && absl::Now() < deadline &&
+               !ch->closed()) {
+          if (!ship()) return false;  // (no slot of ours outside `records`)
+          ch->Flush();
+          sched_yield();
+          slot = ch->AcquireSlot();
+        }
+        // The rest of this message is refused without waiting again.
+        out_of_slots = slot < 0;
       }
       if (slot < 0) {
         auto* e = batch->add_errors();
@@ -374,9 +407,27 @@ class ShmTransport final : public Transport {
     return true;
   }
 
+  // A completed or cancelled request whose features leapd holds in a slot:
+  // one release is owed.
+  void EndHeld(const std::string& request_id) {
+    absl::MutexLock lock(&held_mu_);
+    if (held_.erase(request_id) > 0) ++owed_;
+  }
+  int64_t Owed() {
+    absl::MutexLock lock(&held_mu_);
+    return owed_;
+  }
+
   const std::string path_;
   const absl::Duration timeout_;
   const TransportOptions options_;
+  // The requests (wire ids) whose features went out in a slot and that
+  // have not ended, and the releases owed for those that ended; a release
+  // of a refused record's slot also counts, so at worst the wait for a
+  // slot ends early. Manager thread (Send) and reader thread (Receive).
+  absl::Mutex held_mu_;
+  absl::flat_hash_set<std::string> held_ ABSL_GUARDED_BY(held_mu_);
+  int64_t owed_ ABSL_GUARDED_BY(held_mu_) = 0;
   const size_t ch_max_payload_ = 16 << 10;  // per kFeatures frame
   pb::Hello hello_;  // set at attach, before any Send of features
   absl::Mutex mu_;
