@@ -32,23 +32,6 @@ constexpr int64_t kCancelEvery = 8192;
 // Feature batches in flight per stream.
 constexpr int64_t kInFlight = 2;
 
-std::string CpuModel() {
-  std::ifstream in("/proc/cpuinfo");
-  std::string line;
-  while (std::getline(in, line)) {
-    // x86: "model name"; some ARM kernels: "Model" or "Processor".
-    for (const char* key : {"model name", "Model", "Processor"}) {
-      if (line.rfind(key, 0) == 0) {
-        const size_t colon = line.find(':');
-        if (colon != std::string::npos && colon + 2 <= line.size()) {
-          return line.substr(colon + 2);
-        }
-      }
-    }
-  }
-  return "unknown";
-}
-
 double ProcessCpuSeconds() {
   rusage u{};
   getrusage(RUSAGE_SELF, &u);
@@ -296,6 +279,23 @@ double Percentile(const std::vector<double>& sorted, double q) {
 }
 
 }  // namespace
+
+std::string CpuModel() {
+  std::ifstream in("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(in, line)) {
+    // x86: "model name"; some ARM kernels: "Model" or "Processor".
+    for (const char* key : {"model name", "Model", "Processor"}) {
+      if (line.rfind(key, 0) == 0) {
+        const size_t colon = line.find(':');
+        if (colon != std::string::npos && colon + 2 <= line.size()) {
+          return line.substr(colon + 2);
+        }
+      }
+    }
+  }
+  return "unknown";
+}
 
 absl::Status BenchOptions::Validate() const {
   RETURN_IF_ERROR(server.Validate());

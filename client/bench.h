@@ -79,6 +79,11 @@ absl::StatusOr<BenchReport> RunBench(const BenchOptions& options,
                                      const ProgressFn& progress);
 // Human-readable lines: machine, throughput, client CPU, latency.
 std::string FormatBenchReport(const BenchReport& report);
+
+// The CPU's model name from /proc/cpuinfo ("model name"; on some ARM kernels
+// "Model" or "Processor"), or "unknown": printed beside every benchmark
+// figure.
+std::string CpuModel();
 // One JSON object: {"server", "machine": {"cpu_model", "cores"}, "dim",
 // "dtype", "batch", "streams", "seconds", "predictions", "errors",
 // "predictions_per_s", "client_cpu_cores", "latency_samples",

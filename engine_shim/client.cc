@@ -589,7 +589,6 @@ bool Client::Session(Transport* t) {
   uint64_t seq = 1;
   for (;;) {
     pb::EngineMessage priors, features, completions, cancels;
-    bool ends_first = true;  // completions and cancels go before features
     std::vector<std::string> completing;
     std::vector<Event> refused;  // emitted once mu_ is released
     // Feature records and the bytes to copy into them once mu_ is released.
@@ -650,7 +649,10 @@ bool Client::Session(Transport* t) {
               : kMaxMessageBytes;
       size_t feature_bytes = 0;
       size_t message_bytes[3] = {0, 0, 0};  // by Outgoing::Kind
-      while (!outbox_.empty() &&
+      // The requests of this features message (views into its records).
+      absl::flat_hash_set<absl::string_view> featured;
+      bool held_back = false;  // a completion waits for the next message
+      while (!held_back && !outbox_.empty() &&
              features.features().records_size() < options_.max_batch_records &&
              completions.completions().completions_size() <
                  options_.max_batch_records) {
@@ -701,11 +703,19 @@ bool Client::Session(Transport* t) {
             r->set_request_id(o.request_id);
             r->set_product_line(it->second.features.product_line);
             fills.emplace_back(r, it->second.bytes);  // copied unlocked
+            featured.insert(r->request_id());
             r->mutable_decoding()->set_max_tokens(it->second.features.max_tokens);
             break;
           }
           case Outgoing::Kind::kCompletion: {
             if (it == live_.end()) break;
+            if (featured.contains(o.request_id)) {
+              // Its features are in this message, which goes after the
+              // completions: the completion waits for the next message.
+              outbox_.push_front(std::move(o));
+              held_back = true;
+              break;
+            }
             auto* c = completions.mutable_completions()->add_completions();
             c->set_request_id(o.request_id);
             c->set_output_tokens(it->second.output_tokens);
@@ -721,26 +731,14 @@ bool Client::Session(Transport* t) {
             break;
         }
       }
-      // Completions and cancels before features, so that over shm the
-      // slots they free are released before new requests need them; but
-      // features first when one of them names a request of this features
-      // message (a resubmitted request must be known when its completion
-      // or cancel arrives).
-      ends_first = true;
-      if (features.has_features() && (!completing.empty() || cancels.has_cancels())) {
-        absl::flat_hash_set<absl::string_view> sent;
-        for (const pb::FeatureRecord& r : features.features().records()) {
-          sent.insert(r.request_id());
-        }
-        for (const std::string& id : completing) ends_first &= !sent.contains(id);
-        for (const std::string& id : cancels.cancels().request_ids()) {
-          ends_first &= !sent.contains(id);
-        }
-      }
-      if (!ends_first) features.set_seq(seq++);
+      // Completions and cancels go before features, so that over shm the
+      // slots they free come back before new requests need them. A
+      // completion of a request whose features are in this message waited
+      // above for the next one; a cancel always comes first (Cancel forgets
+      // the request, so features under its id are a newer request's).
       completions.set_seq(seq++);
       cancels.set_seq(seq++);
-      if (ends_first) features.set_seq(seq++);
+      features.set_seq(seq++);
       if (!completing.empty()) {
         InflightCompletions& in = inflight_[completions.seq()];
         in.unnamed.insert(completing.begin(), completing.end());
@@ -754,10 +752,9 @@ bool Client::Session(Transport* t) {
     fills.clear();
     for (auto& e : refused) Emit(std::move(e));
     if (priors.has_prior_queries() && !t->Send(priors)) return false;
-    if (!ends_first && features.has_features() && !t->Send(features)) return false;
     if (completions.has_completions() && !t->Send(completions)) return false;
     if (cancels.has_cancels() && !t->Send(cancels)) return false;
-    if (ends_first && features.has_features() && !t->Send(features)) return false;
+    if (features.has_features() && !t->Send(features)) return false;
   }
 }
 

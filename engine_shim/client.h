@@ -109,7 +109,9 @@ struct ClientOptions {
   // shm only: feature slots (each live request holds one until it ends),
   // in [1, 1048576], and ring bytes, a power of two in [64 KiB, 64 MiB].
   // A request submitted while every slot is held gets a RESOURCE_EXHAUSTED
-  // error event at once (docs/WIRE.md, "Slots"). Default: 1024, 1 MiB
+  // error event of its own; the client waits for a slot (up to
+  // connect_timeout) only while a completion or cancel it sent is owed one
+  // (docs/WIRE.md, "Slots"). Default: 1024, 1 MiB
   uint32_t shm_slots = 1024;
   uint32_t shm_ring_bytes = 1 << 20;
   // Records per FeatureBatch message. Default: 256

@@ -58,7 +58,8 @@ struct ShmError {
 };
 
 // One frame from leapd. Release frames are handled inside Receive (the
-// slots go back to the free list) and reported only as a count.
+// slots go back to the free list before it returns) and reported as the
+// count and the slots that were submitted and are now free.
 struct ShmIncoming {
   enum class Kind { kPredictions, kProto, kReleased } kind;
   uint64_t seq = 0;
@@ -66,6 +67,7 @@ struct ShmIncoming {
   std::vector<ShmError> errors;
   leap::v1::SidecarMessage proto;
   uint32_t released = 0;
+  std::vector<uint32_t> released_slots;
 };
 
 class ShmChannel {

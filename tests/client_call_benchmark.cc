@@ -32,6 +32,7 @@
 #include <thread>
 #include <vector>
 
+#include "client/bench.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -44,15 +45,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 constexpr int64_t kDim = 4096;
-
-std::string CpuModel() {
-  std::ifstream f("/proc/cpuinfo");
-  std::string line;
-  while (std::getline(f, line)) {
-    if (line.rfind("model name", 0) == 0) return line.substr(line.find(':') + 2);
-  }
-  return "unknown";
-}
 
 double Us(Clock::duration d) {
   return std::chrono::duration<double, std::micro>(d).count();
@@ -214,7 +206,7 @@ int main(int argc, char** argv) {
   std::printf("machine: %s, %ld cores; d = %lld fp32; burst %d requests "
               "(%.1f MiB) every %d steps of %d us; one copy of a burst: "
               "%.0f us\n",
-              CpuModel().c_str(), sysconf(_SC_NPROCESSORS_ONLN),
+              leap::client::CpuModel().c_str(), sysconf(_SC_NPROCESSORS_ONLN),
               static_cast<long long>(kDim), o.burst,
               static_cast<double>(burst_bytes) / (1 << 20), o.burst_every,
               o.step_us, copy_us);

@@ -16,6 +16,7 @@
 #include <thread>
 #include <vector>
 
+#include "client/bench.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "tests/support/engine_client.h"
 #include "tests/support/process.h"
@@ -158,15 +159,8 @@ int main(int argc, char** argv) {
     (*proc)->Wait();
   }
   std::sort(ready_ms.begin(), ready_ms.end());
-  std::ifstream cpu("/proc/cpuinfo");
-  std::string line, model;
-  while (std::getline(cpu, line)) {
-    if (line.rfind("model name", 0) == 0) {
-      model = line.substr(line.find(':') + 2);
-      break;
-    }
-  }
-  std::printf("machine: %s, %u cores\n", model.c_str(), std::thread::hardware_concurrency());
+  std::printf("machine: %s, %u cores\n", leap::client::CpuModel().c_str(),
+              std::thread::hardware_concurrency());
   std::printf("restart to ready (SERVING), d=%lld, non-empty log, %d restarts: "
               "median %.0f ms, max %.0f ms\n",
               static_cast<long long>(dim), restarts, ready_ms[ready_ms.size() / 2],

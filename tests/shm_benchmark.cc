@@ -83,15 +83,6 @@ void PinProcess(pid_t pid, int cpu) {
   }
 }
 
-std::string CpuModel() {
-  std::ifstream f("/proc/cpuinfo");
-  std::string line;
-  while (std::getline(f, line)) {
-    if (line.rfind("model name", 0) == 0) return line.substr(line.find(':') + 2);
-  }
-  return "unknown";
-}
-
 struct Throughput {
   double per_s = 0;
   int64_t predictions = 0, errors = 0;
@@ -330,7 +321,7 @@ int main(int argc, char** argv) {
   };
 
   std::printf("shm_benchmark: %s, %d cores; leapd pinned to cpu %d, engine to cpu 0\n",
-              CpuModel().c_str(), cores, leapd_cpu);
+              leap::client::CpuModel().c_str(), cores, leapd_cpu);
   std::printf("d = %ld, %d slots per engine, %d records per frame, rings %d KiB, "
               "engine spin %d us, leapd --shm_spin %d us, %.0f s per phase\n",
               static_cast<long>(kDim), slots, batch, ring_kib, spin_us, leapd_spin_us,
@@ -403,7 +394,7 @@ int main(int argc, char** argv) {
         "\"shm_write_fp32_per_s\": %.0f, \"shm_write_bf16_per_s\": %.0f, "
         "\"shm_prefilled_bf16_per_s\": %.0f, \"shm_p99_us_10k\": %.1f, \"shm_p99_us_50k\": %.1f, "
         "\"grpc_per_s\": %.0f}\n",
-        CpuModel().c_str(), cores, static_cast<long>(kDim), slots, batch, pre.per_s,
+        leap::client::CpuModel().c_str(), cores, static_cast<long>(kDim), slots, batch, pre.per_s,
         pre.leapd_cores, w32.per_s, wb16.per_s, preb.per_s, lat[0].p99, lat[1].p99,
         grpc_report.ok() ? grpc_report->predictions_per_s : 0.0);
   }

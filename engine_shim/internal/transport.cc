@@ -12,6 +12,7 @@
 #include <deque>
 #include <thread>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -234,11 +235,9 @@ class ShmTransport final : public Transport {
       if (absl::IsDeadlineExceeded(s)) continue;
       if (!s.ok()) return false;
       switch (in.kind) {
-        case ShmIncoming::Kind::kReleased: {
-          absl::MutexLock lock(&held_mu_);
-          owed_ -= std::min<int64_t>(owed_, in.released);
+        case ShmIncoming::Kind::kReleased:
+          Released(in.released_slots);
           continue;
-        }
         case ShmIncoming::Kind::kProto:
           *m = std::move(in.proto);
           return true;
@@ -254,13 +253,6 @@ class ShmTransport final : public Transport {
             o->set_readout(std::string(p.readout));
             o->set_version(p.version);
             o->set_arm(std::string(p.arm));
-          }
-          if (!in.errors.empty()) {
-            // A refused record's slot comes back without a completion.
-            absl::MutexLock lock(&held_mu_);
-            for (const ShmError& e : in.errors) {
-              held_.erase(std::string(e.request_id));
-            }
           }
           for (const ShmError& e : in.errors) {
             pb::RequestError* o = b->add_errors();
@@ -333,9 +325,12 @@ class ShmTransport final : public Transport {
     auto ship = [&]() -> bool {
       if (records.empty()) return true;
       {
-        // Before the frame goes: leapd may refuse a record at once.
+        // Before the frame goes: leapd may release a slot at once.
         absl::MutexLock lock(&held_mu_);
-        for (const auto& r : records) held_.emplace(r.request_id);
+        for (const auto& r : records) {
+          held_[std::string(r.request_id)] = r.slot;
+          holder_[r.slot] = std::string(r.request_id);
+        }
       }
       absl::Status s = ch->SendFeatures(m.seq(), records);
       if (!s.ok()) {
@@ -364,17 +359,26 @@ class ShmTransport final : public Transport {
       int64_t slot = out_of_slots ? -1 : ch->AcquireSlot();
       if (slot < 0 && !out_of_slots) {
         // Every slot holds a live request. Wait (up to the send deadline)
-        // only for releases leapd owes for completions and cancels already
-        // sent (the reader thread frees those slots): the other requests
-        // end only when the engine completes them, and that completion
-        // would queue behind this very message.
+        // only for the releases leapd owes for completions and cancels
+        // already sent (the reader thread frees those slots): the other
+        // requests end only when the engine completes them, and that
+        // completion would queue behind this very message.
         const absl::Time deadline = absl::Now() + timeout_;
-        while (slot < 0 && Owed() > 0 && absl::Now() < deadline &&
-               !ch->closed()) {
+        for (;;) {
+          // Read before the attempt: the reader frees a slot before it
+          // settles what was owed for it.
+          const bool owed = MayWaitForRelease();
+          slot = ch->AcquireSlot();
+          if (slot >= 0 || !owed || ch->closed()) break;
+          if (absl::Now() >= deadline) {
+            // Owed but not released (leapd kept the request, e.g. it
+            // refused the completion): no more waiting until a release.
+            NoMoreWaitsUntilARelease();
+            break;
+          }
           if (!ship()) return false;  // (no slot of ours outside `records`)
           ch->Flush();
           sched_yield();
-          slot = ch->AcquireSlot();
         }
         // The rest of this message is refused without waiting again.
         out_of_slots = slot < 0;
@@ -407,27 +411,52 @@ class ShmTransport final : public Transport {
     return true;
   }
 
-  // A completed or cancelled request whose features leapd holds in a slot:
-  // one release is owed.
+  // A completion or cancel goes out for a request whose features leapd
+  // holds in a slot: that slot's release is owed.
   void EndHeld(const std::string& request_id) {
     absl::MutexLock lock(&held_mu_);
-    if (held_.erase(request_id) > 0) ++owed_;
+    auto it = held_.find(request_id);
+    if (it == held_.end()) return;
+    owed_.insert(it->second);
+    holder_.erase(it->second);
+    held_.erase(it);
   }
-  int64_t Owed() {
+  // Reader thread, after ShmChannel freed `slots`: an owed release is
+  // settled; any other (leapd evicted the request or refused its record)
+  // ends the request's hold, so its later completion owes nothing.
+  void Released(const std::vector<uint32_t>& slots) {
     absl::MutexLock lock(&held_mu_);
-    return owed_;
+    for (uint32_t s : slots) {
+      wait_ok_ = true;
+      if (owed_.erase(s) > 0) continue;
+      auto h = holder_.find(s);
+      if (h == holder_.end()) continue;
+      held_.erase(h->second);
+      holder_.erase(h);
+    }
+  }
+  bool MayWaitForRelease() {
+    absl::MutexLock lock(&held_mu_);
+    return wait_ok_ && !owed_.empty();
+  }
+  void NoMoreWaitsUntilARelease() {
+    absl::MutexLock lock(&held_mu_);
+    wait_ok_ = false;
   }
 
   const std::string path_;
   const absl::Duration timeout_;
   const TransportOptions options_;
-  // The requests (wire ids) whose features went out in a slot and that
-  // have not ended, and the releases owed for those that ended; a release
-  // of a refused record's slot also counts, so at worst the wait for a
-  // slot ends early. Manager thread (Send) and reader thread (Receive).
+  // The requests (wire ids) whose features went out in a slot that leapd
+  // still holds, both ways, and the slots of requests that ended (a
+  // completion or cancel sent) whose release has not come yet. A slot
+  // waited for in vain (the send deadline passed) stops the waits until
+  // the next release. Manager thread (Send) and reader thread (Receive).
   absl::Mutex held_mu_;
-  absl::flat_hash_set<std::string> held_ ABSL_GUARDED_BY(held_mu_);
-  int64_t owed_ ABSL_GUARDED_BY(held_mu_) = 0;
+  absl::flat_hash_map<std::string, uint32_t> held_ ABSL_GUARDED_BY(held_mu_);
+  absl::flat_hash_map<uint32_t, std::string> holder_ ABSL_GUARDED_BY(held_mu_);
+  absl::flat_hash_set<uint32_t> owed_ ABSL_GUARDED_BY(held_mu_);
+  bool wait_ok_ ABSL_GUARDED_BY(held_mu_) = true;
   const size_t ch_max_payload_ = 16 << 10;  // per kFeatures frame
   pb::Hello hello_;  // set at attach, before any Send of features
   absl::Mutex mu_;
