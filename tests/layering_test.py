@@ -48,9 +48,10 @@ LAYERS = [
     ("app", 8, {"leap_app", "leapd"}),
     ("tools", 9, {"leapctl", "leapd_bench"}),
     # Tests, benchmarks, fuzzers and their helpers: every target defined
-    # under tests/ or fuzz/, and the *_test / *_benchmark programs beside
-    # the code they test.
-    ("tests", 10, set()),
+    # under tests/ or fuzz/, the *_test / *_benchmark programs beside the
+    # code they test, and the tests' shared precompiled header (defined at
+    # the top, LEAP_TEST_PCH).
+    ("tests", 10, {"leap_test_pch", "leap_test_pch_deps"}),
 ]
 LIBRARY_TYPES = {"STATIC_LIBRARY", "SHARED_LIBRARY", "MODULE_LIBRARY",
                  "OBJECT_LIBRARY", "INTERFACE_LIBRARY"}
