@@ -553,10 +553,14 @@ bool Client::Session(Transport* t) {
         !acked_hello_) {
       return false;
     }
-    // Rebuild the outbox: features of every live request this sidecar does
-    // not hold, then every completion not acknowledged (each in the order
-    // the engine gave them), then the rest.
+    // Rebuild the outbox: the cancels still to send (a request submitted
+    // again under a cancelled id must come after its cancel), features of
+    // every live request this sidecar does not hold, then every completion
+    // not acknowledged (each in the order the engine gave them).
     std::deque<Outgoing> rebuilt;
+    for (const Outgoing& o : outbox_) {
+      if (o.kind == Outgoing::Kind::kCancel) rebuilt.push_back(o);
+    }
     std::vector<std::pair<uint64_t, const std::string*>> order;
     for (auto& [id, live] : live_) {
       if (live.held_by != sidecar_id_) {
@@ -577,9 +581,6 @@ bool Client::Session(Transport* t) {
       rebuilt.push_back({Outgoing::Kind::kCompletion, *id});
     }
     retries_.clear();  // resent now, with every other completion
-    for (const Outgoing& o : outbox_) {
-      if (o.kind == Outgoing::Kind::kCancel) rebuilt.push_back(o);
-    }
     outbox_.swap(rebuilt);
     inflight_.clear();
     ++stats_.connects;
@@ -708,7 +709,9 @@ bool Client::Session(Transport* t) {
             break;
           }
           case Outgoing::Kind::kCompletion: {
-            if (it == live_.end()) break;
+            // Gone, or a newer request under the id (Complete, Cancel and
+            // Submit again before this ran): not this completion's.
+            if (it == live_.end() || !it->second.completing) break;
             if (featured.contains(o.request_id)) {
               // Its features are in this message, which goes after the
               // completions: the completion waits for the next message.

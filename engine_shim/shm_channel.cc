@@ -374,15 +374,14 @@ absl::Status ShmChannel::Receive(ShmIncoming* in, absl::Duration timeout) {
       switch (static_cast<FrameKind>(h.kind)) {
         case FrameKind::kRelease: {
           uint32_t count;
-          in->released_slots.clear();
           {
             absl::MutexLock lock(&free_mu_);
-            count = shm::DecodeRelease(p, n, [this, in](uint32_t s) {
+            count = shm::DecodeRelease(p, n, [this](uint32_t s) {
               free_mu_.AssertHeld();
               if (s < busy_.size() && busy_[s]) {
+                if (on_release_) on_release_(s);
                 busy_[s] = 0;
                 free_.push_back(s);
-                in->released_slots.push_back(s);
               }
             });
           }

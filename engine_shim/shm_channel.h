@@ -11,6 +11,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -58,8 +59,7 @@ struct ShmError {
 };
 
 // One frame from leapd. Release frames are handled inside Receive (the
-// slots go back to the free list before it returns) and reported as the
-// count and the slots that were submitted and are now free.
+// slots go back to the free list) and reported only as a count.
 struct ShmIncoming {
   enum class Kind { kPredictions, kProto, kReleased } kind;
   uint64_t seq = 0;
@@ -67,7 +67,6 @@ struct ShmIncoming {
   std::vector<ShmError> errors;
   leap::v1::SidecarMessage proto;
   uint32_t released = 0;
-  std::vector<uint32_t> released_slots;
 };
 
 class ShmChannel {
@@ -112,6 +111,12 @@ class ShmChannel {
   // A CancelBatch as one kCancels frame (no protobuf on either side);
   // answered by an Ack like the proto message.
   absl::Status SendCancels(uint64_t seq, absl::Span<const absl::string_view> ids);
+  // Called by Receive with each slot leapd releases, before the slot can
+  // be acquired again (under the free list's lock: it must not call back
+  // into the channel). Set it before the first Receive.
+  void SetReleaseHook(std::function<void(uint32_t)> hook) {
+    on_release_ = std::move(hook);
+  }
   // Up to `n` free slots appended to `out` (one lock); returns how many.
   int AcquireSlots(int n, std::vector<uint32_t>* out);
   // Makes queued frames visible and wakes leapd if it sleeps.
@@ -150,6 +155,7 @@ class ShmChannel {
   size_t bytes_ = 0;
   shm::SegmentHeader* hdr_ = nullptr;
   shm::Layout layout_;
+  std::function<void(uint32_t)> on_release_;
   char* slots_ = nullptr;
   size_t feature_bytes_ = 0;
   uint64_t attach_id_ = 0;

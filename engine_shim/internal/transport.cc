@@ -236,8 +236,7 @@ class ShmTransport final : public Transport {
       if (!s.ok()) return false;
       switch (in.kind) {
         case ShmIncoming::Kind::kReleased:
-          Released(in.released_slots);
-          continue;
+          continue;  // (the hook set at attach settled each slot)
         case ShmIncoming::Kind::kProto:
           *m = std::move(in.proto);
           return true;
@@ -310,6 +309,7 @@ class ShmTransport final : public Transport {
     ack.set_seq(m.seq());
     hello_ = m.hello();
     local_.push_back(std::move(ack));
+    (*ch)->SetReleaseHook([this](uint32_t slot) { Released(slot); });
     ch_ = *std::move(ch);
     return true;
   }
@@ -371,9 +371,7 @@ class ShmTransport final : public Transport {
           slot = ch->AcquireSlot();
           if (slot >= 0 || !owed || ch->closed()) break;
           if (absl::Now() >= deadline) {
-            // Owed but not released (leapd kept the request, e.g. it
-            // refused the completion): no more waiting until a release.
-            NoMoreWaitsUntilARelease();
+            StopWaitingForTheOwed();
             break;
           }
           if (!ship()) return false;  // (no slot of ours outside `records`)
@@ -421,27 +419,29 @@ class ShmTransport final : public Transport {
     holder_.erase(it->second);
     held_.erase(it);
   }
-  // Reader thread, after ShmChannel freed `slots`: an owed release is
-  // settled; any other (leapd evicted the request or refused its record)
-  // ends the request's hold, so its later completion owes nothing.
-  void Released(const std::vector<uint32_t>& slots) {
+  // Reader thread (ShmChannel's release hook), before the slot can be
+  // acquired again: an owed release is settled; any other (leapd evicted
+  // the request or refused its record) ends the request's hold, so its
+  // later completion owes nothing.
+  void Released(uint32_t slot) {
     absl::MutexLock lock(&held_mu_);
-    for (uint32_t s : slots) {
-      wait_ok_ = true;
-      if (owed_.erase(s) > 0) continue;
-      auto h = holder_.find(s);
-      if (h == holder_.end()) continue;
-      held_.erase(h->second);
-      holder_.erase(h);
-    }
+    if (owed_.erase(slot) > 0 || stale_.erase(slot) > 0) return;
+    auto h = holder_.find(slot);
+    if (h == holder_.end()) return;
+    held_.erase(h->second);
+    holder_.erase(h);
   }
   bool MayWaitForRelease() {
     absl::MutexLock lock(&held_mu_);
-    return wait_ok_ && !owed_.empty();
+    return !owed_.empty();
   }
-  void NoMoreWaitsUntilARelease() {
+  // A wait timed out: the slots owed now are not waited for again (leapd
+  // kept those requests, e.g. it refused their completions); their
+  // releases, when they come, are still settled.
+  void StopWaitingForTheOwed() {
     absl::MutexLock lock(&held_mu_);
-    wait_ok_ = false;
+    stale_.insert(owed_.begin(), owed_.end());
+    owed_.clear();
   }
 
   const std::string path_;
@@ -449,14 +449,15 @@ class ShmTransport final : public Transport {
   const TransportOptions options_;
   // The requests (wire ids) whose features went out in a slot that leapd
   // still holds, both ways, and the slots of requests that ended (a
-  // completion or cancel sent) whose release has not come yet. A slot
-  // waited for in vain (the send deadline passed) stops the waits until
-  // the next release. Manager thread (Send) and reader thread (Receive).
+  // completion or cancel sent) whose release has not come yet: owed_ is
+  // waited for, stale_ (owed_ when a wait timed out) no longer. Manager
+  // thread (Send) and reader thread (the release hook, under the channel's
+  // free-list lock: held_mu_ is taken after it, never before).
   absl::Mutex held_mu_;
   absl::flat_hash_map<std::string, uint32_t> held_ ABSL_GUARDED_BY(held_mu_);
   absl::flat_hash_map<uint32_t, std::string> holder_ ABSL_GUARDED_BY(held_mu_);
   absl::flat_hash_set<uint32_t> owed_ ABSL_GUARDED_BY(held_mu_);
-  bool wait_ok_ ABSL_GUARDED_BY(held_mu_) = true;
+  absl::flat_hash_set<uint32_t> stale_ ABSL_GUARDED_BY(held_mu_);
   const size_t ch_max_payload_ = 16 << 10;  // per kFeatures frame
   pb::Hello hello_;  // set at attach, before any Send of features
   absl::Mutex mu_;
