@@ -360,13 +360,15 @@ class ShmTransport final : public Transport {
       if (slot < 0 && !out_of_slots) {
         // Every slot holds a live request. Wait (up to the send deadline)
         // only for the releases leapd owes for completions and cancels
-        // already sent (the reader thread frees those slots): the other
+        // already sent (the reader thread frees those slots), once per
+        // message; later records of the message are refused. The other
         // requests end only when the engine completes them, and that
         // completion would queue behind this very message.
         const absl::Time deadline = absl::Now() + timeout_;
         for (;;) {
-          // Read before the attempt: the reader frees a slot before it
-          // settles what was owed for it.
+          // Read before the attempt: nothing owed means every owed slot
+          // was settled, and the release hook settles a slot under the
+          // free-list lock just before freeing it, so the attempt sees it.
           const bool owed = MayWaitForRelease();
           slot = ch->AcquireSlot();
           if (slot >= 0 || !owed || ch->closed()) break;
