@@ -373,6 +373,26 @@ int CountKind(const std::vector<Event>& ev, Event::Kind kind) {
   return ShimEvents::CountOf(ev, kind);
 }
 
+// Submits n requests "<prefix>0".."<prefix>n-1" in one batch and waits for
+// a prediction of each; returns their ids (empty after a failed wait).
+std::set<std::string> SubmitAndAwaitPredictions(shim::Client& client, ShimEvents& col,
+                                                const std::string& prefix, int n,
+                                                std::mt19937& rng) {
+  std::vector<shim::CapturedFeatures> batch;
+  std::set<std::string> ids;
+  for (int i = 0; i < n; ++i) {
+    batch.push_back(Features(absl::StrCat(prefix, i), rng));
+    ids.insert(batch.back().request_id);
+  }
+  client.Submit(std::move(batch));
+  const bool all = col.Wait([&](const auto& ev) {
+    return Count(ev, Event::Kind::kPrediction, ids) == n;
+  });
+  EXPECT_TRUE(all) << n << " predictions did not arrive; errors: "
+                   << CountKind(col.events(), Event::Kind::kError);
+  return all ? ids : std::set<std::string>();
+}
+
 // A request id or product line longer than leapd takes (kMaxIdBytes, 256),
 // also one larger than a whole shm frame (20,000 bytes; the smallest ring,
 // used here, carries 16,376 per frame), is refused by Submit and by
@@ -466,16 +486,7 @@ TEST_P(ShimClient, BatchesStayWithinLeapdsMaxBatchBytes) {
   ASSERT_TRUE(client.ok()) << client.status();
   ASSERT_TRUE((*client)->WaitConnected(absl::Seconds(10)));
   std::mt19937 rng(13);
-  std::vector<shim::CapturedFeatures> batch;
-  std::set<std::string> ids;
-  for (int i = 0; i < 100; ++i) {
-    batch.push_back(Features(absl::StrCat("m", i), rng));
-    ids.insert(batch.back().request_id);
-  }
-  (*client)->Submit(std::move(batch));
-  ASSERT_TRUE(col.Wait([&](const auto& ev) {
-    return Count(ev, Event::Kind::kPrediction, ids) == 100;
-  })) << "errors: " << CountKind(col.events(), Event::Kind::kError);
+  ASSERT_EQ(SubmitAndAwaitPredictions(**client, col, "m", 100, rng).size(), 100u);
   EXPECT_EQ(CountKind(col.events(), Event::Kind::kError), 0);
 
   ShimEvents wide_col;
@@ -515,16 +526,8 @@ TEST_P(ShimClient, CompletionsGivenWhileLeapdIsDownAreLearnedAfterTheRestart) {
   ASSERT_TRUE(client.ok()) << client.status();
   ASSERT_TRUE((*client)->WaitConnected(absl::Seconds(10)));
   std::mt19937 rng(19);
-  std::vector<shim::CapturedFeatures> batch;
-  std::set<std::string> ids;
-  for (int i = 0; i < 5; ++i) {
-    batch.push_back(Features(absl::StrCat("d", i), rng));
-    ids.insert(batch.back().request_id);
-  }
-  (*client)->Submit(std::move(batch));
-  ASSERT_TRUE(col.Wait([&](const auto& ev) {
-    return Count(ev, Event::Kind::kPrediction, ids) == 5;
-  }));
+  const std::set<std::string> ids = SubmitAndAwaitPredictions(**client, col, "d", 5, rng);
+  ASSERT_EQ(ids.size(), 5u);
   leapd.proc->Signal(SIGKILL);
   leapd.proc->Wait();
   ASSERT_TRUE(col.Wait([&](const auto& ev) {
