@@ -15,10 +15,17 @@
 // them: one memcpy of a burst's feature bytes, measured in the same run (a
 // lower bound on copying them as 256 separate strings): a call that waited
 // behind the Client's manager while it copied a burst into a message would
-// wait at least that long.
+// wait at least that long. Also: how many predictions came only after
+// their request was completed, the time from Submit to the prediction's
+// Poll (p50, p99, max, and p50 of each half of the run: a growing figure
+// is a leapd that falls behind), and the error events by message.
 //
 // Usage: client_call_benchmark [--seconds S] [--burst N] [--burst-every K]
 //                              [--step-us U] [--complete-after C]
+//                              [--transports unix,shm] [--leapd-arg ARG]...
+// --transports: which to run, each against its own leapd (a transport run
+// after another would inherit the first one's learning backlog);
+// --leapd-arg: a flag for leapd (repeatable).
 #include <unistd.h>
 
 #include <algorithm>
@@ -27,13 +34,17 @@
 #include <cstring>
 #include <deque>
 #include <fstream>
+#include <map>
 #include <random>
 #include <string>
 #include <thread>
+#include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "client/bench.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "engine_shim/client.h"
@@ -62,6 +73,8 @@ struct Options {
   int burst_every = 50;
   int step_us = 2000;
   int complete_after = 20;
+  std::vector<std::string> transports = {"unix", "shm"};
+  std::vector<std::string> leapd_args;  // --leapd-arg, repeatable
 };
 
 // The best of 20 copies of `bytes` bytes (a burst's features), microseconds.
@@ -81,6 +94,9 @@ double CopyUs(size_t bytes) {
 struct Result {
   std::vector<double> small, polls, bursts;
   int64_t steps = 0, predictions = 0, submitted = 0, errors = 0;
+  int64_t late = 0;  // predictions polled after the request was completed
+  std::vector<double> pred_ms;  // Submit to the prediction's Poll, ms
+  std::map<std::string, int64_t> error_kinds;  // "code: message" -> count
 };
 
 Result Run(const std::string& endpoint, const std::string& instance,
@@ -108,6 +124,8 @@ Result Run(const std::string& endpoint, const std::string& instance,
   }
   Result r;
   std::deque<std::pair<int64_t, std::vector<std::string>>> to_complete;
+  std::unordered_set<std::string> done;
+  std::unordered_map<std::string, Clock::time_point> sent;
   int64_t next_id = 0;
   const auto timed = [&](std::vector<double>& into, auto&& call) {
     const auto t0 = Clock::now();
@@ -127,6 +145,7 @@ Result Run(const std::string& endpoint, const std::string& instance,
       f.product_line = std::string(1, 'p');
       f.bytes = features;  // the engine's own copy, before the call
       ids.push_back(f.request_id);
+      sent[f.request_id] = Clock::now();
       batch.push_back(std::move(f));
     }
     r.submitted += n;
@@ -134,7 +153,16 @@ Result Run(const std::string& endpoint, const std::string& instance,
     to_complete.emplace_back(r.steps, std::move(ids));
     timed(r.polls, [&] {
       for (const auto& e : c.Poll()) {
-        r.predictions += e.kind == leap::shim::Event::Kind::kPrediction;
+        if (e.kind == leap::shim::Event::Kind::kPrediction) {
+          ++r.predictions;
+          r.late += done.count(e.request_id);
+          if (auto it = sent.find(e.request_id); it != sent.end()) {
+            r.pred_ms.push_back(Us(Clock::now() - it->second) / 1000);
+            sent.erase(it);
+          }
+        } else if (e.kind == leap::shim::Event::Kind::kError) {
+          ++r.error_kinds[absl::StrCat(e.code, ": ", e.message.substr(0, 100))];
+        }
       }
     });
     while (!to_complete.empty() &&
@@ -143,6 +171,7 @@ Result Run(const std::string& endpoint, const std::string& instance,
         timed(r.small, [&] {
           c.Complete(id, 100, leap::shim::FinishReason::kStop);
         });
+        done.insert(id);
       }
       to_complete.pop_front();
     }
@@ -164,10 +193,26 @@ int main(int argc, char** argv) {
     if (k == "--help" || i + 1 >= argc) {
       std::fprintf(stderr,
                    "usage: client_call_benchmark [--seconds S] [--burst N] "
-                   "[--burst-every K] [--step-us U] [--complete-after C]\n");
+                   "[--burst-every K] [--step-us U] [--complete-after C] [--transports unix,shm] "
+                   "[--leapd-arg ARG]...\n");
       return k == "--help" ? 0 : 2;
     }
     const double v = std::atof(argv[i + 1]);
+    if (k == "--transports") {
+      o.transports = absl::StrSplit(argv[i + 1], ',');
+      for (const std::string& t : o.transports) {
+        if (t != "unix" && t != "shm") {
+          std::fprintf(stderr, "--transports: unknown transport '%s' (unix, shm)\n",
+                       t.c_str());
+          return 2;
+        }
+      }
+      continue;
+    }
+    if (k == "--leapd-arg") {
+      o.leapd_args.push_back(argv[i + 1]);
+      continue;
+    }
     if (k == "--seconds") o.seconds = v;
     else if (k == "--burst") o.burst = static_cast<int>(v);
     else if (k == "--burst-every") o.burst_every = static_cast<int>(v);
@@ -184,22 +229,6 @@ int main(int argc, char** argv) {
     return 2;
   }
   const leap::testing::ScopedTempDir tmp("client-call-bench");
-  const std::string sock = "unix://" + tmp.path() + "/leapd.sock";
-  std::string addr;
-  auto leapd = leap::testing::StartLeapd(
-      LEAPD_PATH,
-      {"--listen=" + sock, "--data_dir=" + tmp.path() + "/db",
-       "--shm=" + tmp.path() + "/leap.shm"},
-      &addr);
-  if (!leapd.ok()) {
-    std::fprintf(stderr, "leapd: %s\n", leapd.status().ToString().c_str());
-    return 1;
-  }
-  if (const grpc::Status s = leap::testing::CreateDefaultReadout(sock, "r", kDim);
-      !s.ok()) {
-    std::fprintf(stderr, "CreateReadout: %s\n", s.error_message().c_str());
-    return 1;
-  }
   const size_t burst_bytes =
       static_cast<size_t>(o.burst) * static_cast<size_t>(kDim) * sizeof(float);
   const double copy_us = CopyUs(burst_bytes);
@@ -210,9 +239,27 @@ int main(int argc, char** argv) {
               static_cast<long long>(kDim), o.burst,
               static_cast<double>(burst_bytes) / (1 << 20), o.burst_every,
               o.step_us, copy_us);
-  for (const std::string transport : {"unix", "shm"}) {
+  for (const std::string& transport : o.transports) {
+    // A leapd of its own: no learning backlog left by the previous run.
+    const std::string dir = tmp.path() + "/" + transport;
+    const std::string sock = "unix://" + dir + ".sock";
+    std::string addr;
+    std::vector<std::string> args = {"--listen=" + sock, "--data_dir=" + dir,
+                                     "--shm=" + dir + ".shm"};
+    args.insert(args.end(), o.leapd_args.begin(), o.leapd_args.end());
+    auto leapd = leap::testing::StartLeapd(LEAPD_PATH, args, &addr);
+    if (!leapd.ok()) {
+      std::fprintf(stderr, "leapd: %s\n", leapd.status().ToString().c_str());
+      return 1;
+    }
+    if (const grpc::Status s =
+            leap::testing::CreateDefaultReadout(sock, "r", kDim);
+        !s.ok()) {
+      std::fprintf(stderr, "CreateReadout: %s\n", s.error_message().c_str());
+      return 1;
+    }
     const std::string endpoint =
-        transport == "shm" ? "shm://" + tmp.path() + "/leap.shm" : sock;
+        transport == "shm" ? "shm://" + dir + ".shm" : sock;
     const Result r = Run(endpoint, "bench-" + transport, o);
     const double max_small = Quantile(r.small, 1.0);
     std::printf("%-4s  steps %lld, requests %lld, predictions %lld, errors "
@@ -229,6 +276,18 @@ int main(int argc, char** argv) {
                 r.polls.size(), Quantile(r.polls, 0.999),
                 Quantile(r.polls, 1.0), r.bursts.size(),
                 Quantile(r.bursts, 0.5), Quantile(r.bursts, 1.0));
+    const size_t h = r.pred_ms.size() / 2;
+    std::printf("      predictions after the request ended: %lld; Submit to "
+                "prediction: p50 %.1f ms, p99 %.1f ms, max %.1f ms; first "
+                "half p50 %.1f ms, second half p50 %.1f ms\n",
+                static_cast<long long>(r.late), Quantile(r.pred_ms, 0.5),
+                Quantile(r.pred_ms, 0.99), Quantile(r.pred_ms, 1.0),
+                Quantile({r.pred_ms.begin(), r.pred_ms.begin() + h}, 0.5),
+                Quantile({r.pred_ms.begin() + h, r.pred_ms.end()}, 0.5));
+    for (const auto& [what, n] : r.error_kinds) {
+      std::printf("      error events %lld x %s\n", static_cast<long long>(n),
+                  what.c_str());
+    }
   }
   return 0;
 }

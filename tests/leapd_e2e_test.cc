@@ -12,6 +12,8 @@
 #include <sys/wait.h>
 
 #include <cmath>
+#include <filesystem>
+#include <fstream>
 #include <random>
 #include <set>
 #include <thread>
@@ -24,6 +26,7 @@
 #include "readout/synth.h"
 #include "tests/support/engine_client.h"
 #include "tests/support/process.h"
+#include "tests/support/scoped_temp_dir.h"
 
 namespace leap {
 namespace {
@@ -625,6 +628,32 @@ TEST(LeapdEndToEnd, RecreatedReadoutNeverLearnsAnotherWidthsRequest) {
   ASSERT_TRUE(s.admin->GetReadout(&gctx, greq, &info).ok());
   EXPECT_EQ(info.completions_learned(), 0);
   EXPECT_EQ(info.dim(), 64);
+}
+
+// leapd's own threads carry the names docs/ARCHITECTURE.md ("Threads")
+// gives them, so that per-thread CPU time (top -H, perf, /proc) tells the
+// RLS worker, the checkpoint writer, the shm loop and the completion
+// writers from gRPC's pool.
+TEST(LeapdEndToEnd, ThreadsCarryTheirDocumentedNames) {
+  const testing::ScopedTempDir tmp("leapd_thread_names");
+  Server s = Start({"--data_dir=" + tmp.path() + "/db",
+                    "--shm=" + tmp.path() + "/leap.shm"});
+  ASSERT_NE(s.proc, nullptr);
+  ColdReadout(s, "a", 32);  // adaptive: an RLS worker and a checkpoint writer
+  std::multiset<std::string> names;
+  const std::string task = "/proc/" + std::to_string(s.proc->pid()) + "/task";
+  for (const auto& e : std::filesystem::directory_iterator(task)) {
+    std::ifstream comm(e.path() / "comm");
+    std::string name;
+    std::getline(comm, name);
+    names.insert(name);
+  }
+  std::string all;
+  for (const std::string& n : names) all += n + " ";
+  EXPECT_EQ(names.count("leap-rls"), 1u) << all;
+  EXPECT_EQ(names.count("leap-ckpt"), 1u) << all;
+  EXPECT_EQ(names.count("leap-shm"), 1u) << all;
+  EXPECT_EQ(names.count("leap-complete"), 8u) << all;
 }
 
 }  // namespace

@@ -7,6 +7,7 @@
 #include "common/clock.h"
 #include "common/half.h"
 #include "common/status_macros.h"
+#include "common/thread.h"
 #include "readout/ridge.h"
 
 namespace leap::sidecar {
@@ -170,6 +171,7 @@ void Bootstrap::OnDatasetRecord(const std::string& readout,
 }
 
 void Bootstrap::Run() {
+  NameThisThread("leap-bootstrap");
   for (;;) {
     {
       absl::MutexLock lock(&mu_);

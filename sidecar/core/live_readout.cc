@@ -10,6 +10,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/time/time.h"
 #include "common/clock.h"
+#include "common/thread.h"
 
 namespace leap::sidecar {
 namespace {
@@ -754,6 +755,7 @@ absl::Status LiveReadout::WriteCheckpoint(const storage::ReadoutCheckpoint& c) {
 }
 
 void LiveReadout::CheckpointLoop() {
+  NameThisThread("leap-ckpt");
   for (;;) {
     storage::ReadoutCheckpoint c;
     std::shared_ptr<const readout::SymMatrix> p;
@@ -959,6 +961,7 @@ void LiveReadout::Stop(bool drain) {
 }
 
 void LiveReadout::WorkerLoop() {
+  NameThisThread("leap-rls");
   const int64_t n = spec_.dim + 1;
   std::vector<float> u;
   std::vector<double> y;

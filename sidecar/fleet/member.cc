@@ -11,6 +11,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "common/clock.h"
+#include "common/thread.h"
 #include "sidecar/fleet/fleet_quality.h"
 #include "sidecar/fleet/fleet_state.h"
 #include "leap/v1/fleet.pb.h"
@@ -291,6 +292,7 @@ absl::Status FleetMember::SetUp() {
 }
 
 void FleetMember::MaintainLoop() {
+  NameThisThread("leap-fleet");
   int64_t last_prune_ms = 0;
   for (;;) {
     bool set_up;

@@ -1,7 +1,5 @@
 #include "sidecar/fleet/trainer.h"
 
-#include <pthread.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -13,6 +11,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "common/clock.h"
+#include "common/thread.h"
 #include "leap/v1/fleet.pb.h"
 #include "prometheus/counter.h"
 #include "prometheus/family.h"
@@ -291,7 +290,7 @@ class Trainer::Worker {
     thread_ = std::thread([this] {
       // Named so that per-thread CPU time (/proc/PID/task/*/comm, top -H)
       // tells the worker from the rest of leapd (15 characters at most).
-      pthread_setname_np(pthread_self(), "leap-trainer");
+      NameThisThread("leap-trainer");
       Run();
     });
   }
@@ -781,7 +780,7 @@ class Trainer::Worker {
       ckpt_job_.reset();
     }
     ckpt_thread_ = std::thread([this] {
-      pthread_setname_np(pthread_self(), "leap-trainer-ck");
+      NameThisThread("leap-trainer-ck");
       CheckpointLoop();
     });
     const int64_t interval = t_->options_.version_interval_ms;

@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/thread.h"
 #include "sidecar/core/engine_messages.h"
 #include "sidecar/grpc/status.h"
 
@@ -97,6 +98,7 @@ class ConnectSession final : public PublishListener, public LiveTracker {
   // Runs on the writer thread until Close() and the outbox is flushed (or
   // the session is dropped).
   void WriterLoop() {
+    NameThisThread("leap-conn-write");
     for (;;) {
       std::deque<std::pair<pb::SidecarMessage, int64_t>> batch;
       std::unordered_map<std::string, std::shared_ptr<const PublishedVersion>>
@@ -493,6 +495,7 @@ bool CompletionWriters::Run(std::function<void()> f) {
 }
 
 void CompletionWriters::Loop() {
+  NameThisThread("leap-complete");
   for (;;) {
     std::function<void()> f;
     {

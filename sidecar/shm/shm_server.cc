@@ -22,6 +22,7 @@
 #include "common/clock.h"
 #include "common/ids.h"
 #include "common/shm_format.h"
+#include "common/thread.h"
 #include "sidecar/shm/internal/shm_attach.h"
 #include "sidecar/shm/internal/shm_session.h"
 
@@ -160,6 +161,7 @@ void ShmServer::Stop() {
 // ------------------------------------------------------------- the loop
 
 void ShmServer::Impl::Loop() {
+  NameThisThread("leap-shm");
   MarkServerThread();
   const int64_t spin_ns = absl::ToInt64Nanoseconds(options.spin);
   int64_t last_busy = NowNs();
