@@ -316,7 +316,7 @@ class ShmTransport final : public Transport {
 
   bool SendFeatures(ShmChannel* ch, const pb::EngineMessage& m) {
     const size_t want = ch->feature_bytes();
-    bool out_of_slots = false;
+    bool wait_failed = false;  // a wait for an owed slot timed out
     std::vector<ShmChannel::Record> records;
     pb::SidecarMessage errors;
     errors.set_seq(m.seq());
@@ -356,14 +356,15 @@ class ShmTransport final : public Transport {
             " (", want, " bytes)"));
         continue;
       }
-      int64_t slot = out_of_slots ? -1 : ch->AcquireSlot();
-      if (slot < 0 && !out_of_slots) {
+      int64_t slot = ch->AcquireSlot();
+      if (slot < 0 && !wait_failed) {
         // Every slot holds a live request. Wait (up to the send deadline)
         // only for the releases leapd owes for completions and cancels
-        // already sent (the reader thread frees those slots), once per
-        // message; later records of the message are refused. The other
-        // requests end only when the engine completes them, and that
-        // completion would queue behind this very message.
+        // already sent (the reader thread frees those slots). Once a wait
+        // found none (nothing owed, or the deadline passed), the message's
+        // later records take a slot freed meanwhile or are refused, without
+        // waiting. The other requests end only when the engine completes
+        // them, and that completion would queue behind this very message.
         const absl::Time deadline = absl::Now() + timeout_;
         for (;;) {
           // Read before the attempt: nothing owed means every owed slot
@@ -380,8 +381,8 @@ class ShmTransport final : public Transport {
           ch->Flush();
           sched_yield();
         }
-        // The rest of this message is refused without waiting again.
-        out_of_slots = slot < 0;
+        // If this wait timed out, the rest of this message does not wait.
+        wait_failed = slot < 0;
       }
       if (slot < 0) {
         auto* e = batch->add_errors();
