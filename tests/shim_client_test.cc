@@ -151,17 +151,7 @@ TEST_P(ShimClient, PredictsLearnsRescoresAndSurvivesSidecarRestart) {
 
   // Their completions are learned by the restarted sidecar.
   for (const std::string& id : live) (*client)->Complete(id, 100, shim::FinishReason::kStop);
-  auto admin = pb::Admin::NewStub(testing::MakeChannel(sock));
-  grpc::ClientContext wctx;
-  pb::WatchReadoutRequest wreq;
-  wreq.set_readout("r");
-  auto stub = pb::Predictor::NewStub(testing::MakeChannel(sock));
-  auto watch = stub->WatchReadout(&wctx, wreq);
-  pb::ReadoutVersion v;
-  while (watch->Read(&v) && v.completions_learned() < 6) {
-  }
-  EXPECT_EQ(v.completions_learned(), 6);
-  wctx.TryCancel();
+  EXPECT_EQ(testing::AwaitLearned(sock, "r", 6, std::chrono::seconds(30)), 6);
   // The acks carry no event (a Wait on events would only look again at its
   // timeout): poll the client's counters.
   const absl::Time acked_by = absl::Now() + absl::Seconds(30);
@@ -243,19 +233,7 @@ TEST_P(ShimClient, SameIdFromTwoEnginesIsTwoRequestsAndCollisionsAreReported) {
   EXPECT_EQ(a->stats().errors, 0);
   EXPECT_EQ(b->stats().errors, 0);
   // Both learned, each with its own features.
-  auto stub = pb::Predictor::NewStub(testing::MakeChannel(sock));
-  {
-    grpc::ClientContext wctx;
-    wctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
-    pb::WatchReadoutRequest wreq;
-    wreq.set_readout("r");
-    auto watch = stub->WatchReadout(&wctx, wreq);
-    pb::ReadoutVersion v;
-    while (watch->Read(&v) && v.completions_learned() < 2) {
-    }
-    EXPECT_EQ(v.completions_learned(), 2);
-    wctx.TryCancel();
-  }
+  EXPECT_EQ(testing::AwaitLearned(sock, "r", 2, std::chrono::seconds(30)), 2);
   {
     auto admin = pb::Admin::NewStub(testing::MakeChannel(sock));
     grpc::ClientContext ctx;
@@ -537,17 +515,8 @@ TEST_P(ShimClient, CompletionsGivenWhileLeapdIsDownAreLearnedAfterTheRestart) {
   std::filesystem::remove(leapd.dir + "/leapd.sock");
   ASSERT_NO_FATAL_FAILURE(leapd.Start());
   ASSERT_TRUE(testing::AwaitNoneLive(**client)) << "live: " << (*client)->stats().live;
-  auto stub = pb::Predictor::NewStub(testing::MakeChannel(leapd.sock));
-  grpc::ClientContext wctx;
-  wctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
-  pb::WatchReadoutRequest wreq;
-  wreq.set_readout("r");
-  auto watch = stub->WatchReadout(&wctx, wreq);
-  pb::ReadoutVersion v;
-  while (watch->Read(&v) && v.completions_learned() < 5) {
-  }
-  EXPECT_EQ(v.completions_learned(), 5) << "not all learned within 30 s";
-  wctx.TryCancel();
+  EXPECT_EQ(testing::AwaitLearned(leapd.sock, "r", 5, std::chrono::seconds(30)), 5)
+      << "not all learned within 30 s";
   const shim::ClientStats st = (*client)->stats();
   EXPECT_GE(st.resubmitted, 5);
   EXPECT_EQ(st.completion_retries, 0);

@@ -23,6 +23,24 @@ grpc::Status CreateDefaultReadout(const std::string& address,
   return admin->SetRoute(&rctx, route, &out);
 }
 
+int64_t AwaitLearned(const std::string& address, const std::string& readout,
+                     int64_t learned, std::chrono::seconds timeout) {
+  auto stub = pb::Predictor::NewStub(MakeChannel(address));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + timeout);
+  pb::WatchReadoutRequest req;
+  req.set_readout(readout);
+  auto watch = stub->WatchReadout(&ctx, req);
+  pb::ReadoutVersion v;
+  int64_t seen = -1;
+  while (watch->Read(&v)) {
+    seen = v.completions_learned();
+    if (seen >= learned) break;
+  }
+  ctx.TryCancel();
+  return seen;
+}
+
 std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(512 << 20);

@@ -4,6 +4,7 @@
 #ifndef LEAP_TESTS_SUPPORT_ENGINE_CLIENT_H_
 #define LEAP_TESTS_SUPPORT_ENGINE_CLIENT_H_
 
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -22,6 +23,12 @@
 namespace leap::testing {
 
 std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address);
+
+// Watches `readout` (WatchReadout) until a version has learned at least
+// `learned` completions or `timeout` passed; returns the completions_learned
+// of the last version seen (-1: none came).
+int64_t AwaitLearned(const std::string& address, const std::string& readout,
+                     int64_t learned, std::chrono::seconds timeout);
 
 // Creates a cold-start readout `name` of width `dim` (lambda 1) over Admin
 // at `address` and routes the default product line to it.
