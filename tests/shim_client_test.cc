@@ -527,6 +527,52 @@ TEST_P(ShimClient, CompletionsGivenWhileLeapdIsDownAreLearnedAfterTheRestart) {
   }
 }
 
+// An id cancelled and submitted again while leapd is down is one new
+// request once a leapd answers: the restarted leapd predicts it from the
+// new features, the cancel of the old one costs no error, and its
+// completion is learned once.
+TEST_P(ShimClient, IdCancelledAndResubmittedWhileLeapdIsDownIsOneNewRequest) {
+  Sidecar leapd("shimreuse-" + GetParam(), GetParam());
+  ASSERT_NO_FATAL_FAILURE(leapd.StartWithReadout());
+  ShimEvents col;
+  auto client = testing::StartRecordedClient(
+      testing::TestClientOptions(leapd.endpoint, kDim, "reuse"), &col);
+  ASSERT_TRUE(client.ok()) << client.status();
+  ASSERT_TRUE((*client)->WaitConnected(absl::Seconds(10)));
+  std::mt19937 rng(23);
+  (*client)->Submit({Features("c", rng)});
+  ASSERT_TRUE(col.Wait([&](const auto& ev) {
+    return testing::FindEvent(ev, Event::Kind::kPrediction, "c") != nullptr;
+  }));
+  leapd.proc->Signal(SIGKILL);
+  leapd.proc->Wait();
+  ASSERT_TRUE(col.Wait([&](const auto& ev) {
+    return CountKind(ev, Event::Kind::kDisconnected) > 0;
+  }));
+  const size_t before = col.events().size();
+  (*client)->Cancel("c");
+  (*client)->Submit({Features("c", rng)});
+  EXPECT_EQ((*client)->stats().live, 1);
+  std::filesystem::remove(leapd.dir + "/leapd.sock");
+  ASSERT_NO_FATAL_FAILURE(leapd.Start());
+  ASSERT_TRUE(col.Wait([&](const auto& ev) {
+    for (size_t i = before; i < ev.size(); ++i) {
+      if (ev[i].kind == Event::Kind::kPrediction && ev[i].request_id == "c") {
+        return true;
+      }
+    }
+    return false;
+  })) << "no prediction for the resubmitted request";
+  (*client)->Complete("c", 60, shim::FinishReason::kStop);
+  ASSERT_TRUE(testing::AwaitNoneLive(**client)) << "live: " << (*client)->stats().live;
+  EXPECT_EQ(testing::AwaitLearned(leapd.sock, "r", 1, std::chrono::seconds(30)), 1);
+  // (Errors without a request id are the failed reconnects meanwhile.)
+  for (const Event& e : col.events()) {
+    EXPECT_FALSE(e.kind == Event::Kind::kError && !e.request_id.empty())
+        << e.request_id << ": " << e.code << " " << e.message;
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Transports, ShimClient, ::testing::Values("unix", "shm"),
                          [](const auto& info) { return info.param; });
 
