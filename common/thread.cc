@@ -6,9 +6,9 @@
 
 namespace leap {
 
-void NameThisThread(std::string_view name) {
+void NameThread(std::thread& t, std::string_view name) {
   const std::string n(name.substr(0, 15));
-  pthread_setname_np(pthread_self(), n.c_str());
+  pthread_setname_np(t.native_handle(), n.c_str());
 }
 
 }  // namespace leap

@@ -18,7 +18,8 @@
 // wait at least that long. Also: how many predictions came only after
 // their request was completed, the time from Submit to the prediction's
 // Poll (p50, p99, max, and p50 of each half of the run: a growing figure
-// is a leapd that falls behind), and the error events by message.
+// is a leapd that falls behind; requests never predicted are not in them,
+// their count is printed), and the error events by message.
 //
 // Usage: client_call_benchmark [--seconds S] [--burst N] [--burst-every K]
 //                              [--step-us U] [--complete-after C]
@@ -95,6 +96,7 @@ struct Result {
   std::vector<double> small, polls, bursts;
   int64_t steps = 0, predictions = 0, submitted = 0, errors = 0;
   int64_t late = 0;  // predictions polled after the request was completed
+  int64_t unpredicted = 0;  // requests with no prediction by the run's end
   std::vector<double> pred_ms;  // Submit to the prediction's Poll, ms
   std::map<std::string, int64_t> error_kinds;  // "code: message" -> count
 };
@@ -181,6 +183,7 @@ Result Run(const std::string& endpoint, const std::string& instance,
     std::this_thread::sleep_until(next_step);  // the step's GPU time
   }
   r.errors = c.stats().errors;
+  r.unpredicted = static_cast<int64_t>(sent.size());
   return r;
 }
 
@@ -200,10 +203,16 @@ int main(int argc, char** argv) {
     const double v = std::atof(argv[i + 1]);
     if (k == "--transports") {
       o.transports = absl::StrSplit(argv[i + 1], ',');
-      for (const std::string& t : o.transports) {
-        if (t != "unix" && t != "shm") {
+      for (size_t t = 0; t < o.transports.size(); ++t) {
+        const std::string& name = o.transports[t];
+        if (name != "unix" && name != "shm") {
           std::fprintf(stderr, "--transports: unknown transport '%s' (unix, shm)\n",
-                       t.c_str());
+                       name.c_str());
+          return 2;
+        }
+        if (std::find(o.transports.begin(), o.transports.begin() + t, name) !=
+            o.transports.begin() + t) {
+          std::fprintf(stderr, "--transports: '%s' given twice\n", name.c_str());
           return 2;
         }
       }
@@ -277,10 +286,13 @@ int main(int argc, char** argv) {
                 Quantile(r.polls, 1.0), r.bursts.size(),
                 Quantile(r.bursts, 0.5), Quantile(r.bursts, 1.0));
     const size_t h = r.pred_ms.size() / 2;
-    std::printf("      predictions after the request ended: %lld; Submit to "
-                "prediction: p50 %.1f ms, p99 %.1f ms, max %.1f ms; first "
-                "half p50 %.1f ms, second half p50 %.1f ms\n",
-                static_cast<long long>(r.late), Quantile(r.pred_ms, 0.5),
+    std::printf("      predictions after the request ended: %lld; no "
+                "prediction by the end: %lld; Submit to prediction (of those "
+                "predicted: lower bounds when some are not): p50 %.1f ms, "
+                "p99 %.1f ms, max %.1f ms; first half p50 %.1f ms, second "
+                "half p50 %.1f ms\n",
+                static_cast<long long>(r.late),
+                static_cast<long long>(r.unpredicted), Quantile(r.pred_ms, 0.5),
                 Quantile(r.pred_ms, 0.99), Quantile(r.pred_ms, 1.0),
                 Quantile({r.pred_ms.begin(), r.pred_ms.begin() + h}, 0.5),
                 Quantile({r.pred_ms.begin() + h, r.pred_ms.end()}, 0.5));

@@ -632,14 +632,23 @@ TEST(LeapdEndToEnd, RecreatedReadoutNeverLearnsAnotherWidthsRequest) {
 
 // leapd's own threads carry the names docs/ARCHITECTURE.md ("Threads")
 // gives them, so that per-thread CPU time (top -H, perf, /proc) tells the
-// RLS worker, the checkpoint writer, the shm loop and the completion
-// writers from gRPC's pool.
+// RLS worker, the checkpoint writer, the shm loop, the completion writers
+// and a Connect stream's writer from gRPC's pool (fleet mode, whose
+// threads are named too, is not started here).
 TEST(LeapdEndToEnd, ThreadsCarryTheirDocumentedNames) {
   const testing::ScopedTempDir tmp("leapd_thread_names");
   Server s = Start({"--data_dir=" + tmp.path() + "/db",
                     "--shm=" + tmp.path() + "/leap.shm"});
   ASSERT_NE(s.proc, nullptr);
   ColdReadout(s, "a", 32);  // adaptive: an RLS worker and a checkpoint writer
+  // A Connect stream has a writer thread; the stream's handler names it
+  // before it reads the next message, so this round trip orders the two.
+  testing::EngineStream engine(s.channel, 32);
+  pb::EngineMessage cancel;
+  cancel.mutable_cancels()->add_request_ids("none");
+  engine.Call(cancel);
+  // Every thread is named by its creator before the call that made it
+  // (CreateReadout, leapd's start, the hello) returned.
   std::multiset<std::string> names;
   const std::string task = "/proc/" + std::to_string(s.proc->pid()) + "/task";
   for (const auto& e : std::filesystem::directory_iterator(task)) {
@@ -654,6 +663,8 @@ TEST(LeapdEndToEnd, ThreadsCarryTheirDocumentedNames) {
   EXPECT_EQ(names.count("leap-ckpt"), 1u) << all;
   EXPECT_EQ(names.count("leap-shm"), 1u) << all;
   EXPECT_EQ(names.count("leap-complete"), 8u) << all;
+  EXPECT_EQ(names.count("leap-conn-write"), 1u) << all;
+  EXPECT_TRUE(engine.Finish().ok());
 }
 
 }  // namespace

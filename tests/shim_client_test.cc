@@ -51,6 +51,36 @@ shim::CapturedFeatures Features(const std::string& id, std::mt19937& rng) {
   return {id, "", std::string(reinterpret_cast<const char*>(x.data()), kDim * 4), 0};
 }
 
+// Readout "r" (cold start, lambda 1) at `sock` has learned exactly these
+// completions (features, output tokens): its exported theta is the FP64
+// closed form over them, so a completion learned twice, or learned from
+// other features, fails.
+void ExpectLearnedExactly(
+    const std::string& sock,
+    const std::vector<std::pair<const shim::CapturedFeatures*, int>>& learned) {
+  auto admin = pb::Admin::NewStub(testing::MakeChannel(sock));
+  grpc::ClientContext ctx;
+  pb::ExportReadoutRequest req;
+  req.set_name("r");
+  pb::ExportReadoutResponse resp;
+  ASSERT_TRUE(admin->ExportReadout(&ctx, req, &resp).ok());
+  auto state = readout::ParseArtifact(resp.artifact(), "export");
+  ASSERT_TRUE(state.ok()) << state.status();
+  const int64_t n = kDim + 1;
+  Eigen::MatrixXd m = Eigen::MatrixXd::Identity(n, n);  // lambda = 1
+  Eigen::VectorXd rhs = Eigen::VectorXd::Zero(n);
+  for (const auto& [f, tokens] : learned) {
+    Eigen::VectorXd u(n);
+    const float* x = reinterpret_cast<const float*>(f->bytes.data());
+    for (int64_t j = 0; j < kDim; ++j) u[j] = x[j];
+    u[kDim] = 1;
+    m += u * u.transpose();
+    rhs += u * std::sqrt(static_cast<double>(tokens));
+  }
+  const Eigen::VectorXd want = m.llt().solve(rhs);
+  EXPECT_LT((state->theta - want).norm() / want.norm(), 1e-6);
+}
+
 // leapd on a unix socket and a shared-memory segment in a fresh folder, with
 // its state on disk and every completion learned at once (batches of 1);
 // `endpoint` is the one of the test's transport ("unix" or "shm": there a
@@ -234,29 +264,7 @@ TEST_P(ShimClient, SameIdFromTwoEnginesIsTwoRequestsAndCollisionsAreReported) {
   EXPECT_EQ(b->stats().errors, 0);
   // Both learned, each with its own features.
   EXPECT_EQ(testing::AwaitLearned(sock, "r", 2, std::chrono::seconds(30)), 2);
-  {
-    auto admin = pb::Admin::NewStub(testing::MakeChannel(sock));
-    grpc::ClientContext ctx;
-    pb::ExportReadoutRequest req;
-    req.set_name("r");
-    pb::ExportReadoutResponse resp;
-    ASSERT_TRUE(admin->ExportReadout(&ctx, req, &resp).ok());
-    auto state = readout::ParseArtifact(resp.artifact(), "export");
-    ASSERT_TRUE(state.ok()) << state.status();
-    const int64_t n = kDim + 1;
-    Eigen::MatrixXd m = Eigen::MatrixXd::Identity(n, n);  // lambda = 1
-    Eigen::VectorXd rhs = Eigen::VectorXd::Zero(n);
-    for (const auto& [f, tokens] : {std::pair{fa, 100}, std::pair{fb, 900}}) {
-      Eigen::VectorXd u(n);
-      const float* x = reinterpret_cast<const float*>(f.bytes.data());
-      for (int64_t j = 0; j < kDim; ++j) u[j] = x[j];
-      u[kDim] = 1;
-      m += u * u.transpose();
-      rhs += u * std::sqrt(static_cast<double>(tokens));
-    }
-    const Eigen::VectorXd want = m.llt().solve(rhs);
-    EXPECT_LT((state->theta - want).norm() / want.norm(), 1e-6);
-  }
+  ExpectLearnedExactly(sock, {{&fa, 100}, {&fb, 900}});
 
   // Two clients claiming one instance id: the second "y" is a collision,
   // reported as an error event, and the first is unaffected.
@@ -550,8 +558,9 @@ TEST_P(ShimClient, IdCancelledAndResubmittedWhileLeapdIsDownIsOneNewRequest) {
     return CountKind(ev, Event::Kind::kDisconnected) > 0;
   }));
   const size_t before = col.events().size();
+  const shim::CapturedFeatures fresh = Features("c", rng);
   (*client)->Cancel("c");
-  (*client)->Submit({Features("c", rng)});
+  (*client)->Submit({fresh});
   EXPECT_EQ((*client)->stats().live, 1);
   std::filesystem::remove(leapd.dir + "/leapd.sock");
   ASSERT_NO_FATAL_FAILURE(leapd.Start());
@@ -566,6 +575,8 @@ TEST_P(ShimClient, IdCancelledAndResubmittedWhileLeapdIsDownIsOneNewRequest) {
   (*client)->Complete("c", 60, shim::FinishReason::kStop);
   ASSERT_TRUE(testing::AwaitNoneLive(**client)) << "live: " << (*client)->stats().live;
   EXPECT_EQ(testing::AwaitLearned(leapd.sock, "r", 1, std::chrono::seconds(30)), 1);
+  ExpectLearnedExactly(leapd.sock, {{&fresh, 60}});  // once, from the new features
+  EXPECT_EQ((*client)->stats().completion_retries, 0);
   // (Errors without a request id are the failed reconnects meanwhile.)
   for (const Event& e : col.events()) {
     EXPECT_FALSE(e.kind == Event::Kind::kError && !e.request_id.empty())

@@ -316,7 +316,9 @@ class ShmTransport final : public Transport {
 
   bool SendFeatures(ShmChannel* ch, const pb::EngineMessage& m) {
     const size_t want = ch->feature_bytes();
-    bool wait_failed = false;  // a wait for an owed slot timed out
+    // No slot came from a wait (nothing owed, deadline passed, channel
+    // closed): later records do not wait.
+    bool wait_failed = false;
     std::vector<ShmChannel::Record> records;
     pb::SidecarMessage errors;
     errors.set_seq(m.seq());
@@ -381,7 +383,7 @@ class ShmTransport final : public Transport {
           ch->Flush();
           sched_yield();
         }
-        // If this wait timed out, the rest of this message does not wait.
+        // If no slot came, the rest of this message does not wait.
         wait_failed = slot < 0;
       }
       if (slot < 0) {

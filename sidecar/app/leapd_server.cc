@@ -24,6 +24,7 @@
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/security/tls_certificate_provider.h"
 #include "grpcpp/security/tls_credentials_options.h"
+#include "common/thread.h"
 #include "leap_build_info.h"
 #include "readout/artifact.h"
 #include "sidecar/fleet/trainer.h"
@@ -94,6 +95,7 @@ class TrainerRunner {
   TrainerRunner(leap::fleet::FleetMember* member, leap::fleet::TrainerOptions o)
       : member_(member), options_(std::move(o)) {
     thread_ = std::thread([this] { Loop(); });
+    NameThread(thread_, "leap-train-run");
   }
   ~TrainerRunner() {
     {

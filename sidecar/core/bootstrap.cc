@@ -146,6 +146,7 @@ absl::StatusOr<std::unique_ptr<Bootstrap>> Bootstrap::Start(Core* core,
               static_cast<long long>(o.after));
   std::fflush(stdout);
   b->thread_ = std::thread([p = b.get()] { p->Run(); });
+  NameThread(b->thread_, "leap-bootstrap");
   return b;
 }
 
@@ -171,7 +172,6 @@ void Bootstrap::OnDatasetRecord(const std::string& readout,
 }
 
 void Bootstrap::Run() {
-  NameThisThread("leap-bootstrap");
   for (;;) {
     {
       absl::MutexLock lock(&mu_);

@@ -162,9 +162,13 @@ LiveReadout::LiveReadout(LiveReadoutInit init, LiveReadoutOptions options,
       guardrail_->OnSnapshots(*snaps);
     }
   }
-  if (adaptive_) worker_ = std::thread([this] { WorkerLoop(); });
+  if (adaptive_) {
+    worker_ = std::thread([this] { WorkerLoop(); });
+    NameThread(worker_, "leap-rls");  // the RLS helpers it starts inherit it
+  }
   if (store_ != nullptr && adaptive_) {
     checkpointer_ = std::thread([this] { CheckpointLoop(); });
+    NameThread(checkpointer_, "leap-ckpt");
   }
 }
 
@@ -755,7 +759,6 @@ absl::Status LiveReadout::WriteCheckpoint(const storage::ReadoutCheckpoint& c) {
 }
 
 void LiveReadout::CheckpointLoop() {
-  NameThisThread("leap-ckpt");
   for (;;) {
     storage::ReadoutCheckpoint c;
     std::shared_ptr<const readout::SymMatrix> p;
@@ -961,7 +964,6 @@ void LiveReadout::Stop(bool drain) {
 }
 
 void LiveReadout::WorkerLoop() {
-  NameThisThread("leap-rls");
   const int64_t n = spec_.dim + 1;
   std::vector<float> u;
   std::vector<double> y;

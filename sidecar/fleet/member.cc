@@ -242,6 +242,7 @@ absl::Status FleetMember::Start(
     wake_ = true;
   }
   maintainer_ = std::thread([this] { MaintainLoop(); });
+  NameThread(maintainer_, "leap-fleet");
   absl::MutexLock l(&mu_);
   auto done = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return stop_ || (ready_.load() && config_initial_done_ && pending_.empty());
@@ -292,7 +293,6 @@ absl::Status FleetMember::SetUp() {
 }
 
 void FleetMember::MaintainLoop() {
-  NameThisThread("leap-fleet");
   int64_t last_prune_ms = 0;
   for (;;) {
     bool set_up;

@@ -17,6 +17,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "common/thread.h"
 
 namespace leap::fleet {
 namespace {
@@ -1091,6 +1092,7 @@ absl::StatusOr<std::unique_ptr<KvWatcher>> KvBucket::Watch(
       }
     }
   });
+  NameThread(watcher->thread_, "leap-kv-watch");
   return watcher;
 }
 

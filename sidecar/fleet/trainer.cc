@@ -287,12 +287,8 @@ class Trainer::Worker {
     Stop(false);
     stop_.store(false);
     running_.store(true);
-    thread_ = std::thread([this] {
-      // Named so that per-thread CPU time (/proc/PID/task/*/comm, top -H)
-      // tells the worker from the rest of leapd (15 characters at most).
-      NameThisThread("leap-trainer");
-      Run();
-    });
+    thread_ = std::thread([this] { Run(); });
+    NameThread(thread_, "leap-trainer");
   }
 
   void Stop(bool final_checkpoint) {
@@ -779,10 +775,8 @@ class Trainer::Worker {
       ckpt_drain_ = false;
       ckpt_job_.reset();
     }
-    ckpt_thread_ = std::thread([this] {
-      NameThisThread("leap-trainer-ck");
-      CheckpointLoop();
-    });
+    ckpt_thread_ = std::thread([this] { CheckpointLoop(); });
+    NameThread(ckpt_thread_, "leap-trainer-ck");
     const int64_t interval = t_->options_.version_interval_ms;
     // The quality put recomputes the Spearman of every series under mu_ and
     // is a synchronous KV put: not on every pass when versions go out at
@@ -1974,6 +1968,7 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Start(natsConnection* nc,
     t->local_ = std::move(local);
   }
   t->lease_thread_ = std::thread([p = t.get()] { p->LeaseLoop(); });
+  NameThread(t->lease_thread_, "leap-lease");
   return t;
 }
 

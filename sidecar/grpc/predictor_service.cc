@@ -98,7 +98,6 @@ class ConnectSession final : public PublishListener, public LiveTracker {
   // Runs on the writer thread until Close() and the outbox is flushed (or
   // the session is dropped).
   void WriterLoop() {
-    NameThisThread("leap-conn-write");
     for (;;) {
       std::deque<std::pair<pb::SidecarMessage, int64_t>> batch;
       std::unordered_map<std::string, std::shared_ptr<const PublishedVersion>>
@@ -411,6 +410,7 @@ grpc::Status PredictorService::Connect(
     session->Send(std::move(ack));
   }
   std::thread writer([&session] { session->WriterLoop(); });
+  NameThread(writer, "leap-conn-write");
   {
     absl::MutexLock lock(&sessions_mu_);
     sessions_[ctx] = session;
@@ -476,7 +476,10 @@ grpc::Status PredictorService::Predict(grpc::ServerContext*,
 
 CompletionWriters::CompletionWriters(int threads, size_t max_queued)
     : max_queued_(max_queued) {
-  for (int i = 0; i < threads; ++i) threads_.emplace_back([this] { Loop(); });
+  for (int i = 0; i < threads; ++i) {
+    threads_.emplace_back([this] { Loop(); });
+    NameThread(threads_.back(), "leap-complete");
+  }
 }
 
 CompletionWriters::~CompletionWriters() {
@@ -495,7 +498,6 @@ bool CompletionWriters::Run(std::function<void()> f) {
 }
 
 void CompletionWriters::Loop() {
-  NameThisThread("leap-complete");
   for (;;) {
     std::function<void()> f;
     {

@@ -132,6 +132,7 @@ absl::StatusOr<std::unique_ptr<ShmServer>> ShmServer::Start(
   static std::atomic<uint64_t> sessions{uint64_t{1} << 40};
   im.next_session = &sessions;
   im.thread = std::thread([&im] { im.Loop(); });
+  NameThread(im.thread, "leap-shm");
   return server;
 }
 
@@ -161,7 +162,6 @@ void ShmServer::Stop() {
 // ------------------------------------------------------------- the loop
 
 void ShmServer::Impl::Loop() {
-  NameThisThread("leap-shm");
   MarkServerThread();
   const int64_t spin_ns = absl::ToInt64Nanoseconds(options.spin);
   int64_t last_busy = NowNs();
