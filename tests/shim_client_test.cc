@@ -112,6 +112,19 @@ struct Sidecar {
     const grpc::Status s = testing::CreateDefaultReadout(sock, "r", kDim);
     ASSERT_TRUE(s.ok()) << s.error_message();
   }
+  // kill -9; returns once `col` saw the client report it disconnected.
+  void Kill(ShimEvents& col) {
+    proc->Signal(SIGKILL);
+    proc->Wait();
+    ASSERT_TRUE(col.Wait([](const auto& ev) {
+      return ShimEvents::CountOf(ev, Event::Kind::kDisconnected) > 0;
+    }));
+  }
+  // Starts it again on the same socket (a killed leapd leaves the file).
+  void Restart() {
+    std::filesystem::remove(dir + "/leapd.sock");
+    ASSERT_NO_FATAL_FAILURE(Start());
+  }
 };
 
 // The same engine code over both data planes: gRPC on a unix socket, and
@@ -161,17 +174,9 @@ TEST_P(ShimClient, PredictsLearnsRescoresAndSurvivesSidecarRestart) {
   }));
 
   // The sidecar dies and comes back on the same socket with its state.
-  leapd.proc->Signal(SIGKILL);
-  leapd.proc->Wait();
-  ASSERT_TRUE(col.Wait([&](const auto& ev) {
-    for (const Event& e : ev) {
-      if (e.kind == Event::Kind::kDisconnected) return true;
-    }
-    return false;
-  }));
+  ASSERT_NO_FATAL_FAILURE(leapd.Kill(col));
   const size_t before_restart = col.events().size();
-  std::filesystem::remove(leapd.dir + "/leapd.sock");
-  ASSERT_NO_FATAL_FAILURE(leapd.Start());
+  ASSERT_NO_FATAL_FAILURE(leapd.Restart());
   ASSERT_TRUE(col.Wait([&](const auto& ev) {
     std::vector<Event> after(ev.begin() + before_restart, ev.end());
     return Count(after, Event::Kind::kPrediction, live) == 4;
@@ -514,14 +519,9 @@ TEST_P(ShimClient, CompletionsGivenWhileLeapdIsDownAreLearnedAfterTheRestart) {
   std::mt19937 rng(19);
   const std::set<std::string> ids = SubmitAndAwaitPredictions(**client, col, "d", 5, rng);
   ASSERT_EQ(ids.size(), 5u);
-  leapd.proc->Signal(SIGKILL);
-  leapd.proc->Wait();
-  ASSERT_TRUE(col.Wait([&](const auto& ev) {
-    return CountKind(ev, Event::Kind::kDisconnected) > 0;
-  }));
+  ASSERT_NO_FATAL_FAILURE(leapd.Kill(col));
   for (const std::string& id : ids) (*client)->Complete(id, 60, shim::FinishReason::kStop);
-  std::filesystem::remove(leapd.dir + "/leapd.sock");
-  ASSERT_NO_FATAL_FAILURE(leapd.Start());
+  ASSERT_NO_FATAL_FAILURE(leapd.Restart());
   ASSERT_TRUE(testing::AwaitNoneLive(**client)) << "live: " << (*client)->stats().live;
   EXPECT_EQ(testing::AwaitLearned(leapd.sock, "r", 5, std::chrono::seconds(30)), 5)
       << "not all learned within 30 s";
@@ -552,18 +552,13 @@ TEST_P(ShimClient, IdCancelledAndResubmittedWhileLeapdIsDownIsOneNewRequest) {
   ASSERT_TRUE(col.Wait([&](const auto& ev) {
     return testing::FindEvent(ev, Event::Kind::kPrediction, "c") != nullptr;
   }));
-  leapd.proc->Signal(SIGKILL);
-  leapd.proc->Wait();
-  ASSERT_TRUE(col.Wait([&](const auto& ev) {
-    return CountKind(ev, Event::Kind::kDisconnected) > 0;
-  }));
+  ASSERT_NO_FATAL_FAILURE(leapd.Kill(col));
   const size_t before = col.events().size();
   const shim::CapturedFeatures fresh = Features("c", rng);
   (*client)->Cancel("c");
   (*client)->Submit({fresh});
   EXPECT_EQ((*client)->stats().live, 1);
-  std::filesystem::remove(leapd.dir + "/leapd.sock");
-  ASSERT_NO_FATAL_FAILURE(leapd.Start());
+  ASSERT_NO_FATAL_FAILURE(leapd.Restart());
   ASSERT_TRUE(col.Wait([&](const auto& ev) {
     for (size_t i = before; i < ev.size(); ++i) {
       if (ev[i].kind == Event::Kind::kPrediction && ev[i].request_id == "c") {
