@@ -17,9 +17,15 @@
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
+#include "tests/support/sanitizer.h"
 
 namespace leap::shim {
 namespace {
+
+// Under a sanitizer the randomized runs against the brute-force reference
+// take a third of their steps (tests/support/sanitizer.h): about 2 minutes
+// of the ASan phase otherwise.
+constexpr int kStepDivisor = testing::kUnderSanitizer ? 3 : 1;
 
 using ::absl::StatusCode;
 
@@ -609,6 +615,7 @@ void RunAgainstReference(const SchedulerOptions& options,
                << " policy=" << SchedulingPolicyName(options.policy)
                << " S=" << options.max_slowdown
                << " linear=" << options.linear_aging);
+  steps /= kStepDivisor;
   std::mt19937_64 rng(seed);
   std::uniform_real_distribution<double> u(0, 1);
   CountdownScheduler sched = MakeScheduler(options);
