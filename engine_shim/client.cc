@@ -197,6 +197,10 @@ void Client::WatchdogLoop() {
         " unanswered; response_timeout ",
         absl::FormatDuration(options_.response_timeout),
         "): connection abandoned as hung, reconnecting");
+    // Degraded from this moment (degraded(), stats(): no leapd answers),
+    // not only once the manager has noticed the close; the manager still
+    // reports the disconnect.
+    if (connected_.exchange(false)) abandoned_connected_ = true;
     current_->Close();
   }
 }
@@ -550,8 +554,8 @@ bool Client::Session(Transport* t) {
       return acked_hello_ || broken_ || stop_;
     };
     if (!mu_.AwaitWithTimeout(absl::Condition(&ready), options_.connect_timeout) ||
-        !acked_hello_) {
-      return false;
+        !acked_hello_ || broken_) {
+      return false;  // (acknowledged, then abandoned: no session)
     }
     // Rebuild the outbox: the cancels still to send (a request submitted
     // again under a cancelled id must come after its cancel), features of
@@ -801,7 +805,8 @@ void Client::ManagerLoop() {
       bool was_connected;
       {
         absl::MutexLock lock(&mu_);
-        was_connected = connected_.exchange(false);
+        was_connected = connected_.exchange(false) ||
+                        std::exchange(abandoned_connected_, false);
         had_session = acked_hello_;
         acked_hello_ = false;
         ++generation_;  // the reader's late messages are ignored

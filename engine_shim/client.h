@@ -349,6 +349,9 @@ class Client {
   // 0: it said none).
   int64_t max_batch_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   bool broken_ ABSL_GUARDED_BY(mu_) = false;
+  // The watchdog abandoned a connected session (and cleared connected_):
+  // the manager emits its kDisconnected.
+  bool abandoned_connected_ ABSL_GUARDED_BY(mu_) = false;
   bool acked_hello_ ABSL_GUARDED_BY(mu_) = false;
   uint64_t generation_ ABSL_GUARDED_BY(mu_) = 0;
   ClientStats stats_ ABSL_GUARDED_BY(mu_);
