@@ -554,8 +554,8 @@ bool Client::Session(Transport* t) {
       return acked_hello_ || broken_ || stop_;
     };
     if (!mu_.AwaitWithTimeout(absl::Condition(&ready), options_.connect_timeout) ||
-        !acked_hello_ || broken_) {
-      return false;  // (acknowledged, then abandoned: no session)
+        !acked_hello_) {
+      return false;
     }
     // Rebuild the outbox: the cancels still to send (a request submitted
     // again under a cancelled id must come after its cancel), features of
@@ -805,8 +805,8 @@ void Client::ManagerLoop() {
       bool was_connected;
       {
         absl::MutexLock lock(&mu_);
-        was_connected = connected_.exchange(false) ||
-                        std::exchange(abandoned_connected_, false);
+        const bool abandoned = std::exchange(abandoned_connected_, false);
+        was_connected = connected_.exchange(false) || abandoned;
         had_session = acked_hello_;
         acked_hello_ = false;
         ++generation_;  // the reader's late messages are ignored

@@ -142,8 +142,8 @@ TEST(LeapdStorage, KillNineTwentyTimesLosesNothingAcknowledged) {
   std::set<size_t> acked;
   std::vector<size_t> inflight;  // completions sent, ack not seen
   int duplicates = 0, lost_unacked = 0, replayed_starts = 0;
-  // 8 under a sanitizer (TSan: the recovery's threads), where each restart
-  // costs ~4 s; the 22 of phases 1 and 2 are the test's name.
+  // 8 under a sanitizer (ASan and TSan phases), where each restart costs
+  // ~4 s; the 22 of phase 1 (GCC) are the test's name.
   const int kKills = testing::kUnderSanitizer ? 8 : 22;
   for (int round = 0; round <= kKills; ++round) {
     Leapd s;
