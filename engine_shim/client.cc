@@ -197,10 +197,7 @@ void Client::WatchdogLoop() {
         " unanswered; response_timeout ",
         absl::FormatDuration(options_.response_timeout),
         "): connection abandoned as hung, reconnecting");
-    // Degraded from this moment (degraded(), stats(): no leapd answers),
-    // not only once the manager has noticed the close; the manager still
-    // reports the disconnect.
-    if (connected_.exchange(false)) abandoned_connected_ = true;
+    MarkBroken();
     current_->Close();
   }
 }
@@ -532,7 +529,15 @@ void Client::ReaderLoop(Transport* t, uint64_t generation) {
     for (auto& e : events) Emit(std::move(e));
   }
   absl::MutexLock lock(&mu_);
-  if (generation == generation_) broken_ = true;
+  if (generation == generation_) MarkBroken();
+}
+
+void Client::MarkBroken() {
+  broken_ = true;
+  // Degraded from this moment (degraded(), stats(): no leapd answers), not
+  // only once the manager has noticed the end of the session; the manager
+  // still reports the disconnect.
+  if (connected_.exchange(false)) connected_cleared_ = true;
 }
 
 // One connection's life: hello, resubmission, then shipping the outbox.
@@ -805,8 +810,8 @@ void Client::ManagerLoop() {
       bool was_connected;
       {
         absl::MutexLock lock(&mu_);
-        const bool abandoned = std::exchange(abandoned_connected_, false);
-        was_connected = connected_.exchange(false) || abandoned;
+        const bool cleared = std::exchange(connected_cleared_, false);
+        was_connected = connected_.exchange(false) || cleared;
         had_session = acked_hello_;
         acked_hello_ = false;
         ++generation_;  // the reader's late messages are ignored

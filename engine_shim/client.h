@@ -308,6 +308,10 @@ class Client {
   void ScheduleRetry(const std::string& request_id, Live* live)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ReaderLoop(Transport* t, uint64_t generation);
+  // The current connection is done for (its reader saw it end, or the
+  // watchdog abandoned it): the session stops, and the client is degraded
+  // from here on, not only once the manager has cleaned up after it.
+  void MarkBroken() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Called without mu_: the callback may call Submit, Complete, Cancel
   // (an event Submit emits from inside the callback is delivered right
   // after the callback returns).
@@ -349,9 +353,10 @@ class Client {
   // 0: it said none).
   int64_t max_batch_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   bool broken_ ABSL_GUARDED_BY(mu_) = false;
-  // The watchdog abandoned a connected session (and cleared connected_):
-  // the manager emits its kDisconnected.
-  bool abandoned_connected_ ABSL_GUARDED_BY(mu_) = false;
+  // A connected session broke (the reader saw its end, or the watchdog
+  // abandoned it) and MarkBroken cleared connected_: the manager emits its
+  // kDisconnected.
+  bool connected_cleared_ ABSL_GUARDED_BY(mu_) = false;
   bool acked_hello_ ABSL_GUARDED_BY(mu_) = false;
   uint64_t generation_ ABSL_GUARDED_BY(mu_) = 0;
   ClientStats stats_ ABSL_GUARDED_BY(mu_);
