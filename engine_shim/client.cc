@@ -189,15 +189,13 @@ void Client::WatchdogLoop() {
     const auto& [seq, since] = *unanswered_.begin();
     const absl::Duration waited = absl::Now() - since;
     if (waited <= options_.response_timeout) continue;
-    broken_ = true;
     ++stats_.stalls;
-    degraded_reason_ = absl::StrCat(
+    MarkBroken(absl::StrCat(
         "leapd answered nothing for ", absl::FormatDuration(waited),
         " to message seq ", seq, " (", unanswered_.size(),
         " unanswered; response_timeout ",
         absl::FormatDuration(options_.response_timeout),
-        "): connection abandoned as hung, reconnecting");
-    MarkBroken();
+        "): connection abandoned as hung, reconnecting"));
     current_->Close();
   }
 }
@@ -529,15 +527,19 @@ void Client::ReaderLoop(Transport* t, uint64_t generation) {
     for (auto& e : events) Emit(std::move(e));
   }
   absl::MutexLock lock(&mu_);
-  if (generation == generation_) MarkBroken();
+  if (generation == generation_ && !broken_) {  // (keep a stall's reason)
+    MarkBroken(acked_hello_ ? "the connection to leapd ended"
+                            : "leapd did not acknowledge the hello");
+  }
 }
 
-void Client::MarkBroken() {
+void Client::MarkBroken(std::string reason) {
   broken_ = true;
+  degraded_reason_ = std::move(reason);
   // Degraded from this moment (degraded(), stats(): no leapd answers), not
   // only once the manager has noticed the end of the session; the manager
-  // still reports the disconnect.
-  if (connected_.exchange(false)) connected_cleared_ = true;
+  // still reports the disconnect (it pairs with the hello's ack).
+  connected_.store(false);
 }
 
 // One connection's life: hello, resubmission, then shipping the outbox.
@@ -593,8 +595,9 @@ bool Client::Session(Transport* t) {
     outbox_.swap(rebuilt);
     inflight_.clear();
     ++stats_.connects;
-    // Under mu_, so WaitConnected (a condition on mu_) sees it.
-    connected_.store(true);
+    // Under mu_, so WaitConnected (a condition on mu_) sees it; not for a
+    // session that already ended (MarkBroken) or is stopping.
+    if (!broken_ && !stop_) connected_.store(true);
   }
   uint64_t seq = 1;
   for (;;) {
@@ -810,9 +813,11 @@ void Client::ManagerLoop() {
       bool was_connected;
       {
         absl::MutexLock lock(&mu_);
-        const bool cleared = std::exchange(connected_cleared_, false);
-        was_connected = connected_.exchange(false) || cleared;
+        connected_.store(false);
         had_session = acked_hello_;
+        // The reader emitted kConnected exactly when it took the hello's
+        // ack (for this generation; it is reset only here).
+        was_connected = had_session;
         acked_hello_ = false;
         ++generation_;  // the reader's late messages are ignored
         // Completions in flight lose their ack: resend them next time.
@@ -831,14 +836,16 @@ void Client::ManagerLoop() {
         }
         reason = degraded_reason_;
       }
+      raw->Close();
+      // After the reader's last events (its kConnected among them: it
+      // emits them once it has released mu_).
+      reader.join();
       if (was_connected) {
         Event e;
         e.kind = Event::Kind::kDisconnected;
         e.message = reason;
         Emit(std::move(e));
       }
-      raw->Close();
-      reader.join();
     }
     if (had_session) backoff = options_.min_backoff;
     // Wait out the backoff (with jitter), waking early on stop.

@@ -131,8 +131,12 @@ struct ClientOptions {
 
 // Something the sidecar said, delivered asynchronously.
 struct Event {
-  // kDisconnected: the client is degraded from now on (message: why);
-  // kConnected: no longer (message: the sidecar id). kPrior: the length
+  // kDisconnected: the client's session ended, it is degraded (message:
+  // why; degraded() turns true as soon as the connection is found gone,
+  // before this event is delivered); kConnected: leapd acknowledged the
+  // hello (message: the sidecar id; degraded() turns false once the session
+  // is set up, right after). Each kConnected is followed by one
+  // kDisconnected when that session ends. kPrior: the length
   // prior asked by RequestPriors (predicted_tokens; hand it to
   // CountdownScheduler::SetPrior).
   enum class Kind {
@@ -311,7 +315,7 @@ class Client {
   // The current connection is done for (its reader saw it end, or the
   // watchdog abandoned it): the session stops, and the client is degraded
   // from here on, not only once the manager has cleaned up after it.
-  void MarkBroken() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void MarkBroken(std::string reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Called without mu_: the callback may call Submit, Complete, Cancel
   // (an event Submit emits from inside the callback is delivered right
   // after the callback returns).
@@ -353,10 +357,6 @@ class Client {
   // 0: it said none).
   int64_t max_batch_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   bool broken_ ABSL_GUARDED_BY(mu_) = false;
-  // A connected session broke (the reader saw its end, or the watchdog
-  // abandoned it) and MarkBroken cleared connected_: the manager emits its
-  // kDisconnected.
-  bool connected_cleared_ ABSL_GUARDED_BY(mu_) = false;
   bool acked_hello_ ABSL_GUARDED_BY(mu_) = false;
   uint64_t generation_ ABSL_GUARDED_BY(mu_) = 0;
   ClientStats stats_ ABSL_GUARDED_BY(mu_);

@@ -112,13 +112,27 @@ struct Sidecar {
     const grpc::Status s = testing::CreateDefaultReadout(sock, "r", kDim);
     ASSERT_TRUE(s.ok()) << s.error_message();
   }
-  // kill -9; returns once `col` saw the client report it disconnected.
+  // kill -9; returns once `col` saw the client report it disconnected
+  // (after the kConnected of that session: each session's two events come
+  // once each, in that order).
   void Kill(ShimEvents& col) {
+    const int before = ShimEvents::CountOf(col.events(), Event::Kind::kDisconnected);
     proc->Signal(SIGKILL);
     proc->Wait();
-    ASSERT_TRUE(col.Wait([](const auto& ev) {
-      return ShimEvents::CountOf(ev, Event::Kind::kDisconnected) > 0;
+    ASSERT_TRUE(col.Wait([before](const auto& ev) {
+      return ShimEvents::CountOf(ev, Event::Kind::kDisconnected) > before;
     }));
+    bool open = false;
+    for (const Event& e : col.events()) {
+      if (e.kind == Event::Kind::kConnected) {
+        EXPECT_FALSE(open) << "kConnected twice without a kDisconnected";
+        open = true;
+      } else if (e.kind == Event::Kind::kDisconnected) {
+        EXPECT_TRUE(open) << "kDisconnected without its kConnected";
+        open = false;
+      }
+    }
+    EXPECT_FALSE(open);
   }
   // Starts it again on the same socket (a killed leapd leaves the file).
   void Restart() {
