@@ -157,11 +157,14 @@ struct ReplayOptions {
   double aging_rate = 0;
   std::string unpredicted = "median";
   // Linear aging (tokens per step waited) of the ranked tier of every
-  // +bounded policy (SchedulerOptions::bounded_linear_aging). Default: 0
+  // +bounded and +target policy (SchedulerOptions::bounded_linear_aging).
+  // Default: 0
   double bounded_aging = 0;
-  // Completions (the last N) from which every +bounded policy learns the
-  // mean error of its estimates (SchedulerOptions::calibration_window);
-  // 0 = the estimates as ranked. Default: 1000
+  // Completions (the last N) from which every +bounded and +target policy
+  // learns the correction of its estimates (the mean error; the ratio per
+  // octave for +bounded-ratio and +target)
+  // (SchedulerOptions::calibration_window); 0 = the estimates as ranked.
+  // Default: 1000
   int64_t bound_calibration = 1000;
   // Every +target policy's SchedulerOptions::tail_budget. Default: 0.005
   double tail_budget = 0.005;

@@ -250,15 +250,18 @@ int ReplayCommand(const std::vector<std::string>& args, std::ostream& out,
                "Exponential aging: priority = remaining * exp(-R * "
                "steps_waited); 0 disables.");
   flags.Double("bounded-aging", &o.bounded_aging, "A",
-               "Every +bounded policy orders requests whose deadline is not "
+               "Every +bounded and +target policy orders requests whose "
+               "deadline is not "
                "at risk by remaining - A * steps waited (linear aging) "
                "instead of the countdown; 0 = the countdown. A policy's own "
                "',aging=A' (leap+bounded=2,aging=0.03) overrides it.");
   flags.Int64("bound-calibration", &o.bound_calibration, "N",
-              "Every +bounded policy adds to its estimates the mean error "
-              "(true - estimated length) of the last N completions, so the "
-              "deadlines are placed with estimates unbiased for the mean; "
-              "0 = the estimates as ranked.");
+              "Every +bounded and +target policy corrects its estimates "
+              "with the last N completions (adds the mean error, true - "
+              "estimated length; +bounded-ratio and +target multiply by the "
+              "ratio of true to estimated per octave of the estimate), so "
+              "the deadlines are placed with estimates unbiased for the "
+              "mean; 0 = the estimates as ranked.");
   flags.Double("tail-budget", &o.tail_budget, "B",
                "Every +target policy lets up to this share of the requests "
                "(per 10,000 added, in each stage) give up their deadline when "
