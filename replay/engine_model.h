@@ -94,11 +94,13 @@ struct EngineOptions {
   int block_size = 16;
   int64_t kv_blocks = 22000;
   // Order of the running requests, whose last is preempted when the cache
-  // is full: false = the scheduler's order (vLLM's PRIORITY policy with the
-  // priority set from it: the lowest-ranked is the victim), true = admission
-  // order (vLLM's FCFS policy: the latest admitted is the victim); the
-  // scheduler then orders only the waiting queue. Default: false
-  bool preempt_latest_admitted = false;
+  // is full: true = admission order (vLLM's FCFS policy: the latest
+  // admitted is the victim; the scheduler orders only the waiting queue:
+  // the wiring docs/ENGINE_WIRING.md recommends), false = the scheduler's
+  // order (vLLM's PRIORITY policy with the priority set from it: the
+  // lowest-ranked is the victim). Default: true (false before December 5
+  // 2026)
+  bool preempt_latest_admitted = true;
 
   // InvalidArgument naming the first bad field.
   absl::Status Validate() const;

@@ -455,6 +455,7 @@ absl::StatusOr<ReplayReport> RunReplay(const ReplayOptions& o,
   };
   ReplayReport rep;
   rep.engine = o.engine.kind;
+  rep.preempt_latest_admitted = o.engine.preempt_latest_admitted;
   rep.prediction_latency_s = o.prediction_latency_s;
   rep.policies = o.policies;
   ASSIGN_OR_RETURN(readout::SynthDomain dom0, readout::BuiltinDomain(o.domain));
@@ -940,8 +941,12 @@ void AppendRequestsCsv(const std::string& policy, double load,
 std::string FormatReplayTable(const ReplayReport& r) {
   std::string s = absl::StrCat("trace: ", r.trace, "\n");
   s += r.engine == EngineKind::kVllm
-           ? "engine: vllm-shaped (continuous batching, KV blocks, "
-             "preemption)\n"
+           ? absl::StrCat("engine: vllm-shaped (continuous batching, KV "
+                          "blocks, preemption of the ",
+                          r.preempt_latest_admitted
+                              ? "latest admitted: --preempt latest"
+                              : "lowest-ranked: --preempt rank",
+                          ")\n")
            : "engine: slots (resident requests, decode slots per step)\n";
   absl::StrAppendFormat(&s, "FCFS capacity: %.3f requests/s", r.capacity);
   if (r.capacity_after.has_value()) {

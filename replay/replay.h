@@ -253,6 +253,8 @@ struct ReplayReport {
   std::string tradeoff_plot_written;
   std::string admission_plot_written;
   EngineKind engine = EngineKind::kSlots;
+  // vllm: EngineOptions::preempt_latest_admitted of the run.
+  bool preempt_latest_admitted = true;
   // ReplayOptions::prediction_latency_s (unset: measured latencies charged).
   std::optional<double> prediction_latency_s;
 };

@@ -92,9 +92,9 @@ constexpr char kDescription[] =
     "scheduler: every running request advances each step (continuous\n"
     "batching), at most --max-num-seqs running, --max-num-batched-tokens per\n"
     "step (prefills chunked to fit), a KV cache of --kv-blocks blocks of\n"
-    "--block-size tokens; when it is full the lowest-ranked running request\n"
-    "is preempted and later recomputed; waiting requests are admitted in the\n"
-    "scheduler's order.\n"
+    "--block-size tokens; when it is full the latest admitted running request\n"
+    "is preempted and later recomputed (--preempt rank: the lowest-ranked);\n"
+    "waiting requests are admitted in the scheduler's order.\n"
     "\n"
     "LEAP's hidden states are synthetic (leapctl synth's model), conditioned\n"
     "on each request's true output length and domain (--domain, switching to\n"
@@ -143,7 +143,7 @@ int ReplayCommand(const std::vector<std::string>& args, std::ostream& out,
   int64_t resident = o.engine.resident, slots = o.engine.slots;
   int64_t model_seed = static_cast<int64_t>(o.model_seed);
   std::string engine = "slots";
-  std::string preempt = "rank";
+  std::string preempt = "latest";
   int64_t max_num_seqs = o.engine.max_num_seqs;
   int64_t block_size = o.engine.block_size;
   int64_t seed = static_cast<int64_t>(o.seed);
@@ -212,12 +212,13 @@ int ReplayCommand(const std::vector<std::string>& args, std::ostream& out,
   flags.Int64("block-size", &block_size, "N", "vllm: tokens per KV block.");
   flags.Int64("kv-blocks", &o.engine.kv_blocks, "N",
               "vllm: KV cache size in blocks.");
-  flags.String("preempt", &preempt, "rank|latest",
-               "vllm: running requests served in the scheduler's order, the "
-               "lowest-ranked preempted when the KV cache is full (rank), or "
-               "in admission order, the latest admitted preempted, as vLLM's "
-               "FCFS policy (latest; the scheduler then orders only the "
-               "waiting queue).");
+  flags.String("preempt", &preempt, "latest|rank",
+               "vllm: running requests served in admission order, the latest "
+               "admitted preempted when the KV cache is full, as vLLM's FCFS "
+               "policy (latest, the default: the scheduler orders only the "
+               "waiting queue, the recommended wiring), or in the "
+               "scheduler's order, the lowest-ranked preempted, as vLLM's "
+               "priority policy given the rank (rank).");
   flags.String("tradeoff-plot", &o.tradeoff_plot_path, "OUT.svg",
                "Write the trade-off plot (share of the oracle's PTL gain vs "
                "P99 latency over FCFS's, one point per knob value).");
