@@ -271,13 +271,15 @@ struct SimResult {
 // joins the CountdownScheduler at arrival (unpredicted until its prefill's
 // capture point plus the prediction latency), in a waiting queue. Each step,
 // with a budget of max_num_batched_tokens:
-//  1. Running requests, in the scheduler's order, each get the tokens they
+//  1. Running requests, in admission order (engine.preempt_latest_admitted,
+//     the default; else in the scheduler's order), each get the tokens they
 //     need (1 when decoding, else the rest of their prompt [+ output to
 //     recompute], cut to the budget: chunked prefill). KV blocks are
-//     allocated for them; when the cache is full the lowest-ranked running
-//     request is preempted (blocks freed, progress lost, back to waiting;
-//     vLLM's priority policy picks max (priority, arrival) the same way), and
-//     if that was the request itself it waits.
+//     allocated for them; when the cache is full the last of that order is
+//     preempted (blocks freed, progress lost, back to waiting): the latest
+//     admitted, as vLLM's FCFS policy, or the lowest-ranked, as vLLM's
+//     priority policy picks max (priority, arrival); if that was the request
+//     itself it waits.
 //  2. Only if nobody was preempted: waiting requests in the scheduler's order
 //     are admitted while running < max_num_seqs, budget remains and their
 //     first chunk's blocks fit; the first that does not fit stops admission.
@@ -286,8 +288,9 @@ struct SimResult {
 // committed to the scheduler as having held a slot. The step takes
 // step_base_ms + step_per_seq_ms * decoding + prefill_per_token_ms * prefill
 // tokens (recomputation included). FCFS (no predictions, equal remaining) is
-// then vLLM's FCFS policy except that the request preempted is the latest
-// arrival rather than the latest admission.
+// then vLLM's FCFS policy (with preempt_latest_admitted = false, except that
+// the request preempted is the latest arrival rather than the latest
+// admission).
 absl::StatusOr<SimResult> Simulate(std::span<const SimRequest> requests,
                                    const SimOptions& options,
                                    Predictor& predictor);

@@ -675,11 +675,16 @@ TEST(ReplayVllmTest, KvPressurePreemptsAndEveryRequestFinishes) {
   o.engine.block_size = 16;
   o.engine.kv_blocks = 300;  // 4,800 tokens: less than 32 requests need
   o.scheduler.waiting_cap = 0;
+  // Both victim rules: the latest admitted (vLLM's FCFS, the default) and
+  // the lowest-ranked (its priority policy given the rank).
+  for (const bool latest : {true, false})
   for (const bool oracle : {false, true}) {
+    SCOPED_TRACE(latest ? "preempt latest" : "preempt rank");
     const std::vector<double> truth = Lengths(reqs);
     NoPredictor none;
     TablePredictor table(truth, 0, false, 0);
     SimOptions so = o;
+    so.engine.preempt_latest_admitted = latest;
     if (!oracle) so.scheduler.unpredicted = shim::UnpredictedPolicy::kFixed;
     absl::StatusOr<SimResult> r =
         Simulate(reqs, so, oracle ? static_cast<Predictor&>(table) : none);
@@ -1393,6 +1398,9 @@ TEST(ReplayCliTest, AdmissionTableAndPlot) {
       out, err);
   ASSERT_EQ(rc, 0) << err.str();
   const std::string o = out.str();
+  EXPECT_NE(o.find("preemption of the lowest-ranked: --preempt rank)"),
+            std::string::npos)
+      << o;
   ASSERT_NE(o.find("admission: "), std::string::npos) << o;
   EXPECT_NE(o.find("admission plot: " + plot), std::string::npos) << o;
   // The trade-off rows of the four policies, then the admission rows.
