@@ -1,6 +1,6 @@
 """scripts/tail-frontier on hand-made `leapctl replay --json` runs: the gain
 share, the target check, the curve comparison with and without
---knob-points, --window-p99, and the error on a run without
+--knob-points, --min-span, --window-p99, and the error on a run without
 window_p99_latency. Test-only."""
 
 import json
@@ -108,6 +108,29 @@ class TailFrontierTest(unittest.TestCase):
             rc, out, err = self.frontier(*flags, path=path)
             self.assertEqual(rc, 0, err)
             self.assertIn("leap+hrrn: n/c", self.line(out, "target:"), flags)
+
+    def test_min_span_checks_only_the_tail_where_there_is_no_gain(self):
+        # The oracle within 0.5% of FCFS: the "gain" shares divide noise.
+        rows = {"fcfs": (100.0, 100.0, 100.0),
+                "oracle": (99.5, 100.0, 100.0),
+                "leap": (99.0, 160.0, 160.0),               # 2.0 at 1.6x
+                "leap+target=1.45": (101.0, 140.0, 140.0)}  # -2.0 at 1.4x
+        path = os.path.join(self.dir.name, "flat.json")
+        with open(path, "w") as f:
+            json.dump(run_json(rows), f)
+        rc, out, err = self.frontier(path=path)
+        self.assertEqual(rc, 0, err)
+        self.assertRegex(self.line(out, "leap+target=1.45 "), r"-2\.000 at 1\.40x")
+        self.assertNotIn("MEETS", self.line(out, "leap+target=1.45 "))
+        rc, out, err = self.frontier("--min-span", "0.01", path=path)
+        self.assertEqual(rc, 0, err)
+        self.assertRegex(self.line(out, "leap+target=1.45 "),
+                         r"- at 1\.40x .*MEETS")
+        self.assertNotIn("MEETS", self.line(out, "leap  "))  # 1.6x
+        # Above the span the gain is checked again.
+        rc, out, err = self.frontier("--min-span", "0.004", path=path)
+        self.assertEqual(rc, 0, err)
+        self.assertNotIn("MEETS", self.line(out, "leap+target=1.45 "))
 
     def test_window_p99_judges_per_period(self):
         rc, out, err = self.frontier("--window-p99")
