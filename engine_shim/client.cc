@@ -528,9 +528,13 @@ void Client::ReaderLoop(Transport* t, uint64_t generation) {
   }
   absl::MutexLock lock(&mu_);
   if (generation == generation_ && !broken_) {  // (keep a stall's reason)
-    MarkBroken(acked_hello_ ? "the connection to leapd ended"
-                            : "leapd did not acknowledge the hello");
+    MarkBroken(SessionEndReason(acked_hello_));
   }
+}
+
+const char* Client::SessionEndReason(bool acked_hello) {
+  return acked_hello ? "the connection to leapd ended"
+                     : "leapd did not acknowledge the hello";
 }
 
 void Client::MarkBroken(std::string reason) {
@@ -802,22 +806,17 @@ void Client::ManagerLoop() {
         if (stop_) current_->Close();
       }
       Transport* raw = t->get();
-      int64_t stalls_seen;
-      {
-        absl::MutexLock lock(&mu_);
-        stalls_seen = stats_.stalls;
-      }
       std::thread reader([this, raw, generation] { ReaderLoop(raw, generation); });
-      had_session = Session(raw);
+      Session(raw);
       std::string reason;
-      bool was_connected;
       {
         absl::MutexLock lock(&mu_);
-        connected_.store(false);
-        had_session = acked_hello_;
         // The reader emitted kConnected exactly when it took the hello's
         // ack (for this generation; it is reset only here).
-        was_connected = had_session;
+        had_session = acked_hello_;
+        // Not ended by the reader or the watchdog (which marked it with
+        // their reason): the hello went unanswered, a send failed, or stop.
+        if (!broken_) MarkBroken(SessionEndReason(had_session));
         acked_hello_ = false;
         ++generation_;  // the reader's late messages are ignored
         // Completions in flight lose their ack: resend them next time.
@@ -830,17 +829,13 @@ void Client::ManagerLoop() {
         priors_unsupported_ = false;
         stats_.priors_unsupported = false;
         current_ = nullptr;
-        if (stats_.stalls == stalls_seen) {
-          degraded_reason_ = had_session ? "the connection to leapd ended"
-                                         : "leapd did not acknowledge the hello";
-        }
         reason = degraded_reason_;
       }
       raw->Close();
       // After the reader's last events (its kConnected among them: it
       // emits them once it has released mu_).
       reader.join();
-      if (was_connected) {
+      if (had_session) {
         Event e;
         e.kind = Event::Kind::kDisconnected;
         e.message = reason;

@@ -316,6 +316,8 @@ class Client {
   // watchdog abandoned it): the session stops, and the client is degraded
   // from here on, not only once the manager has cleaned up after it.
   void MarkBroken(std::string reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The degraded reason of a session that ended without a stall.
+  static const char* SessionEndReason(bool acked_hello);
   // Called without mu_: the callback may call Submit, Complete, Cancel
   // (an event Submit emits from inside the callback is delivered right
   // after the callback returns).
