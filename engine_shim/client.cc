@@ -548,7 +548,7 @@ void Client::MarkBroken(std::string reason) {
 
 // One connection's life: hello, resubmission, then shipping the outbox.
 // Returns when the connection breaks or the client stops.
-bool Client::Session(Transport* t) {
+void Client::Session(Transport* t) {
   pb::EngineMessage hello;
   hello.set_seq(0);
   auto* h = hello.mutable_hello();
@@ -558,7 +558,7 @@ bool Client::Session(Transport* t) {
   h->set_layer(options_.layer);
   h->set_dim(options_.dim);
   h->set_dtype(static_cast<pb::FeatureDType>(options_.dtype));
-  if (!t->Send(hello)) return false;
+  if (!t->Send(hello)) return;
   {
     absl::MutexLock lock(&mu_);
     auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -566,7 +566,7 @@ bool Client::Session(Transport* t) {
     };
     if (!mu_.AwaitWithTimeout(absl::Condition(&ready), options_.connect_timeout) ||
         !acked_hello_) {
-      return false;
+      return;
     }
     // Rebuild the outbox: the cancels still to send (a request submitted
     // again under a cancelled id must come after its cancel), features of
@@ -623,7 +623,7 @@ bool Client::Session(Transport* t) {
       for (;;) {
         armed = retries_.empty() ? absl::InfiniteFuture() : retries_.begin()->first;
         mu_.AwaitWithDeadline(absl::Condition(&ready), armed);
-        if (stop_ || broken_) return false;
+        if (stop_ || broken_) return;
         const absl::Time now = absl::Now();
         while (!retries_.empty() && retries_.begin()->first <= now) {
           auto r = retries_.extract(retries_.begin());
@@ -770,10 +770,10 @@ bool Client::Session(Transport* t) {
     for (auto& [record, bytes] : fills) record->set_features(*bytes);
     fills.clear();
     for (auto& e : refused) Emit(std::move(e));
-    if (priors.has_prior_queries() && !t->Send(priors)) return false;
-    if (completions.has_completions() && !t->Send(completions)) return false;
-    if (cancels.has_cancels() && !t->Send(cancels)) return false;
-    if (features.has_features() && !t->Send(features)) return false;
+    if (priors.has_prior_queries() && !t->Send(priors)) return;
+    if (completions.has_completions() && !t->Send(completions)) return;
+    if (cancels.has_cancels() && !t->Send(cancels)) return;
+    if (features.has_features() && !t->Send(features)) return;
   }
 }
 

@@ -324,7 +324,8 @@ class Client {
   void Emit(Event e) ABSL_LOCKS_EXCLUDED(mu_);
   // Runs the callback on `e`, then on the events it emitted itself.
   void Deliver(const Event& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(events_mu_);
-  bool Session(Transport* t);
+  // One connection's life; returns when it breaks or the client stops.
+  void Session(Transport* t);
 
   const ClientOptions options_;
   std::atomic<bool> connected_{false};
