@@ -1970,8 +1970,11 @@ struct TwoStageRun {
   double worst_over_bound = 0;
 };
 
+constexpr int kTwoStageArrivalSteps = 3000;
+
 TwoStageRun RunTwoStages(int slots, int resident, double slowdown,
-                         bool carry, uint64_t seed, int arrival_steps = 3000) {
+                         bool carry, uint64_t seed,
+                         int arrival_steps = kTwoStageArrivalSteps) {
   SchedulerOptions o;
   o.policy = SchedulingPolicy::kBounded;
   o.slots = slots;
@@ -2069,24 +2072,34 @@ TwoStageRun RunTwoStages(int slots, int resident, double slowdown,
   return out;
 }
 
+// One configuration of the two-stage demonstration: the same traffic with
+// one deadline carried from arrival and with a deadline per stage.
+void CheckOneDeadlineAcrossStages(int slots, double s, int arrival_steps) {
+  const TwoStageRun one =
+      RunTwoStages(slots, 2 * slots, s, true, 11, arrival_steps);
+  const TwoStageRun per =
+      RunTwoStages(slots, 2 * slots, s, false, 11, arrival_steps);
+  ASSERT_FALSE(::testing::Test::HasFailure());
+  std::printf(
+      "slots %d S %.1f: %lld requests; (end-to-end latency - 1) / (S x "
+      "virtual FCFS latency from arrival): one deadline %.3f (%lld over), per "
+      "stage %.3f (%lld over)\n",
+      slots, s, static_cast<long long>(one.requests), one.worst_over_bound,
+      static_cast<long long>(one.missed), per.worst_over_bound,
+      static_cast<long long>(per.missed));
+  EXPECT_GT(one.requests, 0);
+  EXPECT_EQ(one.requests, per.requests);
+  // Demonstrated on this traffic: within 5% of the bound from arrival.
+  EXPECT_LE(one.worst_over_bound, 1.05);
+  // Per stage the same traffic overruns it.
+  EXPECT_GT(per.worst_over_bound, 1.2);
+}
+
 TEST(CountdownSchedulerTest, OneDeadlineFromArrivalAcrossStages) {
   for (int slots : {4, 16}) {
     for (double s : {1.5, 2.0, 4.0}) {
-      const TwoStageRun one = RunTwoStages(slots, 2 * slots, s, true, 11);
-      const TwoStageRun per = RunTwoStages(slots, 2 * slots, s, false, 11);
+      CheckOneDeadlineAcrossStages(slots, s, kTwoStageArrivalSteps);
       if (HasFailure()) return;
-      std::printf(
-          "slots %d S %.1f: %lld requests; (end-to-end latency - 1) / (S x "
-          "virtual FCFS latency from arrival): one deadline %.3f (%lld over), per "
-          "stage %.3f (%lld over)\n",
-          slots, s, static_cast<long long>(one.requests), one.worst_over_bound,
-          static_cast<long long>(one.missed), per.worst_over_bound,
-          static_cast<long long>(per.missed));
-      EXPECT_EQ(one.requests, per.requests);
-      // Demonstrated on this traffic: within 5% of the bound from arrival.
-      EXPECT_LE(one.worst_over_bound, 1.05);
-      // Per stage the same traffic overruns it.
-      EXPECT_GT(per.worst_over_bound, 1.2);
     }
   }
 }
@@ -2096,18 +2109,7 @@ TEST(CountdownSchedulerTest, OneDeadlineFromArrivalAcrossStages) {
 // one runs there too, so the carried-deadline path of two live schedulers
 // is exercised under ASan/UBSan and TSan.
 TEST(CountdownSchedulerTest, OneDeadlineFromArrivalAcrossStagesSmall) {
-  const TwoStageRun one = RunTwoStages(4, 8, 2.0, true, 11, 600);
-  const TwoStageRun per = RunTwoStages(4, 8, 2.0, false, 11, 600);
-  ASSERT_FALSE(HasFailure());
-  std::printf("small: %lld requests; one deadline %.3f (%lld over), per stage "
-              "%.3f (%lld over)\n",
-              static_cast<long long>(one.requests), one.worst_over_bound,
-              static_cast<long long>(one.missed), per.worst_over_bound,
-              static_cast<long long>(per.missed));
-  EXPECT_GT(one.requests, 0);
-  EXPECT_EQ(one.requests, per.requests);
-  EXPECT_LE(one.worst_over_bound, 1.05);
-  EXPECT_GT(per.worst_over_bound, 1.2);
+  CheckOneDeadlineAcrossStages(4, 2.0, 600);
 }
 
 // ---------------------------------------------------------------------------
