@@ -153,10 +153,9 @@ TEST_P(ShimClient, PredictsLearnsRescoresAndSurvivesSidecarRestart) {
 
   // Before the client: its threads call back into `col` until it is destroyed.
   ShimEvents col;
-  auto client = testing::StartRecordedClient(
+  auto client = testing::StartConnectedClient(
       testing::TestClientOptions(leapd.endpoint, kDim, "test"), &col);
   ASSERT_TRUE(client.ok()) << client.status();
-  ASSERT_TRUE((*client)->WaitConnected(absl::Seconds(10)));
 
   std::mt19937 rng(3);
   std::vector<shim::CapturedFeatures> batch;
@@ -241,14 +240,14 @@ TEST_P(ShimClient, SameIdFromTwoEnginesIsTwoRequestsAndCollisionsAreReported) {
     // The same pod name: not an identity.
     shim::ClientOptions o = testing::TestClientOptions(leapd.endpoint, kDim, "pod");
     o.instance_id = instance;
-    auto c = testing::StartRecordedClient(std::move(o), col);
+    auto c = testing::StartConnectedClient(std::move(o), col);
     EXPECT_TRUE(c.ok()) << c.status();
-    EXPECT_TRUE((*c)->WaitConnected(absl::Seconds(10)));
-    return std::move(*c);
+    return c.ok() ? *std::move(c) : nullptr;
   };
   ShimEvents col_a, col_b;
   auto a = start("", &col_a);  // random instance ids
   auto b = start("", &col_b);
+  ASSERT_TRUE(a != nullptr && b != nullptr);
   std::mt19937 rng(7);
   const shim::CapturedFeatures fa = Features("x", rng);
   const shim::CapturedFeatures fb = Features("x", rng);
@@ -290,6 +289,7 @@ TEST_P(ShimClient, SameIdFromTwoEnginesIsTwoRequestsAndCollisionsAreReported) {
   ShimEvents col_c, col_d;
   auto c = start("shared-instance", &col_c);
   auto d = start("shared-instance", &col_d);
+  ASSERT_TRUE(c != nullptr && d != nullptr);
   c->Submit({Features("y", rng)});
   ASSERT_TRUE(col_c.Wait([&](const auto& ev) {
     return Count(ev, Event::Kind::kPrediction, {"y"}) == 1;
@@ -412,9 +412,8 @@ TEST_P(ShimClient, OverlongIdsAreRefusedAloneAndTheConnectionStays) {
   ShimEvents col;
   shim::ClientOptions o = testing::TestClientOptions(leapd.endpoint, kDim, "ids");
   o.shm_ring_bytes = 1 << 16;
-  auto client = testing::StartRecordedClient(o, &col);
+  auto client = testing::StartConnectedClient(o, &col);
   ASSERT_TRUE(client.ok()) << client.status();
-  ASSERT_TRUE((*client)->WaitConnected(absl::Seconds(10)));
 
   std::mt19937 rng(11);
   const std::string huge(20000, 'h'), over(257, 'o'), at_limit(256, 'k');
@@ -487,18 +486,16 @@ TEST_P(ShimClient, BatchesStayWithinLeapdsMaxBatchBytes) {
   ShimEvents col;
   shim::ClientOptions o = testing::TestClientOptions(leapd.endpoint, kDim, "batch");
   o.max_batch_records = 1024;
-  auto client = testing::StartRecordedClient(o, &col);
+  auto client = testing::StartConnectedClient(o, &col);
   ASSERT_TRUE(client.ok()) << client.status();
-  ASSERT_TRUE((*client)->WaitConnected(absl::Seconds(10)));
   std::mt19937 rng(13);
   ASSERT_EQ(SubmitAndAwaitPredictions(**client, col, "m", 100, rng).size(), 100u);
   EXPECT_EQ(CountKind(col.events(), Event::Kind::kError), 0);
 
   ShimEvents wide_col;
-  auto wide = testing::StartRecordedClient(
+  auto wide = testing::StartConnectedClient(
       testing::TestClientOptions(leapd.endpoint, kWide, "wide"), &wide_col);
   ASSERT_TRUE(wide.ok()) << wide.status();
-  ASSERT_TRUE((*wide)->WaitConnected(absl::Seconds(10)));
   std::normal_distribution<float> n01;
   std::vector<float> x(kWide);
   for (auto& v : x) v = n01(rng);
@@ -526,10 +523,9 @@ TEST_P(ShimClient, CompletionsGivenWhileLeapdIsDownAreLearnedAfterTheRestart) {
   Sidecar leapd("shimdown-" + GetParam(), GetParam());
   ASSERT_NO_FATAL_FAILURE(leapd.StartWithReadout());
   ShimEvents col;
-  auto client = testing::StartRecordedClient(
+  auto client = testing::StartConnectedClient(
       testing::TestClientOptions(leapd.endpoint, kDim, "down"), &col);
   ASSERT_TRUE(client.ok()) << client.status();
-  ASSERT_TRUE((*client)->WaitConnected(absl::Seconds(10)));
   std::mt19937 rng(19);
   const std::set<std::string> ids = SubmitAndAwaitPredictions(**client, col, "d", 5, rng);
   ASSERT_EQ(ids.size(), 5u);
@@ -557,10 +553,9 @@ TEST_P(ShimClient, IdCancelledAndResubmittedWhileLeapdIsDownIsOneNewRequest) {
   Sidecar leapd("shimreuse-" + GetParam(), GetParam());
   ASSERT_NO_FATAL_FAILURE(leapd.StartWithReadout());
   ShimEvents col;
-  auto client = testing::StartRecordedClient(
+  auto client = testing::StartConnectedClient(
       testing::TestClientOptions(leapd.endpoint, kDim, "reuse"), &col);
   ASSERT_TRUE(client.ok()) << client.status();
-  ASSERT_TRUE((*client)->WaitConnected(absl::Seconds(10)));
   std::mt19937 rng(23);
   (*client)->Submit({Features("c", rng)});
   ASSERT_TRUE(col.Wait([&](const auto& ev) {
@@ -617,9 +612,8 @@ TEST(ShimClientShm, FullSlotsRefuseAtOnceAndACompletionFreesOneForTheNextRequest
   o.shm_slots = 4;
   o.connect_timeout = absl::Seconds(120);
   o.response_timeout = absl::Seconds(300);
-  auto client = testing::StartRecordedClient(o, &col);
+  auto client = testing::StartConnectedClient(o, &col);
   ASSERT_TRUE(client.ok()) << client.status();
-  ASSERT_TRUE((*client)->WaitConnected(absl::Seconds(10)));
   std::mt19937 rng(17);
   std::vector<shim::CapturedFeatures> batch;
   const std::set<std::string> first = {"s0", "s1", "s2", "s3"};

@@ -15,7 +15,9 @@
 #include <utility>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -137,6 +139,20 @@ inline absl::StatusOr<std::unique_ptr<shim::Client>> StartRecordedClient(
     shim::ClientOptions o, ShimEvents* events) {
   absl::StatusOr<std::unique_ptr<shim::Client>> c = shim::Client::Start(std::move(o));
   if (c.ok()) (*c)->SetCallback([events](const shim::Event& e) { events->Add(e); });
+  return c;
+}
+
+// StartRecordedClient, then waits up to `timeout` for its first session
+// (WaitConnected); an error if it does not connect by then.
+inline absl::StatusOr<std::unique_ptr<shim::Client>> StartConnectedClient(
+    shim::ClientOptions o, ShimEvents* events,
+    absl::Duration timeout = absl::Seconds(10)) {
+  absl::StatusOr<std::unique_ptr<shim::Client>> c =
+      StartRecordedClient(std::move(o), events);
+  if (c.ok() && !(*c)->WaitConnected(timeout)) {
+    return absl::DeadlineExceededError(absl::StrCat(
+        "the shim client did not connect within ", absl::FormatDuration(timeout)));
+  }
   return c;
 }
 
