@@ -6,7 +6,7 @@
 // (each 64 MiB of P, flushed to an SST before it returns).
 //
 //   rocksdb_store_benchmark [--dim 4096] [--writes 8] [--records 64]
-//                           [--compare fallocate|compaction]
+//                           [--compare fallocate|compaction|appends]
 //
 // --compare runs two stores side by side, in folders of their own, that
 // differ in one store option: "fallocate" (RocksStoreOptions::preallocate_wal
@@ -14,7 +14,12 @@
 // (compact_pruned_checkpoints off, as before, vs on, the default). Their
 // checkpoint writes alternate (A B B A A B ...), so both see the same load;
 // each store's latencies and disk use are printed, with the folder's size
-// after every write. Prints one line per figure. Not a test (no
+// after every write. "appends" measures the feedback log instead: messages
+// of --records completions (d-wide float16 features each, as a shim sends
+// them), each appended one record at a time (AppendLog per completion, as a
+// Connect stream's completions message is served today) and as one call
+// (one WriteBatch), with sync_log off and on; the per-message latency is
+// what a stream's next message waits behind. Prints one line per figure. Not a test (no
 // assertions); the footprint's bound is asserted by rocksdb_store_test at a
 // small width.
 #include <sys/stat.h>
@@ -27,8 +32,10 @@
 #include <filesystem>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "client/bench.h"
 #include "readout/readout.h"
 #include "readout/rls.h"
 #include "storage/rocksdb_store.h"
@@ -132,6 +139,75 @@ struct Bench {
   }
 };
 
+// Appends `messages` messages of `per_message` records to a fresh store
+// with `o`, one AppendLog per record or one per message; prints the
+// per-message latency (min, median, p99, max) and the records per second.
+bool BenchAppends(const std::string& dir, const storage::RocksStoreOptions& o,
+                  int64_t dim, int64_t per_message, int64_t messages,
+                  bool one_call) {
+  auto opened = storage::OpenRocksStore(dir, o);
+  if (!opened.ok()) {
+    std::fprintf(stderr, "%s\n", opened.status().ToString().c_str());
+    return false;
+  }
+  std::unique_ptr<storage::StateStore> store = std::move(*opened);
+  storage::ReadoutMeta meta;
+  meta.name = "bench";
+  meta.spec.dim = dim;
+  meta.standardizer = readout::Standardizer::Identity(dim);
+  storage::ReadoutCheckpoint ck;
+  ck.theta = Eigen::VectorXd::Constant(dim + 1, 0.25);
+  ck.p = readout::SymMatrix::ScaledIdentity(dim + 1, 0.1f);
+  if (auto s = store->CreateReadout(&meta, ck); !s.ok()) {
+    std::fprintf(stderr, "%s\n", s.ToString().c_str());
+    return false;
+  }
+  std::vector<storage::LogRecord> batch(static_cast<size_t>(per_message));
+  std::vector<double> ms;
+  uint64_t seq = 0;
+  const auto start = std::chrono::steady_clock::now();
+  for (int64_t m = 0; m < messages; ++m) {
+    for (storage::LogRecord& r : batch) {
+      r.seq = ++seq;
+      r.request_id = "req-" + std::to_string(seq);
+      r.dtype = readout::DType::kFloat16;
+      r.features.assign(static_cast<size_t>(dim) * 2, static_cast<char>(seq));
+      r.target = 10;
+      r.dedup_keys = {"key-" + std::to_string(seq)};
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    if (one_call) {
+      if (auto s = store->AppendLog(meta, batch); !s.ok()) {
+        std::fprintf(stderr, "%s\n", s.ToString().c_str());
+        return false;
+      }
+    } else {
+      for (const storage::LogRecord& r : batch) {
+        if (auto s = store->AppendLog(meta, {&r, 1}); !s.ok()) {
+          std::fprintf(stderr, "%s\n", s.ToString().c_str());
+          return false;
+        }
+      }
+    }
+    ms.push_back(std::chrono::duration<double, std::milli>(
+                     std::chrono::steady_clock::now() - t0)
+                     .count());
+  }
+  const double total_s = std::chrono::duration<double>(
+                             std::chrono::steady_clock::now() - start)
+                             .count();
+  std::sort(ms.begin(), ms.end());
+  std::printf(
+      "sync_log=%s, %s: message of %lld records: min %.2f ms, median %.2f ms, "
+      "p99 %.2f ms, max %.2f ms; %.0f records/s\n",
+      o.sync_log ? "on" : "off",
+      one_call ? "one AppendLog per message" : "one AppendLog per record",
+      static_cast<long long>(per_message), ms.front(), ms[ms.size() / 2],
+      ms[std::min(ms.size() - 1, ms.size() * 99 / 100)], ms.back(),
+      static_cast<double>(per_message * messages) / total_s);
+  return true;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -140,14 +216,35 @@ int main(int argc, char** argv) {
   const int64_t records = Flag(argc, argv, "--records", 64);
   const std::string compare = StrFlag(argc, argv, "--compare");
   if (dim < 1 || writes < 1 || records < 0 ||
-      (!compare.empty() && compare != "fallocate" && compare != "compaction")) {
+      (!compare.empty() && compare != "fallocate" && compare != "compaction" &&
+       compare != "appends")) {
     std::fprintf(stderr,
                  "usage: %s [--dim N>=1] [--writes N>=1] [--records N>=0] "
-                 "[--compare fallocate|compaction]\n",
+                 "[--compare fallocate|compaction|appends]\n",
                  argv[0]);
     return 2;
   }
   leap::testing::ScopedTempDir tmp("rocksdb_store_benchmark");
+  if (compare == "appends") {
+    std::printf("machine: %s, %u cores; d=%lld float16 features per record\n",
+                client::CpuModel().c_str(), std::thread::hardware_concurrency(),
+                static_cast<long long>(dim));
+    // --writes messages of --records records each (at least 1 record).
+    const int64_t per_message = std::max<int64_t>(records, 1);
+    const int64_t messages = std::max<int64_t>(writes, 1);
+    int k = 0;
+    for (bool sync : {false, true}) {
+      for (bool one_call : {false, true}) {
+        storage::RocksStoreOptions o;
+        o.sync_log = sync;
+        if (!BenchAppends(tmp.File("appends" + std::to_string(k++)), o, dim,
+                          per_message, messages, one_call)) {
+          return 1;
+        }
+      }
+    }
+    return 0;
+  }
   if (compare.empty()) {
     Bench b;
     b.dir = tmp.File("db");
