@@ -14,12 +14,16 @@
 // (compact_pruned_checkpoints off, as before, vs on, the default). Their
 // checkpoint writes alternate (A B B A A B ...), so both see the same load;
 // each store's latencies and disk use are printed, with the folder's size
-// after every write. "appends" measures the feedback log instead: messages
-// of --records completions (d-wide float16 features each, as a shim sends
-// them), each appended one record at a time (AppendLog per completion, as a
-// Connect stream's completions message is served today) and as one call
-// (one WriteBatch), with sync_log off and on; the per-message latency is
-// what a stream's next message waits behind. Prints one line per figure. Not a test (no
+// after every write. "appends" measures the feedback log instead: --writes
+// messages of --records completions (d-wide float16 features of random
+// bytes each, as a shim sends them), each appended one record at a time
+// (AppendLog per completion, as a Connect stream's completions message is
+// served today) and as one call (one WriteBatch), with sync_log off and
+// on, four stores taking the messages in turn; the per-message latency is
+// what a stream's next message waits behind. It writes the log records
+// only: leapd's append of a completion also carries its dataset record in
+// the same write, plus a quality write and one or two dedup reads, so these
+// are lower bounds of what a message costs there. Prints one line per figure. Not a test (no
 // assertions); the footprint's bound is asserted by rocksdb_store_test at a
 // small width.
 #include <sys/stat.h>
@@ -31,6 +35,7 @@
 #include <cstring>
 #include <filesystem>
 #include <memory>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -139,40 +144,43 @@ struct Bench {
   }
 };
 
-// Appends `messages` messages of `per_message` records to a fresh store
-// with `o`, one AppendLog per record or one per message; prints the
-// per-message latency (min, median, p99, max) and the records per second.
-bool BenchAppends(const std::string& dir, const storage::RocksStoreOptions& o,
-                  int64_t dim, int64_t per_message, int64_t messages,
-                  bool one_call) {
-  auto opened = storage::OpenRocksStore(dir, o);
-  if (!opened.ok()) {
-    std::fprintf(stderr, "%s\n", opened.status().ToString().c_str());
-    return false;
-  }
-  std::unique_ptr<storage::StateStore> store = std::move(*opened);
+// One configuration of --compare appends: a store (sync_log on or off) whose
+// messages of completions are appended one AppendLog per record or one per
+// message. Only the appends are timed (records are built before).
+struct AppendBench {
+  std::string label;
+  bool one_call = false;
+  std::unique_ptr<storage::StateStore> store;
   storage::ReadoutMeta meta;
-  meta.name = "bench";
-  meta.spec.dim = dim;
-  meta.standardizer = readout::Standardizer::Identity(dim);
-  storage::ReadoutCheckpoint ck;
-  ck.theta = Eigen::VectorXd::Constant(dim + 1, 0.25);
-  ck.p = readout::SymMatrix::ScaledIdentity(dim + 1, 0.1f);
-  if (auto s = store->CreateReadout(&meta, ck); !s.ok()) {
-    std::fprintf(stderr, "%s\n", s.ToString().c_str());
-    return false;
-  }
-  std::vector<storage::LogRecord> batch(static_cast<size_t>(per_message));
-  std::vector<double> ms;
   uint64_t seq = 0;
-  const auto start = std::chrono::steady_clock::now();
-  for (int64_t m = 0; m < messages; ++m) {
+  std::vector<double> ms;
+
+  bool Open(const std::string& dir, const storage::RocksStoreOptions& o,
+            int64_t dim) {
+    auto opened = storage::OpenRocksStore(dir, o);
+    if (!opened.ok()) {
+      std::fprintf(stderr, "%s\n", opened.status().ToString().c_str());
+      return false;
+    }
+    store = std::move(*opened);
+    meta.name = "bench";
+    meta.spec.dim = dim;
+    meta.standardizer = readout::Standardizer::Identity(dim);
+    storage::ReadoutCheckpoint ck;
+    ck.theta = Eigen::VectorXd::Constant(dim + 1, 0.25);
+    ck.p = readout::SymMatrix::ScaledIdentity(dim + 1, 0.1f);
+    if (auto s = store->CreateReadout(&meta, ck); !s.ok()) {
+      std::fprintf(stderr, "%s\n", s.ToString().c_str());
+      return false;
+    }
+    return true;
+  }
+  // Appends one message's records (`batch`, renumbered here) and records the
+  // latency.
+  bool Message(std::vector<storage::LogRecord>& batch) {
     for (storage::LogRecord& r : batch) {
       r.seq = ++seq;
       r.request_id = "req-" + std::to_string(seq);
-      r.dtype = readout::DType::kFloat16;
-      r.features.assign(static_cast<size_t>(dim) * 2, static_cast<char>(seq));
-      r.target = 10;
       r.dedup_keys = {"key-" + std::to_string(seq)};
     }
     const auto t0 = std::chrono::steady_clock::now();
@@ -192,21 +200,23 @@ bool BenchAppends(const std::string& dir, const storage::RocksStoreOptions& o,
     ms.push_back(std::chrono::duration<double, std::milli>(
                      std::chrono::steady_clock::now() - t0)
                      .count());
+    return true;
   }
-  const double total_s = std::chrono::duration<double>(
-                             std::chrono::steady_clock::now() - start)
-                             .count();
-  std::sort(ms.begin(), ms.end());
-  std::printf(
-      "sync_log=%s, %s: message of %lld records: min %.2f ms, median %.2f ms, "
-      "p99 %.2f ms, max %.2f ms; %.0f records/s\n",
-      o.sync_log ? "on" : "off",
-      one_call ? "one AppendLog per message" : "one AppendLog per record",
-      static_cast<long long>(per_message), ms.front(), ms[ms.size() / 2],
-      ms[std::min(ms.size() - 1, ms.size() * 99 / 100)], ms.back(),
-      static_cast<double>(per_message * messages) / total_s);
-  return true;
-}
+  void Print(int64_t per_message) const {
+    std::vector<double> v = ms;
+    std::sort(v.begin(), v.end());
+    double total_ms = 0;
+    for (double x : v) total_ms += x;
+    std::printf(
+        "%s: message of %lld records x%zu: min %.2f ms, median %.2f ms, mean "
+        "%.2f ms, p99 %.2f ms, max %.2f ms; %.0f records/s while appending\n",
+        label.c_str(), static_cast<long long>(per_message), v.size(), v.front(),
+        v[v.size() / 2], total_ms / static_cast<double>(v.size()),
+        v[std::min(v.size() - 1, v.size() * 99 / 100)], v.back(),
+        static_cast<double>(per_message) * static_cast<double>(v.size()) /
+            (total_ms / 1000));
+  }
+};
 
 }  // namespace
 
@@ -226,23 +236,41 @@ int main(int argc, char** argv) {
   }
   leap::testing::ScopedTempDir tmp("rocksdb_store_benchmark");
   if (compare == "appends") {
-    std::printf("machine: %s, %u cores; d=%lld float16 features per record\n",
+    // --writes messages of --records records each, to four stores (sync_log
+    // off/on x one AppendLog per record/per message) in turn: message i goes
+    // to the stores in a rotated order, so each sees the same load.
+    const int64_t per_message = std::max<int64_t>(records, 1);
+    std::printf("machine: %s, %u cores; d=%lld float16 features per record "
+                "(random bytes); the feedback log's records only\n",
                 client::CpuModel().c_str(), std::thread::hardware_concurrency(),
                 static_cast<long long>(dim));
-    // --writes messages of --records records each (at least 1 record).
-    const int64_t per_message = std::max<int64_t>(records, 1);
-    const int64_t messages = std::max<int64_t>(writes, 1);
-    int k = 0;
-    for (bool sync : {false, true}) {
-      for (bool one_call : {false, true}) {
-        storage::RocksStoreOptions o;
-        o.sync_log = sync;
-        if (!BenchAppends(tmp.File("appends" + std::to_string(k++)), o, dim,
-                          per_message, messages, one_call)) {
-          return 1;
+    AppendBench b[4];
+    for (int k = 0; k < 4; ++k) {
+      storage::RocksStoreOptions o;
+      o.sync_log = k >= 2;
+      b[k].one_call = k % 2 == 1;
+      b[k].label = std::string("sync_log=") + (o.sync_log ? "on" : "off") +
+                   (b[k].one_call ? ", one AppendLog per message"
+                                  : ", one AppendLog per record");
+      if (!b[k].Open(tmp.File("appends" + std::to_string(k)), o, dim)) return 1;
+    }
+    std::mt19937_64 rng(1);
+    std::vector<storage::LogRecord> batch(static_cast<size_t>(per_message));
+    for (int64_t i = 0; i < writes; ++i) {
+      for (storage::LogRecord& r : batch) {
+        r.dtype = readout::DType::kFloat16;
+        r.target = 10;
+        r.features.resize(static_cast<size_t>(dim) * 2);
+        for (size_t j = 0; j + 8 <= r.features.size(); j += 8) {
+          const uint64_t w = rng();
+          std::memcpy(r.features.data() + j, &w, 8);
         }
       }
+      for (int j = 0; j < 4; ++j) {
+        if (!b[(i + j) % 4].Message(batch)) return 1;
+      }
     }
+    for (const AppendBench& x : b) x.Print(per_message);
     return 0;
   }
   if (compare.empty()) {
