@@ -2075,16 +2075,18 @@ TwoStageRun RunTwoStages(int slots, int resident, double slowdown,
 // One configuration of the two-stage demonstration: the same traffic with
 // one deadline carried from arrival and with a deadline per stage.
 void CheckOneDeadlineAcrossStages(int slots, double s, int arrival_steps) {
+  SCOPED_TRACE(absl::StrCat("slots ", slots, ", S ", s, ", ", arrival_steps,
+                            " arrival steps"));
   const TwoStageRun one =
       RunTwoStages(slots, 2 * slots, s, true, 11, arrival_steps);
   const TwoStageRun per =
       RunTwoStages(slots, 2 * slots, s, false, 11, arrival_steps);
   ASSERT_FALSE(::testing::Test::HasFailure());
   std::printf(
-      "slots %d S %.1f: %lld requests; (end-to-end latency - 1) / (S x "
-      "virtual FCFS latency from arrival): one deadline %.3f (%lld over), per "
-      "stage %.3f (%lld over)\n",
-      slots, s, static_cast<long long>(one.requests), one.worst_over_bound,
+      "slots %d S %.1f, %d arrival steps: %lld requests; (end-to-end latency "
+      "- 1) / (S x virtual FCFS latency from arrival): one deadline %.3f (%lld "
+      "over), per stage %.3f (%lld over)\n",
+      slots, s, arrival_steps, static_cast<long long>(one.requests), one.worst_over_bound,
       static_cast<long long>(one.missed), per.worst_over_bound,
       static_cast<long long>(per.missed));
   EXPECT_GT(one.requests, 0);

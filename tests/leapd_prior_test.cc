@@ -120,7 +120,7 @@ std::unique_ptr<shim::Client> StartClient(const std::string& endpoint,
   auto c = testing::StartRecordedClient(
       testing::TestClientOptions(endpoint, kDim, "prior-test"), col);
   EXPECT_TRUE(c.ok()) << c.status();
-  return *std::move(c);
+  return c.ok() ? *std::move(c) : nullptr;
 }
 
 class LengthPriorE2E : public ::testing::TestWithParam<std::string> {};
@@ -132,6 +132,7 @@ TEST_P(LengthPriorE2E, LearnedFromCompletionsServedAtArrivalOrdersAdmission) {
       GetParam() == "shm" ? "shm://" + leapd.shm : leapd.sock;
   ShimEvents col;
   std::unique_ptr<shim::Client> client = StartClient(endpoint, &col);
+  ASSERT_NE(client, nullptr);
   ASSERT_TRUE(client->WaitConnected(absl::Seconds(10)));
   std::mt19937_64 rng(5);
   auto features = [&](const std::string& id, int64_t max_tokens) {
@@ -428,6 +429,7 @@ TEST(LengthPriorClient, FailsOpenWithoutLeapdAndWithALeapdOlderThanPriors) {
   {
     std::unique_ptr<shim::Client> client =
         StartClient("unix://" + tmp.path() + "/nobody.sock", &col);
+    ASSERT_NE(client, nullptr);
     client->RequestPriors({{"a", "", 10, 0}, {"b", "", 20, 0}, {"c", "", 30, 0}});
     EXPECT_EQ(client->stats().priors_dropped, 3);
     EXPECT_TRUE(client->stats().degraded);
@@ -443,6 +445,7 @@ TEST(LengthPriorClient, FailsOpenWithoutLeapdAndWithALeapdOlderThanPriors) {
   ShimEvents col2;
   {
     std::unique_ptr<shim::Client> client = StartClient(addr, &col2);
+    ASSERT_NE(client, nullptr);
     ASSERT_TRUE(client->WaitConnected(absl::Seconds(10)));
     client->RequestPriors({{"a", "", 10, 0}, {"b", "", 20, 0}});
     // Sent before the features (queries first), so answered before them.

@@ -612,7 +612,7 @@ TEST(ShimClientShm, FullSlotsRefuseAtOnceAndACompletionFreesOneForTheNextRequest
   o.shm_slots = 4;
   o.connect_timeout = absl::Seconds(120);
   o.response_timeout = absl::Seconds(300);
-  auto client = testing::StartConnectedClient(o, &col);
+  auto client = testing::StartConnectedClient(o, &col, o.connect_timeout);
   ASSERT_TRUE(client.ok()) << client.status();
   std::mt19937 rng(17);
   std::vector<shim::CapturedFeatures> batch;
