@@ -76,6 +76,35 @@ std::string StrFlag(int argc, char** argv, const char* name) {
 
 double Mib(int64_t bytes) { return static_cast<double>(bytes) / (1 << 20); }
 
+// Opens a store in `dir` with `o` and creates the benchmark's readout at
+// width `dim` from *ck (θ = 0.25, P = 0.1 I: its first checkpoint);
+// *create_ms is how long CreateReadout took.
+bool OpenWithReadout(const std::string& dir, const storage::RocksStoreOptions& o,
+                     int64_t dim, std::unique_ptr<storage::StateStore>* store,
+                     storage::ReadoutMeta* meta, storage::ReadoutCheckpoint* ck,
+                     double* create_ms) {
+  auto opened = storage::OpenRocksStore(dir, o);
+  if (!opened.ok()) {
+    std::fprintf(stderr, "%s\n", opened.status().ToString().c_str());
+    return false;
+  }
+  *store = std::move(*opened);
+  meta->name = "bench";
+  meta->spec.dim = dim;
+  meta->standardizer = readout::Standardizer::Identity(dim);
+  ck->theta = Eigen::VectorXd::Constant(dim + 1, 0.25);
+  ck->p = readout::SymMatrix::ScaledIdentity(dim + 1, 0.1f);
+  const auto t0 = std::chrono::steady_clock::now();
+  if (auto s = (*store)->CreateReadout(meta, *ck); !s.ok()) {
+    std::fprintf(stderr, "%s\n", s.ToString().c_str());
+    return false;
+  }
+  *create_ms = std::chrono::duration<double, std::milli>(
+                   std::chrono::steady_clock::now() - t0)
+                   .count();
+  return true;
+}
+
 // One store under test: a readout at width dim with its first checkpoint and
 // `records` feedback records, then checkpoint writes on demand.
 struct Bench {
@@ -88,24 +117,7 @@ struct Bench {
   double create_ms = 0;
 
   bool Open(const storage::RocksStoreOptions& o, int64_t dim) {
-    auto opened = storage::OpenRocksStore(dir, o);
-    if (!opened.ok()) {
-      std::fprintf(stderr, "%s\n", opened.status().ToString().c_str());
-      return false;
-    }
-    store = std::move(*opened);
-    meta.name = "bench";
-    meta.spec.dim = dim;
-    meta.standardizer = readout::Standardizer::Identity(dim);
-    ck.theta = Eigen::VectorXd::Constant(dim + 1, 0.25);
-    ck.p = readout::SymMatrix::ScaledIdentity(dim + 1, 0.1f);
-    auto t0 = std::chrono::steady_clock::now();
-    if (auto s = store->CreateReadout(&meta, ck); !s.ok()) {
-      std::fprintf(stderr, "%s\n", s.ToString().c_str());
-      return false;
-    }
-    create_ms =
-        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    if (!OpenWithReadout(dir, o, dim, &store, &meta, &ck, &create_ms)) return false;
     for (int64_t i = 1; i <= records; ++i) {
       storage::LogRecord r;
       r.seq = static_cast<uint64_t>(i);
@@ -157,23 +169,9 @@ struct AppendBench {
 
   bool Open(const std::string& dir, const storage::RocksStoreOptions& o,
             int64_t dim) {
-    auto opened = storage::OpenRocksStore(dir, o);
-    if (!opened.ok()) {
-      std::fprintf(stderr, "%s\n", opened.status().ToString().c_str());
-      return false;
-    }
-    store = std::move(*opened);
-    meta.name = "bench";
-    meta.spec.dim = dim;
-    meta.standardizer = readout::Standardizer::Identity(dim);
     storage::ReadoutCheckpoint ck;
-    ck.theta = Eigen::VectorXd::Constant(dim + 1, 0.25);
-    ck.p = readout::SymMatrix::ScaledIdentity(dim + 1, 0.1f);
-    if (auto s = store->CreateReadout(&meta, ck); !s.ok()) {
-      std::fprintf(stderr, "%s\n", s.ToString().c_str());
-      return false;
-    }
-    return true;
+    double create_ms = 0;
+    return OpenWithReadout(dir, o, dim, &store, &meta, &ck, &create_ms);
   }
   // Appends one message's records (`batch`, renumbered here) and records the
   // latency.
