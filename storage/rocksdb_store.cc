@@ -322,6 +322,10 @@ class RocksStore final : public StateStore {
     return absl::OkStatus();
   }
 
+  absl::Status SyncLog() override {
+    return FromRocks(db_->SyncWAL(), "sync the write-ahead log");
+  }
+
   absl::StatusOr<bool> WasRecorded(const std::string& key) override {
     std::string v;
     auto s = db_->Get(rocksdb::ReadOptions(), h_[kDedup], key, &v);

@@ -407,5 +407,49 @@ TEST(LeapdStorage, ResubmittedRequestIsNotLearnedTwice) {
   EXPECT_EQ(info.rls_backlog(), 0);
 }
 
+// --sync_log: the feedback log is fsynced once per completions message of a
+// Connect stream, before its ack (leap_feedback_log_syncs_total), and what
+// was acknowledged is all there after kill -9.
+TEST(LeapdStorage, SyncLogFsyncsOncePerCompletionsMessage) {
+  const int64_t dim = 16;
+  const testing::ScopedTempDir tmp("synclog");
+  const std::vector<std::string> args = {"--data_dir=" + tmp.path(), "--sync_log",
+                                         "--rls_batch=1", "--rls_batch_max=1"};
+  std::mt19937_64 rng(9);
+  std::vector<Req> reqs;
+  for (int64_t i = 0; i < 24; ++i) reqs.push_back(MakeReq(i, dim, rng));
+  auto syncs = [](Leapd& s) -> int64_t {
+    const std::string text = s.MetricsText();
+    const std::string name = "leap_feedback_log_syncs_total ";
+    const size_t at = text.find("\n" + name);
+    if (at == std::string::npos) {
+      ADD_FAILURE() << "no " << name << "in /metrics";
+      return -1;
+    }
+    return static_cast<int64_t>(std::stod(text.substr(at + 1 + name.size())));
+  };
+  {
+    Leapd s;
+    ASSERT_TRUE(s.Start(args));
+    CreateCold(s, dim);
+    EXPECT_EQ(syncs(s), 0);
+    EngineStream e(s.channel, dim);
+    ASSERT_EQ(e.Call(Features(reqs, 0, 24)).predictions().predictions_size(), 24);
+    std::vector<size_t> first(16), second(8);
+    for (size_t i = 0; i < 16; ++i) first[i] = i;
+    for (size_t i = 0; i < 8; ++i) second[i] = 16 + i;
+    ASSERT_EQ(e.Call(Completions(reqs, first)).ack().accepted(), 16);
+    EXPECT_EQ(syncs(s), 1);
+    ASSERT_EQ(e.Call(Completions(reqs, second)).ack().accepted(), 8);
+    EXPECT_EQ(syncs(s), 2);
+    s.Kill9();
+  }
+  Leapd s;
+  ASSERT_TRUE(s.Start(args));
+  pb::ReadoutVersion v;
+  ASSERT_TRUE(WaitLearned(s, 24, &v));
+  EXPECT_EQ(v.completions_learned(), 24);
+}
+
 }  // namespace
 }  // namespace leap

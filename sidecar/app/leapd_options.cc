@@ -50,8 +50,10 @@ ABSL_FLAG(absl::Duration, dedup_window, absl::Hours(1),
           "features and outcome, or the same instance and id while the "
           "request is not live. Reused ids with new features are learned.");
 ABSL_FLAG(bool, sync_log, false,
-          "fsync every feedback append (survives power loss; without it an "
-          "acknowledged completion survives kill -9 of leapd).");
+          "fsync the feedback log before acknowledging completions: once per "
+          "unary Complete, once per completions message of a Connect stream "
+          "or shared-memory ring (an acknowledged completion survives a power "
+          "loss; without it, kill -9 of leapd).");
 ABSL_FLAG(int64_t, checkpoint_every_batches, 256,
           "Checkpoint theta and P after this many RLS batches...");
 ABSL_FLAG(absl::Duration, checkpoint_every, absl::Seconds(60),
@@ -580,7 +582,10 @@ absl::StatusOr<LeapdOptions> LeapdOptionsFromFlags() {
           "checkpoint in the batches of the versions published after it"));
     }
     storage::RocksStoreOptions& so = lo.store;
-    so.sync_log = absl::GetFlag(FLAGS_sync_log);
+    // Synced by Core before each acknowledgement (one fsync per message),
+    // not by the store on every append.
+    so.sync_log = false;
+    options.sync_feedback_log = absl::GetFlag(FLAGS_sync_log);
     so.checkpoints_kept = absl::GetFlag(FLAGS_checkpoints_kept);
     so.versions_kept = absl::GetFlag(FLAGS_versions_kept);
     so.dedup_window_ms =

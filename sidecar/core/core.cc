@@ -706,7 +706,39 @@ absl::StatusOr<CompletionOutcome> Core::Complete(absl::string_view request_id,
                                                  int64_t output_tokens,
                                                  readout::FinishReason reason,
                                                  absl::string_view instance,
-                                                 bool defer_fleet_ack) {
+                                                 bool defer_fleet_ack,
+                                                 bool defer_log_sync) {
+  // A duplicate is announced (counted, logged) only once acknowledged:
+  // after the sync, here, or by the caller who syncs.
+  const bool hold = options_.sync_feedback_log && store_ != nullptr;
+  absl::StatusOr<CompletionOutcome> outcome = CompleteUnsynced(
+      request_id, output_tokens, reason, instance, defer_fleet_ack, hold);
+  if (outcome.ok() && !defer_log_sync) {
+    if (absl::Status synced = SyncFeedbackLog(); !synced.ok()) return synced;
+    if (outcome->announce_duplicate) {
+      outcome->announce_duplicate();
+      outcome->announce_duplicate = nullptr;
+    }
+  }
+  return outcome;
+}
+
+absl::Status Core::SyncFeedbackLog() {
+  if (!options_.sync_feedback_log || store_ == nullptr) return absl::OkStatus();
+  metrics_->feedback_log_syncs().Increment();
+  if (absl::Status s = store_->SyncLog(); !s.ok()) {
+    return absl::UnavailableError(absl::StrCat(
+        "feedback not synced to disk (not acknowledged; a resend is, once a "
+        "sync succeeds): ",
+        s.message()));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<CompletionOutcome> Core::CompleteUnsynced(
+    absl::string_view request_id, int64_t output_tokens,
+    readout::FinishReason reason, absl::string_view instance,
+    bool defer_fleet_ack, bool hold_announcement) {
   if (!serving()) return Recovering();
   RETURN_IF_ERROR(ValidateInstanceId(instance));
   if (request_id.find('\0') != absl::string_view::npos) {
@@ -782,14 +814,18 @@ absl::StatusOr<CompletionOutcome> Core::Complete(absl::string_view request_id,
                          : "resent_not_live (not live; a completion with this "
                            "id was recorded within the dedup window)");
       };
+      CompletionOutcome dup;
       if (dup_ack == nullptr) {
-        announce();
+        if (hold_announcement) {
+          dup.announce_duplicate = std::move(announce);
+        } else {
+          announce();
+        }
       } else {
         dup_ack->OnDone([ack = dup_ack.get(), announce] {
           if (ack->Wait().ok()) announce();  // set: no wait
         });
       }
-      CompletionOutcome dup;
       dup.learned = true;
       dup.duplicate = true;
       dup.duplicate_reason = dup_reason;

@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cstdint>
 #include <map>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -46,6 +47,13 @@ struct CoreOptions {
   // otherwise such a hello is refused with FAILED_PRECONDITION.
   // Default: false
   bool allow_hello_mismatch = false;
+  // With a store: fsync its feedback log (StateStore::SyncLog) before a
+  // completion is acknowledged (leapd --sync_log, with the store's own
+  // per-append sync off): Complete syncs once per call, or, with
+  // defer_log_sync, the caller once for all the completions of a message
+  // (SyncFeedbackLog). Default: false (an acknowledged completion survives
+  // kill -9 of leapd, not a power loss)
+  bool sync_feedback_log = false;
 
   absl::Status Validate() const;
 };
@@ -112,6 +120,11 @@ struct CompletionOutcome {
   // it is set and OK (its value is then the fleet_seq); an error is the
   // completion's answer (UNAVAILABLE: the engine resends it).
   std::shared_ptr<PendingFleetAck> fleet_ack;
+  // A duplicate returned by Complete with defer_log_sync under
+  // CoreOptions::sync_feedback_log: counts and logs it as acknowledged; the
+  // caller runs it once the log is synced and the completion acknowledged
+  // (never when the sync failed). Empty otherwise (Complete did it).
+  std::function<void()> announce_duplicate;
 };
 
 // Online quality of one (product line, arm).
@@ -218,11 +231,21 @@ class Core {
   // duplicate whose record's publish is still in flight (or failed and is
   // published again) returns the same way, with the ack to wait for, and
   // is counted and logged as a duplicate once that ack is OK.
+  // With CoreOptions::sync_feedback_log an OK outcome (a duplicate too) is
+  // returned only after the store's log was synced (else UNAVAILABLE: the
+  // engine resends, and the resend is acknowledged as a duplicate once a
+  // sync succeeds); with `defer_log_sync` the sync is the caller's, who
+  // calls SyncFeedbackLog before acknowledging.
   absl::StatusOr<CompletionOutcome> Complete(absl::string_view request_id,
                                              int64_t output_tokens,
                                              readout::FinishReason reason,
                                              absl::string_view instance = "",
-                                             bool defer_fleet_ack = false);
+                                             bool defer_fleet_ack = false,
+                                             bool defer_log_sync = false);
+  // With CoreOptions::sync_feedback_log and a store: fsyncs the feedback
+  // log (counted in leap_feedback_log_syncs_total); UNAVAILABLE when that
+  // fails. Otherwise OK at once.
+  absl::Status SyncFeedbackLog();
   // Drops a live request without learning. NOT_FOUND (counted) if unknown.
   absl::Status Cancel(absl::string_view request_id,
                       absl::string_view instance = "");
@@ -269,6 +292,12 @@ class Core {
     explicit ArmState(int64_t n) : window(n) {}
   };
   ArmState* Arm(const std::string& product_line, const sidecar::Arm& arm);
+  // Complete without the log sync of sync_feedback_log; a duplicate's
+  // announcement is left in announce_duplicate when `hold_announcement`.
+  absl::StatusOr<CompletionOutcome> CompleteUnsynced(
+      absl::string_view request_id, int64_t output_tokens,
+      readout::FinishReason reason, absl::string_view instance,
+      bool defer_fleet_ack, bool hold_announcement);
   absl::Status CheckRequest(const ScoreRequest& r) const;
   absl::Status CreateReadoutImpl(const std::string& name,
                                  readout::ReadoutState state, bool cold,

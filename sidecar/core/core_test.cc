@@ -23,6 +23,7 @@
 #include "tests/support/scoped_temp_dir.h"
 #include "sidecar/core/engine_messages.h"
 #include "storage/rocksdb_store.h"
+#include "tests/support/checkpoint_watch_store.h"
 #include "tests/support/readout_fixtures.h"
 
 namespace leap::sidecar {
@@ -676,6 +677,138 @@ TEST_F(CoreTest, RecoversEveryAcknowledgedCompletionFromTheStore) {
   EXPECT_EQ(ro->completions_learned(), 37);
   core_.reset();
   store->reset();
+}
+
+// ------------------------------------------------------------ --sync_log
+
+// A real RocksDB store whose log syncs are counted, and fail while `fail`.
+class SyncCountingStore : public testing::CheckpointWatchStore {
+ public:
+  using CheckpointWatchStore::CheckpointWatchStore;
+  absl::Status SyncLog() override {
+    syncs.fetch_add(1);
+    if (fail.load()) return absl::DataLossError("injected: fsync failed");
+    return CheckpointWatchStore::SyncLog();
+  }
+  std::atomic<int> syncs{0};
+  std::atomic<bool> fail{false};
+};
+
+class NoTracker : public LiveTracker {
+ public:
+  void Track(std::shared_ptr<LiveRequest>) override {}
+  void Untrack(absl::string_view) override {}
+};
+
+// The Ack of one completions message of `ids` (each 40 + i tokens, STOP),
+// served as a Connect stream or a shared-memory ring serves it.
+leap::v1::Ack CompleteMessage(Core* core, const std::vector<std::string>& ids) {
+  leap::v1::EngineMessage in;
+  in.set_seq(7);
+  for (size_t i = 0; i < ids.size(); ++i) {
+    auto* c = in.mutable_completions()->add_completions();
+    c->set_request_id(ids[i]);
+    c->set_output_tokens(40 + static_cast<int64_t>(i));
+    c->set_reason(leap::v1::FINISH_REASON_STOP);
+  }
+  leap::v1::Hello hello;
+  hello.set_dim(kDim);
+  leap::v1::SidecarMessage out;
+  NoTracker tracker;
+  HandleEngineMessage(core, 1, hello, DType::kFloat32, &in, &out, &tracker);
+  return out.ack();
+}
+
+TEST_F(CoreTest, SyncLogSyncsOncePerMessageBeforeAnyAcknowledgement) {
+  const ::leap::testing::ScopedTempDir tmp("core_test_sync");
+  auto opened = storage::OpenRocksStore(tmp.File("db"));
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  SyncCountingStore store(*std::move(opened));
+  CoreOptions o = Options();
+  o.sync_feedback_log = true;
+  Make(o, &store);
+  CreateDefault();
+  auto predict = [&](int n) {
+    std::vector<std::string> ids;
+    for (int i = 0; i < n; ++i) {
+      Request r = Next();
+      EXPECT_TRUE(core_->Predict(Score(r), 0, nullptr).ok());
+      ids.push_back(r.id);
+    }
+    return ids;
+  };
+  const double syncs_metric_before = metrics_.feedback_log_syncs().Value();
+
+  // A unary completion: synced before it returns.
+  std::vector<std::string> one = predict(1);
+  ASSERT_TRUE(core_->Complete(one[0], 50, FinishReason::kStop).ok());
+  EXPECT_EQ(store.syncs.load(), 1);
+
+  // A message of 8 (and one unknown id, refused alone): one sync.
+  std::vector<std::string> ids = predict(8);
+  std::vector<std::string> with_unknown = ids;
+  with_unknown.push_back("never-predicted");
+  leap::v1::Ack ack = CompleteMessage(core_.get(), with_unknown);
+  EXPECT_EQ(store.syncs.load(), 2);
+  EXPECT_EQ(ack.accepted(), 8);
+  ASSERT_EQ(ack.errors_size(), 1);
+  EXPECT_EQ(ack.errors(0).request_id(), "never-predicted");
+  EXPECT_EQ(ack.errors(0).code(), static_cast<int>(absl::StatusCode::kNotFound));
+  EXPECT_EQ(metrics_.feedback_log_syncs().Value() - syncs_metric_before, 2);
+
+  // A message whose sync fails: nothing of it is acknowledged (each
+  // completion UNAVAILABLE), although it is in the log and learned.
+  std::vector<std::string> failing = predict(4);
+  store.fail.store(true);
+  ack = CompleteMessage(core_.get(), failing);
+  EXPECT_EQ(store.syncs.load(), 3);
+  ASSERT_EQ(ack.errors_size(), 4);
+  for (const auto& e : ack.errors()) {
+    EXPECT_EQ(e.code(), static_cast<int>(absl::StatusCode::kUnavailable))
+        << e.request_id();
+    EXPECT_NE(e.message().find("not synced"), std::string::npos) << e.message();
+  }
+  // The resends, still failing: not acknowledged either, nor counted as
+  // acknowledged duplicates.
+  ack = CompleteMessage(core_.get(), failing);
+  EXPECT_EQ(ack.errors_size(), 4);
+  EXPECT_EQ(metrics_.DuplicateCompletions("resent_not_live").Value(), 0);
+  // A unary resend, failing the same way.
+  EXPECT_EQ(core_->Complete(failing[0], 40, FinishReason::kStop).status().code(),
+            absl::StatusCode::kUnavailable);
+  EXPECT_EQ(metrics_.DuplicateCompletions("resent_not_live").Value(), 0);
+  // Once a sync succeeds the resends are acknowledged as duplicates.
+  store.fail.store(false);
+  ack = CompleteMessage(core_.get(), failing);
+  EXPECT_EQ(ack.errors_size(), 0);
+  EXPECT_EQ(ack.accepted(), 4);
+  EXPECT_EQ(ack.duplicates(), 4);
+  EXPECT_EQ(metrics_.DuplicateCompletions("resent_not_live").Value(), 4);
+  // A message with nothing to acknowledge is not synced.
+  const int before = store.syncs.load();
+  ack = CompleteMessage(core_.get(), {"unknown-a", "unknown-b"});
+  EXPECT_EQ(ack.errors_size(), 2);
+  EXPECT_EQ(store.syncs.load(), before);
+  core_->WaitIdle();
+  EXPECT_EQ((*core_->GetReadout("r"))->completions_learned(), 1 + 8 + 4);
+  core_.reset();
+}
+
+TEST_F(CoreTest, WithoutSyncLogNothingIsSynced) {
+  const ::leap::testing::ScopedTempDir tmp("core_test_nosync");
+  auto opened = storage::OpenRocksStore(tmp.File("db"));
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  SyncCountingStore store(*std::move(opened));
+  Make(Options(), &store);
+  CreateDefault();
+  Request r = Next();
+  ASSERT_TRUE(core_->Predict(Score(r), 0, nullptr).ok());
+  ASSERT_TRUE(core_->Complete(r.id, 50, FinishReason::kStop).ok());
+  Request q = Next();
+  ASSERT_TRUE(core_->Predict(Score(q), 0, nullptr).ok());
+  EXPECT_EQ(CompleteMessage(core_.get(), {q.id}).errors_size(), 0);
+  EXPECT_EQ(store.syncs.load(), 0);
+  core_.reset();
 }
 
 }  // namespace

@@ -228,6 +228,9 @@ std::shared_ptr<CompletionsAnswer> StartCompletions(
   answer->entries_.reserve(completions.completions_size());
   // Every completion first, each publish in flight; then the answer waits
   // for JetStream's acknowledgements, one round trip for the message.
+  // With --sync_log the feedback log is synced once for the whole message,
+  // before any of it is acknowledged.
+  bool any_ok = false;
   for (const auto& c : completions.completions()) {
     absl::StatusOr<readout::FinishReason> reason = ReasonFromProto(c.reason());
     answer->entries_.push_back(
@@ -235,8 +238,24 @@ std::shared_ptr<CompletionsAnswer> StartCompletions(
          reason.ok() ? CompleteWithPrior(core, c.request_id(), c.output_tokens(),
                                          *reason, hello.instance_id(),
                                          /*defer_fleet_ack=*/true,
-                                         c.prompt_tokens())
+                                         c.prompt_tokens(),
+                                         /*defer_log_sync=*/true)
                      : absl::StatusOr<CompletionOutcome>(reason.status())});
+    any_ok |= answer->entries_.back().outcome.ok();
+  }
+  if (any_ok) {
+    const absl::Status synced = core->SyncFeedbackLog();
+    for (auto& e : answer->entries_) {
+      if (!e.outcome.ok()) continue;
+      if (!synced.ok()) {
+        // Nothing of the message is acknowledged: each completion is
+        // resent and then acknowledged as a duplicate once a sync succeeds.
+        e.outcome = synced;
+      } else if (e.outcome->announce_duplicate) {
+        e.outcome->announce_duplicate();
+        e.outcome->announce_duplicate = nullptr;
+      }
+    }
   }
   std::vector<std::shared_ptr<PendingFleetAck>> acks;
   for (const auto& e : answer->entries_) {

@@ -188,6 +188,14 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
            .Help("Completions or cancels for request ids not live")
            .Register(r)
            .Add({});
+  feedback_log_syncs_ =
+      &BuildCounter()
+           .Name("leap_feedback_log_syncs_total")
+           .Help("fsyncs of the feedback log before acknowledging completions "
+                 "(--sync_log: one per unary Complete, one per completions "
+                 "message of a stream or shared-memory ring)")
+           .Register(r)
+           .Add({});
   connected_engines_ = &BuildGauge()
                             .Name("leap_connected_engines")
                             .Help("Open Connect streams and attached shm engines")

@@ -86,6 +86,7 @@ class Metrics {
   prometheus::Counter& evicted_capacity() { return *evicted_capacity_; }
   prometheus::Counter& evicted_ttl() { return *evicted_ttl_; }
   prometheus::Counter& unknown_completions() { return *unknown_completions_; }
+  prometheus::Counter& feedback_log_syncs() { return *feedback_log_syncs_; }
   prometheus::Gauge& connected_engines() { return *connected_engines_; }
   // Shared-memory data plane: attach requests refused, engines detached by
   // reason ("hangup", "corrupt", "stalled", "stopping"), live requests
@@ -143,6 +144,7 @@ class Metrics {
   prometheus::Counter* evicted_capacity_;
   prometheus::Counter* evicted_ttl_;
   prometheus::Counter* unknown_completions_;
+  prometheus::Counter* feedback_log_syncs_;
   prometheus::Gauge* connected_engines_;
   prometheus::Counter* shm_refused_;
   prometheus::Family<prometheus::Counter>* shm_detached_;

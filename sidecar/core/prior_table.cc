@@ -117,7 +117,7 @@ void AnswerPriorQueries(Core* core, const pb::PriorQueryBatch& in,
 absl::StatusOr<CompletionOutcome> CompleteWithPrior(
     Core* core, absl::string_view request_id, int64_t output_tokens,
     readout::FinishReason reason, absl::string_view instance,
-    bool defer_fleet_ack, int64_t prompt_tokens) {
+    bool defer_fleet_ack, int64_t prompt_tokens, bool defer_log_sync) {
   // No live request has a longer id: refused as too long, not as unknown.
   if (absl::Status s = CheckIdBytes(
           "request_id", request_id,
@@ -155,8 +155,9 @@ absl::StatusOr<CompletionOutcome> CompleteWithPrior(
       }
     }
   }
-  absl::StatusOr<CompletionOutcome> o = core->Complete(
-      request_id, output_tokens, reason, instance, defer_fleet_ack);
+  absl::StatusOr<CompletionOutcome> o =
+      core->Complete(request_id, output_tokens, reason, instance,
+                     defer_fleet_ack, defer_log_sync);
   if (found && o.ok() && !o->duplicate) {
     // Counts were validated by Complete: Learn cannot fail here.
     absl::StatusOr<bool> learned =

@@ -83,11 +83,11 @@ void AnswerPriorQueries(Core* core, const leap::v1::PriorQueryBatch& in,
 // lower bound, as the readouts do at M) and that is not a duplicate also
 // teaches its product line's prior; CANCELLED and ABORTED never do.
 // prompt_tokens < 0 is INVALID_ARGUMENT (the request stays live). The rest
-// is exactly Core::Complete.
+// is exactly Core::Complete (defer_fleet_ack and defer_log_sync as there).
 absl::StatusOr<CompletionOutcome> CompleteWithPrior(
     Core* core, absl::string_view request_id, int64_t output_tokens,
     readout::FinishReason reason, absl::string_view instance,
-    bool defer_fleet_ack, int64_t prompt_tokens);
+    bool defer_fleet_ack, int64_t prompt_tokens, bool defer_log_sync = false);
 
 }  // namespace leap::sidecar
 

@@ -73,6 +73,7 @@ class CheckpointWatchStore : public storage::StateStore {
                          std::span<const storage::LogRecord> records) override {
     return inner_->AppendLog(meta, records);
   }
+  absl::Status SyncLog() override { return inner_->SyncLog(); }
   absl::StatusOr<bool> WasRecorded(const std::string& key) override {
     return inner_->WasRecorded(key);
   }
