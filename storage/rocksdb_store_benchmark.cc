@@ -18,8 +18,9 @@
 // messages of --records completions (d-wide float16 features of random
 // bytes each, as a shim sends them), each appended one record at a time
 // (AppendLog per completion, as a Connect stream's completions message is
-// served today) and as one call (one WriteBatch), with sync_log off and
-// on, four stores taking the messages in turn; the per-message latency is
+// served) and as one call (one WriteBatch), with sync_log off and on, and
+// one record at a time unsynced then one SyncLog (what leapd --sync_log
+// does), five stores taking the messages in turn; the per-message latency is
 // what a stream's next message waits behind. It writes the log records
 // only: leapd's append of a completion also carries its dataset record in
 // the same write, plus a quality write and one or two dedup reads, so these
@@ -162,6 +163,7 @@ struct Bench {
 struct AppendBench {
   std::string label;
   bool one_call = false;
+  bool sync_after = false;  // one SyncLog after the message's appends
   std::unique_ptr<storage::StateStore> store;
   storage::ReadoutMeta meta;
   uint64_t seq = 0;
@@ -193,6 +195,12 @@ struct AppendBench {
           std::fprintf(stderr, "%s\n", s.ToString().c_str());
           return false;
         }
+      }
+    }
+    if (sync_after) {
+      if (auto s = store->SyncLog(); !s.ok()) {
+        std::fprintf(stderr, "%s\n", s.ToString().c_str());
+        return false;
       }
     }
     ms.push_back(std::chrono::duration<double, std::milli>(
@@ -234,22 +242,28 @@ int main(int argc, char** argv) {
   }
   leap::testing::ScopedTempDir tmp("rocksdb_store_benchmark");
   if (compare == "appends") {
-    // --writes messages of --records records each, to four stores (sync_log
-    // off/on x one AppendLog per record/per message) in turn: message i goes
-    // to the stores in a rotated order, so each sees the same load.
+    // --writes messages of --records records each, to five stores (sync_log
+    // off/on x one AppendLog per record/per message, and per record then one
+    // SyncLog) in turn: message i goes to the stores in a rotated order, so
+    // each sees the same load.
     const int64_t per_message = std::max<int64_t>(records, 1);
     std::printf("machine: %s, %u cores; d=%lld float16 features per record "
                 "(random bytes); the feedback log's records only\n",
                 client::CpuModel().c_str(), std::thread::hardware_concurrency(),
                 static_cast<long long>(dim));
-    AppendBench b[4];
-    for (int k = 0; k < 4; ++k) {
+    // [4]: what leapd --sync_log does (the store's sync_log off, one
+    // SyncLog after the message's appends).
+    constexpr int kStores = 5;
+    AppendBench b[kStores];
+    for (int k = 0; k < kStores; ++k) {
       storage::RocksStoreOptions o;
-      o.sync_log = k >= 2;
-      b[k].one_call = k % 2 == 1;
+      o.sync_log = k == 2 || k == 3;
+      b[k].one_call = k == 1 || k == 3;
+      b[k].sync_after = k == 4;
       b[k].label = std::string("sync_log=") + (o.sync_log ? "on" : "off") +
                    (b[k].one_call ? ", one AppendLog per message"
-                                  : ", one AppendLog per record");
+                                  : ", one AppendLog per record") +
+                   (b[k].sync_after ? " then one SyncLog (leapd --sync_log)" : "");
       if (!b[k].Open(tmp.File("appends" + std::to_string(k)), o, dim)) return 1;
     }
     std::mt19937_64 rng(1);
@@ -264,8 +278,8 @@ int main(int argc, char** argv) {
           std::memcpy(r.features.data() + j, &w, 8);
         }
       }
-      for (int j = 0; j < 4; ++j) {
-        if (!b[(i + j) % 4].Message(batch)) return 1;
+      for (int j = 0; j < kStores; ++j) {
+        if (!b[(i + j) % kStores].Message(batch)) return 1;
       }
     }
     for (const AppendBench& x : b) x.Print(per_message);
