@@ -323,7 +323,27 @@ class RocksStore final : public StateStore {
   }
 
   absl::Status SyncLog() override {
-    return FromRocks(db_->SyncWAL(), "sync the write-ahead log");
+    // Every write that had returned when this call began has a sequence
+    // number <= `want` and is in the WAL file (manual_wal_flush is off): a
+    // sync that started after `want` was published covers it, so concurrent
+    // callers share one fsync instead of queueing one each.
+    const rocksdb::SequenceNumber want = db_->GetLatestSequenceNumber();
+    absl::MutexLock lock(&sync_mu_);
+    if (!sync_error_.ok()) return sync_error_;
+    if (synced_seq_ >= want) return absl::OkStatus();
+    const rocksdb::SequenceNumber covered = db_->GetLatestSequenceNumber();
+    absl::Status s = FromRocks(db_->SyncWAL(), "sync the write-ahead log");
+    if (!s.ok()) {
+      // Permanent until the store is reopened: after a failed fsync a later
+      // one that succeeds does not prove the earlier pages reached the disk.
+      sync_error_ = absl::Status(
+          s.code(), absl::StrCat(s.message(),
+                                 " (a failed sync fails every later one until "
+                                 "the store is reopened)"));
+      return sync_error_;
+    }
+    synced_seq_ = covered;
+    return absl::OkStatus();
   }
 
   absl::StatusOr<bool> WasRecorded(const std::string& key) override {
@@ -983,6 +1003,9 @@ class RocksStore final : public StateStore {
   std::map<std::string, DatasetStats> ds_stats_ ABSL_GUARDED_BY(ds_mu_);
   absl::Mutex q_mu_;
   std::map<std::string, uint64_t> q_next_ ABSL_GUARDED_BY(q_mu_);
+  absl::Mutex sync_mu_;  // SyncLog: one at a time
+  rocksdb::SequenceNumber synced_seq_ ABSL_GUARDED_BY(sync_mu_) = 0;
+  absl::Status sync_error_ ABSL_GUARDED_BY(sync_mu_);
 };
 
 absl::StatusOr<std::unique_ptr<StateStore>> OpenRocksStore(

@@ -17,7 +17,8 @@ struct RocksStoreOptions {
   // fsync the write-ahead log on every feedback append. Off, an append is
   // still in the OS before it is acknowledged, so it survives kill -9 of
   // leapd; on, it also survives a power loss, at ~1 fsync per append.
-  // Default: false
+  // leapd leaves it off and calls SyncLog once before each acknowledgement
+  // instead (--sync_log). Default: false
   bool sync_log = false;
   // Valid checkpoints kept per readout; the log is kept from the oldest, so
   // a corrupt newest checkpoint falls back without losing feedback.

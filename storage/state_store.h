@@ -157,10 +157,12 @@ class StateStore {
   // before returning, per the sync policy. All or nothing.
   virtual absl::Status AppendLog(const ReadoutMeta& meta,
                                  std::span<const LogRecord> records) = 0;
-  // Makes every append so far durable against a power loss (fsync of the
-  // write-ahead log), whatever the sync policy: a caller that appends with
-  // the policy off and acknowledges only after SyncLog gets one fsync for
-  // many appends. Stores without a log of their own have nothing to do.
+  // Makes every append that returned before this call durable against a
+  // power loss (fsync of the write-ahead log), whatever the sync policy: a
+  // caller that appends with the policy off and acknowledges only after
+  // SyncLog gets one fsync for many appends (concurrent callers may share
+  // one). A failure is permanent: every later call fails too until the
+  // store is reopened. Stores without a log of their own have nothing to do.
   virtual absl::Status SyncLog() { return absl::OkStatus(); }
   // True when a record carrying dedup key `key` was appended recently
   // (within the dedup window): a resent completion must not be learned twice.

@@ -815,16 +815,20 @@ absl::StatusOr<CompletionOutcome> Core::CompleteUnsynced(
                            "id was recorded within the dedup window)");
       };
       CompletionOutcome dup;
-      if (dup_ack == nullptr) {
-        if (hold_announcement) {
-          dup.announce_duplicate = std::move(announce);
-        } else {
-          announce();
-        }
+      std::function<void()> announce_once_acknowledged =
+          dup_ack == nullptr
+              ? std::function<void()>(std::move(announce))
+              : [dup_ack, announce] {
+                  dup_ack->OnDone([ack = dup_ack.get(), announce] {
+                    if (ack->Wait().ok()) announce();  // set: no wait
+                  });
+                };
+      if (hold_announcement) {
+        // Not before the log sync (the caller's): a duplicate whose sync
+        // fails is not acknowledged.
+        dup.announce_duplicate = std::move(announce_once_acknowledged);
       } else {
-        dup_ack->OnDone([ack = dup_ack.get(), announce] {
-          if (ack->Wait().ok()) announce();  // set: no wait
-        });
+        announce_once_acknowledged();
       }
       dup.learned = true;
       dup.duplicate = true;

@@ -6,8 +6,8 @@
 
 #include <atomic>
 #include <cstdint>
-#include <map>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>

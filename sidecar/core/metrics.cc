@@ -191,9 +191,10 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
   feedback_log_syncs_ =
       &BuildCounter()
            .Name("leap_feedback_log_syncs_total")
-           .Help("fsyncs of the feedback log before acknowledging completions "
-                 "(--sync_log: one per unary Complete, one per completions "
-                 "message of a stream or shared-memory ring)")
+           .Help("Syncs of the feedback log requested before acknowledging "
+                 "completions, failed ones included (--sync_log: one per "
+                 "unary Complete, one per completions message of a stream "
+                 "or shared-memory ring; concurrent ones may share an fsync)")
            .Register(r)
            .Add({});
   connected_engines_ = &BuildGauge()
