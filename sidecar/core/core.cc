@@ -728,8 +728,8 @@ absl::Status Core::SyncFeedbackLog() {
   metrics_->feedback_log_syncs().Increment();
   if (absl::Status s = store_->SyncLog(); !s.ok()) {
     return absl::UnavailableError(absl::StrCat(
-        "feedback not synced to disk (not acknowledged; a resend is, once a "
-        "sync succeeds): ",
+        "feedback not synced to disk (not acknowledged; resend it, after a "
+        "restart of leapd if the sync keeps failing): ",
         s.message()));
   }
   return absl::OkStatus();

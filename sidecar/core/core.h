@@ -232,10 +232,11 @@ class Core {
   // published again) returns the same way, with the ack to wait for, and
   // is counted and logged as a duplicate once that ack is OK.
   // With CoreOptions::sync_feedback_log an OK outcome (a duplicate too) is
-  // returned only after the store's log was synced (else UNAVAILABLE: the
-  // engine resends, and the resend is acknowledged as a duplicate once a
-  // sync succeeds); with `defer_log_sync` the sync is the caller's, who
-  // calls SyncFeedbackLog before acknowledging.
+  // returned only after the store's log was synced (else UNAVAILABLE; a
+  // store whose sync failed fails every later one, so the engine's resend
+  // is acknowledged, as a duplicate, only after leapd restarts); with
+  // `defer_log_sync` the sync is the caller's, who calls SyncFeedbackLog
+  // before acknowledging.
   absl::StatusOr<CompletionOutcome> Complete(absl::string_view request_id,
                                              int64_t output_tokens,
                                              readout::FinishReason reason,

@@ -249,7 +249,8 @@ std::shared_ptr<CompletionsAnswer> StartCompletions(
       if (!e.outcome.ok()) continue;
       if (!synced.ok()) {
         // Nothing of the message is acknowledged: each completion is
-        // resent and then acknowledged as a duplicate once a sync succeeds.
+        // resent, and acknowledged as a duplicate once a sync succeeds
+        // (for a store whose sync failed: after leapd restarts).
         e.outcome = synced;
       } else if (e.outcome->announce_duplicate) {
         e.outcome->announce_duplicate();
